@@ -1,0 +1,141 @@
+// Package membership is troupe's etcd side: the Member record, the key
+// schema, worker registration under a lease, and the head's watch.
+//
+// Keys are /troupe/<cluster>/members/<stage>/<replica-id>; the value is the
+// JSON Member. Nothing outside this package talks to etcd about membership.
+package membership
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// DefaultCluster is the cluster name used when none is given.
+const DefaultCluster = "default"
+
+// Member is the record a replica writes under its lease.
+type Member struct {
+	Stage                string            `json:"stage"`
+	ReplicaID            uint32            `json:"replica_id"`
+	Addr                 string            `json:"addr"`
+	Engine               string            `json:"engine"`
+	NumSpeculativeTokens int               `json:"num_speculative_tokens"`
+	Version              string            `json:"version"`
+	StartedAt            time.Time         `json:"started_at"`
+	Model                string            `json:"model,omitempty"`
+	Labels               map[string]string `json:"labels,omitempty"`
+}
+
+// Validate reports what is wrong with a record, if anything.
+func (m Member) Validate() error {
+	switch {
+	case !validName(m.Stage):
+		return fmt.Errorf("membership: invalid stage name %q", m.Stage)
+	case m.Addr == "":
+		return errors.New("membership: empty addr")
+	case m.NumSpeculativeTokens < 0 || m.NumSpeculativeTokens > 64:
+		return fmt.Errorf("membership: num_speculative_tokens %d out of range 0..64", m.NumSpeculativeTokens)
+	}
+	return nil
+}
+
+// validName accepts names that are safe as one etcd key segment.
+func validName(s string) bool {
+	if s == "" || len(s) > 128 {
+		return false
+	}
+	for _, r := range s {
+		ok := r == '-' || r == '_' || r == '.' || (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z') || (r >= '0' && r <= '9')
+		if !ok {
+			return false
+		}
+	}
+	return true
+}
+
+// ValidateCluster reports whether a cluster name is usable in keys.
+func ValidateCluster(cluster string) error {
+	if !validName(cluster) {
+		return fmt.Errorf("membership: invalid cluster name %q", cluster)
+	}
+	return nil
+}
+
+// MembersPrefix is the prefix under which every member of a cluster lives.
+func MembersPrefix(cluster string) string { return "/troupe/" + cluster + "/members/" }
+
+// StagePrefix is the prefix of one stage's members.
+func StagePrefix(cluster, stage string) string { return MembersPrefix(cluster) + stage + "/" }
+
+// MemberKey is the key of one replica.
+func MemberKey(cluster, stage string, replica uint32) string {
+	return StagePrefix(cluster, stage) + strconv.FormatUint(uint64(replica), 10)
+}
+
+// ParseKey splits a member key into its stage and replica id.
+func ParseKey(cluster, key string) (stage string, replica uint32, err error) {
+	rest, ok := strings.CutPrefix(key, MembersPrefix(cluster))
+	if !ok {
+		return "", 0, fmt.Errorf("membership: key %q is not under %q", key, MembersPrefix(cluster))
+	}
+	stage, id, ok := strings.Cut(rest, "/")
+	if !ok || !validName(stage) || strings.Contains(id, "/") {
+		return "", 0, fmt.Errorf("membership: malformed key %q", key)
+	}
+	n, err := strconv.ParseUint(id, 10, 32)
+	if err != nil {
+		return "", 0, fmt.Errorf("membership: malformed replica id in key %q: %w", key, err)
+	}
+	return stage, uint32(n), nil
+}
+
+// DecodeMember parses and checks a record against the key it was found at.
+func DecodeMember(cluster, key string, value []byte) (Member, error) {
+	stage, replica, err := ParseKey(cluster, key)
+	if err != nil {
+		return Member{}, err
+	}
+	var m Member
+	if err := json.Unmarshal(value, &m); err != nil {
+		return Member{}, fmt.Errorf("membership: bad record at %q: %w", key, err)
+	}
+	if m.Stage != stage || m.ReplicaID != replica {
+		return Member{}, fmt.Errorf("membership: record at %q names %s/%d", key, m.Stage, m.ReplicaID)
+	}
+	if err := m.Validate(); err != nil {
+		return Member{}, fmt.Errorf("membership: bad record at %q: %w", key, err)
+	}
+	return m, nil
+}
+
+// EventType says whether a replica joined or left.
+type EventType uint8
+
+const (
+	Join EventType = iota + 1
+	Leave
+)
+
+func (t EventType) String() string {
+	switch t {
+	case Join:
+		return "join"
+	case Leave:
+		return "leave"
+	}
+	return "unknown"
+}
+
+// Event is one membership change. For a Leave, Member is the last record
+// seen for the key. Events for one key are delivered in revision order; a
+// Join for a key that is already joined means its record changed.
+type Event struct {
+	Type     EventType
+	Key      string
+	Member   Member
+	Revision int64
+}

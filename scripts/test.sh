@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The one test command (README): installs what the tests need, lints, checks
+# generated code, then runs every test, the core packages under -race.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if ! command -v protoc >/dev/null 2>&1; then
+  step "installing protoc (Debian protobuf-compiler)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq protobuf-compiler >/dev/null
+fi
+
+step "gofmt"
+unformatted=$(gofmt -l $(git ls-files '*.go'))
+if [ -n "$unformatted" ]; then
+  echo "gofmt reports:"; echo "$unformatted"; exit 1
+fi
+
+step "go vet"
+go vet ./...
+
+step "staticcheck"
+go tool staticcheck ./...
+
+step "generated code is current"
+scripts/check-proto.sh
+
+step "go test -race (all packages)"
+go test -race -count=1 -timeout 15m ./...
