@@ -1,30 +1,343 @@
 package membership
 
 import (
+	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
+	"slices"
+	"sync/atomic"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
+
+// DefaultReconcileInterval is the full re-list period when
+// WatchConfig.ReconcileInterval is zero.
+const DefaultReconcileInterval = 30 * time.Second
+
+// listTimeout bounds one list; an unreachable etcd is retried with backoff.
+const listTimeout = 10 * time.Second
 
 // WatchConfig configures a Watcher.
 type WatchConfig struct {
 	Cluster           string
 	Stages            []string      // known stage names; a record for another stage is invalid. Empty: any.
 	ReconcileInterval time.Duration // full re-list period; default 30s
-	OnInvalid         func(key string, err error)
-	Logger            *slog.Logger
+	// OnInvalid is called, from Run's goroutine, once per malformed record
+	// (per key and mod revision). It must not block.
+	OnInvalid func(key string, err error)
+	Logger    *slog.Logger
 }
 
-// Watcher turns etcd membership into ordered Events. PLACEHOLDER.
-type Watcher struct{}
+// Watcher turns the member keys of one cluster into ordered Events.
+//
+// Run lists the members (a linearizable read at revision R), sends the
+// difference to what it knew, then watches from R+1, so no change is missed
+// and none is applied twice. When the watch is compacted or breaks it lists
+// again and sends the difference; every ReconcileInterval it does so anyway,
+// to repair any silent drift. While etcd is unreachable it keeps the last
+// known membership (no Leave is invented) and retries with backoff.
+//
+// Per key, events come in revision order: a Join, possibly more Joins when
+// the record changes (a new mod revision: new addr, new lease), then a Leave
+// carrying the last record. A record that does not decode, does not match
+// its key, or names an unknown stage is skipped and reported; if the key
+// held a valid record before, that record gets a Leave.
+type Watcher struct {
+	cli       *clientv3.Client
+	prefix    string
+	cluster   string
+	stages    map[string]bool
+	reconcile time.Duration
+	onInvalid func(key string, err error)
+	lg        *slog.Logger
+	cfgErr    error
 
-// NewWatcher returns a Watcher; it starts nothing.
-func NewWatcher(cli *clientv3.Client, cfg WatchConfig) *Watcher { return &Watcher{} }
+	listTimeout time.Duration
+	onResync    func(rev int64, err error) // test hook: after each list
 
-// Run sends events to out until ctx ends. It never closes out.
+	running atomic.Bool
+	// Owned by the goroutine in Run.
+	known   map[string]knownRecord // valid records, as last sent
+	invalid map[string]int64       // key → mod revision of the malformed record reported
+}
+
+type knownRecord struct {
+	member Member
+	modRev int64
+}
+
+// NewWatcher returns a Watcher; it starts nothing. A bad config is
+// reported by Run.
+func NewWatcher(cli *clientv3.Client, cfg WatchConfig) *Watcher {
+	cluster := cfg.Cluster
+	if cluster == "" {
+		cluster = DefaultCluster
+	}
+	w := &Watcher{
+		cli:       cli,
+		cluster:   cluster,
+		prefix:    MembersPrefix(cluster),
+		reconcile: cfg.ReconcileInterval,
+		onInvalid: cfg.OnInvalid,
+		lg:        cfg.Logger,
+		known:     map[string]knownRecord{},
+		invalid:   map[string]int64{},
+
+		listTimeout: listTimeout,
+	}
+	if w.reconcile <= 0 {
+		w.reconcile = DefaultReconcileInterval
+	}
+	if w.lg == nil {
+		w.lg = slog.Default()
+	}
+	if len(cfg.Stages) > 0 {
+		w.stages = map[string]bool{}
+		for _, s := range cfg.Stages {
+			w.stages[s] = true
+		}
+	}
+	switch {
+	case cli == nil:
+		w.cfgErr = errors.New("membership: watch: nil etcd client")
+	default:
+		w.cfgErr = ValidateCluster(cluster)
+	}
+	return w
+}
+
+// Run sends events to out until ctx ends, then returns ctx.Err(). It
+// returns another error only for a bad config or a concurrent Run. It never
+// closes out; every send also waits on ctx. Run may be called again after
+// it returned: it continues from the membership it last sent, so the first
+// list reports only what changed meanwhile.
 func (w *Watcher) Run(ctx context.Context, out chan<- Event) error {
-	return errors.New("membership: watch not implemented")
+	if w.cfgErr != nil {
+		return w.cfgErr
+	}
+	if !w.running.CompareAndSwap(false, true) {
+		return errors.New("membership: watcher is already running")
+	}
+	defer w.running.Store(false)
+
+	listWait := newBackoff(100*time.Millisecond, 5*time.Second)
+	watchWait := newBackoff(100*time.Millisecond, 5*time.Second)
+	var lastListWarn time.Time
+	for {
+		rev, err := w.resync(ctx, out)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if w.onResync != nil {
+			w.onResync(rev, err)
+		}
+		if err != nil {
+			if time.Since(lastListWarn) >= 30*time.Second {
+				lastListWarn = time.Now()
+				w.lg.Warn("membership: cannot list members; keeping the last known membership and retrying",
+					"prefix", w.prefix, "members", len(w.known), "err", err)
+			}
+			if !listWait.sleep(ctx) {
+				return ctx.Err()
+			}
+			continue
+		}
+		if !lastListWarn.IsZero() {
+			w.lg.Info("membership: listing members again", "prefix", w.prefix, "revision", rev)
+			lastListWarn = time.Time{}
+		}
+		listWait.reset(100 * time.Millisecond)
+
+		started := time.Now()
+		end, err := w.watch(ctx, out, rev+1)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		switch end {
+		case watchReconcile:
+			w.lg.Debug("membership: periodic reconcile", "prefix", w.prefix)
+			continue
+		case watchCompacted:
+			w.lg.Warn("membership: watch compacted; re-listing", "prefix", w.prefix, "err", err)
+		case watchBroken:
+			w.lg.Warn("membership: watch broken; re-listing", "prefix", w.prefix, "err", err)
+		}
+		// A watch that breaks at once (no leader, denied) must not spin.
+		if time.Since(started) > 10*time.Second {
+			watchWait.reset(100 * time.Millisecond)
+		}
+		if !watchWait.sleep(ctx) {
+			return ctx.Err()
+		}
+	}
+}
+
+// resync lists the members, sends the difference to the known state, and
+// returns the revision of the list.
+func (w *Watcher) resync(ctx context.Context, out chan<- Event) (int64, error) {
+	lctx, cancel := context.WithTimeout(ctx, w.listTimeout)
+	defer cancel()
+	resp, err := w.cli.Get(lctx, w.prefix, clientv3.WithPrefix()) // linearizable
+	if err != nil {
+		return 0, err
+	}
+	rev := resp.Header.Revision
+	seen := make(map[string]bool, len(resp.Kvs))
+	var leaves, joins []Event
+	for _, kv := range resp.Kvs {
+		key := string(kv.Key)
+		seen[key] = true
+		m, err := w.decode(key, kv.Value)
+		if err != nil {
+			w.reportInvalid(key, kv.ModRevision, err)
+			if old, ok := w.known[key]; ok {
+				leaves = append(leaves, Event{Type: Leave, Key: key, Member: old.member, Revision: kv.ModRevision})
+			}
+			continue
+		}
+		delete(w.invalid, key)
+		if old, ok := w.known[key]; ok && old.modRev == kv.ModRevision {
+			continue
+		}
+		joins = append(joins, Event{Type: Join, Key: key, Member: m, Revision: kv.ModRevision})
+	}
+	for key, old := range w.known {
+		if !seen[key] {
+			leaves = append(leaves, Event{Type: Leave, Key: key, Member: old.member, Revision: rev})
+		}
+	}
+	for key := range w.invalid {
+		if !seen[key] {
+			delete(w.invalid, key)
+		}
+	}
+	// Leaves first (they happened at or before rev), then joins in the
+	// order they were written.
+	slices.SortFunc(leaves, func(a, b Event) int { return cmp.Compare(a.Key, b.Key) })
+	slices.SortFunc(joins, func(a, b Event) int {
+		return cmp.Or(cmp.Compare(a.Revision, b.Revision), cmp.Compare(a.Key, b.Key))
+	})
+	for _, ev := range append(leaves, joins...) {
+		if !w.send(ctx, out, ev) {
+			return 0, ctx.Err()
+		}
+	}
+	return rev, nil
+}
+
+type watchEnd uint8
+
+const (
+	watchReconcile watchEnd = iota + 1
+	watchCompacted
+	watchBroken
+)
+
+// watch applies changes from revision from on until the watch ends, ctx
+// ends, or it is time to reconcile.
+func (w *Watcher) watch(ctx context.Context, out chan<- Event, from int64) (watchEnd, error) {
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	// RequireLeader: a member cut off from the leader ends the watch
+	// instead of serving silence; the list that follows then fails and
+	// is retried while the last membership is kept.
+	wch := w.cli.Watch(clientv3.WithRequireLeader(wctx), w.prefix, clientv3.WithPrefix(), clientv3.WithRev(from))
+	reconcile := time.NewTimer(w.reconcile)
+	defer reconcile.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		case <-reconcile.C:
+			return watchReconcile, nil
+		case wr, ok := <-wch:
+			if !ok {
+				return watchBroken, errors.New("watch channel closed")
+			}
+			if wr.CompactRevision != 0 {
+				return watchCompacted, fmt.Errorf("revision %d compacted (now %d): %w", from, wr.CompactRevision, wr.Err())
+			}
+			if err := wr.Err(); err != nil {
+				return watchBroken, err
+			}
+			for _, ev := range wr.Events {
+				if !w.apply(ctx, out, ev) {
+					return 0, ctx.Err()
+				}
+				from = ev.Kv.ModRevision + 1
+			}
+		}
+	}
+}
+
+// apply turns one watch event into at most one Event; false when ctx ended.
+func (w *Watcher) apply(ctx context.Context, out chan<- Event, ev *clientv3.Event) bool {
+	key := string(ev.Kv.Key)
+	rev := ev.Kv.ModRevision
+	old, known := w.known[key]
+	if ev.Type == mvccpb.DELETE {
+		delete(w.invalid, key)
+		if !known {
+			return true
+		}
+		return w.send(ctx, out, Event{Type: Leave, Key: key, Member: old.member, Revision: rev})
+	}
+	m, err := w.decode(key, ev.Kv.Value)
+	if err != nil {
+		w.reportInvalid(key, rev, err)
+		if !known {
+			return true
+		}
+		return w.send(ctx, out, Event{Type: Leave, Key: key, Member: old.member, Revision: rev})
+	}
+	delete(w.invalid, key)
+	if known && old.modRev >= rev {
+		return true // already sent (by the list this watch started after)
+	}
+	return w.send(ctx, out, Event{Type: Join, Key: key, Member: m, Revision: rev})
+}
+
+// send delivers ev and only then records it as known, so an event that was
+// not delivered is found again by the next list.
+func (w *Watcher) send(ctx context.Context, out chan<- Event, ev Event) bool {
+	select {
+	case out <- ev:
+	case <-ctx.Done():
+		return false
+	}
+	switch ev.Type {
+	case Join:
+		w.known[ev.Key] = knownRecord{member: ev.Member, modRev: ev.Revision}
+	case Leave:
+		delete(w.known, ev.Key)
+	}
+	return true
+}
+
+func (w *Watcher) decode(key string, value []byte) (Member, error) {
+	m, err := DecodeMember(w.cluster, key, value)
+	if err != nil {
+		return Member{}, err
+	}
+	if w.stages != nil && !w.stages[m.Stage] {
+		return Member{}, fmt.Errorf("membership: record at %q: unknown stage %q", key, m.Stage)
+	}
+	return m, nil
+}
+
+// reportInvalid logs and counts a malformed record once per key and mod
+// revision: the periodic re-list finds it again and must not recount it.
+func (w *Watcher) reportInvalid(key string, modRev int64, err error) {
+	if r, ok := w.invalid[key]; ok && r == modRev {
+		return
+	}
+	w.invalid[key] = modRev
+	w.lg.Warn("membership: skipping invalid member record", "key", key, "mod_revision", modRev, "err", err)
+	if w.onInvalid != nil {
+		w.onInvalid(key, err)
+	}
 }

@@ -3,10 +3,67 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"strings"
+
+	"github.com/troupe-serving/troupe/membership/embedetcd"
 )
 
-// runEtcd is a placeholder until its issue lands.
-func runEtcd(_ context.Context, _ []string, _ io.Writer) error {
-	return errors.New("etcd: not implemented yet")
+// runEtcd runs a standalone single-node etcd server until ctx ends.
+func runEtcd(ctx context.Context, args []string, stdout io.Writer) error {
+	fs := newFlagSet("etcd")
+	dataDir := fs.String("data-dir", "", "directory for etcd's WAL and database (required)")
+	name := fs.String("name", "default", "member name")
+	listenClient := fs.String("listen-client-urls", "http://127.0.0.1:2379", "comma-separated URLs to serve clients on")
+	listenPeer := fs.String("listen-peer-urls", "", "comma-separated URLs to serve peers on (default: the client host, client port + 1)")
+	advertiseClient := fs.String("advertise-client-urls", "", "client URLs to advertise (default: the listen client URLs)")
+	advertisePeer := fs.String("initial-advertise-peer-urls", "", "peer URLs to advertise (default: the listen peer URLs)")
+	logLevel := fs.String("log-level", "warn", "etcd log level: debug, info, warn, error")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(fs.Output(), "troupe etcd: unexpected arguments %q\n", fs.Args())
+		return errUsage
+	}
+	if strings.TrimSpace(*dataDir) == "" {
+		fmt.Fprintln(fs.Output(), "troupe etcd: --data-dir is required")
+		return errUsage
+	}
+	lg, err := embedetcd.LoggerAt(*logLevel)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = lg.Sync() }()
+
+	srv, err := embedetcd.Start(ctx, embedetcd.Config{
+		Name:                *name,
+		DataDir:             *dataDir,
+		ListenClientURLs:    splitList(*listenClient),
+		ListenPeerURLs:      splitList(*listenPeer),
+		AdvertiseClientURLs: splitList(*advertiseClient),
+		AdvertisePeerURLs:   splitList(*advertisePeer),
+		Logger:              lg,
+	})
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil // interrupted while starting
+		}
+		return err
+	}
+	defer srv.Close()
+	fmt.Fprintf(stdout, "troupe etcd: serving clients on %s (data dir %s)\n", strings.Join(srv.ClientURLs(), ","), *dataDir)
+
+	select {
+	case <-ctx.Done():
+		srv.Close()
+		fmt.Fprintln(stdout, "troupe etcd: stopped")
+		return nil
+	case err, ok := <-srv.Err():
+		if !ok || err == nil {
+			return errors.New("etcd: server stopped unexpectedly")
+		}
+		return fmt.Errorf("etcd: %w", err)
+	}
 }

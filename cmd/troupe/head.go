@@ -3,10 +3,189 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
+	"fmt"
 	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/keepalive"
+
+	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/orchestrator/httpapi"
+	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 
-// runHead is a placeholder until its issue lands.
-func runHead(_ context.Context, _ []string, _ io.Writer) error {
-	return errors.New("head: not implemented yet")
+// headFlags are the flags of `troupe head`; `troupe up` reuses them.
+type headFlags struct {
+	http, adminHTTP, pipeline, cluster, apiKey, policy string
+	logStats, untrustedParent                          bool
+	maxBody                                            byteSize
+	detachedTTL, reconcile                             time.Duration
+	tls                                                *tlsFlags
+	otel                                               *otelFlags
+	log                                                *logFlags
+}
+
+func addHeadFlags(fs *flag.FlagSet) *headFlags {
+	f := &headFlags{maxBody: 16 << 20}
+	fs.StringVar(&f.http, "http", "127.0.0.1:8000", "address of the HTTP API")
+	fs.StringVar(&f.adminHTTP, "admin-http", "", "serve admin routes and /metrics on this separate address")
+	fs.StringVar(&f.pipeline, "pipeline", "", "pipeline YAML file (default: thinker → talker → vocoder, model troupe-omni-sim)")
+	fs.StringVar(&f.cluster, "cluster", membership.DefaultCluster, "cluster name (etcd key prefix)")
+	fs.StringVar(&f.apiKey, "api-key", "", "require Authorization: Bearer <key> on every route but /metrics, /healthz, /readyz")
+	fs.StringVar(&f.policy, "policy", "round_robin", "routing policy: round_robin, least_loaded or power_of_two")
+	fs.BoolVar(&f.logStats, "log-stats", true, "register and record the per-replica stat families")
+	fs.BoolVar(&f.untrustedParent, "trace-untrusted-parent", false, "link to a client's traceparent instead of parenting under it")
+	fs.Var(&f.maxBody, "max-body-bytes", "largest request body accepted (e.g. 16MiB)")
+	fs.DurationVar(&f.detachedTTL, "detached-series-ttl", 0, "delete the series of replicas detached longer than this (0: keep forever)")
+	fs.DurationVar(&f.reconcile, "reconcile-interval", 30*time.Second, "period of the full membership re-list that repairs drift")
+	f.tls = addTLSFlags(fs, "gRPC to workers")
+	f.otel = addOtelFlags(fs)
+	f.log = addLogFlags(fs)
+	return f
+}
+
+func runHead(ctx context.Context, args []string, stdout io.Writer) error {
+	fs := newFlagSet("head")
+	ef := addEtcdFlags(fs)
+	hf := addHeadFlags(fs)
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	log := hf.log.logger()
+	cli, err := membership.Dial(ctx, ef.config())
+	if err != nil {
+		return err
+	}
+	defer cli.Close()
+	return serveHead(ctx, cli, hf, log, stdout, nil)
+}
+
+// serveHead runs a head until ctx ends. ready, when not nil, receives the
+// bound HTTP address once the listener is open.
+func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *slog.Logger, stdout io.Writer, ready chan<- string) error {
+	pipeline := orchestrator.DefaultPipeline()
+	if hf.pipeline != "" {
+		p, err := orchestrator.LoadPipeline(hf.pipeline)
+		if err != nil {
+			return err
+		}
+		pipeline = p
+	}
+	tp, err := telemetry.Setup(ctx, telemetry.Config{
+		ServiceName:    "troupe-head",
+		ServiceVersion: version,
+		Endpoint:       hf.otel.endpoint,
+		Protocol:       hf.otel.protocol,
+	})
+	if err != nil {
+		return err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := tp.Shutdown(sctx); err != nil {
+			log.Warn("troupe head: flushing traces", "err", err)
+		}
+	}()
+	creds, err := hf.tls.clientCredentials()
+	if err != nil {
+		return err
+	}
+
+	metrics := prometheus.NewRegistry()
+	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	dialOpts := []grpc.DialOption{
+		grpc.WithTransportCredentials(creds),
+		grpc.WithStatsHandler(otelgrpc.NewClientHandler(
+			otelgrpc.WithTracerProvider(tp.TracerProvider()),
+			otelgrpc.WithPropagators(tp.Propagator()),
+		)),
+		// Pings notice a peer that vanished without closing its socket (a
+		// partition), so it leaves rotation before its lease expires.
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 3 * time.Second, PermitWithoutStream: true}),
+	}
+	head, err := orchestrator.New(cli, orchestrator.Config{
+		Cluster:           hf.cluster,
+		Pipeline:          pipeline,
+		Policy:            hf.policy,
+		LogStats:          hf.logStats,
+		DetachedSeriesTTL: hf.detachedTTL,
+		ReconcileInterval: hf.reconcile,
+		Metrics:           metrics,
+		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
+		TracerProvider:    tp.TracerProvider(),
+		Logger:            log,
+	})
+	if err != nil {
+		return err
+	}
+	api := httpapi.New(head, httpapi.Config{
+		MaxBodyBytes:    int64(hf.maxBody),
+		APIKey:          hf.apiKey,
+		Gatherer:        metrics,
+		TracerProvider:  tp.TracerProvider(),
+		Propagator:      tp.Propagator(),
+		UntrustedParent: hf.untrustedParent,
+		Logger:          log,
+	})
+
+	handler := api.Handler()
+	if hf.adminHTTP != "" {
+		handler = api.ServingHandler()
+	}
+	lis, err := net.Listen("tcp", hf.http)
+	if err != nil {
+		return fmt.Errorf("troupe head: listen %s: %w", hf.http, err)
+	}
+	servers := []*http.Server{httpapi.NewHTTPServer(hf.http, handler)}
+	listeners := []net.Listener{lis}
+	if hf.adminHTTP != "" {
+		alis, err := net.Listen("tcp", hf.adminHTTP)
+		if err != nil {
+			lis.Close()
+			return fmt.Errorf("troupe head: listen %s: %w", hf.adminHTTP, err)
+		}
+		servers = append(servers, httpapi.NewHTTPServer(hf.adminHTTP, api.AdminHandler()))
+		listeners = append(listeners, alis)
+		fmt.Fprintf(stdout, "troupe head: admin and metrics on http://%s\n", alis.Addr())
+	}
+	fmt.Fprintf(stdout, "troupe head: model %s, stages %v, API on http://%s\n", pipeline.Model, pipeline.StageNames(), lis.Addr())
+	if ready != nil {
+		ready <- lis.Addr().String()
+	}
+
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return head.Run(gctx) })
+	for i, srv := range servers {
+		g.Go(func() error {
+			if err := srv.Serve(listeners[i]); !errors.Is(err, http.ErrServerClosed) {
+				return fmt.Errorf("troupe head: http: %w", err)
+			}
+			return nil
+		})
+	}
+	g.Go(func() error {
+		<-gctx.Done()
+		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		for _, srv := range servers {
+			_ = srv.Shutdown(sctx)
+		}
+		return nil
+	})
+	if err := g.Wait(); err != nil && ctx.Err() == nil {
+		return err
+	}
+	return nil
 }

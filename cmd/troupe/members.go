@@ -2,11 +2,138 @@ package main
 
 import (
 	"context"
-	"errors"
+	"encoding/json"
+	"fmt"
 	"io"
+	"text/tabwriter"
+	"time"
+
+	"github.com/troupe-serving/troupe/membership"
 )
 
-// runMembers is a placeholder until its issue lands.
-func runMembers(_ context.Context, _ []string, _ io.Writer) error {
-	return errors.New("members: not implemented yet")
+// memberJSON is one row of `troupe members --json`.
+type memberJSON struct {
+	Key string `json:"key"`
+	membership.Member
+	Lease      string  `json:"lease,omitempty"`       // hex, as etcdctl prints it
+	TTLSeconds int64   `json:"lease_ttl_seconds"`     // -1: no lease or gone
+	AgeSeconds float64 `json:"age_seconds,omitempty"` // since started_at
+}
+
+type invalidJSON struct {
+	Key   string `json:"key"`
+	Error string `json:"error"`
+}
+
+type membersJSON struct {
+	Cluster string        `json:"cluster"`
+	Members []memberJSON  `json:"members"`
+	Invalid []invalidJSON `json:"invalid"`
+}
+
+// runMembers lists the members of a cluster as a table or JSON.
+func runMembers(ctx context.Context, args []string, stdout io.Writer) error {
+	fs := newFlagSet("members")
+	etcd := addEtcdFlags(fs)
+	cluster := fs.String("cluster", membership.DefaultCluster, "cluster name")
+	asJSON := fs.Bool("json", false, "print JSON instead of a table")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(fs.Output(), "troupe members: unexpected arguments %q\n", fs.Args())
+		return errUsage
+	}
+	if err := membership.ValidateCluster(*cluster); err != nil {
+		return err
+	}
+	cli, err := membership.Dial(ctx, etcd.config())
+	if err != nil {
+		return err
+	}
+	defer cli.Close()
+	listCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	list, err := membership.List(listCtx, cli, *cluster)
+	if err != nil {
+		return err
+	}
+	now := time.Now()
+	if *asJSON {
+		return writeMembersJSON(stdout, *cluster, list, now)
+	}
+	return writeMembersTable(stdout, list, now)
+}
+
+func writeMembersJSON(w io.Writer, cluster string, list []membership.Listed, now time.Time) error {
+	out := membersJSON{Cluster: cluster, Members: []memberJSON{}, Invalid: []invalidJSON{}}
+	for _, l := range list {
+		if l.Invalid != nil {
+			out.Invalid = append(out.Invalid, invalidJSON{Key: l.Key, Error: l.Invalid.Error()})
+			continue
+		}
+		row := memberJSON{Key: l.Key, Member: l.Member, TTLSeconds: -1}
+		if l.Lease != 0 {
+			row.Lease = fmt.Sprintf("%x", int64(l.Lease))
+		}
+		if l.TTLLeft >= 0 {
+			row.TTLSeconds = int64(l.TTLLeft / time.Second)
+		}
+		if !l.Member.StartedAt.IsZero() {
+			row.AgeSeconds = now.Sub(l.Member.StartedAt).Round(time.Millisecond).Seconds()
+		}
+		out.Members = append(out.Members, row)
+	}
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(out)
+}
+
+func writeMembersTable(w io.Writer, list []membership.Listed, now time.Time) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "STAGE\tREPLICA\tADDR\tENGINE\tVERSION\tLEASE TTL\tAGE")
+	var invalid []membership.Listed
+	for _, l := range list {
+		if l.Invalid != nil {
+			invalid = append(invalid, l)
+			continue
+		}
+		m := l.Member
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", m.Stage, m.ReplicaID, m.Addr,
+			orDash(m.Engine), orDash(m.Version), ttlText(l.TTLLeft), ageText(m.StartedAt, now))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if len(list) == 0 {
+		_, err := fmt.Fprintln(w, "(no members)")
+		return err
+	}
+	for _, l := range invalid {
+		if _, err := fmt.Fprintf(w, "invalid record at %s: %v\n", l.Key, l.Invalid); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func ttlText(d time.Duration) string {
+	if d < 0 {
+		return "-"
+	}
+	return d.String()
+}
+
+func ageText(started, now time.Time) string {
+	if started.IsZero() {
+		return "-"
+	}
+	return now.Sub(started).Round(time.Second).String()
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
 }

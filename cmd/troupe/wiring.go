@@ -1,0 +1,81 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/troupe-serving/troupe/pkg/telemetry"
+	"github.com/troupe-serving/troupe/pkg/tlsconfig"
+)
+
+// tlsFlags configure TLS on the head↔worker gRPC link. With only a CA the
+// peer's certificate is verified; with a cert and key as well, the link is
+// mutual TLS.
+type tlsFlags struct{ cert, key, ca string }
+
+func addTLSFlags(fs *flag.FlagSet, what string) *tlsFlags {
+	f := &tlsFlags{}
+	fs.StringVar(&f.cert, "tls-cert", "", "certificate (PEM) for "+what)
+	fs.StringVar(&f.key, "tls-key", "", "private key (PEM) for "+what)
+	fs.StringVar(&f.ca, "tls-ca", "", "CA bundle (PEM) that peers' certificates must chain to ("+what+")")
+	return f
+}
+
+func (f *tlsFlags) enabled() bool { return f.cert != "" || f.key != "" || f.ca != "" }
+
+func (f *tlsFlags) clientCredentials() (credentials.TransportCredentials, error) {
+	if !f.enabled() {
+		return insecure.NewCredentials(), nil
+	}
+	cfg, err := tlsconfig.Client(tlsconfig.Files{Cert: f.cert, Key: f.key, CA: f.ca})
+	if err != nil {
+		return nil, err
+	}
+	return credentials.NewTLS(cfg), nil
+}
+
+func (f *tlsFlags) serverCredentials() (credentials.TransportCredentials, error) {
+	if !f.enabled() {
+		return insecure.NewCredentials(), nil
+	}
+	cfg, err := tlsconfig.Server(tlsconfig.Files{Cert: f.cert, Key: f.key, CA: f.ca})
+	if err != nil {
+		return nil, err
+	}
+	return credentials.NewTLS(cfg), nil
+}
+
+// otelFlags override the OTEL_EXPORTER_OTLP_* environment.
+type otelFlags struct{ endpoint, protocol string }
+
+func addOtelFlags(fs *flag.FlagSet) *otelFlags {
+	f := &otelFlags{}
+	fs.StringVar(&f.endpoint, "otlp-endpoint", "", "OTLP endpoint for traces (default: OTEL_EXPORTER_OTLP_ENDPOINT; none: nothing exported)")
+	fs.StringVar(&f.protocol, "otlp-protocol", "", "OTLP protocol: grpc or http/protobuf (default: OTEL_EXPORTER_OTLP_PROTOCOL, then http/protobuf)")
+	return f
+}
+
+// logFlags choose the log level and format.
+type logFlags struct{ level, format string }
+
+func addLogFlags(fs *flag.FlagSet) *logFlags {
+	f := &logFlags{}
+	fs.StringVar(&f.level, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&f.format, "log-format", "text", "text or json")
+	return f
+}
+
+func (f *logFlags) logger() *slog.Logger {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(f.level)); err != nil {
+		fmt.Fprintf(os.Stderr, "troupe: invalid --log-level %q, using info\n", f.level)
+		level = slog.LevelInfo
+	}
+	return telemetry.NewLogger(os.Stderr, level, strings.EqualFold(f.format, "json"))
+}

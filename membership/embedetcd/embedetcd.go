@@ -1,0 +1,269 @@
+// Package embedetcd runs a single-node etcd server in this process with the
+// official server/v3/embed package. `troupe etcd`, `troupe up` and the tests
+// (through membershiptest) share it.
+//
+// Compared to embed.StartEtcd it adds three things: sane defaults for one
+// node (advertised URLs are the listen URLs, the initial cluster is this
+// node), a bounded wait for readiness, and a fast Close: open client streams
+// (watches, lease keepalives) are cancelled first, so the server does not
+// wait its request timeout (over 5s) for them to end on their own.
+package embedetcd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"slices"
+	"strconv"
+	"sync"
+
+	"go.etcd.io/etcd/server/v3/embed"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Config says where the server keeps its data and listens.
+type Config struct {
+	// Name of the member; default "default".
+	Name string
+	// DataDir holds the WAL and the database. Required.
+	DataDir string
+	// ListenClientURLs default to http://127.0.0.1:2379. A port 0 binds a
+	// free port; ClientURLs reports the bound one.
+	ListenClientURLs []string
+	// ListenPeerURLs default to the first client URL's host with the next
+	// port (2380 for 2379), so servers on different client ports do not
+	// clash; a client port 0 gives a peer port 0. A single node never dials
+	// its own peer URL.
+	ListenPeerURLs []string
+	// AdvertiseClientURLs default to ListenClientURLs; an unspecified host
+	// (0.0.0.0, [::]) is replaced by the host name.
+	AdvertiseClientURLs []string
+	// AdvertisePeerURLs default to ListenPeerURLs, likewise.
+	AdvertisePeerURLs []string
+	// TickMs and ElectionMs are raft's heartbeat and election timeout;
+	// defaults 100 and 1000 as in etcd. The smallest lease TTL etcd grants
+	// is 1.5 × ElectionMs (rounded up to seconds).
+	TickMs, ElectionMs uint
+	// SnapshotCount: committed entries between snapshots; default etcd's.
+	SnapshotCount uint64
+	// UnsafeNoFsync turns fsync off. Faster, loses data on power loss:
+	// only for throwaway test servers.
+	UnsafeNoFsync bool
+	// Logger receives etcd's logs; nil logs warnings and errors to stderr.
+	Logger *zap.Logger
+}
+
+// Server is a running etcd. Close it exactly once it is no longer needed;
+// Close is safe to call more than once and from any goroutine.
+type Server struct {
+	etcd        *embed.Etcd
+	clientURLs  []string
+	closeOnce   sync.Once
+	streamsCtx  context.Context    // ends every client stream when cancelled
+	stopStreams context.CancelFunc // called by Close
+}
+
+// Start starts the server and waits until it serves clients, ctx ends, or
+// the server fails. On error nothing is left running.
+func Start(ctx context.Context, cfg Config) (*Server, error) {
+	if cfg.DataDir == "" {
+		return nil, errors.New("embedetcd: data dir is required")
+	}
+	ec := embed.NewConfig()
+	ec.Dir = cfg.DataDir
+	if cfg.Name != "" {
+		ec.Name = cfg.Name
+	}
+	var err error
+	if ec.ListenClientUrls, err = parseURLs("listen client", cfg.ListenClientURLs, "http://127.0.0.1:2379"); err != nil {
+		return nil, err
+	}
+	peerDefault, err := nextPort(ec.ListenClientUrls[0])
+	if err != nil {
+		return nil, err
+	}
+	if ec.ListenPeerUrls, err = parseURLs("listen peer", cfg.ListenPeerURLs, peerDefault); err != nil {
+		return nil, err
+	}
+	if ec.AdvertiseClientUrls, err = parseURLs("advertise client", cfg.AdvertiseClientURLs, ""); err != nil {
+		return nil, err
+	}
+	if len(ec.AdvertiseClientUrls) == 0 {
+		ec.AdvertiseClientUrls = advertised(ec.ListenClientUrls)
+	}
+	if ec.AdvertisePeerUrls, err = parseURLs("advertise peer", cfg.AdvertisePeerURLs, ""); err != nil {
+		return nil, err
+	}
+	if len(ec.AdvertisePeerUrls) == 0 {
+		ec.AdvertisePeerUrls = advertised(ec.ListenPeerUrls)
+	}
+	ec.InitialCluster = ec.InitialClusterFromName(ec.Name)
+	if cfg.TickMs > 0 {
+		ec.TickMs = cfg.TickMs
+	}
+	if cfg.ElectionMs > 0 {
+		ec.ElectionMs = cfg.ElectionMs
+	}
+	if cfg.SnapshotCount > 0 {
+		ec.SnapshotCount = cfg.SnapshotCount
+	}
+	ec.UnsafeNoFsync = cfg.UnsafeNoFsync
+	lg := cfg.Logger
+	if lg == nil {
+		lg = stderrLogger(zapcore.WarnLevel)
+	}
+	ec.ZapLoggerBuilder = embed.NewZapLoggerBuilder(lg)
+
+	s := &Server{}
+	s.streamsCtx, s.stopStreams = context.WithCancel(context.Background())
+	// Cancel every client stream when Close begins (see the package doc).
+	ec.GRPCAdditionalServerOptions = append(ec.GRPCAdditionalServerOptions,
+		grpc.ChainStreamInterceptor(s.cancelStreamsOnClose))
+
+	e, err := embed.StartEtcd(ec)
+	if err != nil {
+		s.stopStreams()
+		return nil, fmt.Errorf("embedetcd: start: %w", err)
+	}
+	s.etcd = e
+	for _, l := range e.Clients {
+		u := url.URL{Scheme: "http", Host: l.Addr().String()}
+		if ec.ListenClientUrls[0].Scheme == "https" {
+			u.Scheme = "https"
+		}
+		s.clientURLs = append(s.clientURLs, u.String())
+	}
+	select {
+	case <-e.Server.ReadyNotify():
+		return s, nil
+	case err := <-e.Err():
+		s.Close()
+		return nil, fmt.Errorf("embedetcd: server failed while starting: %w", err)
+	case <-ctx.Done():
+		s.Close()
+		return nil, fmt.Errorf("embedetcd: not ready: %w", ctx.Err())
+	}
+}
+
+// ClientURLs are the URLs clients reach the server at, with bound ports.
+func (s *Server) ClientURLs() []string { return append([]string(nil), s.clientURLs...) }
+
+// Err reports a fatal server error; it is closed once the server is over.
+func (s *Server) Err() <-chan error { return s.etcd.Err() }
+
+// Close stops the server and waits until it has stopped.
+func (s *Server) Close() {
+	s.closeOnce.Do(func() {
+		s.stopStreams()
+		s.etcd.Close()
+		<-s.etcd.Server.StopNotify()
+	})
+}
+
+// cancelStreamsOnClose gives each stream a context that ends when Close
+// begins, so watch and keepalive handlers return and graceful stop is quick.
+// The client sees Unavailable, as when a server process goes away.
+func (s *Server) cancelStreamsOnClose(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	ctx, cancel := context.WithCancel(ss.Context())
+	defer cancel()
+	stop := context.AfterFunc(s.streamsCtx, cancel)
+	defer stop()
+	err := handler(srv, &streamWithContext{ServerStream: ss, ctx: ctx})
+	if s.streamsCtx.Err() != nil && ss.Context().Err() == nil {
+		// As if the process had gone: clients retry Unavailable (on another
+		// endpoint, or here after a restart); Canceled would end their watch.
+		return status.Error(codes.Unavailable, "embedetcd: server stopping")
+	}
+	return err
+}
+
+type streamWithContext struct {
+	grpc.ServerStream
+	ctx context.Context
+}
+
+func (s *streamWithContext) Context() context.Context { return s.ctx }
+
+func parseURLs(what string, in []string, def string) ([]url.URL, error) {
+	if len(in) == 0 && def != "" {
+		in = []string{def}
+	}
+	out := make([]url.URL, 0, len(in))
+	for _, raw := range in {
+		u, err := url.Parse(raw)
+		if err != nil {
+			return nil, fmt.Errorf("embedetcd: %s URL %q: %w", what, raw, err)
+		}
+		if u.Scheme != "http" && u.Scheme != "https" || u.Host == "" {
+			return nil, fmt.Errorf("embedetcd: %s URL %q: want http://host:port", what, raw)
+		}
+		out = append(out, *u)
+	}
+	return out, nil
+}
+
+// nextPort is u with its port plus one (port 0 stays 0), as a string.
+func nextPort(u url.URL) (string, error) {
+	host, port, err := net.SplitHostPort(u.Host)
+	if err != nil {
+		return "", fmt.Errorf("embedetcd: client URL %q: %w", u.String(), err)
+	}
+	p, err := strconv.Atoi(port)
+	if err != nil || p < 0 || p > 65534 {
+		return "", fmt.Errorf("embedetcd: client URL %q: bad port", u.String())
+	}
+	if p > 0 {
+		p++
+	}
+	u.Host = net.JoinHostPort(host, strconv.Itoa(p))
+	return u.String(), nil
+}
+
+// advertised copies listen URLs, naming this host where they bind all
+// interfaces: 0.0.0.0 is not an address a client can dial.
+func advertised(listen []url.URL) []url.URL {
+	out := slices.Clone(listen)
+	for i, u := range out {
+		host, port, err := net.SplitHostPort(u.Host)
+		if err != nil {
+			continue
+		}
+		if ip := net.ParseIP(host); host == "" || ip != nil && ip.IsUnspecified() {
+			if name, err := os.Hostname(); err == nil && name != "" {
+				out[i].Host = net.JoinHostPort(name, port)
+			}
+		}
+	}
+	return out
+}
+
+// stderrLogger is a plain console logger at the given level.
+func stderrLogger(level zapcore.Level) *zap.Logger {
+	zc := zap.NewProductionConfig()
+	zc.Level = zap.NewAtomicLevelAt(level)
+	zc.Encoding = "console"
+	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	zc.Sampling = nil
+	lg, err := zc.Build()
+	if err != nil {
+		return zap.NewNop()
+	}
+	return lg
+}
+
+// LoggerAt returns a stderr logger at a level named like zap's ("debug",
+// "info", "warn", "error").
+func LoggerAt(level string) (*zap.Logger, error) {
+	l, err := zapcore.ParseLevel(level)
+	if err != nil {
+		return nil, fmt.Errorf("embedetcd: log level %q: %w", level, err)
+	}
+	return stderrLogger(l), nil
+}

@@ -1,0 +1,448 @@
+// Package orchestrator is the head: it turns membership events into engine
+// indexes, bound metric series and routable replicas, in that order, and
+// walks requests through the pipeline's stages.
+package orchestrator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/orchestrator/registry"
+	"github.com/troupe-serving/troupe/orchestrator/router"
+	"github.com/troupe-serving/troupe/orchestrator/stats"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+// Config configures a Head.
+type Config struct {
+	Cluster           string
+	Pipeline          Pipeline
+	Policy            string        // router policy name; default round_robin
+	LogStats          bool          // register and record the stat families
+	DetachedSeriesTTL time.Duration // 0: keep a detached replica's series forever
+	ReconcileInterval time.Duration // membership full re-list period
+	ProbeTimeout      time.Duration // per Health call on join; default 3s
+	Metrics           prometheus.Registerer
+	Dial              router.Dialer
+	TracerProvider    trace.TracerProvider
+	Logger            *slog.Logger
+}
+
+// Head is the orchestrator. Run owns its goroutines; Execute, Replicas,
+// Sleep and WakeUp may be called concurrently from request goroutines.
+type Head struct {
+	cfg      Config
+	log      *slog.Logger
+	watcher  *membership.Watcher
+	registry *registry.Registry
+	stats    *stats.Logger
+	router   *router.Router
+	policy   router.Policy
+	tracer   trace.Tracer
+
+	events  *prometheus.CounterVec
+	invalid prometheus.Counter
+	errors  *prometheus.CounterVec
+
+	view atomic.Pointer[[]tracked] // every replica the head knows, for the API
+
+	// Owned by Run's loop goroutine only.
+	known map[registry.Key]*tracked
+	gen   uint64
+}
+
+// tracked is the loop's record of one replica key. Published copies are
+// immutable.
+type tracked struct {
+	key        registry.Key
+	member     membership.Member
+	index      int
+	joinedAt   time.Time
+	detached   bool
+	detachedAt time.Time
+	probeGen   uint64             // generation of the pending probe; 0 when none
+	cancel     context.CancelFunc // cancels the pending probe
+}
+
+// New builds a head. It starts nothing; call Run.
+func New(cli *clientv3.Client, cfg Config) (*Head, error) {
+	if err := cfg.Pipeline.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Cluster == "" {
+		cfg.Cluster = membership.DefaultCluster
+	}
+	if cfg.ProbeTimeout <= 0 {
+		cfg.ProbeTimeout = 3 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.TracerProvider == nil {
+		cfg.TracerProvider = noop.NewTracerProvider()
+	}
+	if cfg.Metrics == nil {
+		return nil, errors.New("orchestrator: a metrics registerer is required")
+	}
+	if cfg.Dial == nil {
+		return nil, errors.New("orchestrator: a dialer is required")
+	}
+	policy, err := router.NewPolicy(cfg.Policy, len(cfg.Pipeline.Stages))
+	if err != nil {
+		return nil, err
+	}
+	st, err := stats.New(cfg.Metrics, cfg.Pipeline.Model, stats.Options{
+		Disabled:          !cfg.LogStats,
+		DetachedSeriesTTL: cfg.DetachedSeriesTTL,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("orchestrator: stats: %w", err)
+	}
+	h := &Head{
+		cfg:      cfg,
+		log:      cfg.Logger,
+		registry: registry.New(),
+		stats:    st,
+		router:   router.New(len(cfg.Pipeline.Stages), cfg.Dial, cfg.Logger),
+		policy:   policy,
+		tracer:   cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
+		events: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "troupe_membership_events_total",
+			Help: "Membership events applied by the head, by type.",
+		}, []string{"type"}),
+		invalid: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "troupe_membership_invalid_records_total",
+			Help: "Malformed membership records skipped by the head.",
+		}),
+		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "troupe_head_attach_errors_total",
+			Help: "Joins the head refused (index conflict, stats binding, dial), by step.",
+		}, []string{"step"}),
+		known: map[registry.Key]*tracked{},
+	}
+	for _, t := range []string{"join", "leave"} {
+		h.events.WithLabelValues(t)
+	}
+	for _, s := range []string{"attach", "stats", "dial", "router"} {
+		h.errors.WithLabelValues(s)
+	}
+	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors} {
+		if err := cfg.Metrics.Register(c); err != nil {
+			return nil, fmt.Errorf("orchestrator: register metrics: %w", err)
+		}
+	}
+	h.watcher = membership.NewWatcher(cli, membership.WatchConfig{
+		Cluster:           cfg.Cluster,
+		Stages:            cfg.Pipeline.StageNames(),
+		ReconcileInterval: cfg.ReconcileInterval,
+		OnInvalid:         func(string, error) { h.invalid.Inc() },
+		Logger:            cfg.Logger,
+	})
+	empty := []tracked{}
+	h.view.Store(&empty)
+	return h, nil
+}
+
+// Pipeline returns the head's pipeline.
+func (h *Head) Pipeline() Pipeline { return h.cfg.Pipeline }
+
+// probeResult is what a join's probe sends back to the loop.
+type probeResult struct {
+	key    registry.Key
+	gen    uint64
+	rep    *router.Replica
+	health *stagepb.HealthResponse
+}
+
+// Run watches membership and applies it until ctx ends. It is the only
+// writer of the registry, the stat bindings and the router.
+func (h *Head) Run(ctx context.Context) error {
+	events := make(chan membership.Event)
+	probes := make(chan probeResult)
+	var probing sync.WaitGroup
+	defer h.router.Close()
+	defer probing.Wait()
+
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return h.watcher.Run(gctx, events) })
+	g.Go(func() error {
+		sweep := time.NewTicker(sweepInterval(h.cfg.DetachedSeriesTTL))
+		defer sweep.Stop()
+		for {
+			select {
+			case <-gctx.Done():
+				for _, t := range h.known {
+					if t.cancel != nil {
+						t.cancel()
+					}
+				}
+				return gctx.Err()
+			case ev := <-events:
+				h.apply(gctx, ev, probes, &probing)
+			case pr := <-probes:
+				h.attach(pr)
+			case now := <-sweep.C:
+				if n := h.stats.Sweep(now); n > 0 {
+					h.log.Info("orchestrator: deleted series of long-detached replicas", "replicas", n)
+				}
+			}
+		}
+	})
+	err := g.Wait()
+	if ctx.Err() != nil {
+		return nil
+	}
+	return err
+}
+
+func sweepInterval(ttl time.Duration) time.Duration {
+	if ttl <= 0 {
+		return time.Hour
+	}
+	return max(ttl/4, time.Second)
+}
+
+// apply handles one membership event on the loop goroutine.
+func (h *Head) apply(ctx context.Context, ev membership.Event, probes chan<- probeResult, probing *sync.WaitGroup) {
+	stage := h.cfg.Pipeline.StageIndex(ev.Member.Stage)
+	if stage < 0 {
+		// The watcher already filters unknown stages; this guards the head
+		// against a watcher bug rather than trusting it.
+		h.invalid.Inc()
+		h.log.Warn("orchestrator: event for unknown stage", "key", ev.Key, "stage", ev.Member.Stage)
+		return
+	}
+	key := registry.Key{Stage: stage, Replica: ev.Member.ReplicaID}
+	h.events.WithLabelValues(ev.Type.String()).Inc()
+	switch ev.Type {
+	case membership.Join:
+		h.join(ctx, key, ev.Member, probes, probing)
+	case membership.Leave:
+		h.leave(key)
+	}
+	h.publish()
+}
+
+// join assigns the engine index, then probes the replica off the loop; the
+// loop binds its series and routes to it when the probe answers (attach).
+func (h *Head) join(ctx context.Context, key registry.Key, m membership.Member, probes chan<- probeResult, probing *sync.WaitGroup) {
+	index, err := h.registry.Attach(key)
+	if err != nil {
+		h.errors.WithLabelValues("attach").Inc()
+		h.log.Error("orchestrator: refusing join", "stage", m.Stage, "replica", m.ReplicaID, "err", err)
+		return
+	}
+	t := h.known[key]
+	if t == nil {
+		t = &tracked{key: key}
+		h.known[key] = t
+	}
+	if t.cancel != nil {
+		t.cancel()
+	}
+	t.member, t.index, t.detached = m, index, false
+	if t.joinedAt.IsZero() || t.detachedAt.After(t.joinedAt) {
+		t.joinedAt = time.Now()
+	}
+	h.gen++
+	t.probeGen = h.gen
+	pctx, cancel := context.WithCancel(ctx)
+	t.cancel = cancel
+	spec := router.ReplicaSpec{Key: key, StageName: m.Stage, EngineIndex: index, Addr: m.Addr, JoinedAt: t.joinedAt}
+	probing.Add(1)
+	go func(gen uint64) {
+		defer probing.Done()
+		h.probe(pctx, spec, gen, probes)
+	}(t.probeGen)
+}
+
+// probe dials the replica and asks its Health until it answers, then hands
+// the result to the loop. It gives up only when ctx ends (a leave, a newer
+// record, or shutdown).
+func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, probes chan<- probeResult) {
+	rep, err := h.router.Dial(spec)
+	if err != nil {
+		h.errors.WithLabelValues("dial").Inc()
+		h.log.Error("orchestrator: cannot dial replica", "stage", spec.StageName, "replica", spec.Key.Replica, "addr", spec.Addr, "err", err)
+		return
+	}
+	backoff := 100 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		pctx, cancel := context.WithTimeout(ctx, h.cfg.ProbeTimeout)
+		health, err := rep.Client.Health(pctx, &stagepb.HealthRequest{})
+		cancel()
+		if err == nil && health.GetStatus() == stagepb.ServingStatus_SERVING_STATUS_SERVING {
+			select {
+			case probes <- probeResult{key: spec.Key, gen: gen, rep: rep, health: health}:
+			case <-ctx.Done():
+				h.router.Discard(rep)
+			}
+			return
+		}
+		if attempt == 1 || attempt%10 == 0 {
+			h.log.Warn("orchestrator: replica not serving yet", "stage", spec.StageName, "replica", spec.Key.Replica, "addr", spec.Addr, "status", health.GetStatus().String(), "err", err)
+		}
+		timer := time.NewTimer(backoff)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			h.router.Discard(rep)
+			return
+		case <-timer.C:
+		}
+		backoff = min(2*backoff, 2*time.Second)
+	}
+}
+
+// attach finishes a join on the loop goroutine: bind series, then route.
+func (h *Head) attach(pr probeResult) {
+	t := h.known[pr.key]
+	if t == nil || t.probeGen != pr.gen || t.detached {
+		h.router.Discard(pr.rep) // superseded by a newer record or a leave
+		return
+	}
+	t.probeGen, t.cancel = 0, nil
+	sleep := pr.health.GetSleepState()
+	k := t.member.NumSpeculativeTokens
+	if n := int(pr.health.GetNumSpeculativeTokens()); n > k {
+		k = n
+	}
+	err := h.stats.Register(t.index, stats.Replica{
+		Stage:                pr.key.Stage,
+		StageName:            t.member.Stage,
+		ReplicaID:            pr.key.Replica,
+		NumSpeculativeTokens: k,
+		SleepState:           sleep,
+		Engine:               t.member.Engine,
+		Version:              t.member.Version,
+		Addr:                 t.member.Addr,
+		Cache:                pr.health.GetCacheConfig(),
+	})
+	if err != nil {
+		h.errors.WithLabelValues("stats").Inc()
+		h.log.Error("orchestrator: cannot bind series; not routing", "stage", t.member.Stage, "replica", pr.key.Replica, "err", err)
+		h.router.Discard(pr.rep)
+		return
+	}
+	pr.rep.SetSleepState(sleep)
+	if err := h.router.Add(pr.rep); err != nil {
+		h.errors.WithLabelValues("router").Inc()
+		h.log.Error("orchestrator: cannot route", "err", err)
+		h.router.Discard(pr.rep)
+		return
+	}
+	h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", pr.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "sleep_state", sleep.String())
+	h.publish()
+}
+
+// leave stops routing first, then detaches the series.
+func (h *Head) leave(key registry.Key) {
+	t := h.known[key]
+	if t == nil {
+		return
+	}
+	if t.cancel != nil {
+		t.cancel()
+		t.cancel, t.probeGen = nil, 0
+	}
+	h.router.Remove(key)
+	if !t.detached {
+		if err := h.stats.Detach(t.index); err != nil {
+			h.log.Debug("orchestrator: detach", "err", err) // a replica whose probe never answered was never bound
+		}
+	}
+	t.detached, t.detachedAt = true, time.Now()
+	h.log.Info("orchestrator: replica detached", "stage", t.member.Stage, "replica", key.Replica, "engine_index", t.index)
+}
+
+// publish copies the loop's view for readers.
+func (h *Head) publish() {
+	out := make([]tracked, 0, len(h.known))
+	for _, t := range h.known {
+		c := *t
+		c.cancel = nil
+		out = append(out, c)
+	}
+	slices.SortFunc(out, func(a, b tracked) int {
+		if a.key.Stage != b.key.Stage {
+			return a.key.Stage - b.key.Stage
+		}
+		return int(a.key.Replica) - int(b.key.Replica)
+	})
+	h.view.Store(&out)
+}
+
+// ReplicaStatus is one row of GET /v1/replicas.
+type ReplicaStatus struct {
+	Stage       int       `json:"stage"`
+	StageName   string    `json:"stage_name"`
+	Replica     uint32    `json:"replica"`
+	EngineIndex int       `json:"engine_index"`
+	Addr        string    `json:"addr"`
+	State       string    `json:"state"` // attached | detached | sleeping | unhealthy
+	JoinedAt    time.Time `json:"joined_at"`
+	InFlight    int64     `json:"in_flight"`
+}
+
+// Replicas lists every replica the head knows, detached ones included.
+func (h *Head) Replicas() []ReplicaStatus {
+	snap := h.router.Snapshot()
+	view := *h.view.Load()
+	out := make([]ReplicaStatus, 0, len(view))
+	for _, t := range view {
+		s := ReplicaStatus{
+			Stage: t.key.Stage, StageName: t.member.Stage, Replica: t.key.Replica,
+			EngineIndex: t.index, Addr: t.member.Addr, JoinedAt: t.joinedAt.UTC().Truncate(time.Second),
+		}
+		rep, ok := snap.Lookup(t.key)
+		switch {
+		case t.detached:
+			s.State = "detached"
+		case !ok:
+			s.State = "unhealthy" // joined, but its probe has not answered yet
+		case !rep.Healthy():
+			s.State = "unhealthy"
+			s.InFlight = rep.InFlight()
+		case rep.SleepState() != stagepb.SleepState_SLEEP_STATE_AWAKE:
+			s.State = "sleeping"
+			s.InFlight = rep.InFlight()
+		default:
+			s.State = "attached"
+			s.InFlight = rep.InFlight()
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
+// Ready reports whether every stage has a routable replica; otherwise it
+// names the first stage that has none.
+func (h *Head) Ready() (bool, string) {
+	snap := h.router.Snapshot()
+	for i, st := range h.cfg.Pipeline.Stages {
+		ok := false
+		for _, r := range snap.Stage(i) {
+			if r.Routable() {
+				ok = true
+				break
+			}
+		}
+		if !ok {
+			return false, fmt.Sprintf("stage %d (%s) has no routable replica", i, st.Name)
+		}
+	}
+	return true, ""
+}

@@ -1,0 +1,132 @@
+package httpapi
+
+import (
+	"context"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+// models serves GET /v1/models: the pipeline's one model.
+func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, modelList{Object: "list", Data: []modelCard{s.modelCard()}})
+}
+
+// model serves GET /v1/models/{model}.
+func (s *Server) model(w http.ResponseWriter, r *http.Request) {
+	card := s.modelCard()
+	if name := r.PathValue("model"); name != card.ID {
+		writeError(w, notFound("model", "model_not_found", "the model %q does not exist; this server serves %q", name, card.ID))
+		return
+	}
+	writeJSON(w, http.StatusOK, card)
+}
+
+func (s *Server) modelCard() modelCard {
+	return modelCard{ID: s.b.Pipeline().Model, Object: "model", Created: s.created, OwnedBy: "troupe"}
+}
+
+// healthz serves GET /healthz: the process is up.
+func (s *Server) healthz(w http.ResponseWriter, _ *http.Request) {
+	writeText(w, http.StatusOK, "ok")
+}
+
+// readyz serves GET /readyz: 200 when every stage has a routable replica,
+// else 503 naming the stage that has none.
+func (s *Server) readyz(w http.ResponseWriter, _ *http.Request) {
+	if ok, reason := s.b.Ready(); !ok {
+		writeText(w, http.StatusServiceUnavailable, "not ready: "+reason)
+		return
+	}
+	writeText(w, http.StatusOK, "ok")
+}
+
+func writeText(w http.ResponseWriter, status int, text string) {
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-store")
+	w.WriteHeader(status)
+	_, _ = w.Write([]byte(text + "\n"))
+}
+
+// replicas serves GET /v1/replicas: every replica the head knows,
+// detached ones included.
+func (s *Server) replicas(w http.ResponseWriter, _ *http.Request) {
+	reps := s.b.Replicas()
+	out := replicaList{Data: make([]replicaRow, 0, len(reps))}
+	for _, r := range reps {
+		out.Data = append(out.Data, rowOf(r))
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func rowOf(r orchestrator.ReplicaStatus) replicaRow {
+	return replicaRow{
+		Stage: r.Stage, StageName: r.StageName, Replica: r.Replica, EngineIndex: r.EngineIndex,
+		Addr: r.Addr, State: r.State, JoinedAt: r.JoinedAt.UTC().Format(time.RFC3339), InFlight: r.InFlight,
+	}
+}
+
+// sleep serves POST /v1/replicas/{stage}/{replica}/sleep?level=1|2.
+func (s *Server) sleep(w http.ResponseWriter, r *http.Request) {
+	level := 1
+	if v := r.URL.Query().Get("level"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || (n != 1 && n != 2) {
+			s.reject(w, r, badRequest("level", "invalid_value", "level must be 1 (offload weights) or 2 (discard all), got %q", v))
+			return
+		}
+		level = n
+	}
+	s.changeSleep(w, r, func(ctx context.Context, stage int, replica uint32) (stagepb.SleepState, error) {
+		return s.b.Sleep(ctx, stage, replica, level)
+	})
+}
+
+// wakeUp serves POST /v1/replicas/{stage}/{replica}/wake_up.
+func (s *Server) wakeUp(w http.ResponseWriter, r *http.Request) {
+	s.changeSleep(w, r, s.b.WakeUp)
+}
+
+// changeSleep resolves {stage} (a name or an index) and {replica}, runs call on
+// the head and answers the replica's new sleep state.
+func (s *Server) changeSleep(w http.ResponseWriter, r *http.Request, call func(context.Context, int, uint32) (stagepb.SleepState, error)) {
+	stage, err := s.b.ResolveStage(r.PathValue("stage"))
+	if err != nil {
+		s.reject(w, r, notFound("stage", "unknown_stage", "%v", err))
+		return
+	}
+	id, err := strconv.ParseUint(r.PathValue("replica"), 10, 32)
+	if err != nil {
+		s.reject(w, r, notFound("replica", "unknown_replica", "no replica %q: replica ids are non-negative integers", r.PathValue("replica")))
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
+	defer cancel()
+	state, err := call(ctx, stage, uint32(id))
+	if err != nil {
+		s.fail(w, r, nil, err)
+		return
+	}
+	s.log.InfoContext(r.Context(), "httpapi: replica sleep state changed", "request_id", requestIDFrom(r.Context()),
+		"stage", stage, "replica", id, "sleep_state", sleepStateName(state))
+	writeJSON(w, http.StatusOK, sleepAnswer{
+		Stage: stage, StageName: s.b.Pipeline().Stages[stage].Name, Replica: uint32(id), SleepState: sleepStateName(state),
+	})
+}
+
+// sleepStateName is the engine_sleep_state label value of a state.
+func sleepStateName(s stagepb.SleepState) string {
+	switch s {
+	case stagepb.SleepState_SLEEP_STATE_AWAKE:
+		return "awake"
+	case stagepb.SleepState_SLEEP_STATE_WEIGHTS_OFFLOADED:
+		return "weights_offloaded"
+	case stagepb.SleepState_SLEEP_STATE_DISCARD_ALL:
+		return "discard_all"
+	}
+	return strings.ToLower(strings.TrimPrefix(s.String(), "SLEEP_STATE_"))
+}

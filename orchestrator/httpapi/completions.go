@@ -1,0 +1,368 @@
+package httpapi
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"time"
+
+	"github.com/troupe-serving/troupe/orchestrator"
+)
+
+// audioTTL is the expires_at horizon announced with message.audio. troupe
+// keeps no audio after answering, so the value is informational; OpenAI
+// clients require it.
+const audioTTL = time.Hour
+
+// writeStallTimeout bounds each write of a response: a client that stops
+// reading for this long loses its connection. It replaces the server-wide
+// WriteTimeout, which would cut long streams.
+const writeStallTimeout = 30 * time.Second
+
+// chatCompletions serves POST /v1/chat/completions.
+func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request) {
+	body, e := s.readBody(w, r)
+	if e != nil {
+		s.reject(w, r, e)
+		return
+	}
+	j, e := parseChat(body, s.b.Pipeline().Model)
+	if e != nil {
+		s.reject(w, r, e)
+		return
+	}
+	id := requestIDFrom(r.Context())
+	s.execute(w, r, j, &chatResponder{id: "chatcmpl-" + id, created: time.Now().Unix(), model: j.model, includeUsage: j.includeUsage})
+}
+
+// completions serves POST /v1/completions.
+func (s *Server) completions(w http.ResponseWriter, r *http.Request) {
+	body, e := s.readBody(w, r)
+	if e != nil {
+		s.reject(w, r, e)
+		return
+	}
+	j, e := parseCompletion(body, s.b.Pipeline().Model)
+	if e != nil {
+		s.reject(w, r, e)
+		return
+	}
+	id := requestIDFrom(r.Context())
+	s.execute(w, r, j, &completionResponder{id: "cmpl-" + id, created: time.Now().Unix(), model: j.model, includeUsage: j.includeUsage})
+}
+
+// readBody reads the whole request body; the middleware has already capped
+// it at MaxBodyBytes. Once the body is in, the connection's read deadline
+// (http.Server.ReadTimeout) is lifted: it bounds the upload, and left in
+// place it would cancel the request's context in the middle of a long
+// generation.
+func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *apiError) {
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			return nil, tooLarge(s.cfg.MaxBodyBytes)
+		}
+		return nil, badRequest("", "invalid_body", "cannot read the request body: %v", err)
+	}
+	_ = http.NewResponseController(w).SetReadDeadline(time.Time{})
+	return body, nil
+}
+
+func tooLarge(limit int64) *apiError {
+	return &apiError{Status: http.StatusRequestEntityTooLarge, Type: typeInvalidRequest, Code: "request_too_large",
+		Message: fmt.Sprintf("request body exceeds the limit of %d bytes", limit)}
+}
+
+// execute runs a parsed request on the head and answers it, whole or as
+// server-sent events. Nothing is written until the head either fails (an
+// ordinary error response) or produces its first text (the stream begins).
+func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp responder) {
+	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
+	defer cancel()
+	id := requestIDFrom(r.Context())
+	req := orchestrator.Request{ID: id, Prompt: j.prompt, Sampling: j.sampling, Stages: 1}
+	if j.audio {
+		req.Stages = len(s.b.Pipeline().Stages)
+	}
+
+	if !j.stream {
+		res, err := s.b.Execute(ctx, req, nil)
+		var audio *audioOut
+		if err == nil {
+			audio, err = audioOf(res, j.audio, id)
+		}
+		if err != nil {
+			s.fail(w, r, nil, err)
+			return
+		}
+		extendWriteDeadline(w)
+		writeJSON(w, http.StatusOK, resp.full(res, audio))
+		return
+	}
+
+	stream := &sseWriter{w: w, rc: http.NewResponseController(w)}
+	res, err := s.b.Execute(ctx, req, func(delta string) error {
+		if delta == "" {
+			return nil
+		}
+		if err := stream.begin(resp); err != nil {
+			return err
+		}
+		return stream.send(resp.textChunk(delta))
+	})
+	var audio *audioOut
+	if err == nil {
+		audio, err = audioOf(res, j.audio, id)
+	}
+	if err != nil {
+		s.fail(w, r, stream, err)
+		return
+	}
+	err = stream.begin(resp)
+	if err == nil && audio != nil {
+		err = stream.send(resp.audioChunk(audio))
+	}
+	if err == nil {
+		err = stream.send(resp.finishChunk(finishReason(res)))
+	}
+	if err == nil && j.includeUsage {
+		err = stream.send(resp.usageChunk(usageOf(res)))
+	}
+	if err == nil {
+		err = stream.done()
+	}
+	if err != nil {
+		s.log.DebugContext(r.Context(), "httpapi: stream write failed", "request_id", id, "err", err)
+	}
+}
+
+// fail answers an error of the head. A client that is gone gets nothing
+// more; a stream that has begun gets the error as its last event (and no
+// [DONE], so the client knows it is incomplete).
+func (s *Server) fail(w http.ResponseWriter, r *http.Request, stream *sseWriter, err error) {
+	id := requestIDFrom(r.Context())
+	if r.Context().Err() != nil || (stream != nil && stream.broken) {
+		s.log.InfoContext(r.Context(), "httpapi: client went away; request aborted", "request_id", id, "err", err)
+		return
+	}
+	e := fromBackend(err)
+	level := slog.LevelInfo
+	if e.Status >= 500 {
+		level = slog.LevelWarn
+	}
+	s.log.Log(r.Context(), level, "httpapi: request failed", "request_id", id, "status", e.Status, "code", e.Code, "err", err)
+	if stream != nil && stream.started {
+		_ = stream.send(errorBody{Error: detailOf(e)})
+		return
+	}
+	writeError(w, e)
+}
+
+// reject answers a request refused before it reached the head.
+func (s *Server) reject(w http.ResponseWriter, r *http.Request, e *apiError) {
+	s.log.DebugContext(r.Context(), "httpapi: request rejected", "request_id", requestIDFrom(r.Context()), "status", e.Status, "code", e.Code, "param", e.Param, "err", e.Message)
+	writeError(w, e)
+}
+
+// audioOf builds message.audio from the pipeline's PCM, when asked for.
+func audioOf(res *orchestrator.Result, wanted bool, id string) (*audioOut, error) {
+	if !wanted {
+		return nil, nil
+	}
+	if len(res.PCM) < 2 || res.SampleRate <= 0 {
+		return nil, &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "no_audio",
+			Message: "the pipeline produced no audio: its last stage returned no PCM samples"}
+	}
+	wav, err := encodeWAV(res.PCM, res.SampleRate)
+	if err != nil {
+		return nil, &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "invalid_audio", Message: err.Error()}
+	}
+	return &audioOut{
+		ID:         "audio_" + id,
+		Data:       base64.StdEncoding.EncodeToString(wav),
+		ExpiresAt:  time.Now().Add(audioTTL).Unix(),
+		Transcript: res.Text,
+	}, nil
+}
+
+func finishReason(res *orchestrator.Result) string {
+	if res.FinishReason == "" {
+		return "stop"
+	}
+	return res.FinishReason
+}
+
+// extendWriteDeadline gives the next write writeStallTimeout to complete.
+// The middleware clears the deadline when the next request on the
+// connection begins.
+func extendWriteDeadline(w http.ResponseWriter) {
+	_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(writeStallTimeout))
+}
+
+// sseWriter writes server-sent events, flushing each. It is used by one
+// goroutine (the handler's; the head calls onText synchronously). After a
+// failed write it writes nothing more.
+type sseWriter struct {
+	w       http.ResponseWriter
+	rc      *http.ResponseController
+	started bool
+	broken  bool
+}
+
+// begin writes the stream's headers and the responder's first chunk, once.
+func (s *sseWriter) begin(resp responder) error {
+	if s.started {
+		return nil
+	}
+	s.started = true
+	h := s.w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("X-Accel-Buffering", "no") // reverse proxies: do not buffer the stream
+	s.w.WriteHeader(http.StatusOK)
+	if first := resp.roleChunk(); first != nil {
+		return s.send(first)
+	}
+	return s.flush()
+}
+
+func (s *sseWriter) send(v any) error {
+	data, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Errorf("httpapi: encode event: %w", err)
+	}
+	return s.event(data)
+}
+
+// done ends the stream as OpenAI does.
+func (s *sseWriter) done() error { return s.event([]byte("[DONE]")) }
+
+func (s *sseWriter) event(data []byte) error {
+	if s.broken {
+		return errors.New("httpapi: stream already broken")
+	}
+	buf := make([]byte, 0, len(data)+8)
+	buf = append(buf, "data: "...)
+	buf = append(buf, data...)
+	buf = append(buf, '\n', '\n')
+	_ = s.rc.SetWriteDeadline(time.Now().Add(writeStallTimeout))
+	if _, err := s.w.Write(buf); err != nil {
+		s.broken = true
+		return fmt.Errorf("httpapi: write event: %w", err)
+	}
+	return s.flush()
+}
+
+func (s *sseWriter) flush() error {
+	_ = s.rc.SetWriteDeadline(time.Now().Add(writeStallTimeout))
+	if err := s.rc.Flush(); err != nil {
+		s.broken = true
+		return fmt.Errorf("httpapi: flush event: %w", err)
+	}
+	return nil
+}
+
+// responder renders one request's answer in its endpoint's shape.
+type responder interface {
+	full(res *orchestrator.Result, audio *audioOut) any
+	roleChunk() any // nil: the endpoint has no opening chunk
+	textChunk(delta string) any
+	audioChunk(a *audioOut) any
+	finishChunk(reason string) any
+	usageChunk(u *usage) any
+}
+
+type chatResponder struct {
+	id           string
+	created      int64
+	model        string
+	includeUsage bool
+}
+
+func (c *chatResponder) full(res *orchestrator.Result, audio *audioOut) any {
+	return chatCompletion{
+		ID: c.id, Object: "chat.completion", Created: c.created, Model: c.model,
+		Choices: []chatChoice{{
+			Message:      chatResponseMessage{Role: "assistant", Content: res.Text, Audio: audio},
+			FinishReason: finishReason(res),
+		}},
+		Usage: usageOf(res),
+	}
+}
+
+func (c *chatResponder) chunk(d chatDelta, finish *string) chatChunk {
+	ch := chatChunk{
+		ID: c.id, Object: "chat.completion.chunk", Created: c.created, Model: c.model,
+		Choices: []chatChunkChoice{{Delta: d, FinishReason: finish}},
+	}
+	if c.includeUsage {
+		ch.Usage = nullUsage
+	}
+	return ch
+}
+
+func (c *chatResponder) roleChunk() any {
+	empty := ""
+	return c.chunk(chatDelta{Role: "assistant", Content: &empty}, nil)
+}
+
+func (c *chatResponder) textChunk(delta string) any { return c.chunk(chatDelta{Content: &delta}, nil) }
+
+func (c *chatResponder) audioChunk(a *audioOut) any { return c.chunk(chatDelta{Audio: a}, nil) }
+
+func (c *chatResponder) finishChunk(reason string) any { return c.chunk(chatDelta{}, &reason) }
+
+func (c *chatResponder) usageChunk(u *usage) any {
+	return chatChunk{
+		ID: c.id, Object: "chat.completion.chunk", Created: c.created, Model: c.model,
+		Choices: []chatChunkChoice{}, Usage: u,
+	}
+}
+
+type completionResponder struct {
+	id           string
+	created      int64
+	model        string
+	includeUsage bool
+}
+
+func (c *completionResponder) full(res *orchestrator.Result, _ *audioOut) any {
+	reason := finishReason(res)
+	return textCompletion{
+		ID: c.id, Object: "text_completion", Created: c.created, Model: c.model,
+		Choices: []completionChoice{{Text: res.Text, FinishReason: &reason}},
+		Usage:   usageOf(res),
+	}
+}
+
+func (c *completionResponder) chunk(text string, finish *string) textCompletion {
+	ch := textCompletion{
+		ID: c.id, Object: "text_completion", Created: c.created, Model: c.model,
+		Choices: []completionChoice{{Text: text, FinishReason: finish}},
+	}
+	if c.includeUsage {
+		ch.Usage = nullUsage
+	}
+	return ch
+}
+
+func (c *completionResponder) roleChunk() any { return nil }
+
+func (c *completionResponder) textChunk(delta string) any { return c.chunk(delta, nil) }
+
+func (c *completionResponder) audioChunk(*audioOut) any { return nil }
+
+func (c *completionResponder) finishChunk(reason string) any { return c.chunk("", &reason) }
+
+func (c *completionResponder) usageChunk(u *usage) any {
+	return textCompletion{
+		ID: c.id, Object: "text_completion", Created: c.created, Model: c.model,
+		Choices: []completionChoice{}, Usage: u,
+	}
+}

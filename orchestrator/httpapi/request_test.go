@@ -1,0 +1,163 @@
+package httpapi
+
+import (
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"pgregory.net/rapid"
+)
+
+const testModel = "troupe-omni-sim"
+
+func TestParseChatMapsFields(t *testing.T) {
+	body := `{
+		"model": "troupe-omni-sim",
+		"messages": [
+			{"role": "system", "content": "be brief"},
+			{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]},
+			{"role": "assistant", "content": null}
+		],
+		"max_tokens": 7, "max_completion_tokens": 9,
+		"temperature": 0.5, "seed": 42, "stop": ["x", "y"], "ignore_eos": true,
+		"stream": true, "stream_options": {"include_usage": true},
+		"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
+		"top_p": 0.9, "user": "ignored"
+	}`
+	j, e := parseChat([]byte(body), testModel)
+	require.Nil(t, e)
+	assert.Equal(t, "system: be brief\nuser: hello\nworld\nassistant: ", j.prompt)
+	assert.Equal(t, uint32(9), j.sampling.GetMaxTokens(), "max_completion_tokens wins over max_tokens")
+	assert.InDelta(t, 0.5, j.sampling.GetTemperature(), 1e-6)
+	assert.Equal(t, int64(42), j.sampling.GetSeed())
+	assert.NotNil(t, j.sampling.Seed)
+	assert.Equal(t, []string{"x", "y"}, j.sampling.GetStop())
+	assert.True(t, j.sampling.GetIgnoreEos())
+	assert.True(t, j.stream)
+	assert.True(t, j.includeUsage)
+	assert.True(t, j.audio)
+	assert.Equal(t, testModel, j.model)
+}
+
+func TestParseChatDefaults(t *testing.T) {
+	j, e := parseChat([]byte(`{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stop":"."}`), testModel)
+	require.Nil(t, e)
+	assert.Equal(t, "user: hi", j.prompt)
+	assert.Equal(t, uint32(3), j.sampling.GetMaxTokens())
+	assert.Nil(t, j.sampling.Seed, "no seed: the engine's default (0)")
+	assert.Equal(t, []string{"."}, j.sampling.GetStop())
+	assert.False(t, j.stream)
+	assert.False(t, j.audio)
+	assert.False(t, j.includeUsage)
+}
+
+func TestParseCompletion(t *testing.T) {
+	j, e := parseCompletion([]byte(`{"model":"troupe-omni-sim","prompt":["once upon"],"max_completion_tokens":4,"seed":-3}`), testModel)
+	require.Nil(t, e)
+	assert.Equal(t, "once upon", j.prompt)
+	assert.Equal(t, uint32(4), j.sampling.GetMaxTokens())
+	assert.Equal(t, int64(-3), j.sampling.GetSeed())
+}
+
+func TestParseErrors(t *testing.T) {
+	const msgs = `"messages":[{"role":"user","content":"hi"}]`
+	cases := []struct {
+		name       string
+		completion bool
+		body       string
+		status     int
+		param      string
+		code       string
+	}{
+		{name: "empty body", body: ``, status: 400, code: "invalid_json"},
+		{name: "syntax", body: `{"model":`, status: 400, code: "invalid_json"},
+		{name: "trailing garbage", body: `{"model":"m"} x`, status: 400, code: "invalid_json"},
+		{name: "array body", body: `[1]`, status: 400, code: "invalid_type"},
+		{name: "missing model", body: `{` + msgs + `}`, status: 400, param: "model", code: "missing_field"},
+		{name: "model wrong type", body: `{"model":5,` + msgs + `}`, status: 400, param: "model", code: "invalid_type"},
+		{name: "unknown model", body: `{"model":"gpt-4",` + msgs + `}`, status: 404, param: "model", code: "model_not_found"},
+		{name: "missing messages", body: `{"model":"troupe-omni-sim"}`, status: 400, param: "messages", code: "missing_field"},
+		{name: "empty messages", body: `{"model":"troupe-omni-sim","messages":[]}`, status: 400, param: "messages", code: "invalid_value"},
+		{name: "messages wrong type", body: `{"model":"troupe-omni-sim","messages":"hi"}`, status: 400, param: "messages", code: "invalid_type"},
+		{name: "message missing role", body: `{"model":"troupe-omni-sim","messages":[{"content":"hi"}]}`, status: 400, param: "messages[0].role", code: "missing_field"},
+		{name: "unknown role", body: `{"model":"troupe-omni-sim","messages":[{"role":"bot","content":"hi"}]}`, status: 400, param: "messages[0].role", code: "invalid_value"},
+		{name: "content number", body: `{"model":"troupe-omni-sim","messages":[{"role":"user","content":3}]}`, status: 400, param: "messages[0].content", code: "invalid_type"},
+		{name: "content image part", body: `{"model":"troupe-omni-sim","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}`, status: 400, param: "messages[0].content[0].type", code: "unsupported"},
+		{name: "content part not object", body: `{"model":"troupe-omni-sim","messages":[{"role":"user","content":["hi"]}]}`, status: 400, param: "messages[0].content[0]", code: "invalid_type"},
+		{name: "content part no text", body: `{"model":"troupe-omni-sim","messages":[{"role":"user","content":[{"type":"text"}]}]}`, status: 400, param: "messages[0].content[0].text", code: "missing_field"},
+		{name: "max_tokens string", body: `{"model":"troupe-omni-sim",` + msgs + `,"max_tokens":"7"}`, status: 400, param: "max_tokens", code: "invalid_type"},
+		{name: "max_tokens float", body: `{"model":"troupe-omni-sim",` + msgs + `,"max_tokens":1.5}`, status: 400, param: "max_tokens", code: "invalid_type"},
+		{name: "max_tokens zero", body: `{"model":"troupe-omni-sim",` + msgs + `,"max_tokens":0}`, status: 400, param: "max_tokens", code: "invalid_value"},
+		{name: "max_tokens negative", body: `{"model":"troupe-omni-sim",` + msgs + `,"max_tokens":-1}`, status: 400, param: "max_tokens", code: "invalid_value"},
+		{name: "max_completion_tokens huge", body: `{"model":"troupe-omni-sim",` + msgs + `,"max_completion_tokens":1048577}`, status: 400, param: "max_completion_tokens", code: "invalid_value"},
+		{name: "temperature high", body: `{"model":"troupe-omni-sim",` + msgs + `,"temperature":2.5}`, status: 400, param: "temperature", code: "invalid_value"},
+		{name: "temperature string", body: `{"model":"troupe-omni-sim",` + msgs + `,"temperature":"hot"}`, status: 400, param: "temperature", code: "invalid_type"},
+		{name: "seed float", body: `{"model":"troupe-omni-sim",` + msgs + `,"seed":0.5}`, status: 400, param: "seed", code: "invalid_type"},
+		{name: "stream string", body: `{"model":"troupe-omni-sim",` + msgs + `,"stream":"yes"}`, status: 400, param: "stream", code: "invalid_type"},
+		{name: "stop number", body: `{"model":"troupe-omni-sim",` + msgs + `,"stop":1}`, status: 400, param: "stop", code: "invalid_type"},
+		{name: "stop mixed array", body: `{"model":"troupe-omni-sim",` + msgs + `,"stop":["a",1]}`, status: 400, param: "stop", code: "invalid_type"},
+		{name: "stop empty", body: `{"model":"troupe-omni-sim",` + msgs + `,"stop":""}`, status: 400, param: "stop", code: "invalid_value"},
+		{name: "n two", body: `{"model":"troupe-omni-sim",` + msgs + `,"n":2}`, status: 400, param: "n", code: "unsupported"},
+		{name: "n zero", body: `{"model":"troupe-omni-sim",` + msgs + `,"n":0}`, status: 400, param: "n", code: "invalid_value"},
+		{name: "unknown modality", body: `{"model":"troupe-omni-sim",` + msgs + `,"modalities":["video"]}`, status: 400, param: "modalities", code: "invalid_value"},
+		{name: "audio mp3", body: `{"model":"troupe-omni-sim",` + msgs + `,"modalities":["text","audio"],"audio":{"voice":"alloy","format":"mp3"}}`, status: 400, param: "audio.format", code: "unsupported"},
+		{name: "audio voice number", body: `{"model":"troupe-omni-sim",` + msgs + `,"audio":{"voice":3,"format":"wav"}}`, status: 400, param: "audio.voice", code: "invalid_type"},
+		{name: "completion missing prompt", completion: true, body: `{"model":"troupe-omni-sim"}`, status: 400, param: "prompt", code: "missing_field"},
+		{name: "completion prompt number", completion: true, body: `{"model":"troupe-omni-sim","prompt":5}`, status: 400, param: "prompt", code: "invalid_type"},
+		{name: "completion batch", completion: true, body: `{"model":"troupe-omni-sim","prompt":["a","b"]}`, status: 400, param: "prompt", code: "unsupported"},
+		{name: "completion token ids", completion: true, body: `{"model":"troupe-omni-sim","prompt":[1,2,3]}`, status: 400, param: "prompt", code: "unsupported"},
+		{name: "completion unknown model", completion: true, body: `{"model":"x","prompt":"a"}`, status: 404, param: "model", code: "model_not_found"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var e *apiError
+			if tc.completion {
+				_, e = parseCompletion([]byte(tc.body), testModel)
+			} else {
+				_, e = parseChat([]byte(tc.body), testModel)
+			}
+			require.NotNil(t, e, "body %s must be refused", tc.body)
+			assert.Equal(t, tc.status, e.Status)
+			assert.Equal(t, tc.param, e.Param)
+			assert.Equal(t, tc.code, e.Code)
+			assert.NotEmpty(t, e.Message)
+			if tc.status == http.StatusBadRequest {
+				assert.Equal(t, typeInvalidRequest, e.Type)
+			}
+		})
+	}
+}
+
+// Whatever bytes arrive, parsing answers a job or a 4xx; it never panics.
+func TestParseNeverPanics(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		body := rapid.OneOf(
+			rapid.SliceOf(rapid.Byte()),
+			rapid.Map(rapid.StringMatching(`\{"model":"troupe-omni-sim","(messages|prompt)":[\[\]{}"a-z:,0-9 .-]{0,40}\}`), func(s string) []byte { return []byte(s) }),
+		).Draw(t, "body")
+		for _, parse := range []func([]byte, string) (job, *apiError){parseChat, parseCompletion} {
+			j, e := parse(body, testModel)
+			if e != nil {
+				if e.Status < 400 || e.Status > 499 {
+					t.Fatalf("status %d for %q", e.Status, body)
+				}
+				continue
+			}
+			if j.sampling == nil {
+				t.Fatalf("accepted %q without sampling params", body)
+			}
+		}
+	})
+}
+
+func TestRequestID(t *testing.T) {
+	assert.Equal(t, "abc-123_x.y", requestID("abc-123_x.y"))
+	for _, bad := range []string{"", "has space", "ctl\x01", strings.Repeat("a", maxRequestIDLen+1), "é"} {
+		got := requestID(bad)
+		assert.Regexp(t, `^[0-9a-f]{32}$`, got, "client id %q must be replaced", bad)
+	}
+	assert.NotEqual(t, requestID(""), requestID(""), "generated ids are random")
+	assert.Equal(t, strings.Repeat("a", maxRequestIDLen), requestID(strings.Repeat("a", maxRequestIDLen)))
+}

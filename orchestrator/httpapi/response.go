@@ -1,0 +1,132 @@
+package httpapi
+
+import (
+	"encoding/json"
+
+	"github.com/troupe-serving/troupe/orchestrator"
+)
+
+// OpenAI response shapes. Fields that OpenAI sends as null (logprobs,
+// refusal) are sent as null, so strict clients find every key they expect.
+
+type usage struct {
+	PromptTokens     int `json:"prompt_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+	TotalTokens      int `json:"total_tokens"`
+}
+
+func usageOf(res *orchestrator.Result) *usage {
+	return &usage{
+		PromptTokens:     res.PromptTokens,
+		CompletionTokens: res.CompletionTokens,
+		TotalTokens:      res.PromptTokens + res.CompletionTokens,
+	}
+}
+
+// nullUsage is the "usage": null that OpenAI puts on every chunk but the
+// last when stream_options.include_usage is set.
+var nullUsage = json.RawMessage("null")
+
+type audioOut struct {
+	ID         string `json:"id"`
+	Data       string `json:"data"` // base64 WAV
+	ExpiresAt  int64  `json:"expires_at"`
+	Transcript string `json:"transcript"`
+}
+
+type chatCompletion struct {
+	ID      string       `json:"id"`
+	Object  string       `json:"object"` // chat.completion
+	Created int64        `json:"created"`
+	Model   string       `json:"model"`
+	Choices []chatChoice `json:"choices"`
+	Usage   *usage       `json:"usage"`
+}
+
+type chatChoice struct {
+	Index        int                 `json:"index"`
+	Message      chatResponseMessage `json:"message"`
+	Logprobs     *struct{}           `json:"logprobs"`
+	FinishReason string              `json:"finish_reason"`
+}
+
+type chatResponseMessage struct {
+	Role    string    `json:"role"`
+	Content string    `json:"content"`
+	Refusal *string   `json:"refusal"`
+	Audio   *audioOut `json:"audio,omitempty"`
+}
+
+type chatChunk struct {
+	ID      string            `json:"id"`
+	Object  string            `json:"object"` // chat.completion.chunk
+	Created int64             `json:"created"`
+	Model   string            `json:"model"`
+	Choices []chatChunkChoice `json:"choices"`
+	Usage   any               `json:"usage,omitempty"` // nil, nullUsage or *usage
+}
+
+type chatChunkChoice struct {
+	Index        int       `json:"index"`
+	Delta        chatDelta `json:"delta"`
+	Logprobs     *struct{} `json:"logprobs"`
+	FinishReason *string   `json:"finish_reason"`
+}
+
+type chatDelta struct {
+	Role    string    `json:"role,omitempty"`
+	Content *string   `json:"content,omitempty"`
+	Audio   *audioOut `json:"audio,omitempty"`
+}
+
+type textCompletion struct {
+	ID      string             `json:"id"`
+	Object  string             `json:"object"` // text_completion
+	Created int64              `json:"created"`
+	Model   string             `json:"model"`
+	Choices []completionChoice `json:"choices"`
+	Usage   any                `json:"usage,omitempty"` // nil, nullUsage or *usage
+}
+
+type completionChoice struct {
+	Index        int       `json:"index"`
+	Text         string    `json:"text"`
+	Logprobs     *struct{} `json:"logprobs"`
+	FinishReason *string   `json:"finish_reason"`
+}
+
+type modelList struct {
+	Object string      `json:"object"` // list
+	Data   []modelCard `json:"data"`
+}
+
+type modelCard struct {
+	ID      string `json:"id"`
+	Object  string `json:"object"` // model
+	Created int64  `json:"created"`
+	OwnedBy string `json:"owned_by"`
+}
+
+// replicaList is GET /v1/replicas, exactly as DESIGN.md specifies.
+type replicaList struct {
+	Data []replicaRow `json:"data"`
+}
+
+type replicaRow struct {
+	Stage       int    `json:"stage"`
+	StageName   string `json:"stage_name"`
+	Replica     uint32 `json:"replica"`
+	EngineIndex int    `json:"engine_index"`
+	Addr        string `json:"addr"`
+	State       string `json:"state"`
+	JoinedAt    string `json:"joined_at"` // RFC 3339
+	InFlight    int64  `json:"in_flight"`
+}
+
+// sleepAnswer is the body of a successful sleep or wake_up.
+type sleepAnswer struct {
+	Stage      int    `json:"stage"`
+	StageName  string `json:"stage_name"`
+	Replica    uint32 `json:"replica"`
+	SleepState string `json:"sleep_state"` // awake | weights_offloaded | discard_all
+}

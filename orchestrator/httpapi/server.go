@@ -1,0 +1,406 @@
+// Package httpapi is the head's HTTP API: the OpenAI-compatible serving
+// endpoints (chat and text completions, models), the admin endpoints
+// (replicas, sleep, wake_up), /metrics and the health probes.
+//
+// Every request passes, in order: otelhttp (the server span, W3C context
+// extracted from the request), then this package's middleware (X-Request-Id,
+// traceparent, API key, body limit, access log), then the route. docs/api.md
+// describes the endpoints and the errors.
+package httpapi
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/hex"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/contrib/instrumentation/net/http/otelhttp"
+	noopmetric "go.opentelemetry.io/otel/metric/noop"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/telemetry"
+)
+
+// Backend is what the API needs from the head (*orchestrator.Head). Every
+// method may be called concurrently.
+type Backend interface {
+	Pipeline() orchestrator.Pipeline
+	Execute(ctx context.Context, req orchestrator.Request, onText func(delta string) error) (*orchestrator.Result, error)
+	Replicas() []orchestrator.ReplicaStatus
+	Ready() (bool, string)
+	ResolveStage(stage string) (int, error)
+	Sleep(ctx context.Context, stage int, replica uint32, level int) (stagepb.SleepState, error)
+	WakeUp(ctx context.Context, stage int, replica uint32) (stagepb.SleepState, error)
+}
+
+// Defaults of Config.
+const (
+	DefaultMaxBodyBytes   = 16 << 20
+	DefaultRequestTimeout = 10 * time.Minute
+	// adminTimeout bounds a sleep or wake_up call to a replica.
+	adminTimeout = 30 * time.Second
+	// maxRequestIDLen bounds an X-Request-Id taken from the client.
+	maxRequestIDLen = 128
+)
+
+// Config configures a Server. The zero value works: no auth, 16 MiB bodies,
+// no /metrics, trace ids that are never sampled.
+type Config struct {
+	// MaxBodyBytes caps request bodies (413 above it); <= 0 means 16 MiB.
+	MaxBodyBytes int64
+	// APIKey, when not empty, must be sent as "Authorization: Bearer <key>"
+	// on every route except /metrics, /healthz and /readyz.
+	APIKey string
+	// Gatherer is served on /metrics (OpenMetrics when the scraper asks for
+	// it). nil: no /metrics route.
+	Gatherer prometheus.Gatherer
+	// TracerProvider makes the server spans. nil: an SDK provider that never
+	// samples, so responses still carry a real traceparent.
+	TracerProvider trace.TracerProvider
+	// Propagator extracts the caller's trace context. nil: W3C trace
+	// context and baggage.
+	Propagator propagation.TextMapPropagator
+	// UntrustedParent makes the server span a new root that links to the
+	// caller's span instead of being its child (--trace-untrusted-parent).
+	UntrustedParent bool
+	// Logger receives one line per request (debug for probes and metrics).
+	// nil: slog.Default().
+	Logger *slog.Logger
+	// RequestTimeout bounds one generation; <= 0 means 10 minutes. A
+	// request that runs out gets 504 (or an error event on a stream).
+	RequestTimeout time.Duration
+}
+
+// Server serves the API of one head. Its handlers are safe for concurrent
+// use; it owns no goroutines.
+type Server struct {
+	b       Backend
+	cfg     Config
+	log     *slog.Logger
+	created int64 // the models' "created": when the server was built
+	keyHash [sha256.Size]byte
+
+	all, serving, admin http.Handler
+}
+
+// New builds the server's handlers over the head b.
+func New(b Backend, cfg Config) *Server {
+	if cfg.MaxBodyBytes <= 0 {
+		cfg.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if cfg.RequestTimeout <= 0 {
+		cfg.RequestTimeout = DefaultRequestTimeout
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.TracerProvider == nil {
+		cfg.TracerProvider = sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.NeverSample()))
+	}
+	if cfg.Propagator == nil {
+		cfg.Propagator = propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
+	}
+	s := &Server{b: b, cfg: cfg, log: cfg.Logger, created: time.Now().Unix()}
+	if cfg.APIKey != "" {
+		s.keyHash = sha256.Sum256([]byte(cfg.APIKey))
+	}
+	serving, admin, all := http.NewServeMux(), http.NewServeMux(), http.NewServeMux()
+	for _, m := range []*http.ServeMux{serving, all} {
+		m.HandleFunc("POST /v1/chat/completions", s.chatCompletions)
+		m.HandleFunc("POST /v1/completions", s.completions)
+		m.HandleFunc("GET /v1/models", s.models)
+		m.HandleFunc("GET /v1/models/{model...}", s.model)
+	}
+	for _, m := range []*http.ServeMux{admin, all} {
+		m.HandleFunc("GET /v1/replicas", s.replicas)
+		m.HandleFunc("POST /v1/replicas/{stage}/{replica}/sleep", s.sleep)
+		m.HandleFunc("POST /v1/replicas/{stage}/{replica}/wake_up", s.wakeUp)
+		if cfg.Gatherer != nil {
+			m.Handle("GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{
+				EnableOpenMetrics: true,
+				ErrorHandling:     promhttp.ContinueOnError,
+				ErrorLog:          promLogger{s.log},
+			}))
+		}
+	}
+	for _, m := range []*http.ServeMux{serving, admin, all} {
+		m.HandleFunc("GET /healthz", s.healthz)
+		m.HandleFunc("GET /readyz", s.readyz)
+	}
+	s.all, s.serving, s.admin = s.wrap(all), s.wrap(serving), s.wrap(admin)
+	return s
+}
+
+// Handler serves every route: serving, admin, metrics and health.
+func (s *Server) Handler() http.Handler { return s.all }
+
+// ServingHandler serves the OpenAI routes and the health probes, without
+// admin and metrics: for the public listener when --admin-http splits them.
+func (s *Server) ServingHandler() http.Handler { return s.serving }
+
+// AdminHandler serves admin, metrics and the health probes: for the
+// --admin-http listener.
+func (s *Server) AdminHandler() http.Handler { return s.admin }
+
+// NewHTTPServer returns a server for h with every timeout that is safe for
+// streaming set:
+//   - ReadHeaderTimeout 10s and MaxHeaderBytes 64 KiB bound slow or huge
+//     headers (slowloris).
+//   - ReadTimeout 60s bounds reading the whole request, body included. The
+//     completion handlers lift the read deadline once the body is read,
+//     because net/http would otherwise cancel the request's context when it
+//     passes during a long generation.
+//   - IdleTimeout 120s closes idle keep-alive connections.
+//   - WriteTimeout is left at 0: it is a deadline for the whole response
+//     and would cut every stream longer than it. Instead each write gets
+//     its own 30s deadline (a client that stops reading is dropped), and
+//     Config.RequestTimeout bounds the generation itself.
+func NewHTTPServer(addr string, h http.Handler) *http.Server {
+	return &http.Server{
+		Addr:              addr,
+		Handler:           h,
+		ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout:       60 * time.Second,
+		IdleTimeout:       120 * time.Second,
+		MaxHeaderBytes:    64 << 10,
+	}
+}
+
+// wrap puts mux behind otelhttp and the middleware.
+func (s *Server) wrap(mux *http.ServeMux) http.Handler {
+	inner := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { s.serve(w, r, mux) })
+	opts := []otelhttp.Option{
+		otelhttp.WithTracerProvider(s.cfg.TracerProvider),
+		otelhttp.WithPropagators(s.cfg.Propagator),
+		otelhttp.WithMeterProvider(noopmetric.NewMeterProvider()), // HTTP metrics are not part of /metrics
+		otelhttp.WithSpanNameFormatter(func(_ string, r *http.Request) string { return spanName(r) }),
+	}
+	if s.cfg.UntrustedParent {
+		opts = append(opts, otelhttp.WithPublicEndpointFn(func(*http.Request) bool { return true }))
+	}
+	return otelhttp.NewHandler(inner, "troupe.http", opts...)
+}
+
+// spanName is "METHOD /route" once the route is known, else "METHOD".
+func spanName(r *http.Request) string {
+	switch {
+	case r.Pattern == "":
+		return r.Method
+	case strings.Contains(r.Pattern, " "):
+		return r.Pattern
+	default:
+		return r.Method + " " + r.Pattern
+	}
+}
+
+type requestIDKey struct{}
+
+// requestIDFrom returns the request id the middleware put in ctx.
+func requestIDFrom(ctx context.Context) string {
+	id, _ := ctx.Value(requestIDKey{}).(string)
+	return id
+}
+
+// serve is the middleware inside otelhttp: the server span exists, so the
+// traceparent header can be set before anything is written.
+func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMux) {
+	start := time.Now()
+	id := requestID(r.Header.Get("X-Request-Id"))
+	span := trace.SpanFromContext(r.Context())
+	span.SetAttributes(telemetry.KeyRequestID.String(id))
+	h := w.Header()
+	h.Set("X-Request-Id", id)
+	if tp := telemetry.TraceparentHeader(r.Context()); tp != "" {
+		h.Set("Traceparent", tp)
+	}
+	// A previous response on this keep-alive connection may have left a
+	// write deadline behind (see extendWriteDeadline).
+	_ = http.NewResponseController(w).SetWriteDeadline(time.Time{})
+
+	sw := &statusWriter{ResponseWriter: w}
+	r = r.WithContext(context.WithValue(r.Context(), requestIDKey{}, id))
+	switch {
+	case !s.authorized(r):
+		h.Set("WWW-Authenticate", `Bearer realm="troupe"`)
+		writeError(sw, &apiError{Status: http.StatusUnauthorized, Type: typeAuthentication, Code: "invalid_api_key",
+			Message: "missing or invalid API key: send \"Authorization: Bearer <key>\""})
+	case r.ContentLength > s.cfg.MaxBodyBytes:
+		// Refused before reading a byte of it.
+		h.Set("Connection", "close")
+		writeError(sw, tooLarge(s.cfg.MaxBodyBytes))
+	default:
+		r.Body = http.MaxBytesReader(sw, r.Body, s.cfg.MaxBodyBytes)
+		dispatch(sw, r, mux)
+	}
+	// otelhttp names the span from its own copy of the request, which the
+	// mux never saw; name it here, where the route is known.
+	span.SetName(spanName(r))
+
+	level := slog.LevelInfo
+	switch {
+	case sw.status >= 500:
+		level = slog.LevelWarn
+	case r.Pattern == "GET /healthz" || r.Pattern == "GET /readyz" || r.Pattern == "GET /metrics":
+		level = slog.LevelDebug
+	}
+	s.log.LogAttrs(r.Context(), level, "httpapi: request",
+		slog.String("request_id", id),
+		slog.String("method", r.Method),
+		slog.String("path", r.URL.Path),
+		slog.String("route", r.Pattern),
+		slog.Int("status", sw.statusOr200()),
+		slog.Int64("bytes", sw.written),
+		slog.Duration("duration", time.Since(start)),
+		slog.String("remote", r.RemoteAddr),
+	)
+}
+
+// dispatch runs the route, answering unknown routes (404) and wrong methods
+// (405, with Allow) in the OpenAI error shape instead of the mux's text.
+func dispatch(w http.ResponseWriter, r *http.Request, mux *http.ServeMux) {
+	if _, pattern := mux.Handler(r); pattern != "" {
+		mux.ServeHTTP(w, r)
+		return
+	}
+	rec := &captureWriter{header: http.Header{}}
+	mux.ServeHTTP(rec, r)
+	switch rec.status {
+	case http.StatusNotFound:
+		writeError(w, notFound("", "not_found", "no route %s %s", r.Method, r.URL.Path))
+	case http.StatusMethodNotAllowed:
+		if allow := rec.header.Get("Allow"); allow != "" {
+			w.Header().Set("Allow", allow)
+		}
+		writeError(w, &apiError{Status: http.StatusMethodNotAllowed, Type: typeInvalidRequest, Code: "method_not_allowed",
+			Message: "method " + r.Method + " is not allowed on " + r.URL.Path + "; allowed: " + rec.header.Get("Allow")})
+	default: // a redirect to the cleaned path
+		for k, v := range rec.header {
+			w.Header()[k] = v
+		}
+		w.WriteHeader(rec.statusOr200())
+		_, _ = w.Write(rec.body)
+	}
+}
+
+// authorized reports whether r may pass: always when no key is set, and
+// always for the probes and /metrics.
+func (s *Server) authorized(r *http.Request) bool {
+	if s.cfg.APIKey == "" {
+		return true
+	}
+	switch r.URL.Path {
+	case "/metrics", "/healthz", "/readyz":
+		return true
+	}
+	scheme, token, ok := strings.Cut(r.Header.Get("Authorization"), " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return false
+	}
+	// Hashing first makes the comparison constant-time in the key's length
+	// too.
+	got := sha256.Sum256([]byte(strings.TrimSpace(token)))
+	return subtle.ConstantTimeCompare(got[:], s.keyHash[:]) == 1
+}
+
+// requestID returns the client's id when it is sane (1 to 128 printable
+// ASCII characters, no spaces), else a new random one.
+func requestID(client string) string {
+	if n := len(client); n > 0 && n <= maxRequestIDLen {
+		ok := true
+		for i := range n {
+			if c := client[i]; c <= ' ' || c > '~' {
+				ok = false
+				break
+			}
+		}
+		if ok {
+			return client
+		}
+	}
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
+	return hex.EncodeToString(b[:])
+}
+
+// statusWriter records the status and size of a response for the access
+// log. Unwrap lets http.ResponseController reach the connection (flush,
+// deadlines).
+type statusWriter struct {
+	http.ResponseWriter
+	status  int
+	written int64
+}
+
+func (w *statusWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *statusWriter) Write(p []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	n, err := w.ResponseWriter.Write(p)
+	w.written += int64(n)
+	return n, err
+}
+
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+func (w *statusWriter) statusOr200() int {
+	if w.status == 0 {
+		return http.StatusOK
+	}
+	return w.status
+}
+
+// captureWriter holds the mux's answer to an unmatched request.
+type captureWriter struct {
+	header http.Header
+	status int
+	body   []byte
+}
+
+func (c *captureWriter) Header() http.Header { return c.header }
+
+func (c *captureWriter) WriteHeader(code int) {
+	if c.status == 0 {
+		c.status = code
+	}
+}
+
+func (c *captureWriter) Write(p []byte) (int, error) {
+	if c.status == 0 {
+		c.status = http.StatusOK
+	}
+	c.body = append(c.body, p...)
+	return len(p), nil
+}
+
+func (c *captureWriter) statusOr200() int {
+	if c.status == 0 {
+		return http.StatusOK
+	}
+	return c.status
+}
+
+// promLogger sends promhttp's errors to slog.
+type promLogger struct{ log *slog.Logger }
+
+func (l promLogger) Println(v ...any) {
+	l.log.Warn("httpapi: metrics", "err", strings.TrimSpace(fmt.Sprintln(v...)))
+}

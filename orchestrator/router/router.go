@@ -1,0 +1,284 @@
+// Package router holds the head's routable replicas and picks one per stage
+// attempt.
+//
+// The membership structure (which replicas exist, their addresses and engine
+// indexes) is written by one goroutine, the head's event loop, through Add
+// and Remove; each change publishes a new immutable Snapshot. The request
+// path only reads snapshots, as grpc-go's balancer/base does with pickers.
+// Per-replica live fields (in-flight count, load, sleep state, connection
+// health) are atomics on the Replica and may change between snapshots.
+package router
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/connectivity"
+
+	"github.com/troupe-serving/troupe/orchestrator/registry"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+// ErrNoReplica is wrapped when a stage has no routable replica.
+var ErrNoReplica = errors.New("router: no routable replica")
+
+// Replica is one attached replica. Its identity fields never change; a
+// rejoin with a new address produces a new Replica.
+type Replica struct {
+	Key         registry.Key
+	StageName   string
+	EngineIndex int
+	Addr        string
+	JoinedAt    time.Time
+	Client      stagepb.StageServiceClient
+
+	conn      *grpc.ClientConn
+	inFlight  atomic.Int64
+	load      atomic.Int64 // running + waiting, from the replica's latest stats
+	sleep     atomic.Int32 // stagepb.SleepState
+	healthy   atomic.Bool  // connection not in TRANSIENT_FAILURE/SHUTDOWN
+	removed   atomic.Bool
+	closeOnce sync.Once
+	stopWatch context.CancelFunc
+}
+
+// InFlight is the number of requests currently on the replica.
+func (r *Replica) InFlight() int64 { return r.inFlight.Load() }
+
+// Load is running+waiting from the replica's latest stats.
+func (r *Replica) Load() int64 { return r.load.Load() }
+
+// SetLoad records running+waiting from a stats snapshot.
+func (r *Replica) SetLoad(n int64) { r.load.Store(n) }
+
+// SleepState is the replica's last known sleep state.
+func (r *Replica) SleepState() stagepb.SleepState { return stagepb.SleepState(r.sleep.Load()) }
+
+// SetSleepState records a sleep state reported by the worker.
+func (r *Replica) SetSleepState(s stagepb.SleepState) { r.sleep.Store(int32(s)) }
+
+// Healthy reports whether the replica's connection is usable.
+func (r *Replica) Healthy() bool { return r.healthy.Load() }
+
+// Routable reports whether new work may go to the replica.
+func (r *Replica) Routable() bool {
+	return !r.removed.Load() && r.healthy.Load() && r.SleepState() == stagepb.SleepState_SLEEP_STATE_AWAKE
+}
+
+// Acquire counts a request on the replica; the caller must call Release.
+func (r *Replica) Acquire() { r.inFlight.Add(1) }
+
+// Release ends a request. The last release of a removed replica closes its
+// connection, so a drain's in-flight requests are never cut off by a leave.
+func (r *Replica) Release() {
+	if r.inFlight.Add(-1) == 0 && r.removed.Load() {
+		r.close()
+	}
+}
+
+func (r *Replica) close() {
+	r.closeOnce.Do(func() {
+		r.stopWatch()
+		_ = r.conn.Close()
+	})
+}
+
+// Snapshot is an immutable view of the routable set. Safe for concurrent use.
+type Snapshot struct {
+	stages [][]*Replica // by stage index, sorted by replica id
+	byKey  map[registry.Key]*Replica
+}
+
+// Stage returns the replicas of a stage, sorted by replica id. Do not modify.
+func (s *Snapshot) Stage(stage int) []*Replica {
+	if stage < 0 || stage >= len(s.stages) {
+		return nil
+	}
+	return s.stages[stage]
+}
+
+// Lookup finds a replica by key.
+func (s *Snapshot) Lookup(k registry.Key) (*Replica, bool) {
+	r, ok := s.byKey[k]
+	return r, ok
+}
+
+// All returns every replica in stage then replica order.
+func (s *Snapshot) All() []*Replica {
+	var out []*Replica
+	for _, st := range s.stages {
+		out = append(out, st...)
+	}
+	return out
+}
+
+// Dialer opens a client connection to a replica address.
+type Dialer func(addr string) (*grpc.ClientConn, error)
+
+// Router owns the replicas' connections and their health watchers.
+type Router struct {
+	numStages int
+	dial      Dialer
+	log       *slog.Logger
+	snap      atomic.Pointer[Snapshot]
+	watchers  sync.WaitGroup
+}
+
+// New returns a router for a pipeline of numStages stages.
+func New(numStages int, dial Dialer, log *slog.Logger) *Router {
+	if log == nil {
+		log = slog.Default()
+	}
+	r := &Router{numStages: numStages, dial: dial, log: log}
+	r.snap.Store(&Snapshot{stages: make([][]*Replica, numStages), byKey: map[registry.Key]*Replica{}})
+	return r
+}
+
+// Snapshot returns the current routable set.
+func (r *Router) Snapshot() *Snapshot { return r.snap.Load() }
+
+// ReplicaSpec is what Add needs to attach a replica.
+type ReplicaSpec struct {
+	Key         registry.Key
+	StageName   string
+	EngineIndex int
+	Addr        string
+	JoinedAt    time.Time
+	SleepState  stagepb.SleepState
+}
+
+// Dial opens the connection for a replica that is about to be added; the
+// head probes it (Health) before Add, so the probe and routing share one
+// connection. The connection is owned by the returned Replica.
+func (r *Router) Dial(spec ReplicaSpec) (*Replica, error) {
+	conn, err := r.dial(spec.Addr)
+	if err != nil {
+		return nil, fmt.Errorf("router: dial %s: %w", spec.Addr, err)
+	}
+	rep := &Replica{
+		Key:         spec.Key,
+		StageName:   spec.StageName,
+		EngineIndex: spec.EngineIndex,
+		Addr:        spec.Addr,
+		JoinedAt:    spec.JoinedAt,
+		Client:      stagepb.NewStageServiceClient(conn),
+		conn:        conn,
+		stopWatch:   func() {},
+	}
+	rep.SetSleepState(spec.SleepState)
+	rep.healthy.Store(true)
+	return rep, nil
+}
+
+// Discard closes a replica that was dialled but never added.
+func (r *Router) Discard(rep *Replica) {
+	rep.removed.Store(true)
+	rep.close()
+}
+
+// Add publishes rep as routable, replacing any replica with the same key.
+// Only the head's event loop calls Add, Remove and Close.
+func (r *Router) Add(rep *Replica) error {
+	if rep.Key.Stage < 0 || rep.Key.Stage >= r.numStages {
+		return fmt.Errorf("router: stage %d out of range 0..%d", rep.Key.Stage, r.numStages-1)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	rep.stopWatch = cancel
+	r.watchers.Add(1)
+	go func() {
+		defer r.watchers.Done()
+		r.watchConn(ctx, rep)
+	}()
+
+	old := r.snap.Load()
+	next := old.with(rep)
+	r.snap.Store(next)
+	if prev, ok := old.byKey[rep.Key]; ok && prev != rep {
+		retire(prev)
+	}
+	return nil
+}
+
+// Remove takes a replica out of rotation. Its connection closes when its
+// last in-flight request ends.
+func (r *Router) Remove(k registry.Key) (*Replica, bool) {
+	old := r.snap.Load()
+	rep, ok := old.byKey[k]
+	if !ok {
+		return nil, false
+	}
+	r.snap.Store(old.without(k))
+	retire(rep)
+	return rep, true
+}
+
+// Close retires every replica and waits for the health watchers to end.
+func (r *Router) Close() {
+	old := r.snap.Load()
+	r.snap.Store(&Snapshot{stages: make([][]*Replica, r.numStages), byKey: map[registry.Key]*Replica{}})
+	for _, rep := range old.byKey {
+		rep.removed.Store(true)
+		rep.close()
+	}
+	r.watchers.Wait()
+}
+
+func retire(rep *Replica) {
+	rep.removed.Store(true)
+	if rep.inFlight.Load() == 0 {
+		rep.close()
+	}
+}
+
+// watchConn keeps rep.healthy in step with the connection state, so a
+// broken connection leaves rotation at once instead of at lease expiry. An
+// idle connection is asked to reconnect, which surfaces a dead peer as
+// TRANSIENT_FAILURE promptly.
+func (r *Router) watchConn(ctx context.Context, rep *Replica) {
+	rep.conn.Connect()
+	for {
+		s := rep.conn.GetState()
+		healthy := s != connectivity.TransientFailure && s != connectivity.Shutdown
+		if rep.healthy.Swap(healthy) != healthy {
+			r.log.Info("router: replica connection changed", "stage", rep.StageName, "replica", rep.Key.Replica, "addr", rep.Addr, "state", s.String())
+		}
+		if s == connectivity.Idle {
+			rep.conn.Connect()
+		}
+		if s == connectivity.Shutdown || !rep.conn.WaitForStateChange(ctx, s) {
+			return
+		}
+	}
+}
+
+func (s *Snapshot) with(rep *Replica) *Snapshot {
+	next := &Snapshot{stages: slices.Clone(s.stages), byKey: make(map[registry.Key]*Replica, len(s.byKey)+1)}
+	for k, v := range s.byKey {
+		next.byKey[k] = v
+	}
+	next.byKey[rep.Key] = rep
+	st := slices.DeleteFunc(slices.Clone(s.stages[rep.Key.Stage]), func(x *Replica) bool { return x.Key == rep.Key })
+	st = append(st, rep)
+	slices.SortFunc(st, func(a, b *Replica) int { return cmp.Compare(a.Key.Replica, b.Key.Replica) })
+	next.stages[rep.Key.Stage] = st
+	return next
+}
+
+func (s *Snapshot) without(k registry.Key) *Snapshot {
+	next := &Snapshot{stages: slices.Clone(s.stages), byKey: make(map[registry.Key]*Replica, len(s.byKey))}
+	for kk, v := range s.byKey {
+		if kk != k {
+			next.byKey[kk] = v
+		}
+	}
+	next.stages[k.Stage] = slices.DeleteFunc(slices.Clone(s.stages[k.Stage]), func(x *Replica) bool { return x.Key == k })
+	return next
+}

@@ -1,0 +1,187 @@
+package router
+
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/troupe-serving/troupe/orchestrator/registry"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+type healthServer struct {
+	stagepb.UnimplementedStageServiceServer
+}
+
+func (healthServer) Health(context.Context, *stagepb.HealthRequest) (*stagepb.HealthResponse, error) {
+	return &stagepb.HealthResponse{Status: stagepb.ServingStatus_SERVING_STATUS_SERVING}, nil
+}
+
+// serve starts a real gRPC server on loopback and returns its address and
+// a function that stops it.
+func serve(t *testing.T) (string, func()) {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	srv := grpc.NewServer()
+	stagepb.RegisterStageServiceServer(srv, healthServer{})
+	done := make(chan struct{})
+	go func() { defer close(done); _ = srv.Serve(lis) }()
+	stop := func() { srv.Stop(); <-done }
+	t.Cleanup(stop)
+	return lis.Addr().String(), stop
+}
+
+func insecureDial(addr string) (*grpc.ClientConn, error) {
+	return grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+}
+
+func addReplica(t *testing.T, r *Router, stage int, id uint32, addr string) *Replica {
+	t.Helper()
+	rep, err := r.Dial(ReplicaSpec{Key: registry.Key{Stage: stage, Replica: id}, StageName: "s", EngineIndex: int(id), Addr: addr})
+	require.NoError(t, err)
+	require.NoError(t, r.Add(rep))
+	return rep
+}
+
+func TestSnapshotsAreImmutable(t *testing.T) {
+	addr, _ := serve(t)
+	r := New(2, insecureDial, nil)
+	defer r.Close()
+
+	before := r.Snapshot()
+	a := addReplica(t, r, 0, 3, addr)
+	mid := r.Snapshot()
+	addReplica(t, r, 0, 1, addr)
+	after := r.Snapshot()
+
+	assert.Empty(t, before.Stage(0), "an old snapshot never sees later adds")
+	assert.Equal(t, []*Replica{a}, mid.Stage(0))
+	require.Len(t, after.Stage(0), 2)
+	assert.Equal(t, uint32(1), after.Stage(0)[0].Key.Replica, "sorted by replica id")
+
+	r.Remove(registry.Key{Stage: 0, Replica: 3})
+	assert.Len(t, after.Stage(0), 2, "removal publishes a new snapshot")
+	assert.Len(t, r.Snapshot().Stage(0), 1)
+	assert.Nil(t, r.Snapshot().Stage(5), "out-of-range stage is empty")
+	assert.Error(t, r.Add(&Replica{Key: registry.Key{Stage: 9}}), "stage out of range")
+}
+
+func TestRoundRobinSpreadsEvenly(t *testing.T) {
+	addr, _ := serve(t)
+	r := New(1, insecureDial, nil)
+	defer r.Close()
+	for id := range uint32(3) {
+		addReplica(t, r, 0, id, addr)
+	}
+	p, err := NewPolicy("round_robin", 1)
+	require.NoError(t, err)
+	counts := map[uint32]int{}
+	for range 300 {
+		rep, err := r.Snapshot().Pick(p, 0, nil)
+		require.NoError(t, err)
+		counts[rep.Key.Replica]++
+	}
+	assert.Equal(t, map[uint32]int{0: 100, 1: 100, 2: 100}, counts)
+}
+
+func TestLeastLoadedAvoidsBusyReplica(t *testing.T) {
+	addr, _ := serve(t)
+	r := New(1, insecureDial, nil)
+	defer r.Close()
+	busy := addReplica(t, r, 0, 0, addr)
+	idle := addReplica(t, r, 0, 1, addr)
+	busy.SetLoad(10)
+	for _, name := range []string{"least_loaded", "power_of_two"} {
+		p, err := NewPolicy(name, 1)
+		require.NoError(t, err)
+		for range 50 {
+			rep, err := r.Snapshot().Pick(p, 0, nil)
+			require.NoError(t, err)
+			assert.Same(t, idle, rep, name)
+		}
+	}
+	// In-flight work sent by this head counts too.
+	busy.SetLoad(0)
+	busy.Acquire()
+	defer busy.Release()
+	rep, err := r.Snapshot().Pick(LeastLoaded{}, 0, nil)
+	require.NoError(t, err)
+	assert.Same(t, idle, rep)
+}
+
+func TestPickSkipsSleepingExcludedAndReportsNoReplica(t *testing.T) {
+	addr, _ := serve(t)
+	r := New(1, insecureDial, nil)
+	defer r.Close()
+	p, _ := NewPolicy("round_robin", 1)
+
+	_, err := r.Snapshot().Pick(p, 0, nil)
+	require.ErrorIs(t, err, ErrNoReplica)
+
+	a := addReplica(t, r, 0, 0, addr)
+	b := addReplica(t, r, 0, 1, addr)
+	a.SetSleepState(stagepb.SleepState_SLEEP_STATE_WEIGHTS_OFFLOADED)
+	for range 10 {
+		rep, err := r.Snapshot().Pick(p, 0, nil)
+		require.NoError(t, err)
+		assert.Same(t, b, rep)
+	}
+	_, err = r.Snapshot().Pick(p, 0, []*Replica{b})
+	require.ErrorIs(t, err, ErrNoReplica)
+}
+
+func TestBrokenConnectionLeavesRotationAndReturns(t *testing.T) {
+	addr, stop := serve(t)
+	r := New(1, insecureDial, nil)
+	defer r.Close()
+	rep := addReplica(t, r, 0, 0, addr)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_, err := rep.Client.Health(ctx, &stagepb.HealthRequest{})
+	require.NoError(t, err)
+
+	stop()
+	require.Eventually(t, func() bool { return !rep.Routable() }, 20*time.Second, 10*time.Millisecond,
+		"a dead peer leaves rotation without waiting for its lease")
+
+	// A server on the same address brings it back.
+	lis, err := net.Listen("tcp", addr)
+	require.NoError(t, err)
+	srv := grpc.NewServer()
+	stagepb.RegisterStageServiceServer(srv, healthServer{})
+	done := make(chan struct{})
+	go func() { defer close(done); _ = srv.Serve(lis) }()
+	defer func() { srv.Stop(); <-done }()
+	require.Eventually(t, rep.Routable, 30*time.Second, 10*time.Millisecond, "a healthy connection returns to rotation")
+}
+
+func TestRemovedReplicaClosesAfterLastRequest(t *testing.T) {
+	addr, _ := serve(t)
+	r := New(1, insecureDial, nil)
+	defer r.Close()
+	rep := addReplica(t, r, 0, 0, addr)
+	rep.Acquire()
+	r.Remove(rep.Key)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_, err := rep.Client.Health(ctx, &stagepb.HealthRequest{})
+	require.NoError(t, err, "an in-flight request outlives the leave (drain)")
+	rep.Release()
+	_, err = rep.Client.Health(ctx, &stagepb.HealthRequest{})
+	require.Error(t, err, "the connection is closed after the last release")
+}
+
+func TestUnknownPolicy(t *testing.T) {
+	_, err := NewPolicy("fastest", 1)
+	require.ErrorContains(t, err, `router: unknown policy "fastest"`)
+}

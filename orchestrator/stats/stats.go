@@ -1,0 +1,493 @@
+// Package stats is the head's Prometheus stat logger: the families of vLLM's
+// PrometheusStatLogger under the troupe_ namespace, with one set of children
+// per stage replica, keyed by the replica's engine index (package registry).
+//
+// Unlike vLLM's logger, which builds its per-engine tables once for the
+// engines it starts with (and rebuilds them, resetting every series, on
+// scale-up), a Logger binds a replica's children when the replica joins, in
+// O(1), and never resets or rebuilds the series of other replicas.
+//
+// Concurrency:
+//   - Register, Detach and Sweep change membership. The head calls them from
+//     its event loop goroutine; they are serialized by a mutex anyway.
+//   - Record, RecordFinished and SetSleepState may be called concurrently from
+//     any number of request goroutines, also while membership changes. They
+//     take no locks: the index is resolved through a lock-free paged table of
+//     pre-bound children.
+//
+// Record on a replica that has been detached but not swept still counts: a
+// chunk that arrives after the replica left describes work that happened, so
+// its counter deltas and histogram samples are kept. Its engine snapshot
+// gauges (running, waiting, KV-cache usage) are not applied, so a detached
+// replica keeps showing no live load.
+package stats
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/troupe-serving/troupe/orchestrator/registry"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+// MaxSpeculativeTokens bounds Replica.NumSpeculativeTokens (as the membership
+// record does), and with it the number of per-position series.
+const MaxSpeculativeTokens = 64
+
+// DefaultMaxModelLen sets the upper bucket of the token-count histograms when
+// Options.MaxModelLen is 0.
+const DefaultMaxModelLen = 131072
+
+var (
+	// ErrNotRegistered is returned (wrapped) for an engine index that has no
+	// bound series: never registered, or swept.
+	ErrNotRegistered = errors.New("stats: engine index not registered")
+	// ErrConflict is returned (wrapped) when an index or a replica is already
+	// bound to something else. Nothing is changed.
+	ErrConflict = errors.New("stats: conflict")
+)
+
+type replicaKey = registry.Key
+
+// Replica describes one stage replica as it joins.
+type Replica struct {
+	Stage                int    // stage index in the pipeline (label "stage")
+	StageName            string // stage name (troupe_stage_info)
+	ReplicaID            uint32 // label "replica"
+	NumSpeculativeTokens int    // K; spec-decode series exist for K > 0
+	SleepState           stagepb.SleepState
+	Engine, Version      string
+	Addr                 string
+	Cache                *stagepb.CacheConfig // may be nil
+}
+
+// Finished is one request on one replica, as the head measured it.
+//
+// TTFT is observed only when it is > 0 (0 means no token came). Each element
+// of InterTokenLatencies is one sample of inter_token_latency_seconds, as in
+// vLLM. E2E, Queue, Prefill and Decode (the last three from the worker's
+// Timings) and the token counts are observed for every finished request.
+// A non-empty TraceID is attached as exemplar {trace_id="..."} to the TTFT
+// and e2e samples. A Finished with an unknown Reason, a negative value or an
+// unusable TraceID is rejected whole.
+type Finished struct {
+	Reason                         stagepb.FinishReason
+	PromptTokens, GenerationTokens int
+	TTFT, E2E                      time.Duration
+	InterTokenLatencies            []time.Duration
+	Queue, Prefill, Decode         time.Duration
+	TraceID                        string
+}
+
+// Options configures a Logger.
+type Options struct {
+	// Disabled (--log-stats=false): no stat families are registered, and
+	// every method is a no-op. troupe_stats_unregistered_records_total is
+	// registered all the same.
+	Disabled bool
+	// DetachedSeriesTTL: Sweep deletes the series of replicas detached for
+	// at least this long. 0 keeps them forever.
+	DetachedSeriesTTL time.Duration
+	// Now tells the time of a Detach; default time.Now.
+	Now func() time.Time
+	// MaxModelLen is the largest bucket bound of request_prompt_tokens and
+	// request_generation_tokens (1-2-5 series, as vLLM); default
+	// DefaultMaxModelLen.
+	MaxModelLen int
+}
+
+// Logger owns the stat families of one head. Build it with New.
+type Logger struct {
+	disabled     bool
+	model        string
+	ttl          time.Duration
+	now          func() time.Time
+	unregistered prometheus.Counter
+	fam          *families // nil when disabled
+	table        engineTable
+
+	mu         sync.Mutex // serializes Register, Detach, Sweep
+	byIndex    map[int]*engine
+	byKey      map[replicaKey]int
+	stageNames map[int]string
+	detached   map[int]struct{} // indices detached and not swept
+}
+
+// New builds the families and registers them on reg (never the global
+// registry). Children appear only as replicas register, so a head with no
+// replicas exposes no stat series yet.
+func New(reg prometheus.Registerer, model string, opts Options) (*Logger, error) {
+	if reg == nil {
+		return nil, errors.New("stats: nil prometheus registerer")
+	}
+	if model == "" {
+		return nil, errors.New("stats: empty model name")
+	}
+	if opts.DetachedSeriesTTL < 0 {
+		return nil, fmt.Errorf("stats: negative detached series TTL %v", opts.DetachedSeriesTTL)
+	}
+	if opts.MaxModelLen < 0 {
+		return nil, fmt.Errorf("stats: negative max model len %d", opts.MaxModelLen)
+	}
+	if opts.MaxModelLen == 0 {
+		opts.MaxModelLen = DefaultMaxModelLen
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	l := &Logger{
+		disabled: opts.Disabled,
+		model:    model,
+		ttl:      opts.DetachedSeriesTTL,
+		now:      opts.Now,
+		unregistered: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: namespace,
+			Name:      "stats_unregistered_records_total",
+			Help:      "Stat records for an engine index with no bound series; each is a bug in the caller.",
+		}),
+		byIndex:    make(map[int]*engine),
+		byKey:      make(map[replicaKey]int),
+		stageNames: make(map[int]string),
+		detached:   make(map[int]struct{}),
+	}
+	collectors := []prometheus.Collector{l.unregistered}
+	if !opts.Disabled {
+		l.fam = newFamilies(opts.MaxModelLen)
+		collectors = append(collectors, l.fam.collectors()...)
+	}
+	for i, c := range collectors {
+		if err := reg.Register(c); err != nil {
+			for _, done := range collectors[:i] {
+				reg.Unregister(done)
+			}
+			return nil, fmt.Errorf("stats: register families: %w", err)
+		}
+	}
+	return l, nil
+}
+
+func validateIndex(index int) error {
+	if index < 0 || index >= maxEngines {
+		return fmt.Errorf("stats: engine index %d out of range 0..%d", index, maxEngines-1)
+	}
+	return nil
+}
+
+func validateSleepState(s stagepb.SleepState) error {
+	if s < 0 || int(s) >= len(sleepStates) {
+		return fmt.Errorf("stats: unknown sleep state %d", s)
+	}
+	return nil
+}
+
+func (r Replica) validate() error {
+	switch {
+	case r.Stage < 0:
+		return fmt.Errorf("stats: negative stage index %d", r.Stage)
+	case r.StageName == "":
+		return fmt.Errorf("stats: empty stage name for stage %d", r.Stage)
+	case r.NumSpeculativeTokens < 0 || r.NumSpeculativeTokens > MaxSpeculativeTokens:
+		return fmt.Errorf("stats: num_speculative_tokens %d out of range 0..%d", r.NumSpeculativeTokens, MaxSpeculativeTokens)
+	}
+	return validateSleepState(r.SleepState)
+}
+
+// Register binds every child of the replica at index at 0 (nested label
+// tables, spec-decode positions 0..K-1, cache_config_info, and stage_info the
+// first time its stage is seen), sets replica_attached=1 and the sleep state
+// as reported. Its cost does not depend on how many replicas exist.
+//
+// Registering the same (stage, replica) at the same index again (a rejoin or
+// a changed record) keeps every counter, sets attached=1 and the reported
+// sleep state, refreshes cache_config_info, and adds spec-decode positions if
+// K grew (none is ever deleted). An index bound to another replica, a replica
+// bound to another index, or another name for a known stage index is rejected
+// with an error; nothing is changed.
+func (l *Logger) Register(index int, r Replica) error {
+	if l.disabled {
+		return nil
+	}
+	if err := validateIndex(index); err != nil {
+		return err
+	}
+	if err := r.validate(); err != nil {
+		return err
+	}
+	key := replicaKey{Stage: r.Stage, Replica: r.ReplicaID}
+
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if have, ok := l.byKey[key]; ok && have != index {
+		return fmt.Errorf("%w: replica %s is bound to engine index %d, not %d", ErrConflict, key, have, index)
+	}
+	e := l.byIndex[index]
+	if e != nil && e.key != key {
+		return fmt.Errorf("%w: engine index %d is bound to replica %s, not %s", ErrConflict, index, e.key, key)
+	}
+	name, stageKnown := l.stageNames[r.Stage]
+	if stageKnown && name != r.StageName {
+		return fmt.Errorf("%w: stage %d is named %q, not %q", ErrConflict, r.Stage, name, r.StageName)
+	}
+
+	swept := e != nil && l.table.load(index) == nil
+	if e == nil || swept {
+		lv := [3]string{l.model, strconv.Itoa(r.Stage), strconv.FormatUint(uint64(r.ReplicaID), 10)}
+		fresh, err := l.fam.bind(key, lv, r.NumSpeculativeTokens)
+		if err != nil {
+			return err
+		}
+		e = fresh
+	} else {
+		l.fam.growSpec(e, r.NumSpeculativeTokens)
+	}
+	if !stageKnown {
+		l.fam.stageInfo.WithLabelValues(strconv.Itoa(r.Stage), r.StageName).Set(1)
+		l.stageNames[r.Stage] = r.StageName
+	}
+	if labels := cacheInfoValues(e.lv, r); !equalStrings(labels, e.cacheLabels) {
+		if e.cacheLabels != nil {
+			l.fam.cacheInfo.DeleteLabelValues(e.cacheLabels...)
+		}
+		l.fam.cacheInfo.WithLabelValues(labels...).Set(1)
+		e.cacheLabels = labels
+	}
+	e.replica = r
+	e.setSleep(r.SleepState)
+	e.detached.Store(false)
+	e.detachedAt = time.Time{}
+	delete(l.detached, index)
+	e.attached.Set(1)
+
+	l.byIndex[index] = e
+	l.byKey[key] = index
+	l.table.store(index, e)
+	return nil
+}
+
+func equalStrings(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// Detach marks the replica at index as gone: replica_attached=0 and the
+// live-load gauges (running, waiting, waiting by reason) 0. Every other series
+// is kept, and later records still count. Detaching twice is harmless; the
+// TTL runs from the first Detach.
+func (l *Logger) Detach(index int) error {
+	if l.disabled {
+		return nil
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e := l.table.load(index)
+	if e == nil {
+		return fmt.Errorf("stats: detach engine index %d: %w", index, ErrNotRegistered)
+	}
+	if !e.detached.Load() {
+		e.detachedAt = l.now()
+		l.detached[index] = struct{}{}
+	}
+	// Flag first, then zero: a concurrent Record either sees the flag or has
+	// set its gauges before they are zeroed (see Record).
+	e.detached.Store(true)
+	e.attached.Set(0)
+	e.zeroLoad()
+	return nil
+}
+
+// Sweep deletes every series of each replica that has been detached for at
+// least DetachedSeriesTTL at now, and returns how many replicas it swept. With
+// a TTL of 0 it does nothing. A swept replica's index stays bound to its key
+// (Register of another replica there is still a conflict); registering it
+// again binds fresh children at 0. Records for it fail until then.
+func (l *Logger) Sweep(now time.Time) int {
+	if l.disabled || l.ttl <= 0 {
+		return 0
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for index := range l.detached {
+		e := l.byIndex[index]
+		if now.Sub(e.detachedAt) < l.ttl {
+			continue
+		}
+		l.table.store(index, nil)
+		l.fam.unbind(e)
+		delete(l.detached, index)
+		n++
+	}
+	return n
+}
+
+// SetSleepState sets engine_sleep_state of the replica at index: 1 for s, 0
+// for the other states. Safe for concurrent use.
+func (l *Logger) SetSleepState(index int, s stagepb.SleepState) error {
+	if l.disabled {
+		return nil
+	}
+	if err := validateSleepState(s); err != nil {
+		return err
+	}
+	e := l.table.load(index)
+	if e == nil {
+		return fmt.Errorf("stats: set sleep state of engine index %d: %w", index, ErrNotRegistered)
+	}
+	e.setSleep(s)
+	return nil
+}
+
+// Registered reports whether index has bound series (registered and not
+// swept). Safe for concurrent use.
+func (l *Logger) Registered(index int) bool {
+	return !l.disabled && l.table.load(index) != nil
+}
+
+// notRegistered counts a record for an unknown index and builds its error.
+func (l *Logger) notRegistered(what string, index int) error {
+	l.unregistered.Inc()
+	return fmt.Errorf("stats: %s for engine index %d: %w", what, index, ErrNotRegistered)
+}
+
+// Record applies one chunk's stats to the replica at index: counter fields
+// are added (they are per-request deltas), snapshot fields overwrite the
+// gauges (not on a detached replica), and each iteration_tokens element is
+// one sample of iteration_tokens_total. Spec-decode fields count only for a
+// replica registered with K > 0, and positions >= K are ignored. A nil s is
+// nothing to record.
+//
+// An index without bound series is an error that is returned and counted in
+// troupe_stats_unregistered_records_total; it never panics. Safe for
+// concurrent use; it does not allocate.
+func (l *Logger) Record(index int, s *stagepb.EngineStats) error {
+	if l.disabled {
+		return nil
+	}
+	e := l.table.load(index)
+	if e == nil {
+		return l.notRegistered("record", index)
+	}
+	if s == nil {
+		return nil
+	}
+	add(e.promptTokens, s.PromptTokens)
+	add(e.generationTokens, s.GenerationTokens)
+	add(e.promptBySource[0], s.PromptTokensLocalCompute)
+	add(e.promptBySource[1], s.PromptTokensLocalCacheHit)
+	add(e.promptBySource[2], s.PromptTokensExternalKvTransfer)
+	add(e.prefixQueries, s.PrefixCacheQueries)
+	add(e.prefixHits, s.PrefixCacheHits)
+	add(e.preemptions, s.NumPreemptions)
+	if sp := e.spec.Load(); sp != nil {
+		add(sp.drafts, s.SpecDecodeNumDrafts)
+		add(sp.draftTokens, s.SpecDecodeNumDraftTokens)
+		add(sp.accepted, s.SpecDecodeNumAcceptedTokens)
+		for pos, v := range s.SpecDecodeNumAcceptedTokensPerPos {
+			if pos >= len(sp.perPos) {
+				break
+			}
+			add(sp.perPos[pos], v)
+		}
+	}
+	for _, n := range s.IterationTokens {
+		e.iteration.Observe(float64(n))
+	}
+	if !e.detached.Load() {
+		e.running.Set(float64(s.NumRequestsRunning))
+		e.waiting.Set(float64(s.NumRequestsWaitingCapacity) + float64(s.NumRequestsWaitingDeferred))
+		e.waitingBy[0].Set(float64(s.NumRequestsWaitingCapacity))
+		e.waitingBy[1].Set(float64(s.NumRequestsWaitingDeferred))
+		e.kvUsage.Set(s.KvCacheUsagePerc)
+		// Detach may have zeroed the load gauges between the check above and
+		// the sets; if so, undo the sets so a detached replica shows no load.
+		if e.detached.Load() {
+			e.zeroLoad()
+		}
+	}
+	return nil
+}
+
+func add(c prometheus.Counter, v uint64) {
+	if v != 0 {
+		c.Add(float64(v))
+	}
+}
+
+func (f *Finished) validate() error {
+	if f.Reason < stagepb.FinishReason_FINISH_REASON_STOP || int(f.Reason) > len(finishedReasons) {
+		return fmt.Errorf("stats: unknown finish reason %d", f.Reason)
+	}
+	if f.PromptTokens < 0 || f.GenerationTokens < 0 {
+		return fmt.Errorf("stats: negative token count (prompt %d, generation %d)", f.PromptTokens, f.GenerationTokens)
+	}
+	if f.TTFT < 0 || f.E2E < 0 || f.Queue < 0 || f.Prefill < 0 || f.Decode < 0 {
+		return errors.New("stats: negative duration in finished request")
+	}
+	for _, d := range f.InterTokenLatencies {
+		if d < 0 {
+			return errors.New("stats: negative inter-token latency")
+		}
+	}
+	if f.TraceID != "" {
+		const name = "trace_id"
+		if !utf8.ValidString(f.TraceID) || len(name)+utf8.RuneCountInString(f.TraceID) > prometheus.ExemplarMaxRunes {
+			return fmt.Errorf("stats: trace id %.40q is not usable as an exemplar", f.TraceID)
+		}
+	}
+	return nil
+}
+
+// RecordFinished counts one finished request in request_success_total and
+// observes its histograms (see Finished). An unknown index is counted and
+// returned like in Record. Safe for concurrent use.
+func (l *Logger) RecordFinished(index int, f Finished) error {
+	if l.disabled {
+		return nil
+	}
+	if err := f.validate(); err != nil {
+		return err
+	}
+	e := l.table.load(index)
+	if e == nil {
+		return l.notRegistered("finished request", index)
+	}
+	e.success[f.Reason-1].Inc()
+	var exemplar prometheus.Labels
+	if f.TraceID != "" {
+		exemplar = prometheus.Labels{"trace_id": f.TraceID}
+	}
+	observe(e.e2e, f.E2E.Seconds(), exemplar)
+	if f.TTFT > 0 {
+		observe(e.ttft, f.TTFT.Seconds(), exemplar)
+	}
+	for _, d := range f.InterTokenLatencies {
+		e.interToken.Observe(d.Seconds())
+	}
+	e.queue.Observe(f.Queue.Seconds())
+	e.prefill.Observe(f.Prefill.Seconds())
+	e.decode.Observe(f.Decode.Seconds())
+	e.promptHist.Observe(float64(f.PromptTokens))
+	e.genHist.Observe(float64(f.GenerationTokens))
+	return nil
+}
+
+func observe(h exemplarHistogram, v float64, exemplar prometheus.Labels) {
+	if exemplar != nil {
+		h.ObserveWithExemplar(v, exemplar)
+		return
+	}
+	h.Observe(v)
+}

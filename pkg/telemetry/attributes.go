@@ -1,0 +1,91 @@
+package telemetry
+
+import "go.opentelemetry.io/otel/attribute"
+
+// Span names of the request path (DESIGN.md, Tracing). They are a contract:
+// dashboards and `troupe trace` users search for them.
+const (
+	// SpanRequest is the head's internal span around one request, under the
+	// otelhttp server span.
+	SpanRequest = "troupe.request"
+	// SpanStagePrefix starts the name of the span of one stage attempt:
+	// StageSpanName("thinker") is "troupe.stage thinker".
+	SpanStagePrefix = "troupe.stage "
+	// SpanQueue, SpanPrefill and SpanDecode are the worker's engine phases.
+	SpanQueue   = "queue"
+	SpanPrefill = "prefill"
+	SpanDecode  = "decode"
+)
+
+// StageSpanName is the name of the span of one attempt at stage name.
+func StageSpanName(stage string) string { return SpanStagePrefix + stage }
+
+// Attribute keys of troupe's own spans.
+const (
+	KeyStageID     = attribute.Key("troupe.stage.id")     // int: the stage's index in the pipeline
+	KeyStageName   = attribute.Key("troupe.stage.name")   // string
+	KeyReplicaID   = attribute.Key("troupe.replica.id")   // int: the replica id, not the engine index
+	KeyEngineIndex = attribute.Key("troupe.engine.index") // int: assigned by the head's registry
+	KeyAttempt     = attribute.Key("troupe.attempt")      // int: 1 for the first try of a stage
+	KeyRequestID   = attribute.Key("troupe.request.id")   // string: the X-Request-Id
+)
+
+// GenAI semantic convention keys (gen_ai.*). They are declared here because
+// the semconv packages of the SDK in use no longer ship them; the test
+// checks them against the last semconv version that did.
+const (
+	KeyGenAIOperationName         = attribute.Key("gen_ai.operation.name")
+	KeyGenAIRequestModel          = attribute.Key("gen_ai.request.model")
+	KeyGenAIRequestMaxTokens      = attribute.Key("gen_ai.request.max_tokens")
+	KeyGenAIRequestTemperature    = attribute.Key("gen_ai.request.temperature")
+	KeyGenAIUsageInputTokens      = attribute.Key("gen_ai.usage.input_tokens")
+	KeyGenAIUsageOutputTokens     = attribute.Key("gen_ai.usage.output_tokens")
+	KeyGenAIResponseFinishReasons = attribute.Key("gen_ai.response.finish_reasons")
+)
+
+// Values of gen_ai.operation.name used by troupe.
+const (
+	GenAIOperationChat           = "chat"            // /v1/chat/completions
+	GenAIOperationTextCompletion = "text_completion" // /v1/completions
+)
+
+// StageAttributes are the attributes of a `troupe.stage <name>` span.
+func StageAttributes(stageID int, stageName string, replicaID uint64, engineIndex, attempt int) []attribute.KeyValue {
+	return []attribute.KeyValue{
+		KeyStageID.Int(stageID),
+		KeyStageName.String(stageName),
+		KeyReplicaID.Int64(int64(replicaID)),
+		KeyEngineIndex.Int(engineIndex),
+		KeyAttempt.Int(attempt),
+	}
+}
+
+// GenAIRequestAttributes describe a request: operation ("chat",
+// "text_completion"), model, and max_tokens and temperature when given
+// (maxTokens <= 0 and a nil temperature are left out).
+func GenAIRequestAttributes(operation, model string, maxTokens int, temperature *float64) []attribute.KeyValue {
+	attrs := []attribute.KeyValue{
+		KeyGenAIOperationName.String(operation),
+		KeyGenAIRequestModel.String(model),
+	}
+	if maxTokens > 0 {
+		attrs = append(attrs, KeyGenAIRequestMaxTokens.Int(maxTokens))
+	}
+	if temperature != nil {
+		attrs = append(attrs, KeyGenAIRequestTemperature.Float64(*temperature))
+	}
+	return attrs
+}
+
+// GenAIUsageAttributes describe what a request or stage consumed and why it
+// finished (finish reasons such as "stop" or "length"; none is left out).
+func GenAIUsageAttributes(inputTokens, outputTokens int64, finishReasons ...string) []attribute.KeyValue {
+	attrs := []attribute.KeyValue{
+		KeyGenAIUsageInputTokens.Int64(inputTokens),
+		KeyGenAIUsageOutputTokens.Int64(outputTokens),
+	}
+	if len(finishReasons) > 0 {
+		attrs = append(attrs, KeyGenAIResponseFinishReasons.StringSlice(finishReasons))
+	}
+	return attrs
+}

@@ -1,0 +1,134 @@
+package telemetry
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// testdata/jaeger_trace.json is Jaeger v2.13's answer to
+// GET /api/v3/traces/{id} for the trace emitPipeline sends, recorded by
+// TestJaegerSmoke with TROUPE_JAEGER_RECORD (see scripts/jaeger-smoke.sh).
+const fixtureTraceID = "" // set once recorded
+
+func readFixture(t *testing.T) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("testdata", "jaeger_trace.json"))
+	require.NoError(t, err)
+	return b
+}
+
+func TestFormatDuration(t *testing.T) {
+	for d, want := range map[time.Duration]string{
+		0:                        "0ns",
+		999:                      "999ns",
+		1500:                     "1.50µs",
+		950 * time.Microsecond:   "950µs",
+		12300 * time.Microsecond: "12.3ms",
+		100 * time.Millisecond:   "100ms",
+		1500 * time.Millisecond:  "1.50s",
+		90 * time.Second:         "90.0s",
+	} {
+		assert.Equal(t, want, FormatDuration(d), "%d", d)
+	}
+}
+
+func TestBar(t *testing.T) {
+	ms := time.Millisecond
+	cases := []struct {
+		offset, dur, total time.Duration
+		err                bool
+		want               string
+	}{
+		{0, 100 * ms, 100 * ms, false, "##########"},
+		{50 * ms, 50 * ms, 100 * ms, false, "     #####"},
+		{20 * ms, 1 * ms, 100 * ms, false, "  #       "}, // short spans stay visible
+		{99 * ms, 1 * ms, 100 * ms, false, "         #"},
+		{100 * ms, 0, 100 * ms, false, "         #"},     // clamped into the timeline
+		{10 * ms, 31 * ms, 100 * ms, true, " !!!!     "}, // length rounds up
+		{0, 0, 0, false, "##########"},                   // a zero-length trace
+	}
+	for _, c := range cases {
+		assert.Equal(t, c.want, bar(c.offset, c.dur, c.total, 10, c.err), "%v+%v of %v", c.offset, c.dur, c.total)
+	}
+}
+
+func synthetic(id, parent, name string, from, to int) Span {
+	base := time.Unix(1700000000, 0)
+	return Span{
+		TraceID: "0000000000000000000000000000000a", SpanID: id, ParentSpanID: parent, Service: "svc", Name: name,
+		Start: base.Add(time.Duration(from) * time.Millisecond), End: base.Add(time.Duration(to) * time.Millisecond),
+		Attributes: map[string]string{},
+	}
+}
+
+func TestOrderSpans(t *testing.T) {
+	spans := []Span{
+		synthetic("c2", "r", "second child", 50, 60),
+		synthetic("gc", "c1", "grandchild", 11, 12),
+		synthetic("r", "", "root", 0, 100),
+		synthetic("c1", "r", "first child", 10, 20),
+		synthetic("o", "missing", "orphan", 5, 6),
+		synthetic("x", "y", "cycle x", 70, 71),
+		synthetic("y", "x", "cycle y", 72, 73),
+		synthetic("s", "s", "self parent", 80, 81),
+	}
+	var got []string
+	for _, r := range orderSpans(spans) {
+		got = append(got, strings.Repeat(".", r.depth)+r.span.Name)
+	}
+	assert.Equal(t, []string{
+		"root", ".first child", "..grandchild", ".second child",
+		"orphan",
+		"self parent",
+		"cycle x", ".cycle y",
+	}, got)
+}
+
+func TestParseOTLPJSONVariants(t *testing.T) {
+	// Generic protobuf JSON: base64 ids, numbers as numbers, enum names,
+	// the pre-0.19 instrumentationLibrarySpans, the legacy error attribute.
+	doc := `{"resourceSpans":[{"resource":{"attributes":[{"key":"service.name","value":{"stringValue":"w"}}]},
+	  "instrumentationLibrarySpans":[{"spans":[
+	    {"traceId":"S/kvNXezTaajzpKdDg5HNg==","spanId":"APBnqgupArc=","name":"a","kind":"SPAN_KIND_CLIENT",
+	     "startTimeUnixNano":1700000000000000000,"endTimeUnixNano":"1700000000002000000",
+	     "attributes":[{"key":"troupe.replica.id","value":{"intValue":3}},{"key":"error","value":{"boolValue":true}},
+	                   {"key":"list","value":{"arrayValue":{"values":[{"stringValue":"x"},{"intValue":"2"}]}}}],
+	     "status":{"code":"STATUS_CODE_UNSET"}}]}]}]}`
+	tr, err := ParseOTLPJSON([]byte(doc))
+	require.NoError(t, err)
+	require.Len(t, tr.Spans, 1)
+	s := tr.Spans[0]
+	assert.Equal(t, "4bf92f3577b34da6a3ce929d0e0e4736", s.TraceID)
+	assert.Equal(t, "00f067aa0ba902b7", s.SpanID)
+	assert.Equal(t, "w", s.Service)
+	assert.Equal(t, "client", s.Kind)
+	assert.Equal(t, 2*time.Millisecond, s.Duration())
+	assert.Equal(t, "3", s.Attributes["troupe.replica.id"])
+	assert.Equal(t, `["x","2"]`, s.Attributes["list"])
+	assert.True(t, s.Error, "error=true marks an error span")
+
+	for name, bad := range map[string]string{
+		"not json":     `{`,
+		"no spans":     `{"result":{"resourceSpans":[]}}`,
+		"short id":     `{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"abc","spanId":"00f067aa0ba902b7","startTimeUnixNano":"1","endTimeUnixNano":"2"}]}]}]}`,
+		"bad time":     `{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"4bf92f3577b34da6a3ce929d0e0e4736","spanId":"00f067aa0ba902b7","startTimeUnixNano":"soon","endTimeUnixNano":"2"}]}]}]}`,
+		"jaeger error": `{"error":{"httpCode":404,"message":"trace not found"}}`,
+	} {
+		_, err := ParseOTLPJSON([]byte(bad))
+		assert.Error(t, err, name)
+	}
+}
+
+func TestRenderWaterfallRejectsEmpty(t *testing.T) {
+	var buf bytes.Buffer
+	assert.Error(t, RenderWaterfall(&buf, &Trace{}, WaterfallOptions{}))
+	assert.Error(t, RenderWaterfall(&buf, nil, WaterfallOptions{}))
+	assert.Zero(t, buf.Len())
+}

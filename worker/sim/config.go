@@ -1,0 +1,111 @@
+package sim
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"time"
+)
+
+// Defaults for zero Config fields.
+const (
+	DefaultMaxNumSeqs          = 256
+	DefaultMaxNumBatchedTokens = 8192
+	DefaultNumKVBlocks         = 4096
+	DefaultBlockSize           = 16
+	MaxSpeculativeTokens       = 64
+)
+
+// Config configures a sim Engine. Zero fields take the defaults above; the
+// delays default to 0, which makes the engine run as fast as it can.
+type Config struct {
+	Role                 Role // default RoleText
+	MaxNumSeqs           int  // most requests running at once
+	MaxNumBatchedTokens  int  // token budget of one engine step (chunked prefill)
+	NumKVBlocks          int  // KV cache size in blocks
+	BlockSize            int  // tokens per KV block
+	DisablePrefixCaching bool
+	// PrefillTokensPerSec is the prefill throughput: a step that computes n
+	// prompt tokens takes n/PrefillTokensPerSec longer. 0: instant.
+	PrefillTokensPerSec float64
+	// DecodeTokenLatency is how long a step that decodes takes (one token
+	// per running request, plus accepted drafts). 0: instant.
+	DecodeTokenLatency time.Duration
+	// NumSpeculativeTokens is K, the draft positions per decode step (0: off).
+	NumSpeculativeTokens int
+	Logger               *slog.Logger // default slog.Default()
+}
+
+// Validate reports what is wrong with the configuration, if anything.
+// New does not fail: call Validate first on values from users.
+func (c Config) Validate() error {
+	var errs []error
+	if c.Role != "" {
+		if _, err := ParseRole(string(c.Role)); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, f := range []struct {
+		name string
+		v    int
+	}{
+		{"max-num-seqs", c.MaxNumSeqs}, {"max-num-batched-tokens", c.MaxNumBatchedTokens},
+		{"num-kv-blocks", c.NumKVBlocks}, {"block-size", c.BlockSize},
+	} {
+		if f.v < 0 {
+			errs = append(errs, fmt.Errorf("sim: %s must be positive, got %d", f.name, f.v))
+		}
+	}
+	if c.NumSpeculativeTokens < 0 || c.NumSpeculativeTokens > MaxSpeculativeTokens {
+		errs = append(errs, fmt.Errorf("sim: num-speculative-tokens %d out of range 0..%d", c.NumSpeculativeTokens, MaxSpeculativeTokens))
+	}
+	if c.PrefillTokensPerSec < 0 || math.IsNaN(c.PrefillTokensPerSec) || math.IsInf(c.PrefillTokensPerSec, 0) {
+		errs = append(errs, fmt.Errorf("sim: prefill tokens per second must be a finite number >= 0, got %v", c.PrefillTokensPerSec))
+	}
+	if c.DecodeTokenLatency < 0 {
+		errs = append(errs, fmt.Errorf("sim: decode latency must be >= 0, got %v", c.DecodeTokenLatency))
+	}
+	if len(errs) == 0 {
+		d := c.withDefaults()
+		if d.MaxNumBatchedTokens < 1+d.NumSpeculativeTokens {
+			errs = append(errs, fmt.Errorf("sim: max-num-batched-tokens %d cannot hold one decode step of 1+%d tokens", d.MaxNumBatchedTokens, d.NumSpeculativeTokens))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// withDefaults fills zero fields and clamps what Validate would refuse, so
+// that New never builds an engine that cannot make progress.
+func (c Config) withDefaults() Config {
+	if _, err := ParseRole(string(c.Role)); err != nil {
+		c.Role = RoleText
+	}
+	if c.MaxNumSeqs <= 0 {
+		c.MaxNumSeqs = DefaultMaxNumSeqs
+	}
+	if c.MaxNumBatchedTokens <= 0 {
+		c.MaxNumBatchedTokens = DefaultMaxNumBatchedTokens
+	}
+	if c.NumKVBlocks <= 0 {
+		c.NumKVBlocks = DefaultNumKVBlocks
+	}
+	if c.BlockSize <= 0 {
+		c.BlockSize = DefaultBlockSize
+	}
+	c.NumSpeculativeTokens = min(max(c.NumSpeculativeTokens, 0), MaxSpeculativeTokens)
+	c.MaxNumBatchedTokens = max(c.MaxNumBatchedTokens, 1+c.NumSpeculativeTokens)
+	if c.PrefillTokensPerSec < 0 || math.IsNaN(c.PrefillTokensPerSec) || math.IsInf(c.PrefillTokensPerSec, 0) {
+		c.PrefillTokensPerSec = 0
+	}
+	c.DecodeTokenLatency = max(c.DecodeTokenLatency, 0)
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// maxModelLen is the longest sequence (prompt + output + drafts) that fits
+// in the whole KV cache; longer requests are refused up front, so a request
+// running alone always completes.
+func (c Config) maxModelLen() int { return c.NumKVBlocks * c.BlockSize }

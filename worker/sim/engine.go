@@ -1,0 +1,383 @@
+// Package sim is a deterministic engine that behaves like a continuous-
+// batching LLM server without a GPU: a scheduler with a sequence limit, a
+// token budget, a KV block pool with a prefix cache, preemption, chunked
+// prefill, speculative decoding and sleep levels. Its output is a pure
+// function of the request (see Expect), so pipelines can be checked byte for
+// byte; its stats and timings are its own, measured from its real queues.
+package sim
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+// EngineName is what Health reports as the engine.
+const EngineName = "sim"
+
+// Engine runs the scheduler in one goroutine, started by New and stopped by
+// Close. Generate, Health, Sleep, WakeUp and Snapshot may be called
+// concurrently from any goroutine.
+type Engine struct {
+	cfg       Config
+	events    chan event // unbuffered: once sent, the loop owns the event
+	quit      chan struct{}
+	done      chan struct{} // closed when the loop has exited
+	closeOnce sync.Once
+	snap      atomic.Pointer[Snapshot]
+}
+
+type eventKind uint8
+
+const (
+	evSubmit eventKind = iota
+	evAbort
+	evSleep
+	evWake
+)
+
+type event struct {
+	kind  eventKind
+	seq   *seq
+	level int
+	reply chan sleepReply // evSleep, evWake; buffered 1
+}
+
+type sleepReply struct {
+	state stagepb.SleepState
+	err   error
+}
+
+// New starts an engine. Zero config fields take defaults; invalid values
+// are clamped (use Config.Validate to report them instead). The caller owns
+// the engine and must Close it.
+func New(cfg Config) *Engine {
+	e := &Engine{
+		cfg:    cfg.withDefaults(),
+		events: make(chan event),
+		quit:   make(chan struct{}),
+		done:   make(chan struct{}),
+	}
+	sc := newScheduler(e.cfg)
+	snap := sc.snapshot()
+	e.snap.Store(&snap)
+	go e.loop(sc)
+	return e
+}
+
+// Config returns the effective configuration (defaults filled in).
+func (e *Engine) Config() Config { return e.cfg }
+
+// Close stops the scheduler and waits for it. Requests still in flight end
+// with Unavailable. Close is idempotent.
+func (e *Engine) Close() error {
+	e.closeOnce.Do(func() { close(e.quit) })
+	<-e.done
+	return nil
+}
+
+// Run blocks until ctx ends, then closes the engine; for callers that own
+// the engine through a context rather than a deferred Close.
+func (e *Engine) Run(ctx context.Context) error {
+	select {
+	case <-ctx.Done():
+	case <-e.done:
+	}
+	return e.Close()
+}
+
+// Snapshot returns the engine's latest published state.
+func (e *Engine) Snapshot() Snapshot { return *e.snap.Load() }
+
+var errClosed = status.Error(codes.Unavailable, "sim: engine closed")
+
+func invalidArgument(msg string) error { return status.Error(codes.InvalidArgument, msg) }
+
+// Generate runs one request and calls emit, from the calling goroutine, for
+// each chunk in order; the last one carries the finish reason and timings.
+// Cancelling ctx, or emit failing, aborts the request in the engine (its
+// blocks are freed and it counts as finished with abort). Errors are gRPC
+// status errors, except ctx's own error and emit's.
+func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
+	role := e.cfg.Role
+	prompt, err := promptOf(role, req)
+	if err != nil {
+		return err
+	}
+	p := paramsOf(req.GetSampling())
+	n, _ := outputLength(role, prompt, p)
+	if need := len(prompt) + n + e.cfg.NumSpeculativeTokens; need > e.cfg.maxModelLen() {
+		return invalidArgument(fmt.Sprintf(
+			"sim: request needs %d tokens of KV cache (prompt %d + output up to %d + %d draft), more than the %d the cache holds (num-kv-blocks %d x block-size %d)",
+			need, len(prompt), n, e.cfg.NumSpeculativeTokens, e.cfg.maxModelLen(), e.cfg.NumKVBlocks, e.cfg.BlockSize))
+	}
+	s := newSeq(req.GetRequestId(), role, prompt, buildPlan(role, prompt, p), p.seed)
+	select {
+	case e.events <- event{kind: evSubmit, seq: s}:
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-e.done:
+		return errClosed
+	}
+	for {
+		closed := false
+		select {
+		case <-s.box.notify:
+		case <-ctx.Done():
+			e.abort(s)
+			return ctx.Err()
+		case <-e.done:
+			closed = true
+		}
+		chunks, final, err := s.box.take()
+		for _, c := range chunks {
+			if err := emit(c); err != nil {
+				e.abort(s)
+				return err
+			}
+		}
+		switch {
+		case err != nil:
+			return err
+		case final:
+			return nil
+		case closed:
+			return errClosed
+		}
+	}
+}
+
+func (e *Engine) abort(s *seq) {
+	select {
+	case e.events <- event{kind: evAbort, seq: s}:
+	case <-e.done:
+	}
+}
+
+// Sleep puts the engine to sleep: level 1 offloads the weights, level 2
+// also discards the KV cache (the prefix cache is emptied). A sleeping
+// engine refuses Generate with FailedPrecondition. The engine must be idle:
+// with requests in flight Sleep fails with FailedPrecondition (drain first).
+func (e *Engine) Sleep(level int) (stagepb.SleepState, error) {
+	if level != 1 && level != 2 {
+		return e.Snapshot().SleepState, invalidArgument(fmt.Sprintf("sim: sleep level must be 1 or 2, got %d", level))
+	}
+	return e.control(event{kind: evSleep, level: level})
+}
+
+// WakeUp restores a sleeping engine; waking an awake one is a no-op.
+func (e *Engine) WakeUp() (stagepb.SleepState, error) {
+	return e.control(event{kind: evWake})
+}
+
+func (e *Engine) control(ev event) (stagepb.SleepState, error) {
+	ev.reply = make(chan sleepReply, 1)
+	select {
+	case e.events <- ev:
+	case <-e.done:
+		return e.Snapshot().SleepState, errClosed
+	}
+	r := <-ev.reply // the loop answers every control event it receives
+	return r.state, r.err
+}
+
+// Health reports the engine's state; Status is SERVING unless closed.
+func (e *Engine) Health() *stagepb.HealthResponse {
+	s := e.Snapshot()
+	st := stagepb.ServingStatus_SERVING_STATUS_SERVING
+	if s.Closed {
+		st = stagepb.ServingStatus_SERVING_STATUS_NOT_SERVING
+	}
+	return &stagepb.HealthResponse{
+		Status:               st,
+		SleepState:           s.SleepState,
+		Engine:               EngineName,
+		Role:                 string(e.cfg.Role),
+		NumSpeculativeTokens: uint32(e.cfg.NumSpeculativeTokens),
+		CacheConfig: &stagepb.CacheConfig{
+			BlockSize:           uint32(e.cfg.BlockSize),
+			NumKvBlocks:         uint32(e.cfg.NumKVBlocks),
+			EnablePrefixCaching: !e.cfg.DisablePrefixCaching,
+			MaxNumSeqs:          uint32(e.cfg.MaxNumSeqs),
+		},
+		Gauges: &stagepb.EngineStats{
+			NumRequestsRunning:         uint32(s.Running),
+			NumRequestsWaitingCapacity: uint32(s.WaitingCapacity),
+			NumRequestsWaitingDeferred: uint32(s.WaitingDeferred),
+			KvCacheUsagePerc:           s.KVCacheUsage(),
+		},
+	}
+}
+
+// loop is the scheduler goroutine: it owns sc and the sleep state.
+func (e *Engine) loop(sc *scheduler) {
+	defer close(e.done)
+	sleep := stagepb.SleepState_SLEEP_STATE_AWAKE
+	publish := func() {
+		s := sc.snapshot()
+		s.SleepState = sleep
+		e.snap.Store(&s)
+	}
+	handle := func(ev event) {
+		switch ev.kind {
+		case evSubmit:
+			if sleep != stagepb.SleepState_SLEEP_STATE_AWAKE {
+				ev.seq.box.fail(status.Errorf(codes.FailedPrecondition, "sim: engine is asleep (%s); wake it up first", sleepName(sleep)))
+				return
+			}
+			sc.add(ev.seq, time.Now())
+		case evAbort:
+			sc.abort(ev.seq)
+		case evSleep:
+			if n := sc.inFlight(); n > 0 {
+				ev.reply <- sleepReply{sleep, status.Errorf(codes.FailedPrecondition, "sim: cannot sleep with %d requests in flight; drain first", n)}
+				return
+			}
+			sleep = stagepb.SleepState(ev.level)
+			if ev.level == 2 {
+				sc.pool.reset()
+			}
+			e.cfg.Logger.Info("sim: engine asleep", "sleep_state", sleepName(sleep))
+			ev.reply <- sleepReply{state: sleep}
+		case evWake:
+			if sleep != stagepb.SleepState_SLEEP_STATE_AWAKE {
+				e.cfg.Logger.Info("sim: engine awake")
+			}
+			sleep = stagepb.SleepState_SLEEP_STATE_AWAKE
+			ev.reply <- sleepReply{state: sleep}
+		}
+		publish()
+	}
+	shutdown := func() {
+		sc.failAll(errClosed)
+		publish()
+		s := *e.snap.Load()
+		s.Closed = true
+		e.snap.Store(&s)
+	}
+	timer := time.NewTimer(0)
+	<-timer.C
+	defer timer.Stop()
+	for {
+		if !sc.busy() {
+			select {
+			case ev := <-e.events:
+				handle(ev)
+			case <-e.quit:
+				shutdown()
+				return
+			}
+			continue
+		}
+		// Take whatever arrived, without waiting, before the next step.
+		for drained := false; !drained; {
+			select {
+			case ev := <-e.events:
+				handle(ev)
+			case <-e.quit:
+				shutdown()
+				return
+			default:
+				drained = true
+			}
+		}
+		if !sc.busy() {
+			continue
+		}
+		b := sc.schedule(time.Now())
+		publish()
+		if d := e.stepDuration(b); d > 0 {
+			timer.Reset(d)
+		wait:
+			for {
+				select {
+				case <-timer.C:
+					break wait
+				case ev := <-e.events:
+					handle(ev)
+				case <-e.quit:
+					shutdown()
+					return
+				}
+			}
+		}
+		for _, o := range sc.complete(b, time.Now()) {
+			o.seq.box.push(o.chunk, o.final)
+		}
+		publish()
+	}
+}
+
+// stepDuration is how long a step takes: its prefill tokens at the prefill
+// throughput, plus one decode latency if it decodes anything.
+func (e *Engine) stepDuration(b *batch) time.Duration {
+	var d time.Duration
+	if b.prefillTokens > 0 && e.cfg.PrefillTokensPerSec > 0 {
+		d += time.Duration(float64(b.prefillTokens) / e.cfg.PrefillTokensPerSec * float64(time.Second))
+	}
+	if b.decodeTokens > 0 {
+		d += e.cfg.DecodeTokenLatency
+	}
+	return d
+}
+
+func sleepName(s stagepb.SleepState) string {
+	switch s {
+	case stagepb.SleepState_SLEEP_STATE_WEIGHTS_OFFLOADED:
+		return "weights_offloaded"
+	case stagepb.SleepState_SLEEP_STATE_DISCARD_ALL:
+		return "discard_all"
+	}
+	return "awake"
+}
+
+// mailbox carries one request's chunks from the loop to its Generate call
+// without ever blocking the loop. The loop pushes; Generate takes.
+type mailbox struct {
+	mu     sync.Mutex
+	chunks []*stagepb.GenerateChunk
+	final  bool
+	err    error
+	notify chan struct{} // buffered 1: "something changed"
+}
+
+func newMailbox() *mailbox { return &mailbox{notify: make(chan struct{}, 1)} }
+
+func (m *mailbox) push(c *stagepb.GenerateChunk, final bool) {
+	m.mu.Lock()
+	m.chunks = append(m.chunks, c)
+	m.final = m.final || final
+	m.mu.Unlock()
+	m.signal()
+}
+
+func (m *mailbox) fail(err error) {
+	m.mu.Lock()
+	if m.err == nil {
+		m.err = err
+	}
+	m.mu.Unlock()
+	m.signal()
+}
+
+func (m *mailbox) signal() {
+	select {
+	case m.notify <- struct{}{}:
+	default:
+	}
+}
+
+// take returns the chunks pushed since the last take.
+func (m *mailbox) take() (chunks []*stagepb.GenerateChunk, final bool, err error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	chunks, m.chunks = m.chunks, nil
+	return chunks, m.final, m.err
+}

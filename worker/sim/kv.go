@@ -1,0 +1,151 @@
+package sim
+
+// blockPool is the KV cache: a fixed number of blocks, reference counted,
+// with a prefix cache in the style of vLLM v1. A full block that has been
+// computed is "committed" under the chained hash of its tokens; when its
+// last user lets go it stays cached on the free list (least recently freed
+// first out) until a fresh allocation evicts it. Owned by the scheduler
+// goroutine; not safe for concurrent use.
+type blockPool struct {
+	blocks  []kvBlock
+	head    int32 // sentinel index of the circular free list (len(blocks))
+	numFree int
+	used    int // blocks with ref > 0
+	cached  map[uint64]int32
+}
+
+type kvBlock struct {
+	ref        int
+	hash       uint64
+	hashed     bool // committed: cached[hash] == this block
+	prev, next int32
+	free       bool
+}
+
+func newBlockPool(n int) *blockPool {
+	p := &blockPool{blocks: make([]kvBlock, n+1), head: int32(n), cached: map[uint64]int32{}}
+	p.blocks[p.head].prev, p.blocks[p.head].next = p.head, p.head
+	for i := range n {
+		p.pushBack(int32(i))
+	}
+	return p
+}
+
+func (p *blockPool) size() int { return len(p.blocks) - 1 }
+
+func (p *blockPool) pushBack(id int32) {
+	b, h := &p.blocks[id], &p.blocks[p.head]
+	b.prev, b.next = h.prev, p.head
+	p.blocks[h.prev].next = id
+	h.prev = id
+	b.free = true
+	p.numFree++
+}
+
+func (p *blockPool) unlink(id int32) {
+	b := &p.blocks[id]
+	p.blocks[b.prev].next = b.next
+	p.blocks[b.next].prev = b.prev
+	b.free = false
+	p.numFree--
+}
+
+// lookup returns the blocks that hold the longest cached prefix of hashes.
+func (p *blockPool) lookup(hashes []uint64) []int32 {
+	var hits []int32
+	for _, h := range hashes {
+		id, ok := p.cached[h]
+		if !ok {
+			break
+		}
+		hits = append(hits, id)
+	}
+	return hits
+}
+
+// canAllocate reports whether n fresh blocks fit once hits are taken
+// (a hit on a cached free block takes it off the free list).
+func (p *blockPool) canAllocate(n int, hits []int32) bool {
+	free := p.numFree
+	for _, id := range hits {
+		if p.blocks[id].free {
+			free--
+		}
+	}
+	return n <= free
+}
+
+// acquire takes a reference on cache hits.
+func (p *blockPool) acquire(hits []int32) {
+	for _, id := range hits {
+		b := &p.blocks[id]
+		if b.free {
+			p.unlink(id)
+		}
+		if b.ref == 0 {
+			p.used++
+		}
+		b.ref++
+	}
+}
+
+// allocate takes n fresh blocks from the front of the free list, evicting
+// their cached content. The caller checked canAllocate.
+func (p *blockPool) allocate(n int) []int32 {
+	ids := make([]int32, 0, n)
+	for range n {
+		id := p.blocks[p.head].next
+		p.unlink(id)
+		b := &p.blocks[id]
+		if b.hashed {
+			delete(p.cached, b.hash)
+			b.hashed = false
+		}
+		b.ref = 1
+		p.used++
+		ids = append(ids, id)
+	}
+	return ids
+}
+
+// release drops one reference on each block, tail first, so that when they
+// fall free the tail of a sequence is evicted before its shared prefix.
+func (p *blockPool) release(ids []int32) {
+	for i := len(ids) - 1; i >= 0; i-- {
+		b := &p.blocks[ids[i]]
+		b.ref--
+		if b.ref == 0 {
+			p.used--
+			p.pushBack(ids[i])
+		}
+	}
+}
+
+// commit caches a computed full block under its chained hash, unless
+// another block already holds the same content.
+func (p *blockPool) commit(id int32, hash uint64) {
+	if _, dup := p.cached[hash]; dup {
+		return
+	}
+	b := &p.blocks[id]
+	b.hash, b.hashed = hash, true
+	p.cached[hash] = id
+}
+
+// reset forgets the prefix cache (sleep level 2).
+func (p *blockPool) reset() {
+	for i := range p.blocks {
+		p.blocks[i].hashed = false
+	}
+	clear(p.cached)
+}
+
+// chainHash is the hash of a full block given its parent's hash, so equal
+// hashes mean equal prefixes, not just equal blocks.
+func chainHash(parent uint64, tokens []uint32) uint64 {
+	h := mix(parent ^ 0x626c6f636b)
+	for _, t := range tokens {
+		h = mix(h ^ uint64(t))
+	}
+	return h
+}

@@ -1,0 +1,380 @@
+package sim
+
+import (
+	"encoding/binary"
+	"fmt"
+	"hash/fnv"
+	"math"
+	"strings"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+// Role says what a sim engine consumes and produces.
+type Role string
+
+const (
+	RoleText  Role = "text"  // text or token ids in, text out (a thinker)
+	RoleCodes Role = "codes" // text or token ids in, codec codes out (a talker)
+	RoleAudio Role = "audio" // codes in, PCM16 mono audio out (a vocoder)
+)
+
+// RoleForStage picks the role from a stage name: thinker → text,
+// talker → codes, vocoder → audio, anything else → text.
+func RoleForStage(stage string) Role {
+	switch stage {
+	case "talker":
+		return RoleCodes
+	case "vocoder":
+		return RoleAudio
+	}
+	return RoleText
+}
+
+// ParseRole parses a --sim-role value.
+func ParseRole(s string) (Role, error) {
+	switch r := Role(s); r {
+	case RoleText, RoleCodes, RoleAudio:
+		return r, nil
+	}
+	return "", fmt.Errorf("sim: unknown role %q (want text, codes or audio)", s)
+}
+
+// The sim's fixed model constants.
+const (
+	BOS            uint32 = 1     // token id prepended to every tokenized text prompt
+	VocabSize      uint32 = 32000 // token ids are in [0, VocabSize)
+	CodebookSize   uint32 = 1024  // codec codes are in [0, CodebookSize)
+	SampleRate            = 24000 // Hz, PCM16 mono little-endian
+	SamplesPerCode        = 960   // 40 ms of audio per codec code
+
+	// DefaultMaxTextTokens and DefaultMaxCodes replace max_tokens 0.
+	DefaultMaxTextTokens = 64
+	DefaultMaxCodes      = 2048
+)
+
+// vocabulary is what the text role says; each output token is one word.
+var vocabulary = [...]string{
+	"the", "a", "sound", "of", "river", "light", "moves", "under", "stone", "and",
+	"quiet", "music", "over", "green", "hills", "bright", "morning", "voice", "calls", "far",
+	"across", "open", "water", "wind", "carries", "small", "birds", "through", "old", "trees",
+	"every", "road", "leads", "home", "slowly", "warm", "rain", "falls", "on", "roofs",
+	"people", "sing", "together", "in", "evening", "air", "clear", "sky", "holds", "stars",
+	"gentle", "waves", "return", "to", "shore", "while", "children", "laugh", "near", "fire",
+	"time", "turns", "softly", "again",
+}
+
+// Tokenize is the sim tokenizer: BOS, then one token per whitespace-separated
+// word; a word's id is a hash of its bytes. The empty text is [BOS].
+func Tokenize(text string) []uint32 {
+	words := strings.Fields(text)
+	ids := make([]uint32, 0, len(words)+1)
+	ids = append(ids, BOS)
+	for _, w := range words {
+		ids = append(ids, WordID(w))
+	}
+	return ids
+}
+
+// WordID is the token id of one word.
+func WordID(word string) uint32 {
+	h := fnv.New32a()
+	h.Write([]byte(word))
+	return 2 + h.Sum32()%(VocabSize-2)
+}
+
+// mix is the splitmix64 finalizer: a cheap, well-spread 64-bit hash.
+func mix(z uint64) uint64 {
+	z += 0x9e3779b97f4a7c15
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
+	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+	return z ^ (z >> 31)
+}
+
+// promptKey hashes a token sequence (FNV-1a over little-endian ids).
+func promptKey(ids []uint32) uint64 {
+	h := fnv.New64a()
+	var b [4]byte
+	for _, id := range ids {
+		binary.LittleEndian.PutUint32(b[:], id)
+		h.Write(b[:])
+	}
+	return h.Sum64()
+}
+
+// Salts separate the independent draws made from one (prompt, seed).
+const (
+	saltLength uint64 = 0x6c656e67746800 // natural length
+	saltToken  uint64 = 0x746f6b656e0000 // output token at a position
+	saltCode   uint64 = 0x636f646500000  // codec code at a position
+	saltSpec   uint64 = 0x7370656300000  // speculative acceptance at a position
+)
+
+// draw is the sim's only source of "randomness": a pure function of the
+// prompt key, the seed, a position and a salt.
+func draw(key uint64, seed int64, pos int, salt uint64) uint64 {
+	h := mix(key ^ salt)
+	h = mix(h ^ uint64(seed))
+	return mix(h ^ uint64(pos))
+}
+
+// naturalTextLength is where the text role stops on its own: 4..35 tokens.
+func naturalTextLength(key uint64, seed int64) int {
+	return 4 + int(draw(key, seed, 0, saltLength)%32)
+}
+
+// naturalCodeLength is where the codes role stops on its own: two codes per
+// prompt token, at least 4.
+func naturalCodeLength(promptTokens int) int {
+	return max(4, 2*promptTokens)
+}
+
+// params is the part of SamplingParams the sim looks at. Temperature is
+// ignored: the sim always "samples" its hash.
+type params struct {
+	maxTokens int // 0: the role's default
+	seed      int64
+	stop      []string
+	ignoreEOS bool
+}
+
+func paramsOf(sp *stagepb.SamplingParams) params {
+	if sp == nil {
+		return params{}
+	}
+	return params{maxTokens: int(sp.GetMaxTokens()), seed: sp.GetSeed(), stop: sp.GetStop(), ignoreEOS: sp.GetIgnoreEos()}
+}
+
+// plan is the whole output of one request, fixed before it is scheduled:
+// the scheduler decides only when each item comes out.
+type plan struct {
+	ids    []uint32 // one per output token: word ids (text), codes (codes), input codes (audio)
+	pieces []string // text role: the text each token adds (already cut at a stop string)
+	finish stagepb.FinishReason
+}
+
+// outputLength is how many tokens a request produces before any stop
+// string, and why it ends; decided without building the output, so a huge
+// max_tokens is rejected before any work. The natural end wins when it falls
+// on max_tokens (EOS is checked before length, as in vLLM).
+func outputLength(role Role, prompt []uint32, p params) (int, stagepb.FinishReason) {
+	if role == RoleAudio {
+		return len(prompt), stagepb.FinishReason_FINISH_REASON_STOP
+	}
+	limit, natural := p.maxTokens, 0
+	if role == RoleCodes {
+		if limit <= 0 {
+			limit = DefaultMaxCodes
+		}
+		natural = naturalCodeLength(len(prompt))
+	} else {
+		if limit <= 0 {
+			limit = DefaultMaxTextTokens
+		}
+		natural = naturalTextLength(promptKey(prompt), p.seed)
+	}
+	if !p.ignoreEOS && natural <= limit {
+		return natural, stagepb.FinishReason_FINISH_REASON_STOP
+	}
+	return limit, stagepb.FinishReason_FINISH_REASON_LENGTH
+}
+
+// buildPlan computes the output of one request.
+func buildPlan(role Role, prompt []uint32, p params) plan {
+	n, finish := outputLength(role, prompt, p)
+	key := promptKey(prompt)
+	switch role {
+	case RoleAudio:
+		return plan{ids: append([]uint32(nil), prompt...), finish: finish}
+	case RoleCodes:
+		ids := make([]uint32, n)
+		for i := range ids {
+			ids[i] = uint32(draw(key, p.seed, i, saltCode) % uint64(CodebookSize))
+		}
+		return plan{ids: ids, finish: finish}
+	}
+	return textPlan(key, p, n, finish)
+}
+
+// textPlan generates n words and cuts the text before the first stop string,
+// as vLLM does (the stop string is not returned; the token that completed it
+// is counted).
+func textPlan(key uint64, p params, n int, finish stagepb.FinishReason) plan {
+	ids := make([]uint32, 0, n)
+	ends := make([]int, 0, n) // byte offset where each token's text ends
+	var full strings.Builder
+	cut := -1
+	for i := 0; i < n && cut < 0; i++ {
+		w := vocabulary[draw(key, p.seed, i, saltToken)%uint64(len(vocabulary))]
+		before := full.Len()
+		if i > 0 {
+			full.WriteByte(' ')
+		}
+		full.WriteString(w)
+		ids = append(ids, WordID(w))
+		ends = append(ends, full.Len())
+		text := full.String()
+		for _, s := range p.stop {
+			if s == "" {
+				continue
+			}
+			// A new match must end inside this token's text.
+			from := max(0, before-len(s)+1)
+			if j := strings.Index(text[from:], s); j >= 0 && (cut < 0 || from+j < cut) {
+				cut = from + j
+			}
+		}
+	}
+	text := full.String()
+	if cut >= 0 {
+		text = text[:cut]
+		finish = stagepb.FinishReason_FINISH_REASON_STOP
+	}
+	pieces := make([]string, len(ids))
+	prev := 0
+	for i, end := range ends {
+		end = min(end, len(text))
+		pieces[i] = text[prev:end]
+		prev = end
+	}
+	return plan{ids: ids, pieces: pieces, finish: finish}
+}
+
+// Output is everything the sim produces for one request.
+type Output struct {
+	Text             string   // text role
+	TokenIDs         []uint32 // text role: output token ids
+	Codes            []uint32 // codes role
+	Audio            []byte   // audio role: PCM16 mono little-endian at SampleRate
+	GenerationTokens int      // output tokens counted as generation_tokens
+	Finish           stagepb.FinishReason
+}
+
+// Expect returns what a sim engine of the given role answers to req, byte
+// for byte, or the InvalidArgument error it would return. It is a pure
+// function of the input, the seed (unset = 0), max_tokens, stop and
+// ignore_eos; temperature does not matter.
+func Expect(role Role, req *stagepb.GenerateRequest) (Output, error) {
+	prompt, err := promptOf(role, req)
+	if err != nil {
+		return Output{}, err
+	}
+	pl := buildPlan(role, prompt, paramsOf(req.GetSampling()))
+	return pl.output(role), nil
+}
+
+func (pl plan) output(role Role) Output {
+	out := Output{GenerationTokens: len(pl.ids), Finish: pl.finish}
+	switch role {
+	case RoleCodes:
+		out.Codes = append([]uint32(nil), pl.ids...)
+	case RoleAudio:
+		out.Audio = ExpectedAudio(pl.ids)
+	default:
+		out.Text = strings.Join(pl.pieces, "")
+		out.TokenIDs = append([]uint32(nil), pl.ids...)
+	}
+	return out
+}
+
+// ExpectedText is what a text-role sim answers to a text prompt with the
+// given seed and max_tokens (0: DefaultMaxTextTokens), no stop strings:
+// the text, the number of generated tokens and the finish reason.
+func ExpectedText(prompt string, seed int64, maxTokens int) (text string, tokens int, finish stagepb.FinishReason) {
+	pl := buildPlan(RoleText, Tokenize(prompt), params{maxTokens: max(0, maxTokens), seed: seed})
+	return strings.Join(pl.pieces, ""), len(pl.ids), pl.finish
+}
+
+// ExpectedCodes is what a codes-role sim (a talker) answers to a text
+// prompt with the given seed and max_tokens (0: DefaultMaxCodes).
+func ExpectedCodes(text string, seed int64, maxTokens int) (codes []uint32, finish stagepb.FinishReason) {
+	pl := buildPlan(RoleCodes, Tokenize(text), params{maxTokens: max(0, maxTokens), seed: seed})
+	return pl.ids, pl.finish
+}
+
+// ExpectedAudio is what an audio-role sim (a vocoder) answers to codes:
+// SamplesPerCode PCM16 samples per code, each code a sine tone whose
+// frequency depends on the code alone (see CodeFrequency).
+func ExpectedAudio(codes []uint32) []byte {
+	out := make([]byte, 0, len(codes)*SamplesPerCode*2)
+	for _, c := range codes {
+		out = appendTone(out, c)
+	}
+	return out
+}
+
+// CodeFrequency is the pitch of a code: 48 semitones up from 110 Hz.
+func CodeFrequency(code uint32) float64 {
+	return 110 * math.Pow(2, float64(code%48)/12)
+}
+
+// appendTone renders one code: a sine at CodeFrequency, amplitude 0.25 of
+// full scale, with 2 ms linear fades so frames join without clicks.
+func appendTone(dst []byte, code uint32) []byte {
+	const fade = SampleRate / 500
+	f := CodeFrequency(code)
+	for i := range SamplesPerCode {
+		gain := 0.25
+		if i < fade {
+			gain *= float64(i) / fade
+		} else if r := SamplesPerCode - 1 - i; r < fade {
+			gain *= float64(r) / fade
+		}
+		phase := float64(2*math.Pi*f) * float64(float64(i)/SampleRate)
+		v := int16(math.Round(float64(gain*math.Sin(phase)) * 32767))
+		dst = binary.LittleEndian.AppendUint16(dst, uint16(v))
+	}
+	return dst
+}
+
+// promptOf checks the input kind against the role and returns the prompt
+// tokens. Errors are InvalidArgument.
+func promptOf(role Role, req *stagepb.GenerateRequest) ([]uint32, error) {
+	switch in := req.GetInput().(type) {
+	case *stagepb.GenerateRequest_Text:
+		if role == RoleAudio {
+			return nil, invalidInput(role, "text")
+		}
+		return Tokenize(in.Text), nil
+	case *stagepb.GenerateRequest_TokenIds:
+		if role == RoleAudio {
+			return nil, invalidInput(role, "token_ids")
+		}
+		ids := in.TokenIds.GetIds()
+		if len(ids) == 0 {
+			return nil, invalidArgument("sim: empty token_ids")
+		}
+		for _, id := range ids {
+			if id >= VocabSize {
+				return nil, invalidArgument(fmt.Sprintf("sim: token id %d out of range [0, %d)", id, VocabSize))
+			}
+		}
+		return append([]uint32(nil), ids...), nil
+	case *stagepb.GenerateRequest_Codes:
+		if role != RoleAudio {
+			return nil, invalidInput(role, "codes")
+		}
+		codes := in.Codes.GetCodes()
+		if len(codes) == 0 {
+			return nil, invalidArgument("sim: empty codes")
+		}
+		for _, c := range codes {
+			if c >= CodebookSize {
+				return nil, invalidArgument(fmt.Sprintf("sim: code %d out of range [0, %d)", c, CodebookSize))
+			}
+		}
+		return append([]uint32(nil), codes...), nil
+	case nil:
+		return nil, invalidArgument("sim: request has no input")
+	default:
+		return nil, invalidArgument(fmt.Sprintf("sim: unsupported input %T", in))
+	}
+}
+
+func invalidInput(role Role, got string) error {
+	want := "text or token_ids"
+	if role == RoleAudio {
+		want = "codes"
+	}
+	return invalidArgument(fmt.Sprintf("sim: role %s takes %s input, got %s", role, want, got))
+}
