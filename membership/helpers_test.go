@@ -2,7 +2,6 @@ package membership_test
 
 import (
 	"context"
-	"errors"
 	"io"
 	"log/slog"
 	"net"
@@ -16,7 +15,6 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/troupe-serving/troupe/membership"
-	"github.com/troupe-serving/troupe/membership/membershiptest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -300,6 +298,3 @@ func (p *proxy) close() {
 	p.pause()
 	p.wg.Wait()
 }
-
-var _ = errors.New
-var _ = membershiptest.Start

@@ -332,7 +332,12 @@ func smallestFree(used map[uint32]bool) (uint32, bool) {
 func (r *Registration) run(ctx context.Context, lease clientv3.LeaseID) {
 	defer close(r.done)
 	defer close(r.events)
+	ttl := time.Duration(r.ttlSecs) * time.Second
+	// A keepalive that ends at once, again and again (the client's lease
+	// stream halted for good), must not turn into a hot re-register loop.
+	again := newBackoff(500*time.Millisecond, 30*time.Second)
 	for {
+		started := time.Now()
 		r.keepAlive(ctx, lease)
 		if ctx.Err() != nil {
 			return
@@ -346,6 +351,11 @@ func (r *Registration) run(ctx context.Context, lease clientv3.LeaseID) {
 		r.mu.Lock()
 		r.stale = lease
 		r.mu.Unlock()
+		if time.Since(started) >= ttl {
+			again.reset(500 * time.Millisecond)
+		} else if !again.sleep(ctx) {
+			return
+		}
 		next, ok := r.reregister(ctx, lease)
 		if !ok {
 			return

@@ -2,7 +2,6 @@ package membership_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"sort"
@@ -70,7 +69,10 @@ func TestLeaseExpiresWhenWorkerDies(t *testing.T) {
 	leave := wa.next(t)
 	require.Equal(t, membership.Leave, leave.Type)
 	require.Equal(t, r.Key(), leave.Key)
-	for range r.Events() { // closed once the registration noticed its client is gone
+	select {
+	case <-drained(r.Events()): // closed once the registration noticed its client is gone
+	case <-time.After(wait):
+		t.Fatal("registration did not stop after its client closed")
 	}
 }
 
@@ -171,7 +173,8 @@ func TestReregistersWhenLeaseIsRevokedFromOutside(t *testing.T) {
 	e := membershiptest.Start(t)
 	cli := dial(t, e.Endpoints())
 	wa := startWatcher(t, membership.NewWatcher(cli, membership.WatchConfig{Logger: quietLogger()}))
-	r := register(t, cli, membership.RegisterConfig{Member: member("thinker", 1, "127.0.0.1:7001")})
+	// The keepalive notices the revoke at its next refresh, every TTL/3.
+	r := register(t, cli, membership.RegisterConfig{Member: member("thinker", 1, "127.0.0.1:7001"), TTL: 2 * time.Second})
 	require.True(t, is(membership.Join, r.Key())(wa.next(t)))
 	old := r.Lease()
 
@@ -198,14 +201,14 @@ func TestReregisterWaitsForAnotherHolder(t *testing.T) {
 	e := membershiptest.Start(t)
 	cli := dial(t, e.Endpoints())
 	ctx := testCtx(t)
-	r := register(t, cli, membership.RegisterConfig{Member: member("thinker", 5, "127.0.0.1:7005")})
+	r := register(t, cli, membership.RegisterConfig{Member: member("thinker", 5, "127.0.0.1:7005"), TTL: 2 * time.Second})
 
 	// Someone else takes the id while the lease is alive (an operator, or
 	// a split brain), then the registration's lease goes.
 	other, err := cli.Grant(ctx, 30)
 	require.NoError(t, err)
 	foreign := `{"stage":"thinker","replica_id":5,"addr":"10.9.9.9:1","engine":"sim","version":"x","started_at":"2024-01-01T00:00:00Z"}`
-	_, err = cli.Txn(ctx).Then(clientv3.OpDelete(r.Key()), clientv3.OpPut(r.Key(), foreign, clientv3.WithLease(other.ID))).Commit()
+	_, err = cli.Put(ctx, r.Key(), foreign, clientv3.WithLease(other.ID))
 	require.NoError(t, err)
 	_, err = cli.Revoke(ctx, r.Lease())
 	require.NoError(t, err)
@@ -355,4 +358,13 @@ func TestListShowsLeaseTTL(t *testing.T) {
 	require.Equal(t, time.Duration(-1), list[3].TTLLeft, "no lease")
 }
 
-var _ = errors.Is
+// drained is closed once ch is closed; it reads and drops what ch holds.
+func drained[T any](ch <-chan T) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range ch {
+		}
+	}()
+	return done
+}

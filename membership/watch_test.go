@@ -2,6 +2,7 @@ package membership_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -112,7 +113,10 @@ func TestWatchNoGapNoDoubleApply(t *testing.T) {
 	lists := hookResyncs(w, 5*time.Second)
 
 	const n = 20
-	var wg sync.WaitGroup
+	var (
+		wg sync.WaitGroup
+		wa *watching
+	)
 	keys := make(chan string, n)
 	for i := range n {
 		wg.Go(func() {
@@ -127,12 +131,11 @@ func TestWatchNoGapNoDoubleApply(t *testing.T) {
 			keys <- r.Key()
 		})
 		if i == n/2 {
-			startWatcherAsync(t, w, &wg)
+			wa = startWatcher(t, w) // while registrations are in flight
 		}
 	}
 	wg.Wait()
 	close(keys)
-	wa := watcherOf(t)
 	joined := map[string]int{}
 	for len(joined) < n {
 		ev := wa.next(t)
@@ -158,21 +161,6 @@ func TestWatchNoGapNoDoubleApply(t *testing.T) {
 	ev := wa.next(t)
 	require.Equal(t, membership.Join, ev.Type)
 	require.Equal(t, "127.0.0.1:9999", ev.Member.Addr)
-}
-
-// startWatcherAsync and watcherOf let a test start the watcher in the
-// middle of other work, then read its events.
-var asyncWatching sync.Map // *testing.T → *watching
-
-func startWatcherAsync(t *testing.T, w *membership.Watcher, _ *sync.WaitGroup) {
-	asyncWatching.Store(t, startWatcher(t, w))
-}
-
-func watcherOf(t *testing.T) *watching {
-	v, ok := asyncWatching.Load(t)
-	require.True(t, ok)
-	t.Cleanup(func() { asyncWatching.Delete(t) })
-	return v.(*watching)
 }
 
 func TestWatchSkipsMalformedRecords(t *testing.T) {
@@ -203,11 +191,11 @@ func TestWatchSkipsMalformedRecords(t *testing.T) {
 
 	// Arriving through the watch.
 	bad := map[string]string{
-		prefix + "thinker/8":      mustJSON(t, member("thinker", 9, "a:1")),  // id mismatch
-		prefix + "painter/0":      mustJSON(t, member("painter", 0, "a:1")),  // unknown stage
-		prefix + "thinker/x":      mustJSON(t, member("thinker", 0, "a:1")),  // bad id in key
-		prefix + "talker/0":       mustJSON(t, member("talker", 0, "")),      // no addr
-		prefix + "talker/1/extra": mustJSON(t, member("talker", 1, "a:1")),   // too deep
+		prefix + "thinker/8":      mustJSON(t, member("thinker", 9, "a:1")), // id mismatch
+		prefix + "painter/0":      mustJSON(t, member("painter", 0, "a:1")), // unknown stage
+		prefix + "thinker/x":      mustJSON(t, member("thinker", 0, "a:1")), // bad id in key
+		prefix + "talker/0":       mustJSON(t, member("talker", 0, "")),     // no addr
+		prefix + "talker/1/extra": mustJSON(t, member("talker", 1, "a:1")),  // too deep
 		prefix + "thinker/10":     `{"stage":"thinker","replica_id":"ten"}`, // wrong type
 	}
 	for k, v := range bad {
@@ -261,7 +249,7 @@ func TestWatcherRunRules(t *testing.T) {
 
 func mustJSON(t *testing.T, m membership.Member) string {
 	t.Helper()
-	b, err := jsonMarshal(m)
+	b, err := json.Marshal(m)
 	require.NoError(t, err)
 	return string(b)
 }

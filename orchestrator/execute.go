@@ -99,7 +99,9 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 			res.Text, res.FinishReason = out.text.String(), out.finish
 			res.PromptTokens, res.CompletionTokens = out.promptTokens, out.generationTokens
 		}
-		res.Codes = out.codes
+		if len(out.codes) > 0 {
+			res.Codes = out.codes
+		}
 		if len(out.pcm) > 0 {
 			res.PCM, res.SampleRate = out.pcm, out.sampleRate
 		}
@@ -173,7 +175,7 @@ func (h *Head) runStage(ctx context.Context, stage int, in *stagepb.GenerateRequ
 
 // attempt runs a stage on one replica. produced reports whether any output
 // reached the client through emit, after which a retry would duplicate it.
-func (h *Head) attempt(ctx context.Context, stage int, rep *router.Replica, attempt int, in *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) (out *stageOutput, produced bool, err error) {
+func (h *Head) attempt(ctx context.Context, stage int, rep *router.Replica, attempt int, in *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) (_ *stageOutput, produced bool, err error) {
 	name := h.cfg.Pipeline.Stages[stage].Name
 	ctx, span := h.tracer.Start(ctx, "troupe.stage "+name, trace.WithSpanKind(trace.SpanKindInternal),
 		trace.WithAttributes(
@@ -194,7 +196,7 @@ func (h *Head) attempt(ctx context.Context, stage int, rep *router.Replica, atte
 	rep.Acquire()
 	defer rep.Release()
 
-	out = &stageOutput{}
+	out := &stageOutput{} // not the named result: returning nil must not hide it from the deferred recorder
 	fin := stats.Finished{Reason: stagepb.FinishReason_FINISH_REASON_ERROR}
 	if sc := span.SpanContext(); sc.IsSampled() {
 		fin.TraceID = sc.TraceID().String()

@@ -113,7 +113,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		)),
 		// Pings notice a peer that vanished without closing its socket (a
 		// partition), so it leaves rotation before its lease expires.
-		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 3 * time.Second, PermitWithoutStream: true}),
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
 	}
 	head, err := orchestrator.New(cli, orchestrator.Config{
 		Cluster:           hf.cluster,

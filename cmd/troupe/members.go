@@ -90,24 +90,29 @@ func writeMembersJSON(w io.Writer, cluster string, list []membership.Listed, now
 }
 
 func writeMembersTable(w io.Writer, list []membership.Listed, now time.Time) error {
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "STAGE\tREPLICA\tADDR\tENGINE\tVERSION\tLEASE TTL\tAGE")
-	var invalid []membership.Listed
+	var valid, invalid []membership.Listed
 	for _, l := range list {
 		if l.Invalid != nil {
 			invalid = append(invalid, l)
-			continue
+		} else {
+			valid = append(valid, l)
 		}
-		m := l.Member
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", m.Stage, m.ReplicaID, m.Addr,
-			orDash(m.Engine), orDash(m.Version), ttlText(l.TTLLeft), ageText(m.StartedAt, now))
 	}
-	if err := tw.Flush(); err != nil {
-		return err
-	}
-	if len(list) == 0 {
-		_, err := fmt.Fprintln(w, "(no members)")
-		return err
+	if len(valid) == 0 {
+		if _, err := fmt.Fprintln(w, "(no members)"); err != nil {
+			return err
+		}
+	} else {
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "STAGE\tREPLICA\tADDR\tENGINE\tVERSION\tLEASE TTL\tAGE")
+		for _, l := range valid {
+			m := l.Member
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", m.Stage, m.ReplicaID, m.Addr,
+				orDash(m.Engine), orDash(m.Version), ttlText(l.TTLLeft), ageText(m.StartedAt, now))
+		}
+		if err := tw.Flush(); err != nil {
+			return err
+		}
 	}
 	for _, l := range invalid {
 		if _, err := fmt.Fprintf(w, "invalid record at %s: %v\n", l.Key, l.Invalid); err != nil {

@@ -75,32 +75,3 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 	}
 	return positional, nil
 }
-
-// otlpFlags are the tracing flags of the head and the worker. They override
-// OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_EXPORTER_OTLP_PROTOCOL; empty means
-// the environment decides (and with no endpoint, nothing is exported).
-type otlpFlags struct {
-	endpoint, protocol *string
-}
-
-// addOTLPFlags registers --otlp-endpoint and --otlp-protocol on fs.
-func addOTLPFlags(fs *flag.FlagSet) otlpFlags {
-	return otlpFlags{
-		endpoint: fs.String("otlp-endpoint", "", "OTLP endpoint URL for traces, e.g. http://localhost:4317 (default: OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)"),
-		protocol: fs.String("otlp-protocol", "", "OTLP protocol: grpc, http/protobuf or http/json (default: OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf)"),
-	}
-}
-
-// config returns the telemetry configuration of service ("troupe-head",
-// "troupe-worker"). Workers pass parentBasedOnly, so they record exactly
-// the traces the head sampled.
-func (f otlpFlags) config(service string, parentBasedOnly bool) telemetry.Config {
-	return telemetry.Config{
-		ServiceName:     service,
-		ServiceVersion:  version,
-		Endpoint:        *f.endpoint,
-		Protocol:        *f.protocol,
-		DefaultRatio:    1,
-		ParentBasedOnly: parentBasedOnly,
-	}
-}

@@ -3,10 +3,172 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+
+	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/membership/embedetcd"
+	"github.com/troupe-serving/troupe/orchestrator"
 )
 
-// runUp is a placeholder until its issue lands.
-func runUp(_ context.Context, _ []string, _ io.Writer) error {
-	return errors.New("up: not implemented yet")
+// runUp is the laptop all-in-one: an embedded etcd, a head and sim workers
+// for every stage, in one process. Ctrl-C drains the workers, stops the head
+// and etcd, and removes a temporary data dir.
+func runUp(ctx context.Context, args []string, stdout io.Writer) error {
+	fs := newFlagSet("up")
+	hf := addHeadFlags(fs)
+	dataDir := fs.String("data-dir", "", "etcd data dir to keep (default: a temporary dir, removed at exit)")
+	etcdURL := fs.String("etcd-listen", "http://127.0.0.1:0", "client URL of the embedded etcd (port 0: a free port)")
+	replicas := fs.Int("replicas", 1, "sim workers per stage")
+	decodeLatency := fs.Duration("decode-latency", 0, "sim: duration of one decode step (0: instant)")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if *replicas < 1 || *replicas > 64 {
+		return fmt.Errorf("--replicas must be in 1..64, got %d", *replicas)
+	}
+	log := hf.log.logger()
+	pipeline := orchestrator.DefaultPipeline()
+	if hf.pipeline != "" {
+		p, err := orchestrator.LoadPipeline(hf.pipeline)
+		if err != nil {
+			return err
+		}
+		pipeline = p
+	}
+
+	dir := *dataDir
+	if dir == "" {
+		tmp, err := os.MkdirTemp("", "troupe-up-")
+		if err != nil {
+			return fmt.Errorf("up: %w", err)
+		}
+		defer os.RemoveAll(tmp)
+		dir = tmp
+	}
+	lg, err := embedetcd.LoggerAt("error")
+	if err != nil {
+		return err
+	}
+	etcd, err := embedetcd.Start(ctx, embedetcd.Config{
+		Name:             "troupe-up",
+		DataDir:          dir,
+		ListenClientURLs: []string{*etcdURL},
+		ListenPeerURLs:   []string{"http://127.0.0.1:0"},
+		Logger:           lg,
+	})
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
+	defer etcd.Close()
+	cli, err := membership.Dial(ctx, membership.ClientConfig{Endpoints: etcd.ClientURLs()})
+	if err != nil {
+		return err
+	}
+	defer cli.Close()
+
+	g, gctx := errgroup.WithContext(ctx)
+	headAddr := make(chan string, 1)
+	g.Go(func() error { return serveHead(gctx, cli, hf, log, io.Discard, headAddr) })
+	for _, st := range pipeline.Stages {
+		for range *replicas {
+			wfs := newFlagSet("worker")
+			wf := addWorkerFlags(wfs)
+			wargs := []string{"--stage", st.Name, "--cluster", hf.cluster, "--model", pipeline.Model,
+				"--decode-latency", decodeLatency.String(), "--log-level", hf.log.level, "--log-format", hf.log.format}
+			if err := wfs.Parse(wargs); err != nil {
+				return fmt.Errorf("up: worker flags: %w", err)
+			}
+			wf.tls, wf.otel = hf.tls, hf.otel
+			g.Go(func() error { return serveWorker(gctx, cli, wf, log, io.Discard, nil) })
+		}
+	}
+
+	g.Go(func() error {
+		var addr string
+		select {
+		case addr = <-headAddr:
+		case <-gctx.Done():
+			return nil
+		}
+		base := "http://" + addr
+		if err := waitReady(gctx, base+"/readyz", 60*time.Second); err != nil {
+			if gctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		printBanner(stdout, pipeline, base, etcd.ClientURLs(), dir, *dataDir == "", hf.apiKey != "")
+		return nil
+	})
+	err = g.Wait()
+	fmt.Fprintln(stdout, "troupe up: stopped")
+	if ctx.Err() != nil && (err == nil || errors.Is(err, context.Canceled)) {
+		return nil
+	}
+	return err
+}
+
+// waitReady polls a readiness URL until it answers 200.
+func waitReady(ctx context.Context, url string, limit time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, limit)
+	defer cancel()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	var last string
+	for {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		if err != nil {
+			return err
+		}
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			body, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+			last = strings.TrimSpace(string(body))
+		} else {
+			last = err.Error()
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("up: not ready after %s: %s", limit, last)
+		case <-tick.C:
+		}
+	}
+}
+
+func printBanner(w io.Writer, p orchestrator.Pipeline, base string, etcdURLs []string, dir string, temporary, auth bool) {
+	keep := "kept"
+	if temporary {
+		keep = "removed at exit"
+	}
+	header := ""
+	if auth {
+		header = " \\\n  -H \"Authorization: Bearer $TROUPE_API_KEY\""
+	}
+	fmt.Fprintf(w, `troupe is up: model %s, stages %s
+  API:      %s/v1
+  replicas: %s/v1/replicas
+  metrics:  %s/metrics
+  etcd:     %s (data dir %s, %s)
+
+Try:
+  curl -s %s/v1/chat/completions%s \
+    -H 'Content-Type: application/json' \
+    -d '{"model":%s,"messages":[{"role":"user","content":"hello"}],"max_tokens":8}'
+
+Press Ctrl-C to stop.
+`, p.Model, strings.Join(p.StageNames(), " → "), base, base, base, strings.Join(etcdURLs, ","), dir, keep, base, header, strconv.Quote(p.Model))
 }

@@ -19,6 +19,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
@@ -66,6 +67,7 @@ type Server struct {
 	etcd        *embed.Etcd
 	clientURLs  []string
 	closeOnce   sync.Once
+	closing     atomic.Bool
 	streamsCtx  context.Context    // ends every client stream when cancelled
 	stopStreams context.CancelFunc // called by Close
 }
@@ -119,9 +121,13 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 	if lg == nil {
 		lg = stderrLogger(zapcore.WarnLevel)
 	}
+	s := &Server{}
+	// etcd reports its own listeners closing as errors: noise on shutdown.
+	lg = lg.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
+		return quietWhileClosing{Core: c, closing: &s.closing}
+	}))
 	ec.ZapLoggerBuilder = embed.NewZapLoggerBuilder(lg)
 
-	s := &Server{}
 	s.streamsCtx, s.stopStreams = context.WithCancel(context.Background())
 	// Cancel every client stream when Close begins (see the package doc).
 	ec.GRPCAdditionalServerOptions = append(ec.GRPCAdditionalServerOptions,
@@ -161,6 +167,7 @@ func (s *Server) Err() <-chan error { return s.etcd.Err() }
 // Close stops the server and waits until it has stopped.
 func (s *Server) Close() {
 	s.closeOnce.Do(func() {
+		s.closing.Store(true)
 		s.stopStreams()
 		s.etcd.Close()
 		<-s.etcd.Server.StopNotify()
@@ -251,6 +258,7 @@ func stderrLogger(level zapcore.Level) *zap.Logger {
 	zc.Encoding = "console"
 	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
 	zc.Sampling = nil
+	zc.DisableStacktrace = true
 	lg, err := zc.Build()
 	if err != nil {
 		return zap.NewNop()
@@ -266,4 +274,21 @@ func LoggerAt(level string) (*zap.Logger, error) {
 		return nil, fmt.Errorf("embedetcd: log level %q: %w", level, err)
 	}
 	return stderrLogger(l), nil
+}
+
+// quietWhileClosing drops warnings and errors once Close has begun.
+type quietWhileClosing struct {
+	zapcore.Core
+	closing *atomic.Bool
+}
+
+func (q quietWhileClosing) With(fields []zapcore.Field) zapcore.Core {
+	return quietWhileClosing{Core: q.Core.With(fields), closing: q.closing}
+}
+
+func (q quietWhileClosing) Check(e zapcore.Entry, ce *zapcore.CheckedEntry) *zapcore.CheckedEntry {
+	if q.closing.Load() && e.Level >= zapcore.WarnLevel && e.Level < zapcore.DPanicLevel {
+		return ce
+	}
+	return q.Core.Check(e, ce)
 }

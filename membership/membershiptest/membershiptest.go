@@ -29,6 +29,8 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 
 	"github.com/troupe-serving/troupe/membership/embedetcd"
 )
@@ -80,7 +82,12 @@ func (e *Etcd) Client(t testing.TB) *clientv3.Client {
 		DialTimeout:          5 * time.Second,
 		DialKeepAliveTime:    2 * time.Second,
 		DialKeepAliveTimeout: 2 * time.Second,
-		Logger:               zap.NewNop(),
+		// Reconnect within a second once the server is back (Restart).
+		DialOptions: []grpc.DialOption{grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           backoff.Config{BaseDelay: 50 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
+			MinConnectTimeout: 5 * time.Second,
+		})},
+		Logger: zap.NewNop(),
 	})
 	if err != nil {
 		t.Fatalf("membershiptest: client: %v", err)

@@ -71,6 +71,7 @@ func BenchmarkRecordParallel(b *testing.B) {
 	st := benchStats()
 	var next atomic.Int64
 	b.ReportAllocs()
+	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {
 		idx := int(next.Add(37) % 1000)
 		for pb.Next() {

@@ -194,7 +194,6 @@ type engine struct {
 	// writer side
 	detachedAt  time.Time
 	cacheLabels []string
-	replica     Replica
 }
 
 // exemplarHistogram is a histogram child that takes exemplars.

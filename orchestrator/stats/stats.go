@@ -257,7 +257,6 @@ func (l *Logger) Register(index int, r Replica) error {
 		l.fam.cacheInfo.WithLabelValues(labels...).Set(1)
 		e.cacheLabels = labels
 	}
-	e.replica = r
 	e.setSleep(r.SleepState)
 	e.detached.Store(false)
 	e.detachedAt = time.Time{}

@@ -14,10 +14,10 @@ import (
 
 func TestParseTraceID(t *testing.T) {
 	good := map[string]string{
-		"4bf92f3577b34da6a3ce929d0e0e4736":                        "4bf92f3577b34da6a3ce929d0e0e4736",
-		"4BF92F3577B34DA6A3CE929D0E0E4736":                        "4bf92f3577b34da6a3ce929d0e0e4736",
-		"a3ce929d0e0e4736":                                        "0000000000000000a3ce929d0e0e4736",
-		" 1 ":                                                     "00000000000000000000000000000001",
+		"4bf92f3577b34da6a3ce929d0e0e4736": "4bf92f3577b34da6a3ce929d0e0e4736",
+		"4BF92F3577B34DA6A3CE929D0E0E4736": "4bf92f3577b34da6a3ce929d0e0e4736",
+		"a3ce929d0e0e4736":                 "0000000000000000a3ce929d0e0e4736",
+		" 1 ":                              "00000000000000000000000000000001",
 		"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01": "4bf92f3577b34da6a3ce929d0e0e4736",
 	}
 	for in, want := range good {
@@ -37,8 +37,8 @@ func TestParseTraceID(t *testing.T) {
 func TestJaegerTraceURL(t *testing.T) {
 	id := "4bf92f3577b34da6a3ce929d0e0e4736"
 	for base, want := range map[string]string{
-		"http://localhost:16686":         "http://localhost:16686/api/v3/traces/" + id,
-		"http://localhost:16686/":        "http://localhost:16686/api/v3/traces/" + id,
+		"http://localhost:16686":          "http://localhost:16686/api/v3/traces/" + id,
+		"http://localhost:16686/":         "http://localhost:16686/api/v3/traces/" + id,
 		"https://ops.example/jaeger/?x=1": "https://ops.example/jaeger/api/v3/traces/" + id,
 	} {
 		got, err := JaegerTraceURL(base, id)

@@ -130,6 +130,12 @@ func setup(ctx context.Context, cfg Config, exporter sdktrace.SpanExporter) (*Pr
 	if err != nil {
 		return nil, err
 	}
+	// Read even when nothing is exported, so a bad value shows at once
+	// rather than on the day an endpoint is configured.
+	sampler, err := samplerFromEnv()
+	if err != nil {
+		return nil, err
+	}
 	if exporter != nil && !enabled && protocol != "" {
 		endpoint, enabled = "test", true
 	}
@@ -137,11 +143,6 @@ func setup(ctx context.Context, cfg Config, exporter sdktrace.SpanExporter) (*Pr
 		s := sdktrace.NeverSample()
 		// No exporter, no processor: spans are non-recording but get real ids.
 		return &Provider{tp: sdktrace.NewTracerProvider(sdktrace.WithSampler(s)), sampler: s}, nil
-	}
-
-	sampler, err := samplerFromEnv()
-	if err != nil {
-		return nil, err
 	}
 	if sampler == nil {
 		root := sdktrace.TraceIDRatioBased(ratio)

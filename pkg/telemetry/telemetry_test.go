@@ -211,11 +211,13 @@ func TestSamplerEnvironmentWinsOverDefault(t *testing.T) {
 
 func TestSetupRejectsBadConfiguration(t *testing.T) {
 	cases := []struct {
-		name string
-		env  map[string]string
-		cfg  Config
+		name       string
+		env        map[string]string
+		cfg        Config
+		noEndpoint bool
 	}{
 		{name: "unknown sampler", env: map[string]string{"OTEL_TRACES_SAMPLER": "jaeger_remote"}},
+		{name: "unknown sampler without endpoint", env: map[string]string{"OTEL_TRACES_SAMPLER": "always"}, noEndpoint: true},
 		{name: "sampler arg not a number", env: map[string]string{"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "half"}},
 		{name: "sampler arg above 1", env: map[string]string{"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}},
 		{name: "unknown exporter", env: map[string]string{"OTEL_TRACES_EXPORTER": "zipkin"}},
@@ -231,6 +233,9 @@ func TestSetupRejectsBadConfiguration(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cleanEnv(t)
 			t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+			if tc.noEndpoint {
+				t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+			}
 			for k, v := range tc.env {
 				t.Setenv(k, v)
 			}

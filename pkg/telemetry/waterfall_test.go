@@ -15,7 +15,7 @@ import (
 // testdata/jaeger_trace.json is Jaeger v2.13's answer to
 // GET /api/v3/traces/{id} for the trace emitPipeline sends, recorded by
 // TestJaegerSmoke with TROUPE_JAEGER_RECORD (see scripts/jaeger-smoke.sh).
-const fixtureTraceID = "" // set once recorded
+const fixtureTraceID = "42062905e4d1f4777ffc2d79537e9403"
 
 func readFixture(t *testing.T) []byte {
 	t.Helper()
@@ -131,4 +131,59 @@ func TestRenderWaterfallRejectsEmpty(t *testing.T) {
 	assert.Error(t, RenderWaterfall(&buf, &Trace{}, WaterfallOptions{}))
 	assert.Error(t, RenderWaterfall(&buf, nil, WaterfallOptions{}))
 	assert.Zero(t, buf.Len())
+}
+
+// wantFixtureWaterfall was checked by hand: 100ms over 40 characters is
+// 2.5ms a character; the failed thinker attempt runs 2-10ms (columns 0-3),
+// the second 11-60ms (4-23), the talker 61-98ms (24-38).
+const wantFixtureWaterfall = `trace 42062905e4d1f4777ffc2d79537e9403: 16 spans, 2 services, 100ms
+SERVICE        SPAN                                           REPLICA  DURATION   0                                  100ms
+troupe-head    POST /v1/chat/completions                      -           100ms  |########################################|
+troupe-head      troupe.request                               -          98.0ms  |########################################|
+troupe-head        ! troupe.stage thinker                     0          8.00ms  |!!!!                                    |  ERROR: replica thinker/0 unavailable
+troupe-head          ! troupe.stage.v1.StageService/Generate  -          6.00ms  | !!!                                    |  ERROR: replica thinker/0 unavailable
+troupe-head        troupe.stage thinker                       2          49.0ms  |    ####################                |
+troupe-head          troupe.stage.v1.StageService/Generate    -          47.0ms  |    ###################                 |
+troupe-worker          troupe.stage.v1.StageService/Generate  2          45.0ms  |     ##################                 |
+troupe-worker            queue                                -          2.00ms  |     #                                  |
+troupe-worker            prefill                              -          8.00ms  |      ####                              |
+troupe-worker            decode                               -          34.0ms  |         ##############                 |
+troupe-head        troupe.stage talker                        1          37.0ms  |                        ############### |
+troupe-head          troupe.stage.v1.StageService/Generate    -          35.0ms  |                        ##############  |
+troupe-worker          troupe.stage.v1.StageService/Generate  1          33.0ms  |                         ############## |
+troupe-worker            queue                                -          2.00ms  |                         #              |
+troupe-worker            prefill                              -          8.00ms  |                          ####          |
+troupe-worker            decode                               -          22.0ms  |                             #########  |
+`
+
+func TestRenderWaterfallOfRecordedJaegerTrace(t *testing.T) {
+	tr, err := ParseOTLPJSON(readFixture(t))
+	require.NoError(t, err)
+	assert.Equal(t, fixtureTraceID, tr.TraceID)
+	require.Len(t, tr.Spans, 16)
+
+	var buf bytes.Buffer
+	require.NoError(t, RenderWaterfall(&buf, tr, WaterfallOptions{}))
+	assert.Equal(t, wantFixtureWaterfall, buf.String())
+
+	// The tree holds whatever order Jaeger lists spans in.
+	reversed := &Trace{TraceID: tr.TraceID}
+	for i := len(tr.Spans) - 1; i >= 0; i-- {
+		reversed.Spans = append(reversed.Spans, tr.Spans[i])
+	}
+	var again bytes.Buffer
+	require.NoError(t, RenderWaterfall(&again, reversed, WaterfallOptions{}))
+	assert.Equal(t, buf.String(), again.String())
+}
+
+func TestRenderWaterfallOptions(t *testing.T) {
+	tr, err := ParseOTLPJSON(readFixture(t))
+	require.NoError(t, err)
+	var buf bytes.Buffer
+	require.NoError(t, RenderWaterfall(&buf, tr, WaterfallOptions{BarWidth: 10, MaxNameWidth: 20}))
+	lines := strings.Split(strings.TrimSuffix(buf.String(), "\n"), "\n")
+	require.Len(t, lines, 18)
+	assert.Equal(t, "troupe-head    POST /v1/chat/com...  -           100ms  |##########|", lines[2])
+	assert.Equal(t, "troupe-head        ! troupe.stag...  0          8.00ms  |!         |  ERROR: replica thinker/0 unavailable", lines[4])
+	assert.Equal(t, "troupe-worker            decode      -          22.0ms  |       ###|", lines[17])
 }

@@ -66,11 +66,8 @@ func (c Config) Validate() error {
 	if c.DecodeTokenLatency < 0 {
 		errs = append(errs, fmt.Errorf("sim: decode latency must be >= 0, got %v", c.DecodeTokenLatency))
 	}
-	if len(errs) == 0 {
-		d := c.withDefaults()
-		if d.MaxNumBatchedTokens < 1+d.NumSpeculativeTokens {
-			errs = append(errs, fmt.Errorf("sim: max-num-batched-tokens %d cannot hold one decode step of 1+%d tokens", d.MaxNumBatchedTokens, d.NumSpeculativeTokens))
-		}
+	if c.MaxNumBatchedTokens > 0 && c.MaxNumBatchedTokens < 1+c.NumSpeculativeTokens {
+		errs = append(errs, fmt.Errorf("sim: max-num-batched-tokens %d cannot hold one decode step of 1+%d tokens", c.MaxNumBatchedTokens, c.NumSpeculativeTokens))
 	}
 	return errors.Join(errs...)
 }

@@ -226,6 +226,7 @@ func (e *Engine) loop(sc *scheduler) {
 		e.snap.Store(&s)
 	}
 	handle := func(ev event) {
+		var reply sleepReply
 		switch ev.kind {
 		case evSubmit:
 			if sleep != stagepb.SleepState_SLEEP_STATE_AWAKE {
@@ -237,23 +238,25 @@ func (e *Engine) loop(sc *scheduler) {
 			sc.abort(ev.seq)
 		case evSleep:
 			if n := sc.inFlight(); n > 0 {
-				ev.reply <- sleepReply{sleep, status.Errorf(codes.FailedPrecondition, "sim: cannot sleep with %d requests in flight; drain first", n)}
-				return
+				reply.err = status.Errorf(codes.FailedPrecondition, "sim: cannot sleep with %d requests in flight; drain first", n)
+				break
 			}
 			sleep = stagepb.SleepState(ev.level)
 			if ev.level == 2 {
 				sc.pool.reset()
 			}
 			e.cfg.Logger.Info("sim: engine asleep", "sleep_state", sleepName(sleep))
-			ev.reply <- sleepReply{state: sleep}
 		case evWake:
 			if sleep != stagepb.SleepState_SLEEP_STATE_AWAKE {
 				e.cfg.Logger.Info("sim: engine awake")
 			}
 			sleep = stagepb.SleepState_SLEEP_STATE_AWAKE
-			ev.reply <- sleepReply{state: sleep}
 		}
-		publish()
+		publish() // before replying, so the caller sees its change in Health
+		if ev.reply != nil {
+			reply.state = sleep
+			ev.reply <- reply
+		}
 	}
 	shutdown := func() {
 		sc.failAll(errClosed)

@@ -202,9 +202,9 @@ func TestEngineQueueAndCancellation(t *testing.T) {
 }
 
 func TestEngineEmitErrorAborts(t *testing.T) {
-	e := newEngine(t, Config{})
+	e := newEngine(t, Config{DecodeTokenLatency: 20 * time.Millisecond})
 	boom := errors.New("client went away")
-	err := e.Generate(context.Background(), textRequest("hi", &stagepb.SamplingParams{MaxTokens: 50, IgnoreEos: true}),
+	err := e.Generate(context.Background(), textRequest("hi", &stagepb.SamplingParams{MaxTokens: 10000, IgnoreEos: true}),
 		func(*stagepb.GenerateChunk) error { return boom })
 	assert.ErrorIs(t, err, boom)
 	require.Eventually(t, func() bool {
@@ -326,4 +326,24 @@ func TestConfigValidate(t *testing.T) {
 	defer e.Close()
 	assert.Equal(t, MaxSpeculativeTokens, e.Config().NumSpeculativeTokens)
 	assert.Equal(t, DefaultMaxNumSeqs, e.Config().MaxNumSeqs)
+}
+
+// BenchmarkGenerate measures the engine's own overhead: 64-token requests
+// from 8 concurrent callers, zero delays.
+func BenchmarkGenerate(b *testing.B) {
+	e := New(Config{NumSpeculativeTokens: 2})
+	defer e.Close()
+	req := textRequest("a benchmark prompt of a few words", &stagepb.SamplingParams{MaxTokens: 64, IgnoreEos: true})
+	b.ReportAllocs()
+	b.SetParallelism(4) // with GOMAXPROCS 2: 8 callers
+	start := time.Now()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			if err := e.Generate(context.Background(), req, func(*stagepb.GenerateChunk) error { return nil }); err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+	b.ReportMetric(float64(b.N*64)/time.Since(start).Seconds(), "tokens/s")
 }

@@ -262,3 +262,20 @@ func TestAbortFreesBlocks(t *testing.T) {
 	assert.Equal(t, uint64(2), s.Finished[stagepb.FinishReason_FINISH_REASON_ABORT])
 	assert.Empty(t, d.sc.inProgress)
 }
+
+func TestPrefixCachingDisabled(t *testing.T) {
+	d := newDriver(t, Config{BlockSize: 4, DisablePrefixCaching: true})
+	prompt := strings.Repeat("alpha beta gamma delta ", 5)
+	a := d.add(prompt, nil)
+	b := d.add(prompt, nil)
+	s := d.step()
+	assert.Equal(t, 2, s.Running, "nothing is deferred without a prefix cache")
+	d.runAll(nil)
+	for _, q := range []*seq{a, b} {
+		st := sums(d.chunks[q])
+		assert.Equal(t, uint64(0), st.PrefixCacheQueries)
+		assert.Equal(t, uint64(0), st.PrefixCacheHits)
+		assert.Equal(t, uint64(21), st.PromptTokensLocalCompute)
+	}
+	assert.Equal(t, 0, d.sc.snapshot().KVBlocksCached)
+}

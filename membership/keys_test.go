@@ -1,0 +1,101 @@
+package membership_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/membership"
+)
+
+func TestKeys(t *testing.T) {
+	require.Equal(t, "/troupe/default/members/", membership.MembersPrefix("default"))
+	require.Equal(t, "/troupe/c1/members/talker/", membership.StagePrefix("c1", "talker"))
+	require.Equal(t, "/troupe/c1/members/talker/12", membership.MemberKey("c1", "talker", 12))
+}
+
+func TestParseKey(t *testing.T) {
+	for _, tc := range []struct {
+		key     string
+		stage   string
+		replica uint32
+		wantErr string
+	}{
+		{key: "/troupe/default/members/thinker/0", stage: "thinker", replica: 0},
+		{key: "/troupe/default/members/talker-v2/4294967295", stage: "talker-v2", replica: 4294967295},
+		{key: "/troupe/other/members/thinker/0", wantErr: "is not under"},
+		{key: "/troupe/default/members/thinker", wantErr: "malformed key"},
+		{key: "/troupe/default/members/thinker/", wantErr: "malformed replica id"},
+		{key: "/troupe/default/members/thinker/-1", wantErr: "malformed replica id"},
+		{key: "/troupe/default/members/thinker/4294967296", wantErr: "malformed replica id"},
+		{key: "/troupe/default/members/thinker/1/2", wantErr: "malformed key"},
+		{key: "/troupe/default/members/bad stage/1", wantErr: "malformed key"},
+		{key: "/troupe/default/members//1", wantErr: "malformed key"},
+	} {
+		t.Run(tc.key, func(t *testing.T) {
+			stage, replica, err := membership.ParseKey("default", tc.key)
+			if tc.wantErr != "" {
+				require.ErrorContains(t, err, tc.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.stage, stage)
+			require.Equal(t, tc.replica, replica)
+			require.Equal(t, tc.key, membership.MemberKey("default", stage, replica), "round trip")
+		})
+	}
+}
+
+func TestDecodeMember(t *testing.T) {
+	const key = "/troupe/default/members/thinker/3"
+	started := time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC)
+	for _, tc := range []struct {
+		name    string
+		key     string
+		value   string
+		want    membership.Member
+		wantErr string
+	}{
+		{
+			name:  "full",
+			key:   key,
+			value: `{"stage":"thinker","replica_id":3,"addr":"10.0.0.1:7000","engine":"sim","num_speculative_tokens":2,"version":"v1","started_at":"2025-01-02T03:04:05Z","model":"m","labels":{"zone":"a"}}`,
+			want: membership.Member{Stage: "thinker", ReplicaID: 3, Addr: "10.0.0.1:7000", Engine: "sim", NumSpeculativeTokens: 2,
+				Version: "v1", StartedAt: started, Model: "m", Labels: map[string]string{"zone": "a"}},
+		},
+		{
+			name:  "minimal, unknown fields ignored",
+			key:   key,
+			value: `{"stage":"thinker","replica_id":3,"addr":"h:1","future":true}`,
+			want:  membership.Member{Stage: "thinker", ReplicaID: 3, Addr: "h:1"},
+		},
+		{name: "bad json", key: key, value: `{`, wantErr: "bad record"},
+		{name: "empty", key: key, value: ``, wantErr: "bad record"},
+		{name: "wrong type", key: key, value: `{"stage":"thinker","replica_id":"3","addr":"h:1"}`, wantErr: "bad record"},
+		{name: "stage mismatch", key: key, value: `{"stage":"talker","replica_id":3,"addr":"h:1"}`, wantErr: "names talker/3"},
+		{name: "id mismatch", key: key, value: `{"stage":"thinker","replica_id":4,"addr":"h:1"}`, wantErr: "names thinker/4"},
+		{name: "no addr", key: key, value: `{"stage":"thinker","replica_id":3}`, wantErr: "empty addr"},
+		{name: "spec tokens", key: key, value: `{"stage":"thinker","replica_id":3,"addr":"h:1","num_speculative_tokens":65}`, wantErr: "out of range"},
+		{name: "bad key", key: "/troupe/default/members/thinker/x", value: `{}`, wantErr: "malformed replica id"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m, err := membership.DecodeMember("default", tc.key, []byte(tc.value))
+			if tc.wantErr != "" {
+				require.ErrorContains(t, err, tc.wantErr)
+				require.Equal(t, membership.Member{}, m)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.want, m)
+		})
+	}
+}
+
+func TestEventTypeStrings(t *testing.T) {
+	require.Equal(t, "join", membership.Join.String())
+	require.Equal(t, "leave", membership.Leave.String())
+	require.Equal(t, "lease-lost", membership.LeaseLost.String())
+	require.Equal(t, "reregistered", membership.Reregistered.String())
+	require.Equal(t, "reregister-blocked", membership.ReregisterBlocked.String())
+}

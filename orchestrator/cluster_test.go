@@ -1,0 +1,385 @@
+package orchestrator_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/worker/sim"
+)
+
+var thinkerOnly = orchestrator.Pipeline{Model: "troupe-omni-sim", Stages: []orchestrator.Stage{{Name: "thinker"}}}
+
+func sampling(maxTokens uint32, seed int64) *stagepb.SamplingParams {
+	return &stagepb.SamplingParams{MaxTokens: maxTokens, Seed: &seed}
+}
+
+// value reads one child without creating it; ok is false when absent.
+func value(t *testing.T, g prometheus.Gatherer, family string, labels map[string]string) (float64, bool) {
+	t.Helper()
+	mfs, err := g.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() != family {
+			continue
+		}
+	metrics:
+		for _, m := range mf.GetMetric() {
+			n := 0
+			for _, lp := range m.GetLabel() {
+				if v, ok := labels[lp.GetName()]; ok {
+					if v != lp.GetValue() {
+						continue metrics
+					}
+					n++
+				}
+			}
+			if n != len(labels) {
+				continue
+			}
+			switch {
+			case m.Counter != nil:
+				return m.GetCounter().GetValue(), true
+			case m.Gauge != nil:
+				return m.GetGauge().GetValue(), true
+			case m.Histogram != nil:
+				return float64(m.GetHistogram().GetSampleCount()), true
+			}
+		}
+	}
+	return 0, false
+}
+
+func genTokens(t *testing.T, c *orchestratortest.Cluster, replica uint32) float64 {
+	v, _ := value(t, c.Metrics, "troupe_generation_tokens_total", map[string]string{"stage": "0", "replica": fmt.Sprint(replica)})
+	return v
+}
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// TestSeedServingCheck automates the scenario that crashed vLLM-Omni: a
+// second replica joins a running stage with stats on, while requests flow.
+func TestSeedServingCheck(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly})
+	ctx := ctxT(t)
+	var usage atomic.Int64
+
+	// 1. One replica, 8 requests with max_tokens 2.
+	for i := range 8 {
+		res, err := c.Head.Execute(ctx, orchestrator.Request{ID: fmt.Sprint("a", i), Prompt: fmt.Sprintf("warm up %d", i), Sampling: sampling(2, int64(i))}, nil)
+		require.NoError(t, err)
+		assert.Equal(t, 2, res.CompletionTokens)
+		assert.Equal(t, "length", res.FinishReason)
+		usage.Add(int64(res.CompletionTokens))
+	}
+	r0 := genTokens(t, c, 0)
+	assert.Equal(t, 16.0, r0, "the seed saw 16")
+
+	// 2. A second replica joins with --replica-id auto while requests flow.
+	flowCtx, stopFlow := context.WithCancel(ctx)
+	var flow errgroup.Group
+	for g := range 4 {
+		flow.Go(func() error {
+			for i := 0; flowCtx.Err() == nil; i++ {
+				res, err := c.Head.Execute(flowCtx, orchestrator.Request{ID: fmt.Sprint("f", g, i), Prompt: "flowing", Sampling: sampling(2, 1)}, nil)
+				if err != nil {
+					if flowCtx.Err() != nil {
+						return nil
+					}
+					return err
+				}
+				usage.Add(int64(res.CompletionTokens))
+			}
+			return nil
+		})
+	}
+	w := c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
+	require.Equal(t, uint32(1), w.ReplicaID(), "auto takes the smallest free id")
+	st := c.WaitState(t, "thinker", 1, "attached")
+	// Bound at attach: the replica is routable, so its series exist.
+	awake, ok := value(t, c.Metrics, "troupe_engine_sleep_state", map[string]string{"replica": "1", "sleep_state": "awake"})
+	assert.True(t, ok, "replica 1's sleep state is bound")
+	assert.Equal(t, 1.0, awake)
+	attached, ok := value(t, c.Metrics, "troupe_replica_attached", map[string]string{"replica": "1"})
+	assert.True(t, ok)
+	assert.Equal(t, 1.0, attached)
+	_, ok = value(t, c.Metrics, "troupe_time_to_first_token_seconds", map[string]string{"replica": "1"})
+	assert.True(t, ok, "histograms bound too")
+	assert.NotEqual(t, 0, st.EngineIndex)
+	stopFlow()
+	require.NoError(t, flow.Wait(), "every request while joining succeeds")
+
+	// 3. 64 requests at concurrency 8.
+	r0 = genTokens(t, c, 0)
+	r1 := genTokens(t, c, 1)
+	var g errgroup.Group
+	g.SetLimit(8)
+	for i := range 64 {
+		g.Go(func() error {
+			res, err := c.Head.Execute(ctx, orchestrator.Request{ID: fmt.Sprint("b", i), Prompt: fmt.Sprintf("request %d", i), Sampling: sampling(2, int64(i))}, nil)
+			if err == nil {
+				usage.Add(int64(res.CompletionTokens))
+			}
+			return err
+		})
+	}
+	require.NoError(t, g.Wait())
+
+	// 4. Checks.
+	after0, after1 := genTokens(t, c, 0), genTokens(t, c, 1)
+	assert.Greater(t, after0, r0, "replica 0's counter only grew")
+	assert.Greater(t, after1, r1, "replica 1 served")
+	assert.Equal(t, float64(usage.Load()), after0+after1, "per-replica sums equal the usage of the responses")
+	unreg, ok := value(t, c.Metrics, "troupe_stats_unregistered_records_total", nil)
+	assert.True(t, ok)
+	assert.Zero(t, unreg)
+}
+
+// TestThreeStagesByteForByte: an audio request walks thinker → talker →
+// vocoder, and each output is the pure function of the previous one.
+func TestThreeStagesByteForByte(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{})
+	ctx := ctxT(t)
+	const prompt = "sing me a short song"
+	res, err := c.Head.Execute(ctx, orchestrator.Request{ID: "audio", Prompt: prompt, Sampling: sampling(12, 7), Stages: 3}, nil)
+	require.NoError(t, err)
+
+	text, tokens, finish := sim.ExpectedText(prompt, 7, 12)
+	assert.Equal(t, text, res.Text)
+	assert.Equal(t, tokens, res.CompletionTokens)
+	assert.Equal(t, map[stagepb.FinishReason]string{stagepb.FinishReason_FINISH_REASON_STOP: "stop", stagepb.FinishReason_FINISH_REASON_LENGTH: "length"}[finish], res.FinishReason)
+	codes, _ := sim.ExpectedCodes(text, 7, 0)
+	assert.Equal(t, codes, res.Codes)
+	require.Equal(t, sim.ExpectedAudio(codes), res.PCM, "audio byte for byte")
+	assert.Equal(t, sim.SampleRate, res.SampleRate)
+}
+
+// TestStreamingDeltasConcatenate: onText sees stage 0's text as it arrives.
+func TestStreamingDeltasConcatenate(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly})
+	var b strings.Builder
+	n := 0
+	res, err := c.Head.Execute(ctxT(t), orchestrator.Request{ID: "s", Prompt: "stream this", Sampling: sampling(20, 3)}, func(d string) error {
+		b.WriteString(d)
+		n++
+		return nil
+	})
+	require.NoError(t, err)
+	assert.Equal(t, res.Text, b.String())
+	assert.Greater(t, n, 1, "more than one delta")
+}
+
+func TestNoReplicaFailsFast(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1})
+	start := time.Now()
+	_, err := c.Head.Execute(ctxT(t), orchestrator.Request{ID: "x", Prompt: "hi"}, nil)
+	require.ErrorIs(t, err, orchestrator.ErrNoReplica)
+	assert.Contains(t, err.Error(), `stage "thinker"`)
+	assert.Less(t, time.Since(start), 5*time.Second)
+}
+
+// TestKilledReplicaFailsOver: a replica that dies mid-request is retried on
+// another, and the head keeps serving; the dead one is detached within its
+// lease TTL with its series kept.
+func TestKilledReplicaFailsOver(t *testing.T) {
+	slow := sim.Config{DecodeTokenLatency: 20 * time.Millisecond}
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1, Sim: slow})
+	ctx := ctxT(t)
+	victim := c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
+	c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
+	c.WaitState(t, "thinker", 0, "attached")
+	c.WaitState(t, "thinker", 1, "attached")
+
+	// Requests that are in flight on the victim when it dies, non-streaming
+	// (nothing reached the client), are retried on the survivor.
+	var g errgroup.Group
+	for i := range 8 {
+		g.Go(func() error {
+			_, err := c.Head.Execute(ctx, orchestrator.Request{ID: fmt.Sprint("k", i), Prompt: "long answer please", Sampling: sampling(40, int64(i))}, nil)
+			return err
+		})
+	}
+	require.Eventually(t, func() bool { return victim.Server.Member().ReplicaID == 0 && inFlight(c, 0) > 0 }, 30*time.Second, time.Millisecond)
+	victim.Kill(t)
+	require.NoError(t, g.Wait(), "every request survives the kill")
+
+	c.WaitState(t, "thinker", 0, "detached")
+	v, ok := value(t, c.Metrics, "troupe_replica_attached", map[string]string{"replica": "0"})
+	assert.True(t, ok)
+	assert.Zero(t, v)
+	_, kept := value(t, c.Metrics, "troupe_generation_tokens_total", map[string]string{"replica": "0"})
+	assert.True(t, kept, "the dead replica's series are kept")
+	errs, _ := value(t, c.Metrics, "troupe_request_success_total", map[string]string{"replica": "0", "finished_reason": "error"})
+	assert.Positive(t, errs, "the failed attempts are counted as errors")
+}
+
+func inFlight(c *orchestratortest.Cluster, replica uint32) int64 {
+	for _, r := range c.Head.Replicas() {
+		if r.Replica == replica {
+			return r.InFlight
+		}
+	}
+	return 0
+}
+
+// TestStreamingFailureAfterOutputIsAnError: once text reached the client a
+// retry would duplicate it, so the request fails clearly instead, even with
+// another replica ready.
+func TestStreamingFailureAfterOutputIsAnError(t *testing.T) {
+	slow := sim.Config{DecodeTokenLatency: 30 * time.Millisecond}
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, Sim: slow})
+	victim := c.Workers()[0]
+	first := make(chan struct{})
+	var once sync.Once
+	errc := make(chan error, 1)
+	go func() {
+		_, err := c.Head.Execute(ctxT(t), orchestrator.Request{ID: "st", Prompt: "x", Sampling: &stagepb.SamplingParams{MaxTokens: 200, IgnoreEos: true}}, func(string) error {
+			once.Do(func() { close(first) })
+			return nil
+		})
+		errc <- err
+	}()
+	<-first
+	c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
+	c.WaitState(t, "thinker", 1, "attached")
+	victim.Kill(t)
+	err := <-errc
+	require.ErrorIs(t, err, orchestrator.ErrStageFailed)
+	errs, _ := value(t, c.Metrics, "troupe_request_success_total", map[string]string{"replica": "0", "finished_reason": "error"})
+	assert.Equal(t, 1.0, errs, "counted as finish_reason error")
+	served, _ := value(t, c.Metrics, "troupe_request_success_total", map[string]string{"replica": "1", "finished_reason": "stop"})
+	assert.Zero(t, served, "not retried elsewhere")
+}
+
+// TestCancellationReachesWorker: a cancelled request is aborted on the
+// worker and counted as abort.
+func TestCancellationReachesWorker(t *testing.T) {
+	slow := sim.Config{DecodeTokenLatency: 20 * time.Millisecond}
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, Sim: slow})
+	ctx, cancel := context.WithCancel(ctxT(t))
+	got := make(chan struct{})
+	var once sync.Once
+	errc := make(chan error, 1)
+	go func() {
+		_, err := c.Head.Execute(ctx, orchestrator.Request{ID: "c", Prompt: "x", Sampling: &stagepb.SamplingParams{MaxTokens: 500, IgnoreEos: true}}, func(string) error {
+			once.Do(func() { close(got) })
+			return nil
+		})
+		errc <- err
+	}()
+	<-got
+	cancel()
+	require.ErrorIs(t, <-errc, context.Canceled)
+	require.Eventually(t, func() bool {
+		v, _ := value(t, c.Metrics, "troupe_request_success_total", map[string]string{"replica": "0", "finished_reason": "abort"})
+		return v == 1
+	}, 30*time.Second, 5*time.Millisecond, "abort counted")
+	require.Eventually(t, func() bool {
+		s := c.Workers()[0].Engine.Snapshot()
+		return s.Running == 0 && s.Finished[stagepb.FinishReason_FINISH_REASON_ABORT] == 1
+	}, 30*time.Second, 5*time.Millisecond, "the worker aborted the request")
+}
+
+// TestSleepWake: a sleeping replica leaves rotation and its sleep state
+// series follow; waking brings it back.
+func TestSleepWake(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly})
+	ctx := ctxT(t)
+	s, err := c.Head.Sleep(ctx, 0, 0, 2)
+	require.NoError(t, err)
+	assert.Equal(t, stagepb.SleepState_SLEEP_STATE_DISCARD_ALL, s)
+	c.WaitState(t, "thinker", 0, "sleeping")
+	v, _ := value(t, c.Metrics, "troupe_engine_sleep_state", map[string]string{"replica": "0", "sleep_state": "discard_all"})
+	assert.Equal(t, 1.0, v)
+	_, err = c.Head.Execute(ctx, orchestrator.Request{ID: "z", Prompt: "hi"}, nil)
+	require.ErrorIs(t, err, orchestrator.ErrNoReplica, "a sleeping replica is skipped")
+
+	_, err = c.Head.Sleep(ctx, 0, 0, 3)
+	require.ErrorIs(t, err, orchestrator.ErrBadRequest)
+	_, err = c.Head.Sleep(ctx, 0, 9, 1)
+	require.ErrorIs(t, err, orchestrator.ErrUnknownReplica)
+
+	s, err = c.Head.WakeUp(ctx, 0, 0)
+	require.NoError(t, err)
+	assert.Equal(t, stagepb.SleepState_SLEEP_STATE_AWAKE, s)
+	v, _ = value(t, c.Metrics, "troupe_engine_sleep_state", map[string]string{"replica": "0", "sleep_state": "awake"})
+	assert.Equal(t, 1.0, v)
+	_, err = c.Head.Execute(ctx, orchestrator.Request{ID: "z2", Prompt: "hi"}, nil)
+	require.NoError(t, err)
+}
+
+// TestRollingRestartUnderLoad: every replica of a stage is replaced, one at
+// a time, while requests flow; none fails.
+func TestRollingRestartUnderLoad(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: 2})
+	ctx := ctxT(t)
+	loadCtx, stop := context.WithCancel(ctx)
+	var load errgroup.Group
+	var served atomic.Int64
+	for g := range 4 {
+		load.Go(func() error {
+			for i := 0; loadCtx.Err() == nil; i++ {
+				_, err := c.Head.Execute(loadCtx, orchestrator.Request{ID: fmt.Sprint("r", g, i), Prompt: "rolling", Sampling: sampling(8, 1)}, nil)
+				if err != nil && loadCtx.Err() == nil {
+					return err
+				}
+				served.Add(1)
+			}
+			return nil
+		})
+	}
+	for _, old := range c.Workers() {
+		id := old.ReplicaID()
+		old.Stop(t) // drain: deregister, finish in flight
+		c.WaitState(t, "thinker", id, "detached")
+		nw := c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{ReplicaID: &id})
+		c.WaitState(t, "thinker", nw.ReplicaID(), "attached")
+	}
+	stop()
+	require.NoError(t, load.Wait(), "zero failed requests during the rolling restart")
+	assert.Positive(t, served.Load())
+}
+
+// TestRejoinContinuesCounters: the same (stage, replica) comes back as a
+// new process on a new port, keeps its engine index, and its counters
+// continue from where they were.
+func TestRejoinContinuesCounters(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly})
+	ctx := ctxT(t)
+	for i := range 3 {
+		_, err := c.Head.Execute(ctx, orchestrator.Request{ID: fmt.Sprint(i), Prompt: "x", Sampling: sampling(5, 1)}, nil)
+		require.NoError(t, err)
+	}
+	before := genTokens(t, c, 0)
+	idx := c.WaitState(t, "thinker", 0, "attached").EngineIndex
+	old := c.Workers()[0]
+	oldAddr := old.Addr()
+	old.Stop(t)
+	c.WaitState(t, "thinker", 0, "detached")
+	id := uint32(0)
+	nw := c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{ReplicaID: &id})
+	st := c.WaitState(t, "thinker", 0, "attached")
+	assert.Equal(t, idx, st.EngineIndex)
+	assert.NotEqual(t, oldAddr, nw.Addr(), "a new process on a new port")
+	assert.Equal(t, nw.Addr(), st.Addr, "the head dials the new address")
+	assert.Equal(t, before, genTokens(t, c, 0), "counters kept across the rejoin")
+	_, err := c.Head.Execute(ctx, orchestrator.Request{ID: "after", Prompt: "x", Sampling: sampling(5, 1)}, nil)
+	require.NoError(t, err)
+	assert.Equal(t, before+5, genTokens(t, c, 0), "and continue")
+}

@@ -1,0 +1,277 @@
+// Package orchestratortest runs a whole troupe in one test process: a real
+// embedded etcd, a running Head and sim workers serving real gRPC on
+// loopback, each registered through its own etcd lease.
+package orchestratortest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/membership/membershiptest"
+	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/worker"
+	"github.com/troupe-serving/troupe/worker/sim"
+)
+
+// Options configure Start. The zero value runs the default three-stage
+// pipeline with one replica per stage and stats on.
+type Options struct {
+	Pipeline         orchestrator.Pipeline // default orchestrator.DefaultPipeline()
+	ReplicasPerStage int                   // default 1; 0 replicas: use -1
+	Policy           string
+	DisableStats     bool
+	Sim              sim.Config // base engine config; Role comes from the stage
+	LeaseTTL         time.Duration
+	HeadTracer       trace.TracerProvider
+	WorkerTracer     trace.TracerProvider
+	// WorkerServerOptions are added to every worker's gRPC server.
+	WorkerServerOptions []grpc.ServerOption
+	// HeadDialOptions are added to the head's dialer (after insecure creds).
+	HeadDialOptions []grpc.DialOption
+	Logger          *slog.Logger
+}
+
+// Cluster is a running troupe. Its goroutines are stopped by t.Cleanup.
+type Cluster struct {
+	Etcd    *membershiptest.Etcd
+	Client  *clientv3.Client
+	Head    *orchestrator.Head
+	Metrics *prometheus.Registry
+	opts    Options
+
+	mu      sync.Mutex
+	workers []*Worker
+}
+
+// Worker is one in-process replica.
+type Worker struct {
+	Stage  string
+	Server *worker.Server
+	Engine *sim.Engine
+	cli    *clientv3.Client
+	cancel context.CancelFunc
+	done   chan error
+	once   sync.Once
+}
+
+// ReplicaID is the registered replica id.
+func (w *Worker) ReplicaID() uint32 { return w.Server.Member().ReplicaID }
+
+// Addr is the advertised address.
+func (w *Worker) Addr() string { return w.Server.Advertise() }
+
+// Stop drains the worker as SIGTERM does: deregister, finish in-flight, exit.
+func (w *Worker) Stop(t testing.TB) {
+	t.Helper()
+	w.once.Do(func() {
+		w.cancel()
+		require.NoError(t, <-w.done)
+		w.Engine.Close()
+		w.cli.Close()
+	})
+}
+
+// Kill stops the worker as SIGKILL would, as far as one process allows:
+// its etcd session is cut first, so the lease is not revoked and must
+// expire, then its gRPC server stops without draining.
+func (w *Worker) Kill(t testing.TB) {
+	t.Helper()
+	w.once.Do(func() {
+		w.cli.Close()
+		w.Engine.Close() // in-flight requests end with an error, as on a crash
+		w.cancel()
+		<-w.done
+	})
+}
+
+// Start runs etcd, a head and the workers, and waits until every stage is
+// routable (unless there are no replicas).
+func Start(t testing.TB, opts Options) *Cluster {
+	t.Helper()
+	if len(opts.Pipeline.Stages) == 0 {
+		opts.Pipeline = orchestrator.DefaultPipeline()
+	}
+	if opts.ReplicasPerStage == 0 {
+		opts.ReplicasPerStage = 1
+	}
+	if opts.LeaseTTL == 0 {
+		opts.LeaseTTL = 3 * time.Second
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	e := membershiptest.Start(t)
+	c := &Cluster{Etcd: e, Client: e.Client(t), Metrics: prometheus.NewRegistry(), opts: opts}
+	dialOpts := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, opts.HeadDialOptions...)
+	h, err := orchestrator.New(c.Client, orchestrator.Config{
+		Pipeline:          opts.Pipeline,
+		Policy:            opts.Policy,
+		LogStats:          !opts.DisableStats,
+		Metrics:           c.Metrics,
+		ReconcileInterval: 30 * time.Second,
+		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
+		TracerProvider:    opts.HeadTracer,
+		Logger:            opts.Logger,
+	})
+	require.NoError(t, err)
+	c.Head = h
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- h.Run(ctx) }()
+	t.Cleanup(func() {
+		c.mu.Lock()
+		ws := c.workers
+		c.mu.Unlock()
+		for _, w := range ws {
+			w.Stop(t)
+		}
+		cancel()
+		require.NoError(t, <-done)
+	})
+	if opts.ReplicasPerStage > 0 {
+		for _, st := range opts.Pipeline.Stages {
+			for range opts.ReplicasPerStage {
+				w := c.AddWorker(t, st.Name, WorkerOptions{})
+				c.WaitState(t, st.Name, w.ReplicaID(), "attached")
+			}
+		}
+	}
+	return c
+}
+
+// WorkerOptions configure one worker.
+type WorkerOptions struct {
+	ReplicaID *uint32     // default: auto
+	Sim       *sim.Config // default: the cluster's Sim
+	Listen    string      // default 127.0.0.1:0
+}
+
+// AddWorker starts a sim worker for stage and waits until it is registered
+// in etcd (not until the head routes to it: see WaitRoutable).
+func (c *Cluster) AddWorker(t testing.TB, stage string, wo WorkerOptions) *Worker {
+	t.Helper()
+	w, err := c.StartWorker(stage, wo)
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	select {
+	case <-w.Server.Registered():
+	case err := <-w.done:
+		t.Fatalf("orchestratortest: worker %s exited before registering: %v", stage, err)
+	case <-ctx.Done():
+		t.Fatalf("orchestratortest: worker %s not registered within 30s", stage)
+	}
+	return w
+}
+
+// StartWorker starts a worker and returns at once; its Run error, if it
+// fails to register, comes from Wait.
+func (c *Cluster) StartWorker(stage string, wo WorkerOptions) (*Worker, error) {
+	cfg := c.opts.Sim
+	if wo.Sim != nil {
+		cfg = *wo.Sim
+	}
+	cfg.Role = sim.RoleForStage(stage)
+	if c.opts.Sim.Role != "" && wo.Sim == nil {
+		cfg.Role = c.opts.Sim.Role
+	}
+	cli, err := clientv3.New(clientv3.Config{Endpoints: c.Etcd.Endpoints(), DialTimeout: 5 * time.Second})
+	if err != nil {
+		return nil, fmt.Errorf("orchestratortest: etcd client: %w", err)
+	}
+	eng := sim.New(cfg)
+	wcfg := worker.Config{
+		Stage:         stage,
+		AutoID:        wo.ReplicaID == nil,
+		Listen:        wo.Listen,
+		LeaseTTL:      c.opts.LeaseTTL,
+		DrainTimeout:  10 * time.Second,
+		Engine:        eng,
+		Version:       "test",
+		EtcdClient:    cli,
+		Logger:        c.opts.Logger,
+		ServerOptions: c.opts.WorkerServerOptions,
+	}
+	if wcfg.Listen == "" {
+		wcfg.Listen = "127.0.0.1:0"
+	}
+	if wo.ReplicaID != nil {
+		wcfg.ReplicaID = *wo.ReplicaID
+	}
+	srv, err := worker.New(wcfg)
+	if err != nil {
+		eng.Close()
+		cli.Close()
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	w := &Worker{Stage: stage, Server: srv, Engine: eng, cli: cli, cancel: cancel, done: make(chan error, 1)}
+	go func() { w.done <- srv.Run(ctx) }()
+	c.mu.Lock()
+	c.workers = append(c.workers, w)
+	c.mu.Unlock()
+	return w, nil
+}
+
+// Wait returns the worker's Run result once it has exited.
+func (w *Worker) Wait(ctx context.Context) error {
+	select {
+	case err := <-w.done:
+		w.done <- err
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Workers returns the workers started so far, in start order.
+func (c *Cluster) Workers() []*Worker {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]*Worker(nil), c.workers...)
+}
+
+// WaitReady waits until every stage has a routable replica.
+func (c *Cluster) WaitReady(t testing.TB) {
+	t.Helper()
+	require.Eventually(t, func() bool { ok, _ := c.Head.Ready(); return ok }, 30*time.Second, 5*time.Millisecond, "cluster not ready")
+}
+
+// WaitState waits until a replica shows the given state in Head.Replicas.
+func (c *Cluster) WaitState(t testing.TB, stage string, replica uint32, state string) orchestrator.ReplicaStatus {
+	t.Helper()
+	var got orchestrator.ReplicaStatus
+	require.Eventually(t, func() bool {
+		for _, r := range c.Head.Replicas() {
+			if r.StageName == stage && r.Replica == replica {
+				got = r
+				return r.State == state
+			}
+		}
+		return false
+	}, 30*time.Second, 5*time.Millisecond, "replica %s/%d never reached state %s", stage, replica, state)
+	return got
+}
+
+// Register writes a raw member record under its own lease, for tests that
+// need a record no worker would write.
+func (c *Cluster) Register(ctx context.Context, m membership.Member) (*membership.Registration, error) {
+	r, err := membership.Register(ctx, c.Client, membership.RegisterConfig{Member: m, TTL: c.opts.LeaseTTL})
+	if err != nil {
+		return nil, errors.Join(errors.New("orchestratortest: register"), err)
+	}
+	return r, nil
+}

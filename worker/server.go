@@ -1,0 +1,539 @@
+// Package worker is a stage replica: a gRPC StageService in front of an
+// Engine, and its lifecycle in the cluster.
+//
+// Lifecycle (Server.Run): serve gRPC first, so the replica answers before
+// anyone can route to it → register in etcd under a lease → serve until ctx
+// ends → deregister (revoke the lease, so the head stops routing here) →
+// refuse new work (Generate: Unavailable; Health: DRAINING; grpc health:
+// NOT_SERVING) → let in-flight requests finish within DrainTimeout, then
+// abort the rest → stop gRPC → return nil.
+package worker
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/status"
+
+	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/telemetry"
+)
+
+// Engine runs requests for a Server. Its methods may be called concurrently.
+type Engine interface {
+	// Generate runs one request and calls emit for each chunk in order, the
+	// final one carrying the finish reason and timings. Cancelling ctx must
+	// abort the request in the engine. Errors should be gRPC status errors
+	// (InvalidArgument for bad input, FailedPrecondition while asleep); ctx
+	// errors and emit's errors are passed through.
+	Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error
+	// Health describes the engine; the Server overrides Status.
+	Health() *stagepb.HealthResponse
+	// Sleep puts the engine to sleep at level 1 or 2.
+	Sleep(level int) (stagepb.SleepState, error)
+	// WakeUp wakes a sleeping engine.
+	WakeUp() (stagepb.SleepState, error)
+}
+
+// Defaults for zero Config fields.
+const (
+	DefaultListen       = "127.0.0.1:0"
+	DefaultDrainTimeout = 30 * time.Second
+)
+
+// Config configures a Server.
+type Config struct {
+	Stage     string // stage name, required
+	ReplicaID uint32 // used unless AutoID
+	AutoID    bool   // take the smallest free id of the stage
+	// Listen is the gRPC listen address (default DefaultListen); port 0
+	// picks a free port.
+	Listen string
+	// Advertise is the addr written to etcd. Empty: the bound address, or
+	// os.Hostname() and the bound port when the listen host is unspecified
+	// (0.0.0.0, [::] or empty). A missing or zero port is the bound port.
+	Advertise    string
+	Cluster      string        // default membership.DefaultCluster
+	LeaseTTL     time.Duration // default membership's (10s)
+	DrainTimeout time.Duration // how long in-flight requests may finish at shutdown; default 30s
+	TLS          *tls.Config   // server TLS (see pkg/tlsconfig); nil: plaintext
+	Engine       Engine        // required
+	// Member record metadata.
+	EngineName string // default: what Engine.Health reports
+	Model      string
+	Labels     map[string]string
+	Version    string
+	// EtcdClient registers the replica; nil serves without registering
+	// (Registered is closed once serving).
+	EtcdClient *clientv3.Client
+	Logger     *slog.Logger // default slog.Default()
+	// ServerOptions are added after the Server's own (so they win): the
+	// hook for interceptors and stats handlers, e.g. otelgrpc's.
+	ServerOptions []grpc.ServerOption
+}
+
+// Server is one stage replica. New binds its listener; Run serves it.
+type Server struct {
+	cfg       Config
+	log       *slog.Logger
+	role      string
+	lis       net.Listener
+	advertise string
+	grpc      *grpc.Server
+	health    *health.Server
+
+	mu       sync.Mutex
+	inFlight int
+	draining bool
+	idle     chan struct{} // closed once draining with nothing in flight
+
+	ran        atomic.Bool
+	registered chan struct{} // closed once registered (or serving, without etcd)
+	member     atomic.Pointer[membership.Member]
+}
+
+// New checks cfg and binds the listener, so Addr and Advertise are known
+// before Run. Nothing is served until Run; if Run is never called, Close
+// releases the listener.
+func New(cfg Config) (*Server, error) {
+	if cfg.Engine == nil {
+		return nil, errors.New("worker: no engine")
+	}
+	if cfg.Listen == "" {
+		cfg.Listen = DefaultListen
+	}
+	if cfg.Cluster == "" {
+		cfg.Cluster = membership.DefaultCluster
+	}
+	if err := membership.ValidateCluster(cfg.Cluster); err != nil {
+		return nil, err
+	}
+	if cfg.DrainTimeout <= 0 {
+		cfg.DrainTimeout = DefaultDrainTimeout
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	h := cfg.Engine.Health()
+	if cfg.EngineName == "" {
+		cfg.EngineName = h.GetEngine()
+	}
+	cfg.Labels = maps.Clone(cfg.Labels)
+	s := &Server{
+		cfg:        cfg,
+		log:        cfg.Logger.With("stage", cfg.Stage),
+		role:       h.GetRole(),
+		health:     health.NewServer(),
+		idle:       make(chan struct{}),
+		registered: make(chan struct{}),
+	}
+	// Check the record before binding, with a placeholder addr.
+	probe := s.record("127.0.0.1:1")
+	if err := probe.Validate(); err != nil {
+		return nil, fmt.Errorf("worker: %w", err)
+	}
+	lis, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return nil, fmt.Errorf("worker: listen: %w", err)
+	}
+	s.advertise, err = advertiseAddr(lis.Addr(), cfg.Advertise)
+	if err != nil {
+		lis.Close()
+		return nil, err
+	}
+	s.lis = lis
+
+	opts := []grpc.ServerOption{
+		// Let the head keep idle connections alive with pings every 5s or more.
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
+	}
+	if cfg.TLS != nil {
+		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg.TLS)))
+	}
+	s.grpc = grpc.NewServer(append(opts, cfg.ServerOptions...)...)
+	stagepb.RegisterStageServiceServer(s.grpc, &service{s: s})
+	healthpb.RegisterHealthServer(s.grpc, s.health)
+	s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	s.health.SetServingStatus(stagepb.StageService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_NOT_SERVING)
+	return s, nil
+}
+
+// record is the member record this replica registers.
+func (s *Server) record(addr string) membership.Member {
+	return membership.Member{
+		Stage:                s.cfg.Stage,
+		ReplicaID:            s.cfg.ReplicaID,
+		Addr:                 addr,
+		Engine:               s.cfg.EngineName,
+		NumSpeculativeTokens: int(s.cfg.Engine.Health().GetNumSpeculativeTokens()),
+		Version:              s.cfg.Version,
+		StartedAt:            time.Now().UTC(),
+		Model:                s.cfg.Model,
+		Labels:               s.cfg.Labels,
+	}
+}
+
+// Addr is the bound listen address.
+func (s *Server) Addr() net.Addr { return s.lis.Addr() }
+
+// Advertise is the address registered in etcd.
+func (s *Server) Advertise() string { return s.advertise }
+
+// Registered is closed once the replica is registered (or, without an etcd
+// client, serving). It is never closed if registration fails.
+func (s *Server) Registered() <-chan struct{} { return s.registered }
+
+// Member is the registered record, with its replica id; the zero Member
+// before Registered is closed.
+func (s *Server) Member() membership.Member {
+	if m := s.member.Load(); m != nil {
+		return *m
+	}
+	return membership.Member{}
+}
+
+// Close releases the listener of a Server whose Run was never called.
+func (s *Server) Close() error {
+	if s.ran.CompareAndSwap(false, true) {
+		return s.lis.Close()
+	}
+	return nil
+}
+
+// Run serves until ctx ends, then drains and returns nil (see the package
+// doc). It returns an error when registration fails (a duplicate replica
+// id returns membership's *AlreadyRegisteredError unchanged) or serving
+// fails. Run may be called once.
+func (s *Server) Run(ctx context.Context) error {
+	if !s.ran.CompareAndSwap(false, true) {
+		return errors.New("worker: Run called twice, or after Close")
+	}
+	served := make(chan error, 1)
+	go func() { served <- s.grpc.Serve(s.lis) }()
+	s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	s.health.SetServingStatus(stagepb.StageService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
+	s.log.Info("worker: serving", "listen", s.lis.Addr().String(), "advertise", s.advertise)
+
+	var reg *membership.Registration
+	if s.cfg.EtcdClient != nil {
+		var err error
+		reg, err = membership.Register(ctx, s.cfg.EtcdClient, membership.RegisterConfig{
+			Cluster: s.cfg.Cluster,
+			Member:  s.record(s.advertise),
+			AutoID:  s.cfg.AutoID,
+			TTL:     s.cfg.LeaseTTL,
+			Logger:  s.cfg.Logger,
+		})
+		if err != nil {
+			s.health.Shutdown()
+			s.grpc.Stop()
+			<-served
+			if ctx.Err() != nil {
+				return nil // asked to stop while registering
+			}
+			return err
+		}
+		m := reg.Member()
+		s.member.Store(&m)
+	} else {
+		m := s.record(s.advertise)
+		s.member.Store(&m)
+	}
+	close(s.registered)
+	s.log.Info("worker: ready", "replica", s.Member().ReplicaID, "addr", s.advertise, "cluster", s.cfg.Cluster)
+
+	var serveErr error
+	select {
+	case <-ctx.Done():
+	case serveErr = <-served:
+		served <- serveErr // for the wait below
+	}
+	s.deregister(reg)
+	n := s.Drain()
+	s.log.Info("worker: draining", "in_flight", n, "timeout", s.cfg.DrainTimeout)
+	deadline := time.NewTimer(s.cfg.DrainTimeout)
+	defer deadline.Stop()
+	select {
+	case <-s.idle:
+		// Only instant RPCs and health watches can be left: give them a moment.
+		s.stop(served, time.Second)
+	case <-deadline.C:
+		s.mu.Lock()
+		left := s.inFlight
+		s.mu.Unlock()
+		s.log.Warn("worker: drain timeout; aborting in-flight requests", "in_flight", left)
+		s.stop(served, 0)
+	}
+	if serveErr != nil {
+		return fmt.Errorf("worker: serve: %w", serveErr)
+	}
+	s.log.Info("worker: stopped")
+	return nil
+}
+
+// deregister revokes the lease, bounded, so the record goes at once.
+func (s *Server) deregister(reg *membership.Registration) {
+	if reg == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := reg.Close(ctx); err != nil {
+		s.log.Warn("worker: deregister", "err", err)
+	}
+}
+
+// stop stops gRPC gracefully within grace, then hard (which cancels the
+// contexts of RPCs still running, aborting them in the engine), and waits
+// for Serve to return.
+func (s *Server) stop(served <-chan error, grace time.Duration) {
+	graceful := make(chan struct{})
+	go func() {
+		s.grpc.GracefulStop()
+		close(graceful)
+	}()
+	t := time.NewTimer(grace)
+	defer t.Stop()
+	select {
+	case <-graceful:
+	case <-t.C:
+		s.grpc.Stop()
+		<-graceful
+	}
+	<-served
+}
+
+// Drain makes the replica refuse new work while in-flight requests go on.
+// It returns how many are in flight; calling it again is harmless.
+func (s *Server) Drain() int {
+	s.mu.Lock()
+	first := !s.draining
+	s.draining = true
+	n := s.inFlight
+	if first && n == 0 {
+		close(s.idle)
+	}
+	s.mu.Unlock()
+	if first {
+		s.health.Shutdown() // every service NOT_SERVING from now on
+		s.log.Info("worker: refusing new requests", "in_flight", n)
+	}
+	return n
+}
+
+func (s *Server) acquire() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.draining {
+		return false
+	}
+	s.inFlight++
+	return true
+}
+
+func (s *Server) release() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.inFlight--
+	if s.draining && s.inFlight == 0 {
+		close(s.idle)
+	}
+}
+
+func (s *Server) isDraining() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.draining
+}
+
+// service implements StageService for a Server.
+type service struct {
+	stagepb.UnimplementedStageServiceServer
+	s *Server
+}
+
+// Generate implements StageService.
+func (svc *service) Generate(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
+	s := svc.s
+	if err := s.checkInput(req); err != nil {
+		return err
+	}
+	if !s.acquire() {
+		return status.Error(codes.Unavailable, "worker: replica is draining and takes no new requests")
+	}
+	defer s.release()
+	ctx := stream.Context()
+	start := time.Now()
+	var timings *stagepb.Timings
+	err := s.cfg.Engine.Generate(ctx, req, func(c *stagepb.GenerateChunk) error {
+		if c.GetTimings() != nil {
+			timings = c.GetTimings()
+		}
+		return stream.Send(c)
+	})
+	if timings != nil {
+		recordPhases(ctx, start, timings)
+	}
+	return toStatus(err)
+}
+
+// checkInput refuses an input kind the engine's role cannot take.
+func (s *Server) checkInput(req *stagepb.GenerateRequest) error {
+	var kind string
+	switch req.GetInput().(type) {
+	case *stagepb.GenerateRequest_Text:
+		kind = "text"
+	case *stagepb.GenerateRequest_TokenIds:
+		kind = "token_ids"
+	case *stagepb.GenerateRequest_Codes:
+		kind = "codes"
+	case nil:
+		return status.Error(codes.InvalidArgument, "worker: request has no input (text, token_ids or codes)")
+	}
+	want := ""
+	switch s.role {
+	case "audio":
+		if kind != "codes" {
+			want = "codes"
+		}
+	case "text", "codes":
+		if kind == "codes" {
+			want = "text or token_ids"
+		}
+	}
+	if want != "" {
+		return status.Errorf(codes.InvalidArgument, "worker: stage %s (role %s) takes %s input, got %s", s.cfg.Stage, s.role, want, kind)
+	}
+	return nil
+}
+
+// toStatus turns an engine error into a gRPC status error.
+func toStatus(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, context.Canceled):
+		return status.Error(codes.Canceled, err.Error())
+	case errors.Is(err, context.DeadlineExceeded):
+		return status.Error(codes.DeadlineExceeded, err.Error())
+	}
+	if st, ok := status.FromError(err); ok {
+		return st.Err()
+	}
+	return status.Error(codes.Internal, err.Error())
+}
+
+// recordPhases adds the engine's queue, prefill and decode as child spans
+// of the RPC's span (set by a stats handler such as otelgrpc's), laid end
+// to end from the start of the call.
+func recordPhases(ctx context.Context, start time.Time, t *stagepb.Timings) {
+	parent := trace.SpanFromContext(ctx)
+	if !parent.SpanContext().IsValid() {
+		return
+	}
+	tracer := parent.TracerProvider().Tracer("github.com/troupe-serving/troupe/worker")
+	at := start
+	for _, ph := range []struct {
+		name    string
+		seconds float64
+	}{{telemetry.SpanQueue, t.GetQueueSeconds()}, {telemetry.SpanPrefill, t.GetPrefillSeconds()}, {telemetry.SpanDecode, t.GetDecodeSeconds()}} {
+		end := at.Add(time.Duration(ph.seconds * float64(time.Second)))
+		_, span := tracer.Start(ctx, ph.name, trace.WithTimestamp(at))
+		span.End(trace.WithTimestamp(end))
+		at = end
+	}
+}
+
+// Health implements StageService.
+func (svc *service) Health(context.Context, *stagepb.HealthRequest) (*stagepb.HealthResponse, error) {
+	s := svc.s
+	h := s.cfg.Engine.Health()
+	if s.isDraining() {
+		h.Status = stagepb.ServingStatus_SERVING_STATUS_DRAINING
+	} else if h.GetStatus() == stagepb.ServingStatus_SERVING_STATUS_UNSPECIFIED {
+		h.Status = stagepb.ServingStatus_SERVING_STATUS_SERVING
+	}
+	return h, nil
+}
+
+// Sleep implements StageService.
+func (svc *service) Sleep(_ context.Context, req *stagepb.SleepRequest) (*stagepb.SleepResponse, error) {
+	s := svc.s
+	if l := req.GetLevel(); l != 1 && l != 2 {
+		return nil, status.Errorf(codes.InvalidArgument, "worker: sleep level must be 1 or 2, got %d", l)
+	}
+	st, err := s.cfg.Engine.Sleep(int(req.GetLevel()))
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	s.log.Info("worker: asleep", "level", req.GetLevel())
+	return &stagepb.SleepResponse{SleepState: st}, nil
+}
+
+// WakeUp implements StageService.
+func (svc *service) WakeUp(context.Context, *stagepb.WakeUpRequest) (*stagepb.WakeUpResponse, error) {
+	st, err := svc.s.cfg.Engine.WakeUp()
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &stagepb.WakeUpResponse{SleepState: st}, nil
+}
+
+// Drain implements StageService: see Server.Drain.
+func (svc *service) Drain(context.Context, *stagepb.DrainRequest) (*stagepb.DrainResponse, error) {
+	return &stagepb.DrainResponse{InFlight: uint32(svc.s.Drain())}, nil
+}
+
+// advertiseAddr decides the address registered in etcd.
+func advertiseAddr(bound net.Addr, advertise string) (string, error) {
+	_, port, err := net.SplitHostPort(bound.String())
+	if err != nil {
+		return "", fmt.Errorf("worker: bound address %q: %w", bound, err)
+	}
+	if advertise != "" {
+		host, p, err := net.SplitHostPort(advertise)
+		if err != nil {
+			// No port: a bare host name or IP (IPv6 with or without brackets).
+			host = strings.TrimSuffix(strings.TrimPrefix(advertise, "["), "]")
+			if strings.Contains(host, ":") && net.ParseIP(host) == nil {
+				return "", fmt.Errorf("worker: invalid --advertise %q: %w", advertise, err)
+			}
+			p = ""
+		}
+		if host == "" {
+			return "", fmt.Errorf("worker: invalid --advertise %q: no host", advertise)
+		}
+		if p == "" || p == "0" {
+			p = port
+		}
+		return net.JoinHostPort(host, p), nil
+	}
+	host, _, _ := net.SplitHostPort(bound.String())
+	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
+		name, err := os.Hostname()
+		if err != nil {
+			return "", fmt.Errorf("worker: listening on all interfaces and no --advertise: %w", err)
+		}
+		host = name
+	}
+	return net.JoinHostPort(host, port), nil
+}
