@@ -17,6 +17,7 @@ import (
 	"github.com/troupe-serving/troupe/orchestrator/router"
 	"github.com/troupe-serving/troupe/orchestrator/stats"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 
 // Errors the HTTP layer maps to status codes.
@@ -38,6 +39,9 @@ type Request struct {
 	// Stages is how many stages to run, from stage 0: 1 for text, all of
 	// them for audio. 0 means 1.
 	Stages int
+	// Operation is gen_ai.operation.name: "chat" (default) or
+	// "text_completion".
+	Operation string
 }
 
 // Result is what a request produced.
@@ -63,12 +67,15 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	if n > len(h.cfg.Pipeline.Stages) {
 		return nil, fmt.Errorf("%w: %d stages requested, pipeline has %d", ErrBadRequest, n, len(h.cfg.Pipeline.Stages))
 	}
-	ctx, span := h.tracer.Start(ctx, "troupe.request", trace.WithSpanKind(trace.SpanKindInternal),
+	if req.Operation == "" {
+		req.Operation = telemetry.GenAIOperationChat
+	}
+	ctx, span := h.tracer.Start(ctx, telemetry.SpanRequest, trace.WithSpanKind(trace.SpanKindInternal),
 		trace.WithAttributes(
-			attribute.String("troupe.request.id", req.ID),
+			telemetry.KeyRequestID.String(req.ID),
 			attribute.Int("troupe.request.stages", n),
-			attribute.String("gen_ai.request.model", h.cfg.Pipeline.Model),
-		))
+		),
+		trace.WithAttributes(requestAttributes(req, h.cfg.Pipeline.Model)...))
 	defer span.End()
 
 	// Fail fast: every needed stage must have a replica before any work.
@@ -88,7 +95,7 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		if i == 0 && onText != nil {
 			emit = func(c *stagepb.GenerateChunk) error { return onText(c.GetText()) }
 		}
-		out, err := h.runStage(ctx, i, in, emit)
+		out, err := h.runStage(ctx, req, i, in, emit)
 		if err != nil {
 			span.RecordError(err)
 			span.SetStatus(codes.Error, err.Error())
@@ -115,11 +122,18 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		}
 		in = next
 	}
-	span.SetAttributes(
-		attribute.Int("gen_ai.usage.input_tokens", res.PromptTokens),
-		attribute.Int("gen_ai.usage.output_tokens", res.CompletionTokens),
-	)
+	span.SetAttributes(telemetry.GenAIUsageAttributes(int64(res.PromptTokens), int64(res.CompletionTokens), res.FinishReason)...)
 	return res, nil
+}
+
+// requestAttributes are the gen_ai.request.* attributes of a request.
+func requestAttributes(req Request, model string) []attribute.KeyValue {
+	var temp *float64
+	if req.Sampling != nil && req.Sampling.Temperature != 0 {
+		t := float64(req.Sampling.GetTemperature())
+		temp = &t
+	}
+	return telemetry.GenAIRequestAttributes(req.Operation, model, int(req.Sampling.GetMaxTokens()), temp)
 }
 
 // noPolicy picks the first candidate; used only to test routability.
@@ -149,7 +163,7 @@ const maxAttempts = 2
 // attempt fails before any output reached the client. emit, when not nil,
 // streams output to the client; without it nothing is visible until the
 // stage ends, so any failure may be retried.
-func (h *Head) runStage(ctx context.Context, stage int, in *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) (*stageOutput, error) {
+func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) (*stageOutput, error) {
 	var failed []*router.Replica
 	var lastErr error
 	for attempt := 1; attempt <= maxAttempts; attempt++ {
@@ -160,7 +174,7 @@ func (h *Head) runStage(ctx context.Context, stage int, in *stagepb.GenerateRequ
 			}
 			return nil, fmt.Errorf("stage %q: %w", h.cfg.Pipeline.Stages[stage].Name, err)
 		}
-		out, produced, err := h.attempt(ctx, stage, rep, attempt, in, emit)
+		out, produced, err := h.attempt(ctx, req, stage, rep, attempt, in, emit)
 		if err == nil {
 			return out, nil
 		}
@@ -175,20 +189,11 @@ func (h *Head) runStage(ctx context.Context, stage int, in *stagepb.GenerateRequ
 
 // attempt runs a stage on one replica. produced reports whether any output
 // reached the client through emit, after which a retry would duplicate it.
-func (h *Head) attempt(ctx context.Context, stage int, rep *router.Replica, attempt int, in *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) (_ *stageOutput, produced bool, err error) {
+func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.Replica, attempt int, in *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) (_ *stageOutput, produced bool, err error) {
 	name := h.cfg.Pipeline.Stages[stage].Name
-	ctx, span := h.tracer.Start(ctx, "troupe.stage "+name, trace.WithSpanKind(trace.SpanKindInternal),
-		trace.WithAttributes(
-			attribute.Int("troupe.stage.id", stage),
-			attribute.String("troupe.stage.name", name),
-			attribute.Int64("troupe.replica.id", int64(rep.Key.Replica)),
-			attribute.Int("troupe.engine.index", rep.EngineIndex),
-			attribute.Int("troupe.attempt", attempt),
-			attribute.String("gen_ai.operation.name", "chat"),
-			attribute.String("gen_ai.request.model", h.cfg.Pipeline.Model),
-			attribute.Int64("gen_ai.request.max_tokens", int64(in.GetSampling().GetMaxTokens())),
-			attribute.Float64("gen_ai.request.temperature", float64(in.GetSampling().GetTemperature())),
-		))
+	ctx, span := h.tracer.Start(ctx, telemetry.StageSpanName(name), trace.WithSpanKind(trace.SpanKindInternal),
+		trace.WithAttributes(telemetry.StageAttributes(stage, name, uint64(rep.Key.Replica), rep.EngineIndex, attempt)...),
+		trace.WithAttributes(requestAttributes(Request{Operation: req.Operation, Sampling: in.GetSampling()}, h.cfg.Pipeline.Model)...))
 	defer span.End()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -209,11 +214,7 @@ func (h *Head) attempt(ctx context.Context, stage int, rep *router.Replica, atte
 		if rerr := h.stats.RecordFinished(rep.EngineIndex, fin); rerr != nil {
 			h.log.Debug("orchestrator: record finished", "err", rerr)
 		}
-		span.SetAttributes(
-			attribute.Int("gen_ai.usage.input_tokens", out.promptTokens),
-			attribute.Int("gen_ai.usage.output_tokens", out.generationTokens),
-			attribute.StringSlice("gen_ai.response.finish_reasons", []string{finishName(fin.Reason)}),
-		)
+		span.SetAttributes(telemetry.GenAIUsageAttributes(int64(out.promptTokens), int64(out.generationTokens), finishName(fin.Reason))...)
 		span.AddEvent("finish", trace.WithAttributes(attribute.String("finish_reason", finishName(fin.Reason))))
 		if err != nil {
 			span.RecordError(err)

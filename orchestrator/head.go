@@ -156,6 +156,9 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	return h, nil
 }
 
+// TracerProvider is the provider the head's spans come from.
+func (h *Head) TracerProvider() trace.TracerProvider { return h.cfg.TracerProvider }
+
 // Pipeline returns the head's pipeline.
 func (h *Head) Pipeline() Pipeline { return h.cfg.Pipeline }
 

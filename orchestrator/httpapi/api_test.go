@@ -410,9 +410,10 @@ func TestAuth(t *testing.T) {
 
 	// The official client sends the key as a bearer token.
 	ctx := testCtx(t)
-	_, err := a.openai(option.WithAPIKey("s3cret")).Chat.Completions.New(ctx, chatParams("hi", 1, 3))
+	good, bad := a.openai(option.WithAPIKey("s3cret")), a.openai(option.WithAPIKey("nope"))
+	_, err := good.Chat.Completions.New(ctx, chatParams("hi", 1, 3))
 	require.NoError(t, err)
-	_, err = a.openai(option.WithAPIKey("nope")).Chat.Completions.New(ctx, chatParams("hi", 1, 3))
+	_, err = bad.Chat.Completions.New(ctx, chatParams("hi", 1, 3))
 	assert.Equal(t, http.StatusUnauthorized, apiErrorOf(t, err).StatusCode)
 }
 
