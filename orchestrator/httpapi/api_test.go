@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
@@ -38,7 +39,7 @@ func chatParams(prompt string, seed, maxTokens int64) openai.ChatCompletionNewPa
 // TestOpenAIClient drives the API with the official Go client against a
 // real head and sim workers.
 func TestOpenAIClient(t *testing.T) {
-	c := orchestratortest.Start(t, orchestratortest.Options{})
+	c := startCluster(t, orchestratortest.Options{})
 	a := startAPI(t, c, Config{}, nil, nil)
 	client := a.openai()
 	ctx := testCtx(t)
@@ -248,7 +249,7 @@ func TestOpenAIClient(t *testing.T) {
 
 // TestErrors checks every error class in OpenAI's error shape.
 func TestErrors(t *testing.T) {
-	c := orchestratortest.Start(t, orchestratortest.Options{})
+	c := startCluster(t, orchestratortest.Options{})
 	a := startAPI(t, c, Config{MaxBodyBytes: 4096}, nil, nil)
 	const msgs = `"messages":[{"role":"user","content":"hi"}]`
 	cases := []struct {
@@ -295,17 +296,23 @@ func TestErrors(t *testing.T) {
 		})
 	}
 
+	t.Run("unclean path is redirected, not refused", func(t *testing.T) {
+		resp, body := a.do(t, "GET", "/v1//models", nil, nil)
+		require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
+		assert.Equal(t, "/v1/models", resp.Request.URL.Path, "followed the mux's redirect")
+		assert.Contains(t, string(body), model)
+	})
+
 	t.Run("413 without content-length", func(t *testing.T) {
 		// A reader of unknown length makes the client send chunked; the
 		// limit then trips while reading.
 		body := io.MultiReader(strings.NewReader(`{"model":"troupe-omni-sim","prompt":"`), strings.NewReader(strings.Repeat("y", 8192)), strings.NewReader(`"}`))
 		req, err := http.NewRequestWithContext(testCtx(t), http.MethodPost, a.base+"/v1/completions", io.NopCloser(body))
 		require.NoError(t, err)
-		require.Equal(t, int64(0), req.ContentLength)
+		require.Equal(t, int64(0), req.ContentLength, "length unknown: sent chunked")
 		resp, err := a.client.Do(req)
 		require.NoError(t, err)
 		defer resp.Body.Close()
-		assert.Equal(t, []string{"chunked"}, resp.Request.TransferEncoding)
 		data, err := io.ReadAll(resp.Body)
 		require.NoError(t, err)
 		wantError(t, resp, data, http.StatusRequestEntityTooLarge, typeInvalidRequest, "request_too_large")
@@ -330,10 +337,15 @@ func TestErrors(t *testing.T) {
 	})
 }
 
+// withField adds a field to a JSON object.
+func withField(obj, field string) string {
+	return strings.TrimSuffix(obj, "}") + "," + field + "}"
+}
+
 // TestNoReplica: a stage without a replica is 503 with Retry-After, and
 // /readyz says which.
 func TestNoReplica(t *testing.T) {
-	c := orchestratortest.Start(t, orchestratortest.Options{ReplicasPerStage: -1})
+	c := startCluster(t, orchestratortest.Options{ReplicasPerStage: -1})
 	a := startAPI(t, c, Config{}, nil, nil)
 
 	resp, body := a.do(t, "GET", "/readyz", nil, nil)
@@ -347,7 +359,7 @@ func TestNoReplica(t *testing.T) {
 	assert.Equal(t, "1", resp.Header.Get("Retry-After"))
 
 	// Streaming requests fail the same way: nothing was streamed yet.
-	resp, body = a.post(t, "/v1/chat/completions", strings.Replace(chat, "}", `,"stream":true}`, 1))
+	resp, body = a.post(t, "/v1/chat/completions", withField(chat, `"stream":true`))
 	wantError(t, resp, body, http.StatusServiceUnavailable, typeServer, "no_replica")
 
 	// With the thinker alone, text works but audio (every stage) is 503.
@@ -355,7 +367,7 @@ func TestNoReplica(t *testing.T) {
 	c.WaitState(t, "thinker", w.ReplicaID(), "attached")
 	resp, body = a.post(t, "/v1/chat/completions", chat)
 	require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
-	resp, body = a.post(t, "/v1/chat/completions", strings.Replace(chat, "}", `,"modalities":["text","audio"]}`, 1))
+	resp, body = a.post(t, "/v1/chat/completions", withField(chat, `"modalities":["text","audio"]`))
 	d := wantError(t, resp, body, http.StatusServiceUnavailable, typeServer, "no_replica")
 	assert.Contains(t, d.Message, "talker")
 	assert.Equal(t, "1", resp.Header.Get("Retry-After"))
@@ -368,7 +380,7 @@ func TestNoReplica(t *testing.T) {
 // TestStageFailure: a replica that fails the request (here: its engine was
 // put to sleep behind the head's back, so it refuses work) is 502.
 func TestStageFailure(t *testing.T) {
-	c := orchestratortest.Start(t, orchestratortest.Options{ReplicasPerStage: -1})
+	c := startCluster(t, orchestratortest.Options{ReplicasPerStage: -1})
 	a := startAPI(t, c, Config{}, nil, nil)
 	w := c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
 	c.WaitState(t, "thinker", w.ReplicaID(), "attached")
@@ -380,10 +392,24 @@ func TestStageFailure(t *testing.T) {
 	assert.Contains(t, d.Message, "thinker")
 }
 
+// TestAudioWithoutAudioStage: asking a text-only pipeline for audio is a
+// 502 that says so, not an empty WAV.
+func TestAudioWithoutAudioStage(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Pipeline: orchestrator.Pipeline{Model: model, Stages: []orchestrator.Stage{{Name: "thinker"}}}})
+	a := startAPI(t, c, Config{}, nil, nil)
+	chat := `{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":3,"modalities":["text","audio"]}`
+	resp, body := a.post(t, "/v1/chat/completions", chat)
+	wantError(t, resp, body, http.StatusBadGateway, typeServer, "no_audio")
+	resp, body = a.post(t, "/v1/chat/completions", withField(chat, `"stream":true`))
+	require.Equal(t, http.StatusOK, resp.StatusCode, "the text streamed before the audio was missed")
+	assert.Contains(t, string(body), `"code":"no_audio"`)
+	assert.NotContains(t, string(body), "[DONE]")
+}
+
 // TestAuth: with an API key every route but /metrics and the probes needs
 // it, admin included.
 func TestAuth(t *testing.T) {
-	c := orchestratortest.Start(t, orchestratortest.Options{})
+	c := startCluster(t, orchestratortest.Options{})
 	a := startAPI(t, c, Config{APIKey: "s3cret", Gatherer: c.Metrics}, nil, nil)
 	bearer := func(k string) http.Header { return http.Header{"Authorization": {k}} }
 
@@ -420,7 +446,7 @@ func TestAuth(t *testing.T) {
 // TestAdmin covers /v1/replicas, sleep and wake_up, /readyz and the
 // handler split.
 func TestAdmin(t *testing.T) {
-	c := orchestratortest.Start(t, orchestratortest.Options{})
+	c := startCluster(t, orchestratortest.Options{})
 	a := startAPI(t, c, Config{Gatherer: c.Metrics}, nil, nil)
 
 	resp, body := a.do(t, "GET", "/v1/replicas", nil, nil)

@@ -26,7 +26,7 @@ const writeStallTimeout = 30 * time.Second
 
 // chatCompletions serves POST /v1/chat/completions.
 func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request) {
-	body, e := s.readBody(w, r)
+	body, e := s.readBody(r)
 	if e != nil {
 		s.reject(w, r, e)
 		return
@@ -42,7 +42,7 @@ func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 
 // completions serves POST /v1/completions.
 func (s *Server) completions(w http.ResponseWriter, r *http.Request) {
-	body, e := s.readBody(w, r)
+	body, e := s.readBody(r)
 	if e != nil {
 		s.reject(w, r, e)
 		return
@@ -57,11 +57,8 @@ func (s *Server) completions(w http.ResponseWriter, r *http.Request) {
 }
 
 // readBody reads the whole request body; the middleware has already capped
-// it at MaxBodyBytes. Once the body is in, the connection's read deadline
-// (http.Server.ReadTimeout) is lifted: it bounds the upload, and left in
-// place it would cancel the request's context in the middle of a long
-// generation.
-func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *apiError) {
+// it at MaxBodyBytes.
+func (s *Server) readBody(r *http.Request) ([]byte, *apiError) {
 	body, err := io.ReadAll(r.Body)
 	if err != nil {
 		var tooBig *http.MaxBytesError
@@ -70,7 +67,6 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *apiE
 		}
 		return nil, badRequest("", "invalid_body", "cannot read the request body: %v", err)
 	}
-	_ = http.NewResponseController(w).SetReadDeadline(time.Time{})
 	return body, nil
 }
 

@@ -37,6 +37,16 @@ func testCtx(t *testing.T) context.Context {
 	return ctx
 }
 
+// startCluster runs a real head and sim workers (orchestratortest), with
+// the engines' logs discarded.
+func startCluster(t *testing.T, opts orchestratortest.Options) *orchestratortest.Cluster {
+	t.Helper()
+	if opts.Sim.Logger == nil {
+		opts.Sim.Logger = slog.New(slog.DiscardHandler)
+	}
+	return orchestratortest.Start(t, opts)
+}
+
 // api is a Server of a real head, listening on loopback through
 // NewHTTPServer.
 type api struct {

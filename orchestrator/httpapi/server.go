@@ -45,6 +45,9 @@ type Backend interface {
 	WakeUp(ctx context.Context, stage int, replica uint32) (stagepb.SleepState, error)
 }
 
+// The head is the Backend; this breaks the build if they drift apart.
+var _ Backend = (*orchestrator.Head)(nil)
+
 // Defaults of Config.
 const (
 	DefaultMaxBodyBytes   = 16 << 20
@@ -158,10 +161,10 @@ func (s *Server) AdminHandler() http.Handler { return s.admin }
 // streaming set:
 //   - ReadHeaderTimeout 10s and MaxHeaderBytes 64 KiB bound slow or huge
 //     headers (slowloris).
-//   - ReadTimeout 60s bounds reading the whole request, body included. The
-//     completion handlers lift the read deadline once the body is read,
-//     because net/http would otherwise cancel the request's context when it
-//     passes during a long generation.
+//   - ReadTimeout 60s bounds reading the whole request, body included.
+//     net/http lifts that deadline once the body has been read (its
+//     background read for client disconnects runs without one), so it
+//     never cuts a long generation; TestSlowStreams holds it to that.
 //   - IdleTimeout 120s closes idle keep-alive connections.
 //   - WriteTimeout is left at 0: it is a deadline for the whole response
 //     and would cut every stream longer than it. Instead each write gets

@@ -1,0 +1,505 @@
+#!/usr/bin/env bash
+# End-to-end test of the docker-compose deployment: builds the images, brings
+# the stack up under a unique project name, and checks, against the real
+# containers:
+#
+#   1. chat       20 chat requests return text and a base64 WAV
+#   2. late join  --scale thinker=3: the new replica is registered and its
+#                 series exist at 0 before it serves; then it serves, and
+#                 replica 0's counters only grew
+#   3. crash      docker kill a thinker: requests keep succeeding; it is
+#                 detached within the lease TTL, its series kept
+#   4. partition  docker network disconnect the talker: detached, lease gone
+#                 from etcd, no routing to it; reconnect: same replica id,
+#                 counters continue
+#   5. head       docker-compose restart head: membership rebuilt from etcd,
+#                 ready again, no worker restarted
+#   6. tracing    one request's trace in Jaeger has spans from the head's
+#                 container and from a worker container of every stage
+#
+# It prints a summary table, shows container logs when a check fails, and
+# always removes what it created (down -v --remove-orphans). Every wait is
+# bounded. Only containers it created are contacted, through ports published
+# on 127.0.0.1.
+#
+#   scripts/e2e-compose.sh
+#
+# Environment:
+#   COMPOSE            compose command (default: `docker compose` if present, else docker-compose)
+#   E2E_SKIP_BUILD=1   use the images as they are (scripts/images.sh not run)
+#   E2E_KEEP=1         leave the stack running at the end (prints how to remove it)
+#   TROUPE_LEASE_TTL   workers' lease TTL (default 5s; whole seconds)
+#   E2E_READY_TIMEOUT  seconds to wait for the first /readyz (default 180)
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+project="troupe-e2e-$$"
+lease_ttl="${TROUPE_LEASE_TTL:-5s}"
+ttl_s="${lease_ttl%s}"
+case "$ttl_s" in '' | *[!0-9]*)
+  echo "e2e: TROUPE_LEASE_TTL must be whole seconds like 5s, got $lease_ttl" >&2
+  exit 2
+  ;;
+esac
+ready_timeout="${E2E_READY_TIMEOUT:-180}"
+model="troupe-omni-sim"
+
+# Published ports: the host side is 127.0.0.1 with a port the engine picks,
+# so parallel runs and a local `troupe up` on 8000 do not collide.
+export COMPOSE_PROJECT_NAME="$project"
+export TROUPE_HTTP_PUBLISH="127.0.0.1:"
+export TROUPE_ETCD_PUBLISH="127.0.0.1:"
+export JAEGER_UI_PUBLISH="127.0.0.1:"
+export TROUPE_LEASE_TTL="$lease_ttl"
+
+log() { echo "e2e: $*" >&2; }
+
+# ---- tools -------------------------------------------------------------------
+
+need_jq() {
+  command -v jq >/dev/null && return
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "installing jq (apt-get)"
+    apt-get install -y -qq jq >/dev/null 2>&1 || { apt-get update -qq >/dev/null && apt-get install -y -qq jq >/dev/null; }
+  fi
+  command -v jq >/dev/null || {
+    echo "e2e: jq is required (apt-get install -y jq)" >&2
+    exit 1
+  }
+}
+need_jq
+for tool in docker curl base64 awk; do
+  command -v "$tool" >/dev/null || {
+    echo "e2e: $tool is required" >&2
+    exit 1
+  }
+done
+
+if [ -n "${COMPOSE:-}" ]; then
+  read -r -a compose_cmd <<<"$COMPOSE"
+elif docker compose version >/dev/null 2>&1; then
+  compose_cmd=(docker compose)
+elif command -v docker-compose >/dev/null; then
+  compose_cmd=(docker-compose)
+else
+  echo "e2e: neither 'docker compose' nor docker-compose is installed" >&2
+  exit 1
+fi
+compose() { "${compose_cmd[@]}" -p "$project" -f "$root/docker-compose.yml" "$@"; }
+
+now() { echo "${EPOCHREALTIME:-$(date +%s.%N)}"; }
+# since T: seconds from T to now, one decimal.
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+# le A B: A <= B for decimals.
+le() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a <= b) }'; }
+
+# wait_for SECONDS DESCRIPTION CMD...: runs CMD every 0.2 s until it succeeds;
+# fails the scenario when SECONDS pass first.
+wait_for() {
+  local limit="$1" what="$2"
+  shift 2
+  local start
+  start="$(now)"
+  until "$@"; do
+    if ! le "$(since "$start")" "$limit"; then
+      fail "timed out after ${limit}s waiting for: $what"
+    fi
+    sleep 0.2
+  done
+}
+
+# ---- summary and cleanup -----------------------------------------------------
+
+names=(setup chat late-join crash partition head-restart tracing)
+declare -A result=() measured=()
+current=""
+failed=0
+
+begin() {
+  current="$1"
+  log "---- $1: $2"
+}
+pass() {
+  result[$current]=PASS
+  measured[$current]="$1"
+  log "$current: PASS ($1)"
+}
+fail() {
+  result[$current]=FAIL
+  measured[$current]="${measured[$current]:-}${measured[$current]:+; }$*"
+  log "$current: FAIL: $*"
+  failed=1
+  exit 1
+}
+
+summary() {
+  echo
+  echo "troupe e2e (compose: ${compose_cmd[*]}, project $project, lease TTL $lease_ttl)"
+  printf '%-13s %-6s %s\n' SCENARIO RESULT MEASURED
+  local n
+  for n in "${names[@]}"; do
+    printf '%-13s %-6s %s\n' "$n" "${result[$n]:-SKIP}" "${measured[$n]:-}"
+  done
+  printf 'total %ss (images %ss, stack up %ss)\n' "$(since "$t_start")" "${t_images:--}" "${t_up:--}"
+}
+
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  set +e
+  rm -rf "$tmp"
+  if [ "$rc" != 0 ] && [ -n "$current" ] && [ -z "${result[$current]:-}" ]; then
+    result[$current]=FAIL
+    measured[$current]="exited with status $rc"
+  fi
+  if [ "$rc" != 0 ] || [ "$failed" = 1 ]; then
+    log "failure: container logs (last 80 lines each)"
+    compose ps >&2
+    compose logs --no-color --tail=80 >&2
+  fi
+  summary
+  if [ "${E2E_KEEP:-0}" = 1 ]; then
+    log "E2E_KEEP=1: stack left running; remove it with: ${compose_cmd[*]} -p $project down -v --remove-orphans"
+  else
+    log "removing project $project"
+    compose down -v --remove-orphans --timeout 10 >/dev/null 2>&1
+    local left
+    left="$(docker ps -aq --filter "label=com.docker.compose.project=$project")$(docker network ls -q --filter "label=com.docker.compose.project=$project")$(docker volume ls -q --filter "label=com.docker.compose.project=$project")"
+    if [ -n "$left" ]; then
+      log "cleanup left containers, networks or volumes of $project behind"
+      rc=1
+    fi
+  fi
+  exit "$rc"
+}
+
+t_start="$(now)"
+tmp="$(mktemp -d)"
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# ---- helpers on the stack ----------------------------------------------------
+
+# containers SERVICE: ids of the service's containers (running or not).
+containers() {
+  docker ps -aq --filter "label=com.docker.compose.project=$project" \
+    --filter "label=com.docker.compose.service=$1"
+}
+hostname_of() { docker inspect -f '{{.Config.Hostname}}' "$1"; }
+# container_at SERVICE ADDR: the container of SERVICE whose hostname is ADDR's host.
+container_at() {
+  local c
+  for c in $(containers "$1"); do
+    if [ "$(hostname_of "$c")" = "${2%:*}" ]; then
+      echo "$c"
+      return
+    fi
+  done
+  return 1
+}
+
+api=""
+refresh_api() {
+  local hp
+  hp="$(compose port head 8000 2>/dev/null | tail -n1)"
+  [ -n "$hp" ] || return 1
+  api="http://$hp"
+}
+jaeger=""
+
+# chat [text|audio] [OUT]: one chat completion; writes the body to OUT and
+# prints the status code (000 when there was no answer).
+chat() {
+  local modalities='["text"]' out="${2:-/dev/null}"
+  [ "${1:-text}" = audio ] && modalities='["text","audio"]'
+  curl -s -o "$out" -w '%{http_code}' --max-time 20 "$api/v1/chat/completions" \
+    -H 'Content-Type: application/json' \
+    -d "{\"model\":\"$model\",\"messages\":[{\"role\":\"user\",\"content\":\"e2e $RANDOM\"}],\"max_tokens\":8,\"modalities\":$modalities}" || true
+}
+
+# chat_ok [text|audio]: one chat completion that must answer 200.
+chat_ok() {
+  local code
+  code="$(chat "${1:-text}")"
+  [ "$code" = 200 ] || fail "a ${1:-text} chat request answered $code"
+}
+
+replicas() { curl -sf --max-time 5 "$api/v1/replicas"; }
+# state STAGE REPLICA: the replica's state in /v1/replicas (empty if absent).
+state() {
+  replicas | jq -r --arg s "$1" --argjson r "$2" \
+    '.data[] | select(.stage_name == $s and .replica == $r) | .state' 2>/dev/null || true
+}
+replica_field() {
+  replicas | jq -r --arg s "$1" --argjson r "$2" --arg f "$3" \
+    '.data[] | select(.stage_name == $s and .replica == $r) | .[$f]'
+}
+is_state() { [ "$(state "$1" "$2")" = "$3" ]; }
+
+metrics_text=""
+scrape() { metrics_text="$(curl -sf --max-time 5 "$api/metrics")"; }
+# metric NAME LABEL...: the sum of the samples of NAME whose labels include
+# every LABEL (k="v"), from the last scrape; empty when there is none.
+metric() {
+  local name="$1"
+  shift
+  awk -v n="$name" -v want="$*" '
+    BEGIN { k = split(want, L, " ") }
+    index($0, n "{") == 1 {
+      for (i = 1; i <= k; i++) if (index($0, L[i]) == 0) next
+      found = 1; sum += $NF
+    }
+    END { if (found) print sum }' <<<"$metrics_text"
+}
+# counters STAGE REPLICA: "generation prompt success" of one replica (from
+# the last scrape); fails when a series is missing.
+counters() {
+  local l=("stage=\"$1\"" "replica=\"$2\"") g p s
+  g="$(metric troupe_generation_tokens_total "${l[@]}")"
+  p="$(metric troupe_prompt_tokens_total "${l[@]}")"
+  s="$(metric troupe_request_success_total "${l[@]}")"
+  [ -n "$g" ] && [ -n "$p" ] && [ -n "$s" ] || fail "counters of stage $1 replica $2 missing from /metrics"
+  echo "$g $p $s"
+}
+
+# etcd_member STAGE REPLICA: prints the member's addr if its key is in etcd.
+etcd_member() {
+  docker exec "$(containers etcd)" /troupe members --etcd-endpoints http://127.0.0.1:2379 --json |
+    jq -r --arg s "$1" --argjson r "$2" '.members[] | select(.stage == $s and .replica_id == $r) | .addr'
+}
+etcd_has() { [ -n "$(etcd_member "$1" "$2")" ]; }
+etcd_lacks() { [ -z "$(etcd_member "$1" "$2")" ]; }
+
+ready() { curl -sf --max-time 2 -o /dev/null "$api/readyz"; }
+
+# ---- build and start ---------------------------------------------------------
+
+begin setup "build the images, start the stack, wait for /readyz"
+if [ "${E2E_SKIP_BUILD:-0}" != 1 ]; then
+  log "building images (scripts/images.sh)"
+  t0="$(now)"
+  scripts/images.sh
+  t_images="$(since "$t0")"
+fi
+
+log "starting project $project (${compose_cmd[*]})"
+t0="$(now)"
+compose up -d
+refresh_api || fail "the head publishes no port"
+wait_for "$ready_timeout" "$api/readyz" ready
+t_up="$(since "$t0")"
+jaeger="http://$(compose port jaeger 16686 | tail -n1)"
+log "ready in ${t_up}s: API $api, Jaeger $jaeger"
+pass "images ${t_images:-skipped}${t_images:+s}; up and ready in ${t_up}s"
+
+# ---- 1. chat -----------------------------------------------------------------
+
+begin chat "20 chat requests, text and audio"
+body="$tmp/body.json"
+t0="$(now)"
+for i in $(seq 1 20); do
+  code="$(chat audio "$body")"
+  [ "$code" = 200 ] || fail "request $i answered $code: $(head -c 300 "$body")"
+  text="$(jq -r '.choices[0].message.content // ""' "$body")"
+  [ -n "$text" ] || fail "request $i has no text"
+  audio="$(jq -r '.choices[0].message.audio.data // ""' "$body")"
+  [ "${#audio}" -gt 60 ] || fail "request $i has no audio"
+  [ "$(printf '%s' "${audio:0:16}" | base64 -d | head -c 4)" = RIFF ] &&
+    [ "$(printf '%s' "${audio:0:16}" | base64 -d | tail -c 4)" = WAVE ] ||
+    fail "request $i: message.audio.data is not a WAV"
+  printf '%s' "$audio" | base64 -d >/dev/null 2>&1 || fail "request $i: message.audio.data is not valid base64"
+done
+pass "20/20 ok in $(since "$t0")s"
+
+# ---- 2. late join ------------------------------------------------------------
+
+begin late-join "scale thinker to 3 while serving"
+scrape
+before0="$(counters 0 0)"
+old_ids="$(replicas | jq -c '[.data[] | select(.stage_name == "thinker") | .replica]')"
+t0="$(now)"
+compose up -d --scale thinker=3 --no-recreate >/dev/null 2>&1 || fail "compose up --scale thinker=3 failed"
+t_started="$(now)"
+new_id=""
+find_new() {
+  new_id="$(replicas | jq -r --argjson old "$old_ids" \
+    '[.data[] | select(.stage_name == "thinker" and (.replica as $r | $old | index($r) | not))][0].replica // empty')"
+  [ -n "$new_id" ]
+}
+wait_for 30 "a third thinker in /v1/replicas" find_new
+t_seen="$(now)"
+t_up_cmd="$(awk -v a="$t0" -v b="$t_started" 'BEGIN { printf "%.1f", b - a }')"
+# No request has been sent since the join: its series must already exist.
+scrape
+[ "$(state thinker "$new_id")" = attached ] || fail "thinker/$new_id is $(state thinker "$new_id"), want attached"
+l=("stage=\"0\"" "replica=\"$new_id\"")
+[ "$(metric troupe_replica_attached "${l[@]}")" = 1 ] || fail "troupe_replica_attached of thinker/$new_id is '$(metric troupe_replica_attached "${l[@]}")', want 1"
+[ "$(metric troupe_engine_sleep_state "${l[@]}" 'sleep_state="awake"')" = 1 ] || fail "troupe_engine_sleep_state{awake} of thinker/$new_id is not 1"
+[ "$(metric troupe_generation_tokens_total "${l[@]}")" = 0 ] || fail "troupe_generation_tokens_total of thinker/$new_id is '$(metric troupe_generation_tokens_total "${l[@]}")' before serving, want 0"
+# Now it serves: round robin reaches it within a few requests.
+served() {
+  chat_ok text
+  scrape
+  local g
+  g="$(metric troupe_generation_tokens_total "${l[@]}")"
+  [ -n "$g" ] && [ "$g" != 0 ]
+}
+wait_for 30 "thinker/$new_id to serve" served
+# Round robin over three thinkers: six more requests reach replica 0 too.
+for _ in 1 2 3 4 5 6; do chat_ok text; done
+scrape
+after0="$(counters 0 0)"
+read -r -a b <<<"$before0"
+read -r -a a <<<"$after0"
+for k in 0 1 2; do
+  le "${b[$k]}" "${a[$k]}" || fail "thinker/0 counters went back: before '$before0', after '$after0'"
+done
+[ "${a[2]}" != "${b[2]}" ] || fail "thinker/0 served nothing after the join"
+# From the new container's start (as Docker recorded it) to the head showing it.
+new_c="$(container_at thinker "$(replica_field thinker "$new_id" addr)")" || fail "no container for thinker/$new_id"
+started="$(date -d "$(docker inspect -f '{{.State.StartedAt}}' "$new_c")" +%s.%N 2>/dev/null || echo "$t_started")"
+t_join="$(awk -v a="$started" -v b="$t_seen" 'BEGIN { printf "%.1f", b - a }')"
+pass "thinker/$new_id in /v1/replicas ${t_join}s after its container started (scale-up command ${t_up_cmd}s), attached=1 awake=1 tokens=0 before serving; thinker/0 counters $before0 -> $after0"
+
+# ---- 3. crash ----------------------------------------------------------------
+
+begin crash "docker kill a thinker"
+victim_id=""
+for r in $(replicas | jq -r '.data[] | select(.stage_name == "thinker" and .state == "attached") | .replica'); do
+  [ "$r" != 0 ] && victim_id="$r" && break
+done
+[ -n "$victim_id" ] || fail "no attached thinker other than replica 0"
+victim="$(container_at thinker "$(replica_field thinker "$victim_id" addr)")" || fail "no container for thinker/$victim_id"
+ok=0
+t0="$(now)"
+docker kill "$victim" >/dev/null
+detached_killed() {
+  chat_ok text
+  ok=$((ok + 1))
+  is_state thinker "$victim_id" detached
+}
+wait_for $((ttl_s + 10)) "thinker/$victim_id detached" detached_killed
+t_detect="$(since "$t0")"
+le "$t_detect" $((ttl_s + 2)) || fail "thinker/$victim_id detached after ${t_detect}s, lease TTL is ${ttl_s}s"
+for _ in 1 2 3 4 5; do chat_ok text && ok=$((ok + 1)); done
+scrape
+l=("stage=\"0\"" "replica=\"$victim_id\"")
+[ "$(metric troupe_replica_attached "${l[@]}")" = 0 ] || fail "troupe_replica_attached of thinker/$victim_id is '$(metric troupe_replica_attached "${l[@]}")', want 0"
+[ -n "$(metric troupe_generation_tokens_total "${l[@]}")" ] || fail "the series of thinker/$victim_id are gone"
+[ -n "$(metric troupe_request_success_total "${l[@]}")" ] || fail "the series of thinker/$victim_id are gone"
+[ "$(docker inspect -f '{{.State.Running}}' "$victim")" = false ] || fail "the killed container is running again"
+pass "thinker/$victim_id detached ${t_detect}s after kill (TTL ${ttl_s}s); $ok/$ok requests ok meanwhile; series kept"
+
+# ---- 4. partition ------------------------------------------------------------
+
+begin partition "docker network disconnect the talker"
+talker_addr="$(replica_field talker 0 addr)"
+talker="$(container_at talker "$talker_addr")" || fail "no container for talker/0"
+talker_index="$(replica_field talker 0 engine_index)"
+network="$(docker inspect -f '{{range $k, $v := .NetworkSettings.Networks}}{{$k}} {{end}}' "$talker" | awk '{print $1}')"
+scrape
+before_t="$(counters 1 0)"
+t0="$(now)"
+docker network disconnect "$network" "$talker"
+wait_for $((ttl_s + 10)) "talker/0 lease to expire in etcd" etcd_lacks talker 0
+t_lease="$(since "$t0")"
+wait_for 10 "talker/0 detached" is_state talker 0 detached
+t_detach="$(since "$t0")"
+scrape
+[ "$(metric troupe_replica_attached 'stage="1"' 'replica="0"')" = 0 ] || fail "troupe_replica_attached of talker/0 is not 0"
+# The head routes nothing to it: text still works, audio (which needs the
+# talker) is refused at once with 503 and Retry-After instead of hanging.
+chat_ok text
+headers="$(curl -s -D - -o /dev/null --max-time 10 "$api/v1/chat/completions" -H 'Content-Type: application/json' \
+  -d "{\"model\":\"$model\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":8,\"modalities\":[\"text\",\"audio\"]}" | tr -d '\r')"
+head -n1 <<<"$headers" | grep -q ' 503' || fail "audio without a talker answered: $(head -n1 <<<"$headers")"
+grep -qi '^retry-after:' <<<"$headers" || fail "the 503 has no Retry-After"
+t1="$(now)"
+docker network connect --alias talker "$network" "$talker"
+wait_for 60 "talker/0 back in etcd" etcd_has talker 0
+wait_for 30 "talker/0 attached again" is_state talker 0 attached
+t_back="$(since "$t1")"
+[ "$(etcd_member talker 0)" = "$talker_addr" ] || fail "talker/0 came back as $(etcd_member talker 0), want $talker_addr"
+[ "$(replica_field talker 0 engine_index)" = "$talker_index" ] || fail "talker/0 has engine index $(replica_field talker 0 engine_index), want $talker_index"
+[ "$(replicas | jq '[.data[] | select(.stage_name == "talker")] | length')" = 1 ] || fail "another talker replica appeared"
+for _ in 1 2 3; do chat_ok audio; done
+scrape
+after_t="$(counters 1 0)"
+read -r -a b <<<"$before_t"
+read -r -a a <<<"$after_t"
+for k in 0 1 2; do
+  le "${b[$k]}" "${a[$k]}" || fail "talker/0 counters went back: before '$before_t', after '$after_t'"
+done
+[ "${a[2]}" != "${b[2]}" ] || fail "talker/0 served nothing after it came back"
+[ "$(metric troupe_replica_attached 'stage="1"' 'replica="0"')" = 1 ] || fail "troupe_replica_attached of talker/0 is not 1"
+pass "lease gone ${t_lease}s and detached ${t_detach}s after disconnect; re-registered as talker/0 ${t_back}s after reconnect; counters $before_t -> $after_t"
+
+# ---- 5. head restart ---------------------------------------------------------
+
+begin head-restart "docker-compose restart head"
+worker_ids="$(for s in thinker talker vocoder; do containers "$s"; done)"
+worker_state() {
+  local c
+  for c in $worker_ids; do docker inspect -f '{{.Name}} {{.State.Running}} {{.State.StartedAt}} {{.RestartCount}}' "$c"; done
+}
+before_w="$(worker_state)"
+attached_set() { replicas | jq -c '[.data[] | select(.state == "attached") | [.stage_name, .replica, .addr]] | sort'; }
+before_set="$(attached_set)"
+t0="$(now)"
+compose restart head >/dev/null 2>&1 || fail "compose restart head failed"
+wait_for 30 "the head's published port" refresh_api
+wait_for 60 "$api/readyz after the restart" ready
+t_ready="$(since "$t0")"
+wait_for 15 "every attached replica back" eval '[ "$(attached_set)" = "$before_set" ]'
+t_all="$(since "$t0")"
+[ "$(worker_state)" = "$before_w" ] || fail "workers restarted: before
+$before_w
+after
+$(worker_state)"
+chat_ok audio
+pass "ready ${t_ready}s after restart, all $(jq length <<<"$before_set") replicas back at ${t_all}s; no worker restarted"
+
+# ---- 6. tracing --------------------------------------------------------------
+
+begin tracing "one request's trace in Jaeger"
+headers="$(curl -s -D - -o /dev/null --max-time 20 "$api/v1/chat/completions" -H 'Content-Type: application/json' \
+  -d "{\"model\":\"$model\",\"messages\":[{\"role\":\"user\",\"content\":\"trace me\"}],\"max_tokens\":8,\"modalities\":[\"text\",\"audio\"]}" | tr -d '\r')"
+traceparent="$(awk -F': ' 'tolower($1) == "traceparent" { print $2 }' <<<"$headers")"
+trace_id="$(cut -d- -f2 <<<"$traceparent")"
+[ "${#trace_id}" = 32 ] || fail "no traceparent in the response: $traceparent"
+head_host="$(hostname_of "$(containers head)")"
+t0="$(now)"
+trace_json="$tmp/trace.json"
+# spans: every span with its process' service and host.
+spans_jq='[.result.resourceSpans[]
+  | (.resource.attributes | map({(.key): (.value.stringValue // "")}) | add) as $r
+  | .scopeSpans[].spans[]
+  | {name, id: .spanId, parent: (.parentSpanId // ""), svc: $r["service.name"], host: $r["host.name"]}]'
+# worker_host STAGE: the host of the worker span under the head's stage span.
+worker_host() {
+  jq -r --arg s "troupe.stage $1" "$spans_jq"' as $all
+    | $all[] | select(.svc == "troupe-head" and .name == $s) as $st
+    | $all[] | select(.svc == "troupe-head" and .parent == $st.id) as $cl
+    | $all[] | select(.svc == "troupe-worker" and .parent == $cl.id) | .host' "$trace_json" | head -n1
+}
+trace_complete() {
+  curl -sf --max-time 5 -o "$trace_json" "$jaeger/api/v3/traces/$trace_id" || return 1
+  jq -e --arg h "$head_host" "$spans_jq"' | any(.svc == "troupe-head" and .host == $h and .name == "troupe.request")' "$trace_json" >/dev/null || return 1
+  local s
+  for s in thinker talker vocoder; do [ -n "$(worker_host "$s")" ] || return 1; done
+}
+wait_for 30 "trace $trace_id with head and worker spans in Jaeger" trace_complete
+t_trace="$(since "$t0")"
+for s in thinker talker vocoder; do
+  h="$(worker_host "$s")"
+  mine=0
+  for c in $(containers "$s"); do [ "$(hostname_of "$c")" = "$h" ] && mine=1; done
+  [ "$mine" = 1 ] || fail "the $s span comes from host $h, not from a $s container"
+done
+nspans="$(jq "$spans_jq | length" "$trace_json")"
+pass "trace $trace_id: $nspans spans, head ($head_host) and thinker/talker/vocoder containers; in Jaeger ${t_trace}s after the response"
+
+current=""
+log "all scenarios passed"

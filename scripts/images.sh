@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Builds troupe's container images with one command. Nothing is pulled: the
+# binaries are compiled here (static, CGO_ENABLED=0) and copied into images
+# that are FROM scratch, built by the classic builder (DOCKER_BUILDKIT=0).
+#
+#   scripts/images.sh                 # troupe:dev and troupe-jaeger:dev
+#   scripts/images.sh troupe          # only the troupe image
+#   scripts/images.sh jaeger          # only the Jaeger image
+#   TROUPE_TAG=v1 scripts/images.sh   # tag :v1 instead of :dev
+#
+# Environment:
+#   TROUPE_TAG     image tag (default dev)
+#   TROUPE_IMAGE   troupe image name (default troupe:$TROUPE_TAG)
+#   JAEGER_IMAGE   Jaeger image name (default troupe-jaeger:$TROUPE_TAG)
+#   NICE           niceness of the Go builds (default 10: shared machines)
+#
+# The first Jaeger build compiles its whole dependency graph (minutes, see
+# docs/tracing.md); scripts/build-jaeger.sh skips it while bin/jaeger is fresh.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+tag="${TROUPE_TAG:-dev}"
+troupe_image="${TROUPE_IMAGE:-troupe:$tag}"
+jaeger_image="${JAEGER_IMAGE:-troupe-jaeger:$tag}"
+nice_level="${NICE:-10}"
+what="${1:-all}"
+case "$what" in
+  all | troupe | jaeger) ;;
+  *)
+    echo "usage: scripts/images.sh [all|troupe|jaeger]" >&2
+    exit 2
+    ;;
+esac
+
+log() { echo "images: $*" >&2; }
+die() {
+  echo "images: $*" >&2
+  exit 1
+}
+
+command -v docker >/dev/null || die "docker is not installed"
+command -v go >/dev/null || die "go is not installed"
+
+# Guard: only FROM scratch and no syntax directive, either of which would make
+# the engine reach for a registry.
+for f in deploy/troupe.Dockerfile deploy/jaeger.Dockerfile; do
+  if grep -qiE '^#[[:space:]]*syntax[[:space:]]*=' "$f"; then
+    die "$f has a syntax directive: the engine would pull the frontend image"
+  fi
+  if grep -iE '^[[:space:]]*FROM[[:space:]]' "$f" | grep -viqE '^[[:space:]]*FROM[[:space:]]+scratch([[:space:]]|$)'; then
+    die "$f has a FROM other than scratch: the engine would pull it"
+  fi
+done
+
+stage="$root/dist/docker"
+version="$(git describe --tags --always --dirty 2>/dev/null || echo dev)"
+
+# Puts a file into a build context: a hard link when possible (the Jaeger
+# binary is ~85 MB), a copy otherwise.
+place() { ln -f "$1" "$2" 2>/dev/null || cp -f "$1" "$2"; }
+
+build_troupe_binary() {
+  local out="$stage/troupe.bin"
+  mkdir -p "$stage"
+  log "building troupe $version (static, CGO_ENABLED=0)"
+  CGO_ENABLED=0 nice -n "$nice_level" go build -trimpath \
+    -ldflags "-s -w -X main.version=$version" -o "$out.tmp" ./cmd/troupe
+  mv "$out.tmp" "$out"
+  if command -v readelf >/dev/null && readelf -l "$out" 2>/dev/null | grep -q 'Requesting program interpreter'; then
+    die "$out is dynamically linked"
+  fi
+}
+
+# Makes a context dir with the CA bundle and the empty directories a scratch
+# image cannot mkdir itself.
+new_context() {
+  local ctx="$1"
+  shift
+  rm -rf "$ctx"
+  mkdir -p "$ctx/rootfs"
+  if [ -r /etc/ssl/certs/ca-certificates.crt ]; then
+    cp /etc/ssl/certs/ca-certificates.crt "$ctx/ca-certificates.crt"
+  else
+    : >"$ctx/ca-certificates.crt" # no bundle on this host: only private CAs (--tls-ca) work
+  fi
+  local d
+  for d in "$@"; do mkdir -p "$ctx/rootfs/$d"; done
+  chmod 1777 "$ctx/rootfs/tmp" 2>/dev/null || true
+}
+
+docker_build() {
+  local dockerfile="$1" image="$2" ctx="$3"
+  log "docker build $image ($dockerfile)"
+  # --pull=false: never look for a newer base (there is none: FROM scratch).
+  local out
+  # The classic builder warns that it is deprecated; keep its output for errors.
+  if ! out=$(DOCKER_BUILDKIT=0 docker build --pull=false -f "$dockerfile" -t "$image" \
+    --label "org.opencontainers.image.version=$version" \
+    --label "org.opencontainers.image.source=https://github.com/troupe-serving/troupe" \
+    "$ctx" 2>&1); then
+    echo "$out" >&2
+    die "docker build $image failed"
+  fi
+  log "built $image ($(docker image inspect -f '{{.Size}}' "$image" | awk '{printf "%.0f MB", $1/1e6}'))"
+}
+
+start=$SECONDS
+build_troupe_binary
+
+if [ "$what" = all ] || [ "$what" = troupe ]; then
+  ctx="$stage/troupe"
+  new_context "$ctx" data/etcd tmp
+  place "$stage/troupe.bin" "$ctx/troupe"
+  docker_build deploy/troupe.Dockerfile "$troupe_image" "$ctx"
+fi
+
+if [ "$what" = all ] || [ "$what" = jaeger ]; then
+  NICE_BUILD="nice -n $nice_level"
+  $NICE_BUILD scripts/build-jaeger.sh
+  ctx="$stage/jaeger"
+  new_context "$ctx" tmp
+  place "$root/bin/jaeger" "$ctx/jaeger"
+  place "$stage/troupe.bin" "$ctx/troupe"
+  cp tools/jaeger/config.yaml "$ctx/config.yaml"
+  docker_build deploy/jaeger.Dockerfile "$jaeger_image" "$ctx"
+fi
+
+log "done in $((SECONDS - start))s"
