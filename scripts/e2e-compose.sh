@@ -109,6 +109,18 @@ wait_for() {
   done
 }
 
+# wait_for_quiet SECONDS CMD...: like wait_for, but returns 1 on timeout.
+wait_for_quiet() {
+  local limit="$1"
+  shift
+  local start
+  start="$(now)"
+  until "$@"; do
+    le "$(since "$start")" "$limit" || return 1
+    sleep 0.2
+  done
+}
+
 # ---- summary and cleanup -----------------------------------------------------
 
 names=(setup chat late-join crash partition head-restart tracing)
@@ -484,13 +496,22 @@ worker_host() {
     | $all[] | select(.svc == "troupe-head" and .parent == $st.id) as $cl
     | $all[] | select(.svc == "troupe-worker" and .parent == $cl.id) | .host' "$trace_json" | head -n1
 }
+missing="the trace"
 trace_complete() {
+  missing="the trace"
   curl -sf --max-time 5 -o "$trace_json" "$jaeger/api/v3/traces/$trace_id" || return 1
+  missing="troupe.request from the head's container"
   jq -e --arg h "$head_host" "$spans_jq"' | any(.svc == "troupe-head" and .host == $h and .name == "troupe.request")' "$trace_json" >/dev/null || return 1
   local s
-  for s in thinker talker vocoder; do [ -n "$(worker_host "$s")" ] || return 1; done
+  for s in thinker talker vocoder; do
+    missing="the $s worker's span"
+    [ -n "$(worker_host "$s")" ] || return 1
+  done
 }
-wait_for 30 "trace $trace_id with head and worker spans in Jaeger" trace_complete
+if ! wait_for_quiet 30 trace_complete; then
+  [ -s "$trace_json" ] && jq -c "$spans_jq"' | map([.svc, .host, .name])' "$trace_json" >&2
+  fail "trace $trace_id in Jaeger: $missing missing after 30s"
+fi
 t_trace="$(since "$t0")"
 for s in thinker talker vocoder; do
   h="$(worker_host "$s")"

@@ -30,3 +30,6 @@ scripts/check-proto.sh
 
 step "go test -race (all packages)"
 go test -race -count=1 -timeout 15m ./...
+
+step "end-to-end tracing through a real Jaeger"
+scripts/e2e-tracing.sh

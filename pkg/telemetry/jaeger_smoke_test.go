@@ -5,14 +5,10 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -22,6 +18,8 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/troupe-serving/troupe/pkg/telemetry/jaegertest"
 )
 
 // TestJaegerSmoke starts a real Jaeger v2 (TROUPE_JAEGER_BIN, built by
@@ -44,12 +42,12 @@ func TestJaegerSmoke(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 
-	j := startJaeger(ctx, t, bin, config)
+	j := jaegertest.Start(ctx, t, bin, config)
 	for _, proto := range []string{ProtocolGRPC, ProtocolHTTPProtobuf} {
 		t.Run(proto, func(t *testing.T) {
-			endpoint := "http://" + j.otlpHTTP
+			endpoint := "http://" + j.OTLPHTTP
 			if proto == ProtocolGRPC {
-				endpoint = "http://" + j.otlpGRPC
+				endpoint = "http://" + j.OTLPGRPC
 			}
 			head, err := Setup(ctx, Config{ServiceName: "troupe-head", ServiceVersion: "smoke", Endpoint: endpoint, Protocol: proto})
 			require.NoError(t, err)
@@ -61,8 +59,8 @@ func TestJaegerSmoke(t *testing.T) {
 
 			// Jaeger stores asynchronously (batch processor): poll, bounded.
 			var tr *Trace
-			waitFor(ctx, t, 30*time.Second, func() error {
-				got, err := FetchJaegerTrace(ctx, nil, j.query, traceID)
+			jaegertest.WaitFor(ctx, t, 30*time.Second, func() error {
+				got, err := FetchJaegerTrace(ctx, nil, j.Query, traceID)
 				if err != nil {
 					return err
 				}
@@ -75,7 +73,7 @@ func TestJaegerSmoke(t *testing.T) {
 			checkPipelineTrace(t, tr, traceID)
 
 			if path := os.Getenv("TROUPE_JAEGER_RECORD"); path != "" && proto == ProtocolGRPC {
-				url, err := JaegerTraceURL(j.query, traceID)
+				url, err := JaegerTraceURL(j.Query, traceID)
 				require.NoError(t, err)
 				resp, err := http.Get(url)
 				require.NoError(t, err)
@@ -88,7 +86,7 @@ func TestJaegerSmoke(t *testing.T) {
 			if troupe := os.Getenv("TROUPE_BIN"); troupe != "" {
 				var want bytes.Buffer
 				require.NoError(t, RenderWaterfall(&want, tr, WaterfallOptions{}))
-				out, err := exec.CommandContext(ctx, troupe, "trace", traceID, "--jaeger", j.query).CombinedOutput()
+				out, err := exec.CommandContext(ctx, troupe, "trace", traceID, "--jaeger", j.Query).CombinedOutput()
 				require.NoError(t, err, "troupe trace: %s", out)
 				assert.Equal(t, want.String(), string(out))
 			}
@@ -96,136 +94,16 @@ func TestJaegerSmoke(t *testing.T) {
 	}
 
 	t.Run("not found", func(t *testing.T) {
-		_, err := FetchJaegerTrace(ctx, nil, j.query, "0123456789abcdef0123456789abcdef")
+		_, err := FetchJaegerTrace(ctx, nil, j.Query, "0123456789abcdef0123456789abcdef")
 		require.ErrorIs(t, err, ErrTraceNotFound)
 		if troupe := os.Getenv("TROUPE_BIN"); troupe != "" {
-			out, err := exec.CommandContext(ctx, troupe, "trace", "--jaeger", j.query, "0123456789abcdef0123456789abcdef").CombinedOutput()
+			out, err := exec.CommandContext(ctx, troupe, "trace", "--jaeger", j.Query, "0123456789abcdef0123456789abcdef").CombinedOutput()
 			var exit *exec.ExitError
 			require.ErrorAs(t, err, &exit)
 			assert.Equal(t, 1, exit.ExitCode())
-			assert.Contains(t, string(out), "trace: trace 0123456789abcdef0123456789abcdef not found in "+j.query)
+			assert.Contains(t, string(out), "trace: trace 0123456789abcdef0123456789abcdef not found in "+j.Query)
 		}
 	})
-}
-
-type jaegerProcess struct {
-	otlpGRPC, otlpHTTP string // host:port
-	query              string // http://host:port
-}
-
-// startJaeger runs Jaeger until the test ends and waits until its query
-// API answers. Its output is shown when the test fails.
-func startJaeger(ctx context.Context, t *testing.T, bin, config string) jaegerProcess {
-	t.Helper()
-	ports := freePorts(t, 5)
-	j := jaegerProcess{
-		otlpGRPC: "127.0.0.1:" + ports[0],
-		otlpHTTP: "127.0.0.1:" + ports[1],
-		query:    "http://127.0.0.1:" + ports[2],
-	}
-	cmd := exec.Command(bin, "--config", config)
-	cmd.Env = append(os.Environ(),
-		"JAEGER_LISTEN_HOST=127.0.0.1",
-		"JAEGER_OTLP_GRPC_PORT="+ports[0],
-		"JAEGER_OTLP_HTTP_PORT="+ports[1],
-		"JAEGER_QUERY_HTTP_PORT="+ports[2],
-		"JAEGER_QUERY_GRPC_PORT="+ports[3],
-		"JAEGER_HEALTH_PORT="+ports[4],
-		"JAEGER_LOG_LEVEL=warn",
-	)
-	var out syncBuffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	cmd.WaitDelay = 5 * time.Second
-	require.NoError(t, cmd.Start())
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-exited:
-		case <-time.After(15 * time.Second):
-			_ = cmd.Process.Kill()
-			<-exited
-		}
-		if t.Failed() {
-			t.Logf("jaeger output:\n%s", out.String())
-		}
-	})
-
-	waitFor(ctx, t, 60*time.Second, func() error {
-		select {
-		case err := <-exited:
-			exited <- err
-			return fmt.Errorf("jaeger exited: %v\n%s", err, out.String())
-		default:
-		}
-		resp, err := http.Get(j.query + "/api/v3/services")
-		if err != nil {
-			return err
-		}
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			return fmt.Errorf("query API answered %s", resp.Status)
-		}
-		return nil
-	})
-	return j
-}
-
-// freePorts reserves n loopback ports by binding them, then frees them for
-// the child process (a small race, acceptable in a smoke test).
-func freePorts(t *testing.T, n int) []string {
-	t.Helper()
-	var ports []string
-	var lis []net.Listener
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		require.NoError(t, err)
-		lis = append(lis, l)
-		ports = append(ports, strconv.Itoa(l.Addr().(*net.TCPAddr).Port))
-	}
-	for _, l := range lis {
-		require.NoError(t, l.Close())
-	}
-	return ports
-}
-
-// waitFor polls cond every 100ms until it returns nil, failing the test
-// with cond's last error once within has passed or ctx ends.
-func waitFor(ctx context.Context, t *testing.T, within time.Duration, cond func() error) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, within)
-	defer cancel()
-	tick := time.NewTicker(100 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		err := cond()
-		if err == nil {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("gave up after %v: %v", within, err)
-		case <-tick.C:
-		}
-	}
-}
-
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
 
 // pipelineSpans is how many spans emitPipeline creates.
