@@ -110,6 +110,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		grpc.WithStatsHandler(otelgrpc.NewClientHandler(
 			otelgrpc.WithTracerProvider(tp.TracerProvider()),
 			otelgrpc.WithPropagators(tp.Propagator()),
+			otelgrpc.WithFilter(telemetry.TraceRPC),
 		)),
 		// Pings notice a peer that vanished without closing its socket (a
 		// partition), so it leaves rotation before its lease expires.

@@ -177,6 +177,7 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 			grpc.StatsHandler(otelgrpc.NewServerHandler(
 				otelgrpc.WithTracerProvider(tp.TracerProvider()),
 				otelgrpc.WithPropagators(tp.Propagator()),
+				otelgrpc.WithFilter(telemetry.TraceRPC),
 			)),
 		},
 	})
