@@ -370,9 +370,21 @@ func (r *Registration) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 	if err != nil {
 		return
 	}
-	for range kac {
-		// Drain: the client closes kac when the lease expires, is revoked,
-		// or no answer came within the TTL.
+	// Drain: the client closes kac when the lease expires, is revoked, or
+	// no answer came within the TTL. It may miss closing kac when the
+	// client is closed while KeepAlive runs (clientv3 v3.7), hence the
+	// other two cases.
+	for {
+		select {
+		case _, ok := <-kac:
+			if !ok {
+				return
+			}
+		case <-ctx.Done():
+			return
+		case <-r.cli.Ctx().Done():
+			return
+		}
 	}
 }
 
@@ -402,6 +414,10 @@ func (r *Registration) reregister(ctx context.Context, old clientv3.LeaseID) (cl
 			r.emit(RegistrationEvent{Type: ReregisterBlocked, Holder: holder})
 		} else if ctx.Err() == nil {
 			warn("membership: re-register failed; retrying", "key", r.key, "err", err)
+		}
+		if r.cli.Ctx().Err() != nil {
+			r.lg.Error("membership: etcd client closed; registration stops", "key", r.key)
+			return clientv3.NoLease, false
 		}
 		if !wait.sleep(ctx) {
 			return clientv3.NoLease, false

@@ -508,9 +508,9 @@ trace_complete() {
     [ -n "$(worker_host "$s")" ] || return 1
   done
 }
-if ! wait_for_quiet 30 trace_complete; then
+if ! wait_for_quiet 45 trace_complete; then
   [ -s "$trace_json" ] && jq -c "$spans_jq"' | map([.svc, .host, .name])' "$trace_json" >&2
-  fail "trace $trace_id in Jaeger: $missing missing after 30s"
+  fail "trace $trace_id in Jaeger: $missing missing after 45s"
 fi
 t_trace="$(since "$t0")"
 for s in thinker talker vocoder; do

@@ -13,6 +13,7 @@
 #   TROUPE_IMAGE   troupe image name (default troupe:$TROUPE_TAG)
 #   JAEGER_IMAGE   Jaeger image name (default troupe-jaeger:$TROUPE_TAG)
 #   NICE           niceness of the Go builds (default 10: shared machines)
+#   JAEGER_BIN     where scripts/build-jaeger.sh puts Jaeger (default bin/jaeger)
 #
 # The first Jaeger build compiles its whole dependency graph (minutes, see
 # docs/tracing.md); scripts/build-jaeger.sh skips it while bin/jaeger is fresh.
@@ -24,6 +25,7 @@ tag="${TROUPE_TAG:-dev}"
 troupe_image="${TROUPE_IMAGE:-troupe:$tag}"
 jaeger_image="${JAEGER_IMAGE:-troupe-jaeger:$tag}"
 nice_level="${NICE:-10}"
+jaeger_bin="${JAEGER_BIN:-$root/bin/jaeger}"
 what="${1:-all}"
 case "$what" in
   all | troupe | jaeger) ;;
@@ -116,11 +118,10 @@ if [ "$what" = all ] || [ "$what" = troupe ]; then
 fi
 
 if [ "$what" = all ] || [ "$what" = jaeger ]; then
-  NICE_BUILD="nice -n $nice_level"
-  $NICE_BUILD scripts/build-jaeger.sh
+  JAEGER_BIN="$jaeger_bin" nice -n "$nice_level" scripts/build-jaeger.sh
   ctx="$stage/jaeger"
   new_context "$ctx" tmp
-  place "$root/bin/jaeger" "$ctx/jaeger"
+  place "$jaeger_bin" "$ctx/jaeger"
   place "$stage/troupe.bin" "$ctx/troupe"
   cp tools/jaeger/config.yaml "$ctx/config.yaml"
   docker_build deploy/jaeger.Dockerfile "$jaeger_image" "$ctx"

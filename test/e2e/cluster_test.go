@@ -5,6 +5,7 @@ package e2e
 import (
 	"fmt"
 	"net"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -16,12 +17,17 @@ import (
 )
 
 const (
-	genTokens   = "troupe_generation_tokens_total"
-	attached    = "troupe_replica_attached"
-	sleepState  = "troupe_engine_sleep_state"
-	success     = "troupe_request_success_total"
-	unregistred = "troupe_stats_unregistered_records_total"
+	genTokens    = "troupe_generation_tokens_total"
+	attached     = "troupe_replica_attached"
+	sleepState   = "troupe_engine_sleep_state"
+	success      = "troupe_request_success_total"
+	unregistered = "troupe_stats_unregistered_records_total"
 )
+
+// flowPrompt is long enough that a replica prefilling at 50 tokens/s
+// takes a while over it.
+const flowPrompt = "keep the requests flowing while another replica joins the stage, " +
+	"and make sure every one of them is answered in full by whichever replica serves it"
 
 func seeded(req chatRequest, seed int64) chatRequest {
 	req.Seed = &seed
@@ -79,7 +85,7 @@ func TestSeedServingCheck(t *testing.T) {
 					return nil
 				default:
 				}
-				res, err := h.chat(ctx, seeded(userPrompt(modelName, "keep the requests flowing while another replica joins the stage", 2), int64(g*1000+i)))
+				res, err := h.chat(ctx, seeded(userPrompt(modelName, flowPrompt, 2), int64(g*1000+i)))
 				if err != nil {
 					return fmt.Errorf("flow %d request %d: %w", g, i, err)
 				}
@@ -88,13 +94,14 @@ func TestSeedServingCheck(t *testing.T) {
 			}
 		})
 	}
-	stopFlow := sync1(func() { close(stop) })
+	stopFlow := sync.OnceFunc(func() { close(stop) })
 	t.Cleanup(func() { stopFlow(); _ = flow.Wait() })
 	eventually(ctx, t, "requests flowing", func() (bool, string, error) {
 		return flowed.Load() > 0, "none finished", nil
 	})
 
-	// The new replica prefills slowly, so its first request cannot count a
+	// The new replica prefills slowly (the flow's prompt, 28 tokens, takes
+	// it over half a second), so its first request cannot count a
 	// token for a while after it is routed: a scrape that sees its series
 	// as soon as they exist sees them before any request reached them.
 	flowedBefore := flowed.Load()
@@ -190,19 +197,9 @@ func TestSeedServingCheck(t *testing.T) {
 	assert.Greater(t, after1, before1, "replica 1 served")
 	assert.Equal(t, float64(completion.Load()), after0+after1, "per-replica sums equal the usage of the responses")
 	assert.Equal(t, float64(completion.Load()), m.sum(genTokens, map[string]string{"stage": "0"}), "no other series counted tokens")
-	assert.Zero(t, mustValue(t, m, unregistred, nil), "no record for an unbound engine index")
+	assert.Zero(t, mustValue(t, m, unregistered, nil), "no record for an unbound engine index")
 	assert.Equal(t, 1.0, mustValue(t, m, attached, replicaLabels(0)))
 	assert.Equal(t, 1.0, mustValue(t, m, attached, replicaLabels(1)))
-}
-
-// sync1 returns f wrapped to run at most once.
-func sync1(f func()) func() {
-	var done atomic.Bool
-	return func() {
-		if done.CompareAndSwap(false, true) {
-			f()
-		}
-	}
 }
 
 // TestKilledWorkerFailsOver: a worker killed with SIGKILL mid-request. The
@@ -269,7 +266,7 @@ func TestKilledWorkerFailsOver(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, kept, mustValue(t, m, genTokens, replicaLabels(0)), "still kept, unchanged")
 	assert.Equal(t, 1.0, mustValue(t, m, attached, replicaLabels(1)))
-	assert.Zero(t, mustValue(t, m, unregistred, nil))
+	assert.Zero(t, mustValue(t, m, unregistered, nil))
 }
 
 // TestRejoinSameIDContinuesCounters: a replica that left comes back as a
@@ -315,7 +312,7 @@ func TestRejoinSameIDContinuesCounters(t *testing.T) {
 	m, err = h.scrape(ctx)
 	require.NoError(t, err)
 	assert.Equal(t, float64(tokens+res.Usage.CompletionTokens), mustValue(t, m, genTokens, replicaLabels(0)), "and continue")
-	assert.Zero(t, mustValue(t, m, unregistred, nil))
+	assert.Zero(t, mustValue(t, m, unregistered, nil))
 }
 
 // TestDuplicateReplicaIDExits: a second worker claiming a live replica id

@@ -22,7 +22,7 @@ import (
 	"github.com/prometheus/common/model"
 )
 
-// model is the model name of the default pipeline and of thinkerOnly.
+// modelName is the model of the default pipeline and of thinkerOnly.
 const modelName = "troupe-omni-sim"
 
 // The lines the binary prints once it is serving (cmd/troupe).
