@@ -179,7 +179,8 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 			return out, nil
 		}
 		lastErr = err
-		if produced || ctx.Err() != nil || errors.Is(err, ErrBadRequest) {
+		if produced || ctx.Err() != nil || errors.Is(err, ErrBadRequest) ||
+			errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
 			return nil, err
 		}
 		failed = append(failed, rep)
@@ -288,9 +289,17 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.
 
 // stageError classifies a gRPC failure and sets the finish reason.
 func (h *Head) stageError(ctx context.Context, stage string, rep *router.Replica, err error, fin *stats.Finished) error {
-	if ctx.Err() != nil {
+	// gRPC enforces the request's deadline with its own timer (and the
+	// worker sees it too), so DeadlineExceeded can arrive a moment before
+	// ctx reports it: both mean the client's time ran out, not a failure.
+	_, hasDeadline := ctx.Deadline()
+	if ctx.Err() != nil || (hasDeadline && status.Code(err) == grpccodes.DeadlineExceeded) {
 		fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
-		return fmt.Errorf("orchestrator: stage %q: %w", stage, context.Cause(ctx))
+		cause := context.Cause(ctx)
+		if cause == nil {
+			cause = context.DeadlineExceeded
+		}
+		return fmt.Errorf("orchestrator: stage %q: %w", stage, cause)
 	}
 	fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
 	if status.Code(err) == grpccodes.InvalidArgument {

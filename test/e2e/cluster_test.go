@@ -234,9 +234,19 @@ func TestKilledWorkerFailsOver(t *testing.T) {
 			return nil
 		})
 	}
-	eventually(ctx, t, "requests in flight on replica 0", func() (bool, string, error) {
+	// Kill it mid-generation: requests in flight that already made tokens
+	// there (counted on its series), none of which reached a client.
+	eventually(ctx, t, "requests generating on replica 0", func() (bool, string, error) {
 		r, _, err := h.replica(ctx, "thinker", 0)
-		return r.InFlight > 0, "none", err
+		if err != nil || r.InFlight == 0 {
+			return false, "none in flight", err
+		}
+		m, err := h.scrape(ctx)
+		if err != nil {
+			return false, "", err
+		}
+		v, _, err := m.value(genTokens, replicaLabels(0))
+		return v > 0, "no token yet", err
 	})
 	victim.kill(t)
 	killed := time.Now()
