@@ -70,6 +70,13 @@ func runWorker(ctx context.Context, args []string, stdout io.Writer) error {
 		return errUsage
 	}
 	log := wf.log.logger()
+	// Refuse bad flags before waiting on etcd.
+	if _, _, err := parseReplicaID(wf.replicaID); err != nil {
+		return err
+	}
+	if _, err := wf.simConfig(log); err != nil {
+		return err
+	}
 	cli, err := membership.Dial(ctx, ef.config())
 	if err != nil {
 		return err

@@ -1,0 +1,43 @@
+package main
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// TestFlagPrecedence: a flag beats TROUPE_<FLAG>, which beats the default.
+func TestFlagPrecedence(t *testing.T) {
+	t.Setenv("TROUPE_HTTP", "127.0.0.1:9000")
+	t.Setenv("TROUPE_MAX_BODY_BYTES", "1MiB")
+	t.Setenv("TROUPE_LOG_STATS", "false")
+
+	fs := newFlagSet("head")
+	hf := addHeadFlags(fs)
+	require.NoError(t, parseFlags(fs, []string{"--http", "127.0.0.1:7000"}))
+	assert.Equal(t, "127.0.0.1:7000", hf.http, "flag wins over env")
+	assert.Equal(t, byteSize(1<<20), hf.maxBody, "env wins over default")
+	assert.False(t, hf.logStats)
+	assert.Equal(t, "round_robin", hf.policy, "default when neither is set")
+}
+
+func TestFlagEnvErrorsAreClear(t *testing.T) {
+	t.Setenv("TROUPE_RECONCILE_INTERVAL", "soon")
+	fs := newFlagSet("head")
+	addHeadFlags(fs)
+	err := parseFlags(fs, nil)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), `invalid TROUPE_RECONCILE_INTERVAL="soon"`)
+}
+
+func TestEnvName(t *testing.T) {
+	assert.Equal(t, "TROUPE_ETCD_ENDPOINTS", envName("etcd-endpoints"))
+	assert.Equal(t, "TROUPE_API_KEY", envName("api-key"))
+}
+
+func TestUnknownCommand(t *testing.T) {
+	assert.Equal(t, 2, run([]string{"frobnicate"}))
+	assert.Equal(t, 2, run(nil))
+	assert.Equal(t, 0, run([]string{"version"}))
+}
