@@ -60,29 +60,6 @@ func BenchmarkTracing(b *testing.B) {
 	}
 }
 
-// BenchmarkExecute is head throughput and latency for 1-stage (text) and
-// 3-stage (audio) requests, sim at zero delay and at a realistic delay.
-func BenchmarkExecute(b *testing.B) {
-	for _, stages := range []int{1, 3} {
-		for _, delay := range []time.Duration{0, 2 * time.Millisecond} {
-			for _, conc := range []int{1, 8, 32} {
-				b.Run(fmt.Sprintf("stages=%d/decode=%s/conc=%d", stages, delay, conc), func(b *testing.B) {
-					opts := orchestratortest.Options{}
-					if stages == 1 {
-						opts.Pipeline = thinkerOnly
-					}
-					opts.Sim.DecodeTokenLatency = delay
-					if delay > 0 {
-						opts.Sim.PrefillTokensPerSec = 20000
-					}
-					c := orchestratortest.Start(b, opts)
-					runLoad(b, c, conc, stages)
-				})
-			}
-		}
-	}
-}
-
 // runLoad sends b.N requests from conc clients and reports req/s and
 // latency percentiles.
 func runLoad(b *testing.B, c *orchestratortest.Cluster, conc, stages int) {
