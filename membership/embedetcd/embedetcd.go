@@ -68,8 +68,8 @@ type Server struct {
 	clientURLs  []string
 	closeOnce   sync.Once
 	closing     atomic.Bool
-	streamsCtx  context.Context    // ends every client stream when cancelled
-	stopStreams context.CancelFunc // called by Close
+	stopping    chan struct{} // closed by Close: ends every client stream
+	stopStreams func()
 }
 
 // Start starts the server and waits until it serves clients, ctx ends, or
@@ -128,7 +128,9 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 	}))
 	ec.ZapLoggerBuilder = embed.NewZapLoggerBuilder(lg)
 
-	s.streamsCtx, s.stopStreams = context.WithCancel(context.Background())
+	s.stopping = make(chan struct{})
+	var stopOnce sync.Once
+	s.stopStreams = func() { stopOnce.Do(func() { close(s.stopping) }) }
 	// Cancel every client stream when Close begins (see the package doc).
 	ec.GRPCAdditionalServerOptions = append(ec.GRPCAdditionalServerOptions,
 		grpc.ChainStreamInterceptor(s.cancelStreamsOnClose))
@@ -180,10 +182,17 @@ func (s *Server) Close() {
 func (s *Server) cancelStreamsOnClose(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 	ctx, cancel := context.WithCancel(ss.Context())
 	defer cancel()
-	stop := context.AfterFunc(s.streamsCtx, cancel)
-	defer stop()
+	handled := make(chan struct{})
+	defer close(handled)
+	go func() {
+		select {
+		case <-s.stopping:
+			cancel()
+		case <-handled:
+		}
+	}()
 	err := handler(srv, &streamWithContext{ServerStream: ss, ctx: ctx})
-	if s.streamsCtx.Err() != nil && ss.Context().Err() == nil {
+	if isClosed(s.stopping) && ss.Context().Err() == nil {
 		// As if the process had gone: clients retry Unavailable (on another
 		// endpoint, or here after a restart); Canceled would end their watch.
 		return status.Error(codes.Unavailable, "embedetcd: server stopping")
@@ -191,6 +200,16 @@ func (s *Server) cancelStreamsOnClose(srv any, ss grpc.ServerStream, _ *grpc.Str
 	return err
 }
 
+func isClosed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
+}
+
+// streamWithContext swaps a stream's context, as grpc-go's wrapped streams do.
 type streamWithContext struct {
 	grpc.ServerStream
 	ctx context.Context
