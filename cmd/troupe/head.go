@@ -55,6 +55,14 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	return f
 }
 
+// loadPipeline reads --pipeline, or returns the default pipeline.
+func (f *headFlags) loadPipeline() (orchestrator.Pipeline, error) {
+	if f.pipeline == "" {
+		return orchestrator.DefaultPipeline(), nil
+	}
+	return orchestrator.LoadPipeline(f.pipeline)
+}
+
 func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet("head")
 	ef := addEtcdFlags(fs)
@@ -63,6 +71,9 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 		return err
 	}
 	log := hf.log.logger()
+	if _, err := hf.loadPipeline(); err != nil { // refuse a bad file before waiting on etcd
+		return err
+	}
 	cli, err := membership.Dial(ctx, ef.config())
 	if err != nil {
 		return err
@@ -74,30 +85,15 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 // serveHead runs a head until ctx ends. ready, when not nil, receives the
 // bound HTTP address once the listener is open.
 func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *slog.Logger, stdout io.Writer, ready chan<- string) error {
-	pipeline := orchestrator.DefaultPipeline()
-	if hf.pipeline != "" {
-		p, err := orchestrator.LoadPipeline(hf.pipeline)
-		if err != nil {
-			return err
-		}
-		pipeline = p
-	}
-	tp, err := telemetry.Setup(ctx, telemetry.Config{
-		ServiceName:    "troupe-head",
-		ServiceVersion: version,
-		Endpoint:       hf.otel.endpoint,
-		Protocol:       hf.otel.protocol,
-	})
+	pipeline, err := hf.loadPipeline()
 	if err != nil {
 		return err
 	}
-	defer func() {
-		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if err := tp.Shutdown(sctx); err != nil {
-			log.Warn("troupe head: flushing traces", "err", err)
-		}
-	}()
+	tp, shutdown, err := hf.otel.setup(ctx, telemetry.Config{ServiceName: "troupe-head"}, log)
+	if err != nil {
+		return err
+	}
+	defer shutdown()
 	creds, err := hf.tls.clientCredentials()
 	if err != nil {
 		return err

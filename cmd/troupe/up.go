@@ -35,13 +35,9 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 		return fmt.Errorf("--replicas must be in 1..64, got %d", *replicas)
 	}
 	log := hf.log.logger()
-	pipeline := orchestrator.DefaultPipeline()
-	if hf.pipeline != "" {
-		p, err := orchestrator.LoadPipeline(hf.pipeline)
-		if err != nil {
-			return err
-		}
-		pipeline = p
+	pipeline, err := hf.loadPipeline()
+	if err != nil {
+		return err
 	}
 
 	dir := *dataDir

@@ -1,11 +1,13 @@
 package main
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"log/slog"
 	"os"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
@@ -59,6 +61,24 @@ func addOtelFlags(fs *flag.FlagSet) *otelFlags {
 	fs.StringVar(&f.endpoint, "otlp-endpoint", "", "OTLP endpoint for traces (default: OTEL_EXPORTER_OTLP_ENDPOINT; none: nothing exported)")
 	fs.StringVar(&f.protocol, "otlp-protocol", "", "OTLP protocol: grpc or http/protobuf (default: OTEL_EXPORTER_OTLP_PROTOCOL, then http/protobuf)")
 	return f
+}
+
+// setup starts tracing for cfg.ServiceName with the flags' overrides. The
+// returned function flushes and stops it, bounded.
+func (f *otelFlags) setup(ctx context.Context, cfg telemetry.Config, log *slog.Logger) (*telemetry.Provider, func(), error) {
+	cfg.ServiceVersion = version
+	cfg.Endpoint, cfg.Protocol = f.endpoint, f.protocol
+	tp, err := telemetry.Setup(ctx, cfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	return tp, func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := tp.Shutdown(sctx); err != nil {
+			log.Warn("troupe: flushing traces", "service", cfg.ServiceName, "err", err)
+		}
+	}, nil
 }
 
 // logFlags choose the log level and format.

@@ -145,23 +145,14 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 	if err != nil {
 		return err
 	}
-	tp, err := telemetry.Setup(ctx, telemetry.Config{
+	tp, shutdown, err := wf.otel.setup(ctx, telemetry.Config{
 		ServiceName:     "troupe-worker",
-		ServiceVersion:  version,
-		Endpoint:        wf.otel.endpoint,
-		Protocol:        wf.otel.protocol,
 		ParentBasedOnly: true, // record exactly the requests the head sampled
-	})
+	}, log)
 	if err != nil {
 		return err
 	}
-	defer func() {
-		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if err := tp.Shutdown(sctx); err != nil {
-			log.Warn("troupe worker: flushing traces", "err", err)
-		}
-	}()
+	defer shutdown()
 
 	eng := sim.New(simCfg)
 	defer eng.Close()
