@@ -94,6 +94,8 @@ new_context() {
 docker_build() {
   local dockerfile="$1" image="$2" ctx="$3"
   log "docker build $image ($dockerfile)"
+  local old_id
+  old_id="$(docker image inspect -f '{{.Id}}' "$image" 2>/dev/null || true)"
   # --pull=false: never look for a newer base (there is none: FROM scratch).
   local out
   # The classic builder warns that it is deprecated; keep its output for errors.
@@ -105,6 +107,13 @@ docker_build() {
     die "docker build $image failed"
   fi
   log "built $image ($(docker image inspect -f '{{.Size}}' "$image" | awk '{printf "%.0f MB", $1/1e6}'))"
+  # The image this tag named before is now dangling: remove it (and its
+  # build layers), unless a container still uses it.
+  local now_id
+  now_id="$(docker image inspect -f '{{.Id}}' "$image")"
+  if [ -n "$old_id" ] && [ "$old_id" != "$now_id" ]; then
+    docker rmi "$old_id" >/dev/null 2>&1 || true
+  fi
 }
 
 start=$SECONDS
