@@ -33,3 +33,9 @@ go test -race -count=1 -timeout 15m ./...
 
 step "end-to-end tracing through a real Jaeger"
 scripts/e2e-tracing.sh
+
+step "end-to-end across containers (docker-compose)"
+scripts/e2e-compose.sh
+
+echo
+echo "scripts/test.sh: all checks passed"
