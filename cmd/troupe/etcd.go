@@ -20,6 +20,9 @@ func runEtcd(ctx context.Context, args []string, stdout io.Writer) error {
 	advertiseClient := fs.String("advertise-client-urls", "", "client URLs to advertise (default: the listen client URLs)")
 	advertisePeer := fs.String("initial-advertise-peer-urls", "", "peer URLs to advertise (default: the listen peer URLs)")
 	logLevel := fs.String("log-level", "warn", "etcd log level: debug, info, warn, error")
+	certFile := fs.String("cert-file", "", "server certificate for clients (PEM); listen client URLs must be https://")
+	keyFile := fs.String("key-file", "", "server key for clients (PEM)")
+	trustedCA := fs.String("trusted-ca-file", "", "CA bundle (PEM) client certificates must chain to: mutual TLS")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -44,6 +47,9 @@ func runEtcd(ctx context.Context, args []string, stdout io.Writer) error {
 		ListenPeerURLs:      splitList(*listenPeer),
 		AdvertiseClientURLs: splitList(*advertiseClient),
 		AdvertisePeerURLs:   splitList(*advertisePeer),
+		ClientCertFile:      *certFile,
+		ClientKeyFile:       *keyFile,
+		ClientCAFile:        *trustedCA,
 		Logger:              lg,
 	})
 	if err != nil {

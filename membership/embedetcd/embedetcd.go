@@ -21,6 +21,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"go.etcd.io/etcd/client/pkg/v3/transport"
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -57,6 +58,11 @@ type Config struct {
 	// UnsafeNoFsync turns fsync off. Faster, loses data on power loss:
 	// only for throwaway test servers.
 	UnsafeNoFsync bool
+	// ClientCertFile and ClientKeyFile serve clients over TLS (listen URLs
+	// must then be https://). With ClientCAFile as well, clients must show
+	// a certificate that chains to it (mutual TLS), as etcd's
+	// --client-cert-auth --trusted-ca-file.
+	ClientCertFile, ClientKeyFile, ClientCAFile string
 	// Logger receives etcd's logs; nil logs warnings and errors to stderr.
 	Logger *zap.Logger
 }
@@ -117,6 +123,9 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 		ec.SnapshotCount = cfg.SnapshotCount
 	}
 	ec.UnsafeNoFsync = cfg.UnsafeNoFsync
+	if err := clientTLS(ec, cfg); err != nil {
+		return nil, err
+	}
 	lg := cfg.Logger
 	if lg == nil {
 		lg = stderrLogger(zapcore.WarnLevel)
@@ -216,6 +225,37 @@ type streamWithContext struct {
 }
 
 func (s *streamWithContext) Context() context.Context { return s.ctx }
+
+// clientTLS configures TLS for clients and checks that it agrees with the
+// listen URLs' schemes, so a half-configured server fails at start.
+func clientTLS(ec *embed.Config, cfg Config) error {
+	https := false
+	for _, u := range ec.ListenClientUrls {
+		if u.Scheme == "https" {
+			https = true
+		}
+	}
+	tlsSet := cfg.ClientCertFile != "" || cfg.ClientKeyFile != ""
+	switch {
+	case cfg.ClientCAFile != "" && !tlsSet:
+		return errors.New("embedetcd: a client CA needs a server certificate and key")
+	case tlsSet && (cfg.ClientCertFile == "" || cfg.ClientKeyFile == ""):
+		return errors.New("embedetcd: client TLS needs both a certificate and a key")
+	case tlsSet && !https:
+		return errors.New("embedetcd: client TLS needs https:// listen client URLs")
+	case https && !tlsSet:
+		return errors.New("embedetcd: https:// listen client URLs need a certificate and key")
+	case !tlsSet:
+		return nil
+	}
+	ec.ClientTLSInfo = transport.TLSInfo{
+		CertFile:       cfg.ClientCertFile,
+		KeyFile:        cfg.ClientKeyFile,
+		TrustedCAFile:  cfg.ClientCAFile,
+		ClientCertAuth: cfg.ClientCAFile != "",
+	}
+	return nil
+}
 
 func parseURLs(what string, in []string, def string) ([]url.URL, error) {
 	if len(in) == 0 && def != "" {
