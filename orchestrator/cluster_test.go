@@ -383,3 +383,31 @@ func TestRejoinContinuesCounters(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, before+5, genTokens(t, c, 0), "and continue")
 }
+
+// TestSpecDecodePositionsThroughTheHead: a replica with K draft positions
+// is bound with one per-position child each, at 0, before it serves, and
+// its per-request deltas add up on the head.
+func TestSpecDecodePositionsThroughTheHead(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, Sim: sim.Config{NumSpeculativeTokens: 3}})
+	for pos := range 3 {
+		v, ok := value(t, c.Metrics, "troupe_spec_decode_num_accepted_tokens_per_pos_total", map[string]string{"replica": "0", "position": fmt.Sprint(pos)})
+		assert.True(t, ok, "position %d bound at join", pos)
+		assert.Zero(t, v)
+	}
+	_, ok := value(t, c.Metrics, "troupe_spec_decode_num_accepted_tokens_per_pos_total", map[string]string{"replica": "0", "position": "3"})
+	assert.False(t, ok, "no position beyond K-1")
+
+	_, err := c.Head.Execute(ctxT(t), orchestrator.Request{ID: "sd", Prompt: "speculate a little", Sampling: &stagepb.SamplingParams{MaxTokens: 40, IgnoreEos: true}}, nil)
+	require.NoError(t, err)
+	drafts, _ := value(t, c.Metrics, "troupe_spec_decode_num_draft_tokens_total", map[string]string{"replica": "0"})
+	accepted, _ := value(t, c.Metrics, "troupe_spec_decode_num_accepted_tokens_total", map[string]string{"replica": "0"})
+	var perPos float64
+	for pos := range 3 {
+		v, _ := value(t, c.Metrics, "troupe_spec_decode_num_accepted_tokens_per_pos_total", map[string]string{"replica": "0", "position": fmt.Sprint(pos)})
+		perPos += v
+	}
+	assert.Positive(t, drafts)
+	assert.Positive(t, accepted)
+	assert.LessOrEqual(t, accepted, drafts)
+	assert.Equal(t, accepted, perPos, "accepted tokens split by position")
+}
