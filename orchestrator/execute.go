@@ -82,7 +82,7 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	snap := h.router.Snapshot()
 	for i := range n {
 		if _, err := snap.Pick(noPolicy{}, i, nil); err != nil {
-			err = fmt.Errorf("stage %q: %w", h.cfg.Pipeline.Stages[i].Name, err)
+			err = fmt.Errorf("orchestrator: stage %q: %w", h.cfg.Pipeline.Stages[i].Name, err)
 			span.SetStatus(codes.Error, err.Error())
 			return nil, err
 		}
@@ -172,7 +172,7 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 			if lastErr != nil {
 				return nil, lastErr
 			}
-			return nil, fmt.Errorf("stage %q: %w", h.cfg.Pipeline.Stages[stage].Name, err)
+			return nil, fmt.Errorf("orchestrator: stage %q: %w", h.cfg.Pipeline.Stages[stage].Name, err)
 		}
 		out, produced, err := h.attempt(ctx, req, stage, rep, attempt, in, emit)
 		if err == nil {

@@ -143,7 +143,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	}
 	lis, err := net.Listen("tcp", hf.http)
 	if err != nil {
-		return fmt.Errorf("troupe head: listen %s: %w", hf.http, err)
+		return fmt.Errorf("listen %s: %w", hf.http, err)
 	}
 	servers := []*http.Server{httpapi.NewHTTPServer(hf.http, handler)}
 	listeners := []net.Listener{lis}
@@ -151,7 +151,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		alis, err := net.Listen("tcp", hf.adminHTTP)
 		if err != nil {
 			lis.Close()
-			return fmt.Errorf("troupe head: listen %s: %w", hf.adminHTTP, err)
+			return fmt.Errorf("listen %s: %w", hf.adminHTTP, err)
 		}
 		servers = append(servers, httpapi.NewHTTPServer(hf.adminHTTP, api.AdminHandler()))
 		listeners = append(listeners, alis)
@@ -167,7 +167,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	for i, srv := range servers {
 		g.Go(func() error {
 			if err := srv.Serve(listeners[i]); !errors.Is(err, http.ErrServerClosed) {
-				return fmt.Errorf("troupe head: http: %w", err)
+				return fmt.Errorf("http: %w", err)
 			}
 			return nil
 		})
