@@ -26,6 +26,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
@@ -37,6 +38,8 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/keepalive"
 )
 
 // Protocols of the OTLP exporter, as OTEL_EXPORTER_OTLP_PROTOCOL spells them.
@@ -266,7 +269,14 @@ func newExporter(ctx context.Context, flagEndpoint, protocol string) (*otlptrace
 	)
 	switch protocol {
 	case ProtocolGRPC:
-		var opts []otlptracegrpc.Option
+		// Keepalive while an export is in flight: after a partition that
+		// changes the collector's address (or ours), a call on the dead
+		// connection would otherwise hang until TCP gives up (minutes),
+		// losing every batch meanwhile. Without PermitWithoutStream an idle
+		// connection sends no pings, so collectors' ping policy is not hit.
+		opts := []otlptracegrpc.Option{otlptracegrpc.WithDialOption(
+			grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second}),
+		)}
 		if u != "" {
 			opts = append(opts, otlptracegrpc.WithEndpointURL(u))
 		}
