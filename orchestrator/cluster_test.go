@@ -411,3 +411,37 @@ func TestSpecDecodePositionsThroughTheHead(t *testing.T) {
 	assert.LessOrEqual(t, accepted, drafts)
 	assert.Equal(t, accepted, perPos, "accepted tokens split by position")
 }
+
+// TestEtcdOutageKeepsServing: with etcd down the head keeps its last known
+// membership and serves from it; when etcd returns, the replicas are still
+// attached under the same engine indexes, and nothing was detached.
+func TestEtcdOutageKeepsServing(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: 2})
+	ctx := ctxT(t)
+	before := map[uint32]int{}
+	for _, r := range c.Head.Replicas() {
+		before[r.Replica] = r.EngineIndex
+	}
+	require.Len(t, before, 2)
+
+	c.Etcd.Stop()
+	for i := range 20 {
+		_, err := c.Head.Execute(ctx, orchestrator.Request{ID: fmt.Sprint("o", i), Prompt: "etcd is down", Sampling: sampling(4, 1)}, nil)
+		require.NoError(t, err, "serving does not depend on etcd being up")
+	}
+	for _, r := range c.Head.Replicas() {
+		assert.Equal(t, "attached", r.State, "no mass leave while etcd is unreachable")
+	}
+
+	c.Etcd.Restart(t)
+	for i := range 20 {
+		_, err := c.Head.Execute(ctx, orchestrator.Request{ID: fmt.Sprint("r", i), Prompt: "etcd is back", Sampling: sampling(4, 1)}, nil)
+		require.NoError(t, err)
+	}
+	for id, idx := range before {
+		st := c.WaitState(t, "thinker", id, "attached")
+		assert.Equal(t, idx, st.EngineIndex)
+	}
+	leaves, _ := value(t, c.Metrics, "troupe_membership_events_total", map[string]string{"type": "leave"})
+	assert.Zero(t, leaves, "nothing left")
+}
