@@ -445,3 +445,26 @@ func TestEtcdOutageKeepsServing(t *testing.T) {
 	leaves, _ := value(t, c.Metrics, "troupe_membership_events_total", map[string]string{"type": "leave"})
 	assert.Zero(t, leaves, "nothing left")
 }
+
+// TestMalformedRecordsAreCountedNotFatal: garbage under the members prefix
+// is skipped and counted by the head, which keeps serving.
+func TestMalformedRecordsAreCountedNotFatal(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly})
+	ctx := ctxT(t)
+	for key, val := range map[string]string{
+		"/troupe/default/members/thinker/7":   "{not json",
+		"/troupe/default/members/thinker/8":   `{"stage":"thinker","replica_id":9,"addr":"127.0.0.1:1"}`, // key/value mismatch
+		"/troupe/default/members/painter/0":   `{"stage":"painter","replica_id":0,"addr":"127.0.0.1:1"}`, // unknown stage
+		"/troupe/default/members/thinker/abc": `{}`,
+	} {
+		_, err := c.Client.Put(ctx, key, val)
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool {
+		v, _ := value(t, c.Metrics, "troupe_membership_invalid_records_total", nil)
+		return v == 4
+	}, 30*time.Second, 5*time.Millisecond, "each bad record counted once")
+	assert.Len(t, c.Head.Replicas(), 1, "no replica made of garbage")
+	_, err := c.Head.Execute(ctx, orchestrator.Request{ID: "ok", Prompt: "still fine"}, nil)
+	require.NoError(t, err)
+}
