@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 
 // audioTTL is the expires_at horizon announced with message.audio. troupe
@@ -36,6 +37,7 @@ func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		s.reject(w, r, e)
 		return
 	}
+	j.operation = telemetry.GenAIOperationChat
 	id := requestIDFrom(r.Context())
 	s.execute(w, r, j, &chatResponder{id: "chatcmpl-" + id, created: time.Now().Unix(), model: j.model, includeUsage: j.includeUsage})
 }
@@ -52,6 +54,7 @@ func (s *Server) completions(w http.ResponseWriter, r *http.Request) {
 		s.reject(w, r, e)
 		return
 	}
+	j.operation = telemetry.GenAIOperationTextCompletion
 	id := requestIDFrom(r.Context())
 	s.execute(w, r, j, &completionResponder{id: "cmpl-" + id, created: time.Now().Unix(), model: j.model, includeUsage: j.includeUsage})
 }
@@ -82,7 +85,7 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
 	defer cancel()
 	id := requestIDFrom(r.Context())
-	req := orchestrator.Request{ID: id, Prompt: j.prompt, Sampling: j.sampling, Stages: 1}
+	req := orchestrator.Request{ID: id, Prompt: j.prompt, Sampling: j.sampling, Stages: 1, Operation: j.operation}
 	if j.audio {
 		req.Stages = len(s.b.Pipeline().Stages)
 	}

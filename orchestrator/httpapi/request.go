@@ -78,7 +78,8 @@ type job struct {
 	sampling     *stagepb.SamplingParams
 	stream       bool
 	includeUsage bool
-	audio        bool // run every stage and return message.audio (chat only)
+	audio        bool   // run every stage and return message.audio (chat only)
+	operation    string // gen_ai.operation.name: chat or text_completion
 }
 
 // decodeBody unmarshals a JSON object into v and turns decoding failures

@@ -193,6 +193,7 @@ func TestTracing(t *testing.T) {
 	}
 	require.NotNil(t, request, "the head's request span is in the same trace")
 	assert.Equal(t, sid, request.Parent().SpanID(), "troupe.request is the server span's child")
+	assert.Contains(t, request.Attributes(), attribute.String("gen_ai.operation.name", "text_completion"))
 
 	// Routes name their span by pattern; unmatched requests by method.
 	for _, tc := range []struct{ method, path, name string }{
