@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sync/errgroup"
@@ -26,41 +25,8 @@ func sampling(maxTokens uint32, seed int64) *stagepb.SamplingParams {
 	return &stagepb.SamplingParams{MaxTokens: maxTokens, Seed: &seed}
 }
 
-// value reads one child without creating it; ok is false when absent.
-func value(t *testing.T, g prometheus.Gatherer, family string, labels map[string]string) (float64, bool) {
-	t.Helper()
-	mfs, err := g.Gather()
-	require.NoError(t, err)
-	for _, mf := range mfs {
-		if mf.GetName() != family {
-			continue
-		}
-	metrics:
-		for _, m := range mf.GetMetric() {
-			n := 0
-			for _, lp := range m.GetLabel() {
-				if v, ok := labels[lp.GetName()]; ok {
-					if v != lp.GetValue() {
-						continue metrics
-					}
-					n++
-				}
-			}
-			if n != len(labels) {
-				continue
-			}
-			switch {
-			case m.Counter != nil:
-				return m.GetCounter().GetValue(), true
-			case m.Gauge != nil:
-				return m.GetGauge().GetValue(), true
-			case m.Histogram != nil:
-				return float64(m.GetHistogram().GetSampleCount()), true
-			}
-		}
-	}
-	return 0, false
-}
+// value reads one child without creating it (see export_test.go).
+var value = orchestrator.GatheredValue
 
 func genTokens(t *testing.T, c *orchestratortest.Cluster, replica uint32) float64 {
 	v, _ := value(t, c.Metrics, "troupe_generation_tokens_total", map[string]string{"stage": "0", "replica": fmt.Sprint(replica)})

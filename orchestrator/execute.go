@@ -81,7 +81,7 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	// Fail fast: every needed stage must have a replica before any work.
 	snap := h.router.Snapshot()
 	for i := range n {
-		if _, err := snap.Pick(noPolicy{}, i, nil); err != nil {
+		if err := snap.Routable(i); err != nil {
 			err = fmt.Errorf("orchestrator: stage %q: %w", h.cfg.Pipeline.Stages[i].Name, err)
 			span.SetStatus(codes.Error, err.Error())
 			return nil, err
@@ -134,16 +134,6 @@ func requestAttributes(req Request, model string) []attribute.KeyValue {
 		temp = &t
 	}
 	return telemetry.GenAIRequestAttributes(req.Operation, model, int(req.Sampling.GetMaxTokens()), temp)
-}
-
-// noPolicy picks the first candidate; used only to test routability.
-type noPolicy struct{}
-
-func (noPolicy) Pick(_ int, c []*router.Replica) *router.Replica {
-	if len(c) == 0 {
-		return nil
-	}
-	return c[0]
 }
 
 // stageOutput accumulates one stage attempt's output.

@@ -436,14 +436,7 @@ func (h *Head) Replicas() []ReplicaStatus {
 func (h *Head) Ready() (bool, string) {
 	snap := h.router.Snapshot()
 	for i, st := range h.cfg.Pipeline.Stages {
-		ok := false
-		for _, r := range snap.Stage(i) {
-			if r.Routable() {
-				ok = true
-				break
-			}
-		}
-		if !ok {
+		if snap.Routable(i) != nil {
 			return false, fmt.Sprintf("stage %d (%s) has no routable replica", i, st.Name)
 		}
 	}

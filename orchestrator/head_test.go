@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -100,43 +99,8 @@ func register(t *testing.T, cli *clientv3.Client, stage string, id uint32, addr 
 	return r
 }
 
-// series returns the value of a gauge child, and whether the child exists,
-// without creating it (as WithLabelValues would).
-func series(t *testing.T, g prometheus.Gatherer, family string, labels map[string]string) (float64, bool) {
-	t.Helper()
-	mfs, err := g.Gather()
-	require.NoError(t, err)
-	for _, mf := range mfs {
-		if mf.GetName() != family {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if matches(m, labels) {
-				switch {
-				case m.Gauge != nil:
-					return m.GetGauge().GetValue(), true
-				case m.Counter != nil:
-					return m.GetCounter().GetValue(), true
-				}
-				return 0, true
-			}
-		}
-	}
-	return 0, false
-}
-
-func matches(m *dto.Metric, labels map[string]string) bool {
-	n := 0
-	for _, lp := range m.GetLabel() {
-		if v, ok := labels[lp.GetName()]; ok {
-			if v != lp.GetValue() {
-				return false
-			}
-			n++
-		}
-	}
-	return n == len(labels)
-}
+// series reads one child without creating it (see export_test.go).
+var series = GatheredValue
 
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()

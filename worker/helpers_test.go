@@ -7,11 +7,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/worker"
@@ -173,4 +176,19 @@ func joinText(chunks []*stagepb.GenerateChunk) string {
 		s += c.GetText()
 	}
 	return s
+}
+
+// requireDraining checks that a draining server refuses new work with
+// Unavailable while Run has not returned (a request is still in flight).
+func (r *running) requireDraining(t *testing.T, cli stagepb.StageServiceClient) {
+	t.Helper()
+	refused, err := cli.Generate(testCtx(t), textReq("too late", nil))
+	require.NoError(t, err)
+	_, err = recvAll(refused)
+	assert.Equal(t, codes.Unavailable, status.Code(err))
+	select {
+	case err := <-r.done:
+		t.Fatalf("Run returned with a request in flight: %v", err)
+	default:
+	}
 }

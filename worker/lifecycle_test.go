@@ -11,8 +11,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/membership/membershiptest"
@@ -134,15 +132,7 @@ func TestShutdownDeregistersThenFinishesInFlight(t *testing.T) {
 		resp, err := cli.Get(testCtx(t), key)
 		return err == nil && len(resp.Kvs) == 0
 	}, wait, 5*time.Millisecond)
-	refused, err := wc.Generate(testCtx(t), textReq("new work", nil))
-	require.NoError(t, err)
-	_, err = recvAll(refused)
-	assert.Equal(t, codes.Unavailable, status.Code(err))
-	select {
-	case err := <-r.done:
-		t.Fatalf("Run returned with a request in flight: %v", err)
-	default:
-	}
+	r.requireDraining(t, wc)
 
 	close(g.gate)
 	chunks, err := recvAll(stream)

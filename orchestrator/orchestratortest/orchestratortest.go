@@ -5,7 +5,6 @@ package orchestratortest
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -19,7 +18,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/membership/membershiptest"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/worker"
@@ -163,7 +161,7 @@ type WorkerOptions struct {
 // in etcd (not until the head routes to it: see WaitRoutable).
 func (c *Cluster) AddWorker(t testing.TB, stage string, wo WorkerOptions) *Worker {
 	t.Helper()
-	w, err := c.StartWorker(stage, wo)
+	w, err := c.startWorker(stage, wo)
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -177,9 +175,8 @@ func (c *Cluster) AddWorker(t testing.TB, stage string, wo WorkerOptions) *Worke
 	return w
 }
 
-// StartWorker starts a worker and returns at once; its Run error, if it
-// fails to register, comes from Wait.
-func (c *Cluster) StartWorker(stage string, wo WorkerOptions) (*Worker, error) {
+// startWorker starts a worker and returns at once; AddWorker waits for it.
+func (c *Cluster) startWorker(stage string, wo WorkerOptions) (*Worker, error) {
 	cfg := c.opts.Sim
 	if wo.Sim != nil {
 		cfg = *wo.Sim
@@ -226,17 +223,6 @@ func (c *Cluster) StartWorker(stage string, wo WorkerOptions) (*Worker, error) {
 	return w, nil
 }
 
-// Wait returns the worker's Run result once it has exited.
-func (w *Worker) Wait(ctx context.Context) error {
-	select {
-	case err := <-w.done:
-		w.done <- err
-		return err
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-
 // Workers returns the workers started so far, in start order.
 func (c *Cluster) Workers() []*Worker {
 	c.mu.Lock()
@@ -264,14 +250,4 @@ func (c *Cluster) WaitState(t testing.TB, stage string, replica uint32, state st
 		return false
 	}, 30*time.Second, 5*time.Millisecond, "replica %s/%d never reached state %s", stage, replica, state)
 	return got
-}
-
-// Register writes a raw member record under its own lease, for tests that
-// need a record no worker would write.
-func (c *Cluster) Register(ctx context.Context, m membership.Member) (*membership.Registration, error) {
-	r, err := membership.Register(ctx, c.Client, membership.RegisterConfig{Member: m, TTL: c.opts.LeaseTTL})
-	if err != nil {
-		return nil, errors.Join(errors.New("orchestratortest: register"), err)
-	}
-	return r, nil
 }

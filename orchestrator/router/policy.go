@@ -101,7 +101,22 @@ func (s *Snapshot) Pick(p Policy, stage int, exclude []*Replica) (*Replica, erro
 	if rep := p.Pick(stage, candidates); rep != nil {
 		return rep, nil
 	}
-	return nil, fmt.Errorf("%w for stage %d (%d attached)", ErrNoReplica, stage, len(all))
+	return nil, s.noReplica(stage)
+}
+
+// Routable returns nil when a stage has a replica that may take new work,
+// and otherwise the error Pick would return.
+func (s *Snapshot) Routable(stage int) error {
+	for _, r := range s.Stage(stage) {
+		if r.Routable() {
+			return nil
+		}
+	}
+	return s.noReplica(stage)
+}
+
+func (s *Snapshot) noReplica(stage int) error {
+	return fmt.Errorf("%w for stage %d (%d attached)", ErrNoReplica, stage, len(s.Stage(stage)))
 }
 
 func contains(list []*Replica, r *Replica) bool {

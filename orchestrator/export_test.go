@@ -1,0 +1,48 @@
+package orchestrator
+
+import (
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+)
+
+// GatheredValue reads the child of family whose labels include labels,
+// without creating it (as WithLabelValues would): ok is false when no such
+// child exists. Counters, gauges and histograms (sample count) are read.
+// Exported for the external test package too.
+func GatheredValue(t *testing.T, g prometheus.Gatherer, family string, labels map[string]string) (float64, bool) {
+	t.Helper()
+	mfs, err := g.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() != family {
+			continue
+		}
+	metrics:
+		for _, m := range mf.GetMetric() {
+			n := 0
+			for _, lp := range m.GetLabel() {
+				if v, ok := labels[lp.GetName()]; ok {
+					if v != lp.GetValue() {
+						continue metrics
+					}
+					n++
+				}
+			}
+			if n != len(labels) {
+				continue
+			}
+			switch {
+			case m.Counter != nil:
+				return m.GetCounter().GetValue(), true
+			case m.Gauge != nil:
+				return m.GetGauge().GetValue(), true
+			case m.Histogram != nil:
+				return float64(m.GetHistogram().GetSampleCount()), true
+			}
+			return 0, true
+		}
+	}
+	return 0, false
+}
