@@ -1,10 +1,20 @@
 package membership
 
-import "time"
+import (
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
 
 // SetWatchTestHooks shortens the list timeout and reports every list's
 // outcome, so tests wait on what happened instead of sleeping.
 func SetWatchTestHooks(w *Watcher, listTimeout time.Duration, onResync func(rev int64, err error)) {
 	w.listTimeout = listTimeout
 	w.onResync = onResync
+}
+
+// SetDropWatchEvent makes the watcher lose the watch events drop selects,
+// as a silent drift that only the periodic reconcile can repair.
+func SetDropWatchEvent(w *Watcher, drop func(*clientv3.Event) bool) {
+	w.dropEvent = drop
 }

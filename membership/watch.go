@@ -58,6 +58,7 @@ type Watcher struct {
 
 	listTimeout time.Duration
 	onResync    func(rev int64, err error) // test hook: after each list
+	dropEvent   func(*clientv3.Event) bool // test hook: lose a watch event silently
 
 	running atomic.Bool
 	// Owned by the goroutine in Run.
@@ -265,6 +266,9 @@ func (w *Watcher) watch(ctx context.Context, out chan<- Event, from int64) (watc
 				return watchBroken, err
 			}
 			for _, ev := range wr.Events {
+				if w.dropEvent != nil && w.dropEvent(ev) {
+					continue
+				}
 				if !w.apply(ctx, out, ev) {
 					return 0, ctx.Err()
 				}
