@@ -11,6 +11,7 @@ import (
 
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/membership/embedetcd"
+	"github.com/troupe-serving/troupe/membership/membershiptest"
 	"github.com/troupe-serving/troupe/pkg/tlsconfig/tlsconfigtest"
 )
 
@@ -81,4 +82,40 @@ func TestEmbedTLSConfigErrors(t *testing.T) {
 		require.Error(t, err, name)
 		assert.Contains(t, err.Error(), tc.want, name)
 	}
+}
+
+// TestDialWithAuth: with etcd auth on, the user and password (separately,
+// or as "user:password" as etcdctl accepts) get in; a wrong password is
+// refused with a clear error.
+func TestDialWithAuth(t *testing.T) {
+	e := membershiptest.Start(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	admin := e.Client(t)
+	_, err := admin.UserAdd(ctx, "root", "s3cret")
+	require.NoError(t, err)
+	_, err = admin.UserGrantRole(ctx, "root", "root")
+	require.NoError(t, err)
+	_, err = admin.AuthEnable(ctx)
+	require.NoError(t, err)
+
+	for name, cfg := range map[string]membership.ClientConfig{
+		"separate":      {Username: "root", Password: "s3cret"},
+		"user:password": {Username: "root:s3cret"},
+	} {
+		cfg.Endpoints = e.Endpoints()
+		cli, err := membership.Dial(ctx, cfg)
+		require.NoError(t, err, name)
+		_, err = cli.Put(ctx, "/troupe/auth-check", name)
+		assert.NoError(t, err, name)
+		require.NoError(t, cli.Close())
+	}
+
+	cli, err := membership.Dial(ctx, membership.ClientConfig{Endpoints: e.Endpoints(), Username: "root", Password: "wrong", DialTimeout: 3 * time.Second})
+	if cli != nil {
+		cli.Close()
+	}
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "membership:")
+	assert.Contains(t, err.Error(), "authentication failed")
 }
