@@ -14,8 +14,8 @@ import (
 	grpccodes "google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/troupe-serving/troupe/orchestrator/router"
-	"github.com/troupe-serving/troupe/orchestrator/stats"
+	"github.com/troupe-serving/troupe/internal/router"
+	"github.com/troupe-serving/troupe/internal/stats"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 )

@@ -21,8 +21,8 @@ import (
 
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator/registry"
-	"github.com/troupe-serving/troupe/orchestrator/router"
-	"github.com/troupe-serving/troupe/orchestrator/stats"
+	"github.com/troupe-serving/troupe/internal/router"
+	"github.com/troupe-serving/troupe/internal/stats"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 

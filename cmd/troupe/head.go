@@ -21,7 +21,7 @@ import (
 
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
-	"github.com/troupe-serving/troupe/orchestrator/httpapi"
+	"github.com/troupe-serving/troupe/internal/httpapi"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 

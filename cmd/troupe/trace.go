@@ -10,7 +10,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/troupe-serving/troupe/pkg/telemetry"
+	"github.com/troupe-serving/troupe/internal/jaeger"
 )
 
 // runTrace prints one trace from Jaeger's query service as a waterfall.
@@ -21,7 +21,7 @@ import (
 // before or after it.
 func runTrace(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet("trace")
-	jaeger := fs.String("jaeger", "http://localhost:16686", "base URL of the Jaeger query service (api_v3)")
+	jaegerURL := fs.String("jaeger", "http://localhost:16686", "base URL of the Jaeger query service (api_v3)")
 	timeout := fs.Duration("timeout", 10*time.Second, "how long to wait for Jaeger")
 	width := fs.Int("width", 40, "width of the timeline bars in characters")
 	fs.Usage = func() {
@@ -37,7 +37,7 @@ func runTrace(ctx context.Context, args []string, stdout io.Writer) error {
 		fs.Usage()
 		return errUsage
 	}
-	id, err := telemetry.ParseTraceID(ids[0])
+	id, err := jaeger.ParseTraceID(ids[0])
 	if err != nil {
 		fmt.Fprintf(fs.Output(), "troupe trace: %v\n", err)
 		fs.Usage()
@@ -49,14 +49,14 @@ func runTrace(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	ctx, cancel := context.WithTimeout(ctx, *timeout)
 	defer cancel()
-	t, err := telemetry.FetchJaegerTrace(ctx, &http.Client{}, *jaeger, id)
-	if errors.Is(err, telemetry.ErrTraceNotFound) {
-		return fmt.Errorf("trace: trace %s not found in %s", id, strings.TrimRight(*jaeger, "/"))
+	t, err := jaeger.FetchTrace(ctx, &http.Client{}, *jaegerURL, id)
+	if errors.Is(err, jaeger.ErrTraceNotFound) {
+		return fmt.Errorf("trace: trace %s not found in %s", id, strings.TrimRight(*jaegerURL, "/"))
 	}
 	if err != nil {
 		return fmt.Errorf("trace: %w", err)
 	}
-	return telemetry.RenderWaterfall(stdout, t, telemetry.WaterfallOptions{BarWidth: *width})
+	return jaeger.RenderWaterfall(stdout, t, jaeger.WaterfallOptions{BarWidth: *width})
 }
 
 // parseInterspersed parses flags that may come before, between or after

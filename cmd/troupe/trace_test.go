@@ -14,7 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/troupe-serving/troupe/pkg/telemetry"
+	"github.com/troupe-serving/troupe/internal/jaeger"
 )
 
 // The trace recorded from Jaeger v2 by pkg/telemetry's smoke test.
@@ -43,10 +43,10 @@ func traceCtx(t *testing.T) context.Context {
 
 func TestTracePrintsWaterfall(t *testing.T) {
 	url, body := recordedJaeger(t)
-	tr, err := telemetry.ParseOTLPJSON(body)
+	tr, err := jaeger.ParseOTLPJSON(body)
 	require.NoError(t, err)
 	var want bytes.Buffer
-	require.NoError(t, telemetry.RenderWaterfall(&want, tr, telemetry.WaterfallOptions{BarWidth: 30}))
+	require.NoError(t, jaeger.RenderWaterfall(&want, tr, jaeger.WaterfallOptions{BarWidth: 30}))
 
 	// Flags after the id, as the usage line shows them.
 	var out bytes.Buffer

@@ -496,32 +496,6 @@ func TestExportHTTPProtobufFromEnvironment(t *testing.T) {
 	checkExported(t, rss, traceID, map[string]string{"service.name": "troupe-head"})
 }
 
-func TestExportHTTPJSONReadsBackThroughParser(t *testing.T) {
-	cleanEnv(t)
-	col := startHTTPCollector(t)
-	ctx := testCtx(t)
-	p, err := Setup(ctx, Config{ServiceName: "troupe-head", Endpoint: col.URL, Protocol: ProtocolHTTPJSON})
-	require.NoError(t, err)
-	traceID := emitTree(ctx, p)
-	require.NoError(t, p.Shutdown(ctx))
-	_, cts, _, bodies := col.snapshot()
-	require.Len(t, bodies, 1)
-	assert.Equal(t, "application/json", cts[0])
-	// The waterfall parser reads what an OTLP JSON exporter writes.
-	tr, err := ParseOTLPJSON(bodies[0])
-	require.NoError(t, err)
-	assert.Equal(t, traceID, tr.TraceID)
-	names := map[string]Span{}
-	for _, s := range tr.Spans {
-		names[s.Name] = s
-	}
-	require.Contains(t, names, SpanRequest)
-	require.Contains(t, names, "troupe.stage thinker")
-	assert.Equal(t, "troupe-head", names[SpanRequest].Service)
-	assert.Equal(t, names[SpanRequest].SpanID, names["troupe.stage thinker"].ParentSpanID)
-	assert.Equal(t, "1", names["troupe.stage thinker"].Attributes["troupe.replica.id"])
-}
-
 func TestTraceparentHeader(t *testing.T) {
 	assert.Empty(t, TraceparentHeader(context.Background()))
 	sampled := remoteParent(true)

@@ -27,8 +27,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/troupe-serving/troupe/internal/jaeger"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
-	"github.com/troupe-serving/troupe/pkg/telemetry/jaegertest"
+	"github.com/troupe-serving/troupe/internal/jaeger/jaegertest"
 )
 
 // proc is a troupe process that is stopped at cleanup.
@@ -175,9 +176,9 @@ func TestAudioRequestTraceInJaeger(t *testing.T) {
 
 	// Spans arrive asynchronously from four processes: poll, bounded.
 	const want = 3 /*stage*/ * 5 /*client, server, queue, prefill, decode*/ // plus head spans
-	var tr *telemetry.Trace
+	var tr *jaeger.Trace
 	jaegertest.WaitFor(ctx, t, 60*time.Second, func() error {
-		got, err := telemetry.FetchJaegerTrace(ctx, nil, j.Query, traceID)
+		got, err := jaeger.FetchTrace(ctx, nil, j.Query, traceID)
 		if err != nil {
 			return err
 		}
@@ -195,14 +196,14 @@ func TestAudioRequestTraceInJaeger(t *testing.T) {
 	})
 	require.GreaterOrEqual(t, len(tr.Spans), want)
 
-	byID := map[string]telemetry.Span{}
-	children := map[string][]telemetry.Span{}
+	byID := map[string]jaeger.Span{}
+	children := map[string][]jaeger.Span{}
 	for _, s := range tr.Spans {
 		byID[s.SpanID] = s
 		children[s.ParentSpanID] = append(children[s.ParentSpanID], s)
 	}
-	find := func(name string) []telemetry.Span {
-		var out []telemetry.Span
+	find := func(name string) []jaeger.Span {
+		var out []jaeger.Span
 		for _, s := range tr.Spans {
 			if s.Name == name {
 				out = append(out, s)

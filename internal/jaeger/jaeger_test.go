@@ -1,4 +1,4 @@
-package telemetry
+package jaeger
 
 import (
 	"context"
@@ -34,19 +34,19 @@ func TestParseTraceID(t *testing.T) {
 	}
 }
 
-func TestJaegerTraceURL(t *testing.T) {
+func TestTraceURL(t *testing.T) {
 	id := "4bf92f3577b34da6a3ce929d0e0e4736"
 	for base, want := range map[string]string{
 		"http://localhost:16686":          "http://localhost:16686/api/v3/traces/" + id,
 		"http://localhost:16686/":         "http://localhost:16686/api/v3/traces/" + id,
 		"https://ops.example/jaeger/?x=1": "https://ops.example/jaeger/api/v3/traces/" + id,
 	} {
-		got, err := JaegerTraceURL(base, id)
+		got, err := TraceURL(base, id)
 		require.NoError(t, err, base)
 		assert.Equal(t, want, got)
 	}
 	for _, base := range []string{"localhost:16686", "ftp://h/", "http://", "::"} {
-		_, err := JaegerTraceURL(base, id)
+		_, err := TraceURL(base, id)
 		assert.Error(t, err, base)
 	}
 }
@@ -77,24 +77,24 @@ func fakeJaeger(t *testing.T, body []byte, id string) (*httptest.Server, *[]stri
 	return srv, &paths
 }
 
-func TestFetchJaegerTrace(t *testing.T) {
+func TestFetchTrace(t *testing.T) {
 	body := readFixture(t)
 	srv, paths := fakeJaeger(t, body, fixtureTraceID)
 	ctx := context.Background()
 
-	tr, err := FetchJaegerTrace(ctx, srv.Client(), srv.URL, fixtureTraceID)
+	tr, err := FetchTrace(ctx, srv.Client(), srv.URL, fixtureTraceID)
 	require.NoError(t, err)
 	assert.Equal(t, fixtureTraceID, tr.TraceID)
 	assert.Len(t, tr.Spans, 16)
 
 	// A traceparent works as the id; so does an upper-case id.
-	_, err = FetchJaegerTrace(ctx, srv.Client(), srv.URL+"/", "00-"+strings.ToUpper(fixtureTraceID)+"-00f067aa0ba902b7-01")
+	_, err = FetchTrace(ctx, srv.Client(), srv.URL+"/", "00-"+strings.ToUpper(fixtureTraceID)+"-00f067aa0ba902b7-01")
 	require.NoError(t, err)
 
-	_, err = FetchJaegerTrace(ctx, srv.Client(), srv.URL, "0123456789abcdef0123456789abcdef")
+	_, err = FetchTrace(ctx, srv.Client(), srv.URL, "0123456789abcdef0123456789abcdef")
 	require.ErrorIs(t, err, ErrTraceNotFound)
 
-	_, err = FetchJaegerTrace(ctx, srv.Client(), srv.URL, "not-hex")
+	_, err = FetchTrace(ctx, srv.Client(), srv.URL, "not-hex")
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, ErrTraceNotFound)
 
@@ -105,19 +105,19 @@ func TestFetchJaegerTrace(t *testing.T) {
 	}, *paths, "a malformed id never reaches Jaeger")
 }
 
-func TestFetchJaegerTraceServerError(t *testing.T) {
+func TestFetchTraceServerError(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, `{"error":{"httpCode":500,"message":"storage unavailable"}}`, http.StatusInternalServerError)
 	}))
 	defer srv.Close()
-	_, err := FetchJaegerTrace(context.Background(), srv.Client(), srv.URL, fixtureTraceID)
+	_, err := FetchTrace(context.Background(), srv.Client(), srv.URL, fixtureTraceID)
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "500 Internal Server Error: storage unavailable")
 
 	// Nobody listening: a connection error, not "not found".
 	url := srv.URL
 	srv.Close()
-	_, err = FetchJaegerTrace(context.Background(), nil, url, fixtureTraceID)
+	_, err = FetchTrace(context.Background(), nil, url, fixtureTraceID)
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, ErrTraceNotFound)
 }

@@ -9,7 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/troupe-serving/troupe/orchestrator/registry"
-	"github.com/troupe-serving/troupe/orchestrator/stats"
+	"github.com/troupe-serving/troupe/internal/stats"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 

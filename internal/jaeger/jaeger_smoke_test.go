@@ -1,4 +1,4 @@
-package telemetry
+package jaeger_test
 
 import (
 	"bytes"
@@ -19,13 +19,15 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/troupe-serving/troupe/pkg/telemetry/jaegertest"
+	"github.com/troupe-serving/troupe/internal/jaeger"
+	"github.com/troupe-serving/troupe/internal/jaeger/jaegertest"
+	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 
 // TestJaegerSmoke starts a real Jaeger v2 (TROUPE_JAEGER_BIN, built by
 // scripts/build-jaeger.sh) with tools/jaeger/config.yaml on free loopback
 // ports, sends a troupe-shaped trace over OTLP gRPC and over OTLP HTTP
-// through Setup, and reads each back through /api/v3/traces/{id}, the path
+// through telemetry.Setup, and reads each back through /api/v3/traces/{id}, the path
 // `troupe trace` uses. With TROUPE_BIN set it also runs `troupe trace`.
 // scripts/jaeger-smoke.sh runs it; without TROUPE_JAEGER_BIN it skips.
 // TROUPE_JAEGER_RECORD=FILE saves Jaeger's answer (testdata is made so).
@@ -43,24 +45,24 @@ func TestJaegerSmoke(t *testing.T) {
 	defer cancel()
 
 	j := jaegertest.Start(ctx, t, bin, config)
-	for _, proto := range []string{ProtocolGRPC, ProtocolHTTPProtobuf} {
+	for _, proto := range []string{telemetry.ProtocolGRPC, telemetry.ProtocolHTTPProtobuf} {
 		t.Run(proto, func(t *testing.T) {
 			endpoint := "http://" + j.OTLPHTTP
-			if proto == ProtocolGRPC {
+			if proto == telemetry.ProtocolGRPC {
 				endpoint = "http://" + j.OTLPGRPC
 			}
-			head, err := Setup(ctx, Config{ServiceName: "troupe-head", ServiceVersion: "smoke", Endpoint: endpoint, Protocol: proto})
+			head, err := telemetry.Setup(ctx, telemetry.Config{ServiceName: "troupe-head", ServiceVersion: "smoke", Endpoint: endpoint, Protocol: proto})
 			require.NoError(t, err)
-			worker, err := Setup(ctx, Config{ServiceName: "troupe-worker", Endpoint: endpoint, Protocol: proto, ParentBasedOnly: true})
+			worker, err := telemetry.Setup(ctx, telemetry.Config{ServiceName: "troupe-worker", Endpoint: endpoint, Protocol: proto, ParentBasedOnly: true})
 			require.NoError(t, err)
 			traceID := emitPipeline(ctx, head, worker, time.Now().Add(-time.Second).Truncate(time.Millisecond))
 			require.NoError(t, head.Shutdown(ctx))
 			require.NoError(t, worker.Shutdown(ctx))
 
 			// Jaeger stores asynchronously (batch processor): poll, bounded.
-			var tr *Trace
+			var tr *jaeger.Trace
 			jaegertest.WaitFor(ctx, t, 30*time.Second, func() error {
-				got, err := FetchJaegerTrace(ctx, nil, j.Query, traceID)
+				got, err := jaeger.FetchTrace(ctx, nil, j.Query, traceID)
 				if err != nil {
 					return err
 				}
@@ -72,8 +74,8 @@ func TestJaegerSmoke(t *testing.T) {
 			})
 			checkPipelineTrace(t, tr, traceID)
 
-			if path := os.Getenv("TROUPE_JAEGER_RECORD"); path != "" && proto == ProtocolGRPC {
-				url, err := JaegerTraceURL(j.Query, traceID)
+			if path := os.Getenv("TROUPE_JAEGER_RECORD"); path != "" && proto == telemetry.ProtocolGRPC {
+				url, err := jaeger.TraceURL(j.Query, traceID)
 				require.NoError(t, err)
 				resp, err := http.Get(url)
 				require.NoError(t, err)
@@ -85,7 +87,7 @@ func TestJaegerSmoke(t *testing.T) {
 
 			if troupe := os.Getenv("TROUPE_BIN"); troupe != "" {
 				var want bytes.Buffer
-				require.NoError(t, RenderWaterfall(&want, tr, WaterfallOptions{}))
+				require.NoError(t, jaeger.RenderWaterfall(&want, tr, jaeger.WaterfallOptions{}))
 				out, err := exec.CommandContext(ctx, troupe, "trace", traceID, "--jaeger", j.Query).CombinedOutput()
 				require.NoError(t, err, "troupe trace: %s", out)
 				assert.Equal(t, want.String(), string(out))
@@ -94,8 +96,8 @@ func TestJaegerSmoke(t *testing.T) {
 	}
 
 	t.Run("not found", func(t *testing.T) {
-		_, err := FetchJaegerTrace(ctx, nil, j.Query, "0123456789abcdef0123456789abcdef")
-		require.ErrorIs(t, err, ErrTraceNotFound)
+		_, err := jaeger.FetchTrace(ctx, nil, j.Query, "0123456789abcdef0123456789abcdef")
+		require.ErrorIs(t, err, jaeger.ErrTraceNotFound)
 		if troupe := os.Getenv("TROUPE_BIN"); troupe != "" {
 			out, err := exec.CommandContext(ctx, troupe, "trace", "--jaeger", j.Query, "0123456789abcdef0123456789abcdef").CombinedOutput()
 			var exit *exec.ExitError
@@ -114,7 +116,7 @@ const pipelineSpans = 16
 // (otelhttp server span, troupe.request, troupe.stage attempts, gRPC client
 // spans) and the worker (gRPC server spans, queue/prefill/decode), joined
 // through the W3C propagator as over the wire.
-func emitPipeline(ctx context.Context, head, worker *Provider, base time.Time) (traceID string) {
+func emitPipeline(ctx context.Context, head, worker *telemetry.Provider, base time.Time) (traceID string) {
 	at := func(ms int) time.Time { return base.Add(time.Duration(ms) * time.Millisecond) }
 	ht := head.Tracer("github.com/troupe-serving/troupe/orchestrator")
 	wt := worker.Tracer("github.com/troupe-serving/troupe/worker")
@@ -141,20 +143,20 @@ func emitPipeline(ctx context.Context, head, worker *Provider, base time.Time) (
 	}
 	const method = "troupe.stage.v1.StageService/Generate"
 	stageAttempt := func(parent context.Context, stageID int, stage string, replica uint64, engine, attempt, from, to int, errMsg string) {
-		st := start(ht, parent, StageSpanName(stage), trace.SpanKindInternal, from,
-			StageAttributes(stageID, stage, replica, engine, attempt), GenAIUsageAttributes(12, 34, "stop"))
+		st := start(ht, parent, telemetry.StageSpanName(stage), trace.SpanKindInternal, from,
+			telemetry.StageAttributes(stageID, stage, replica, engine, attempt), telemetry.GenAIUsageAttributes(12, 34, "stop"))
 		cl := start(ht, st.ctx, method, trace.SpanKindClient, from+1)
 		if errMsg != "" {
 			fail(cl, errMsg)
 			fail(st, errMsg)
 		} else {
 			srv := start(wt, wire(cl), method, trace.SpanKindServer, from+2,
-				[]attribute.KeyValue{KeyReplicaID.Int64(int64(replica)), KeyStageName.String(stage)})
-			q := start(wt, srv.ctx, SpanQueue, trace.SpanKindInternal, from+2)
+				[]attribute.KeyValue{telemetry.KeyReplicaID.Int64(int64(replica)), telemetry.KeyStageName.String(stage)})
+			q := start(wt, srv.ctx, telemetry.SpanQueue, trace.SpanKindInternal, from+2)
 			end(q, from+4)
-			p := start(wt, srv.ctx, SpanPrefill, trace.SpanKindInternal, from+4)
+			p := start(wt, srv.ctx, telemetry.SpanPrefill, trace.SpanKindInternal, from+4)
 			end(p, from+12)
-			d := start(wt, srv.ctx, SpanDecode, trace.SpanKindInternal, from+12)
+			d := start(wt, srv.ctx, telemetry.SpanDecode, trace.SpanKindInternal, from+12)
 			end(d, to-3)
 			end(srv, to-2)
 		}
@@ -164,8 +166,8 @@ func emitPipeline(ctx context.Context, head, worker *Provider, base time.Time) (
 
 	root := start(ht, ctx, "POST /v1/chat/completions", trace.SpanKindServer, 0,
 		[]attribute.KeyValue{attribute.String("http.request.method", "POST")})
-	req := start(ht, root.ctx, SpanRequest, trace.SpanKindInternal, 1,
-		GenAIRequestAttributes(GenAIOperationChat, "troupe-omni-sim", 64, nil))
+	req := start(ht, root.ctx, telemetry.SpanRequest, trace.SpanKindInternal, 1,
+		telemetry.GenAIRequestAttributes(telemetry.GenAIOperationChat, "troupe-omni-sim", 64, nil))
 	stageAttempt(req.ctx, 0, "thinker", 0, 0, 1, 2, 10, "replica thinker/0 unavailable")
 	stageAttempt(req.ctx, 0, "thinker", 2, 1, 2, 11, 60, "")
 	stageAttempt(req.ctx, 1, "talker", 1, 2, 1, 61, 98, "")
@@ -175,11 +177,11 @@ func emitPipeline(ctx context.Context, head, worker *Provider, base time.Time) (
 }
 
 // checkPipelineTrace asserts the tree Jaeger returned is emitPipeline's.
-func checkPipelineTrace(t *testing.T, tr *Trace, traceID string) {
+func checkPipelineTrace(t *testing.T, tr *jaeger.Trace, traceID string) {
 	t.Helper()
 	require.NotNil(t, tr)
 	assert.Equal(t, traceID, tr.TraceID)
-	byID := map[string]Span{}
+	byID := map[string]jaeger.Span{}
 	count := map[string]int{}
 	services := map[string]int{}
 	for _, s := range tr.Spans {
@@ -190,14 +192,14 @@ func checkPipelineTrace(t *testing.T, tr *Trace, traceID string) {
 	assert.Equal(t, map[string]int{"troupe-head": 8, "troupe-worker": 8}, services)
 	assert.Equal(t, 2, count["troupe.stage thinker"])
 	assert.Equal(t, 1, count["troupe.stage talker"])
-	assert.Equal(t, 2, count[SpanDecode])
+	assert.Equal(t, 2, count[telemetry.SpanDecode])
 	var errs int
 	for _, s := range tr.Spans {
 		if s.Error {
 			errs++
 			assert.Equal(t, "replica thinker/0 unavailable", s.StatusMessage)
 		}
-		if s.Name == SpanDecode {
+		if s.Name == telemetry.SpanDecode {
 			parent := byID[s.ParentSpanID]
 			assert.Equal(t, "troupe.stage.v1.StageService/Generate", parent.Name)
 			assert.Equal(t, "server", parent.Kind)
@@ -207,12 +209,12 @@ func checkPipelineTrace(t *testing.T, tr *Trace, traceID string) {
 			assert.Equal(t, "troupe-head", client.Service)
 			stage := byID[client.ParentSpanID]
 			assert.Equal(t, parent.Attributes["troupe.replica.id"], stage.Attributes["troupe.replica.id"])
-			assert.Equal(t, SpanRequest, byID[stage.ParentSpanID].Name)
+			assert.Equal(t, telemetry.SpanRequest, byID[stage.ParentSpanID].Name)
 		}
 	}
 	assert.Equal(t, 2, errs, "the failed attempt and its client span")
 	var buf bytes.Buffer
-	require.NoError(t, RenderWaterfall(&buf, tr, WaterfallOptions{}))
+	require.NoError(t, jaeger.RenderWaterfall(&buf, tr, jaeger.WaterfallOptions{}))
 	t.Logf("waterfall:\n%s", buf.String())
 	assert.Contains(t, buf.String(), "trace "+traceID+": 16 spans, 2 services, 100ms")
 }

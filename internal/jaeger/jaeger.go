@@ -1,4 +1,4 @@
-package telemetry
+package jaeger
 
 import (
 	"context"
@@ -11,7 +11,7 @@ import (
 	"strings"
 )
 
-// ErrTraceNotFound is returned by FetchJaegerTrace when Jaeger does not
+// ErrTraceNotFound is returned by FetchTrace when Jaeger does not
 // know the trace (HTTP 404).
 var ErrTraceNotFound = errors.New("telemetry: trace not found")
 
@@ -45,10 +45,10 @@ func ParseTraceID(s string) (string, error) {
 	return id, nil
 }
 
-// JaegerTraceURL is the api_v3 URL of trace id (already parsed) under the
+// TraceURL is the api_v3 URL of trace id (already parsed) under the
 // Jaeger query base URL (for example http://localhost:16686, or one with
 // the query service's base path).
-func JaegerTraceURL(base, id string) (string, error) {
+func TraceURL(base, id string) (string, error) {
 	u, err := url.Parse(strings.TrimSpace(base))
 	if err != nil {
 		return "", fmt.Errorf("telemetry: jaeger URL %q: %w", base, err)
@@ -61,11 +61,11 @@ func JaegerTraceURL(base, id string) (string, error) {
 	return u.String(), nil
 }
 
-// FetchJaegerTrace gets trace id from the Jaeger query service at base
+// FetchTrace gets trace id from the Jaeger query service at base
 // through GET /api/v3/traces/{id} (Jaeger v2; the answer is OTLP JSON) and
 // parses it. A trace Jaeger does not hold gives an error wrapping
 // ErrTraceNotFound. client nil means http.DefaultClient; ctx bounds the call.
-func FetchJaegerTrace(ctx context.Context, client *http.Client, base, id string) (*Trace, error) {
+func FetchTrace(ctx context.Context, client *http.Client, base, id string) (*Trace, error) {
 	if client == nil {
 		client = http.DefaultClient
 	}
@@ -73,7 +73,7 @@ func FetchJaegerTrace(ctx context.Context, client *http.Client, base, id string)
 	if err != nil {
 		return nil, err
 	}
-	target, err := JaegerTraceURL(base, id)
+	target, err := TraceURL(base, id)
 	if err != nil {
 		return nil, err
 	}

@@ -1,4 +1,4 @@
-package telemetry
+package jaeger
 
 import (
 	"bytes"
@@ -13,6 +13,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 
 // Span is one span of a fetched trace, reduced to what a waterfall shows.
@@ -317,7 +319,7 @@ func RenderWaterfall(w io.Writer, t *Trace, opts WaterfallOptions) error {
 		l := line{
 			service: s.Service,
 			name:    name,
-			replica: cmp.Or(s.Attributes[string(KeyReplicaID)], "-"),
+			replica: cmp.Or(s.Attributes[string(telemetry.KeyReplicaID)], "-"),
 			dur:     FormatDuration(s.Duration()),
 			bar:     bar(s.Start.Sub(begin), s.Duration(), total, barWidth, s.Error),
 		}
