@@ -12,6 +12,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
 // DefaultCluster is the cluster name used when none is given.
@@ -37,8 +39,8 @@ func (m Member) Validate() error {
 		return fmt.Errorf("membership: invalid stage name %q", m.Stage)
 	case m.Addr == "":
 		return errors.New("membership: empty addr")
-	case m.NumSpeculativeTokens < 0 || m.NumSpeculativeTokens > 64:
-		return fmt.Errorf("membership: num_speculative_tokens %d out of range 0..64", m.NumSpeculativeTokens)
+	case m.NumSpeculativeTokens < 0 || m.NumSpeculativeTokens > stagepb.MaxSpeculativeTokens:
+		return fmt.Errorf("membership: num_speculative_tokens %d out of range 0..%d", m.NumSpeculativeTokens, stagepb.MaxSpeculativeTokens)
 	}
 	return nil
 }

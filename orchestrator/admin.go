@@ -8,7 +8,7 @@ import (
 
 	"google.golang.org/grpc/status"
 
-	"github.com/troupe-serving/troupe/orchestrator/registry"
+	"github.com/troupe-serving/troupe/internal/router"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
@@ -30,10 +30,10 @@ func (h *Head) ResolveStage(s string) (int, error) {
 // Sleep puts an attached replica to sleep (level 1 or 2). It leaves
 // rotation, and its engine_sleep_state follows what the worker reports.
 func (h *Head) Sleep(ctx context.Context, stage int, replica uint32, level int) (stagepb.SleepState, error) {
-	if level != 1 && level != 2 {
-		return 0, fmt.Errorf("%w: sleep level must be 1 or 2, got %d", ErrBadRequest, level)
+	if _, err := stagepb.SleepStateForLevel(level); err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrBadRequest, err)
 	}
-	rep, ok := h.router.Snapshot().Lookup(registry.Key{Stage: stage, Replica: replica})
+	rep, ok := h.router.Snapshot().Lookup(router.Key{Stage: stage, Replica: replica})
 	if !ok {
 		return 0, fmt.Errorf("%w: stage %d replica %d is not attached", ErrUnknownReplica, stage, replica)
 	}
@@ -50,7 +50,7 @@ func (h *Head) Sleep(ctx context.Context, stage int, replica uint32, level int) 
 
 // WakeUp wakes a sleeping replica; it rejoins rotation.
 func (h *Head) WakeUp(ctx context.Context, stage int, replica uint32) (stagepb.SleepState, error) {
-	rep, ok := h.router.Snapshot().Lookup(registry.Key{Stage: stage, Replica: replica})
+	rep, ok := h.router.Snapshot().Lookup(router.Key{Stage: stage, Replica: replica})
 	if !ok {
 		return 0, fmt.Errorf("%w: stage %d replica %d is not attached", ErrUnknownReplica, stage, replica)
 	}

@@ -205,8 +205,8 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.
 		if rerr := h.stats.RecordFinished(rep.EngineIndex, fin); rerr != nil {
 			h.log.Debug("orchestrator: record finished", "err", rerr)
 		}
-		span.SetAttributes(telemetry.GenAIUsageAttributes(int64(out.promptTokens), int64(out.generationTokens), finishName(fin.Reason))...)
-		span.AddEvent("finish", trace.WithAttributes(attribute.String("finish_reason", finishName(fin.Reason))))
+		span.SetAttributes(telemetry.GenAIUsageAttributes(int64(out.promptTokens), int64(out.generationTokens), fin.Reason.Name())...)
+		span.AddEvent("finish", trace.WithAttributes(attribute.String("finish_reason", fin.Reason.Name())))
 		if err != nil {
 			span.RecordError(err)
 			span.SetStatus(codes.Error, err.Error())
@@ -258,7 +258,7 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.
 		}
 		if r := chunk.GetFinishReason(); r != stagepb.FinishReason_FINISH_REASON_UNSPECIFIED {
 			fin.Reason = r
-			out.finish = finishName(r)
+			out.finish = r.Name()
 			if t := chunk.GetTimings(); t != nil {
 				fin.Queue = seconds(t.GetQueueSeconds())
 				fin.Prefill = seconds(t.GetPrefillSeconds())
@@ -310,15 +310,3 @@ func seedOf(p *stagepb.SamplingParams) *int64 {
 }
 
 func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
-
-func finishName(r stagepb.FinishReason) string {
-	switch r {
-	case stagepb.FinishReason_FINISH_REASON_STOP:
-		return "stop"
-	case stagepb.FinishReason_FINISH_REASON_LENGTH:
-		return "length"
-	case stagepb.FinishReason_FINISH_REASON_ABORT:
-		return "abort"
-	}
-	return "error"
-}

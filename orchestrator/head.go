@@ -19,10 +19,9 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 	"golang.org/x/sync/errgroup"
 
-	"github.com/troupe-serving/troupe/membership"
-	"github.com/troupe-serving/troupe/orchestrator/registry"
 	"github.com/troupe-serving/troupe/internal/router"
 	"github.com/troupe-serving/troupe/internal/stats"
+	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
@@ -47,7 +46,6 @@ type Head struct {
 	cfg      Config
 	log      *slog.Logger
 	watcher  *membership.Watcher
-	registry *registry.Registry
 	stats    *stats.Logger
 	router   *router.Router
 	policy   router.Policy
@@ -59,15 +57,18 @@ type Head struct {
 
 	view atomic.Pointer[[]tracked] // every replica the head knows, for the API
 
-	// Owned by Run's loop goroutine only.
-	known map[registry.Key]*tracked
-	gen   uint64
+	// Owned by Run's loop goroutine only. known is the one owner of the
+	// mapping from replica key to engine index: an index is handed out on a
+	// key's first join, in join order, and never reused or moved.
+	known     map[router.Key]*tracked
+	nextIndex int
+	gen       uint64
 }
 
 // tracked is the loop's record of one replica key. Published copies are
 // immutable.
 type tracked struct {
-	key        registry.Key
+	key        router.Key
 	member     membership.Member
 	index      int
 	joinedAt   time.Time
@@ -114,7 +115,6 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	h := &Head{
 		cfg:      cfg,
 		log:      cfg.Logger,
-		registry: registry.New(),
 		stats:    st,
 		router:   router.New(len(cfg.Pipeline.Stages), cfg.Dial, cfg.Logger),
 		policy:   policy,
@@ -131,7 +131,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 			Name: "troupe_head_attach_errors_total",
 			Help: "Joins the head refused (index conflict, stats binding, dial), by step.",
 		}, []string{"step"}),
-		known: map[registry.Key]*tracked{},
+		known: map[router.Key]*tracked{},
 	}
 	for _, t := range []string{"join", "leave"} {
 		h.events.WithLabelValues(t)
@@ -164,7 +164,7 @@ func (h *Head) Pipeline() Pipeline { return h.cfg.Pipeline }
 
 // probeResult is what a join's probe sends back to the loop.
 type probeResult struct {
-	key    registry.Key
+	key    router.Key
 	gen    uint64
 	rep    *router.Replica
 	health *stagepb.HealthResponse
@@ -228,7 +228,7 @@ func (h *Head) apply(ctx context.Context, ev membership.Event, probes chan<- pro
 		h.log.Warn("orchestrator: event for unknown stage", "key", ev.Key, "stage", ev.Member.Stage)
 		return
 	}
-	key := registry.Key{Stage: stage, Replica: ev.Member.ReplicaID}
+	key := router.Key{Stage: stage, Replica: ev.Member.ReplicaID}
 	h.events.WithLabelValues(ev.Type.String()).Inc()
 	switch ev.Type {
 	case membership.Join:
@@ -241,22 +241,23 @@ func (h *Head) apply(ctx context.Context, ev membership.Event, probes chan<- pro
 
 // join assigns the engine index, then probes the replica off the loop; the
 // loop binds its series and routes to it when the probe answers (attach).
-func (h *Head) join(ctx context.Context, key registry.Key, m membership.Member, probes chan<- probeResult, probing *sync.WaitGroup) {
-	index, err := h.registry.Attach(key)
-	if err != nil {
-		h.errors.WithLabelValues("attach").Inc()
-		h.log.Error("orchestrator: refusing join", "stage", m.Stage, "replica", m.ReplicaID, "err", err)
-		return
-	}
+func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, probes chan<- probeResult, probing *sync.WaitGroup) {
 	t := h.known[key]
 	if t == nil {
-		t = &tracked{key: key}
+		if h.nextIndex > stats.MaxEngineIndex {
+			h.errors.WithLabelValues("attach").Inc()
+			h.log.Error("orchestrator: refusing join: every engine index is in use", "stage", m.Stage, "replica", m.ReplicaID, "max", stats.MaxEngineIndex)
+			return
+		}
+		t = &tracked{key: key, index: h.nextIndex}
+		h.nextIndex++
 		h.known[key] = t
 	}
 	if t.cancel != nil {
 		t.cancel()
 	}
-	t.member, t.index, t.detached = m, index, false
+	t.member, t.detached = m, false
+	index := t.index
 	if t.joinedAt.IsZero() || t.detachedAt.After(t.joinedAt) {
 		t.joinedAt = time.Now()
 	}
@@ -352,7 +353,7 @@ func (h *Head) attach(pr probeResult) {
 }
 
 // leave stops routing first, then detaches the series.
-func (h *Head) leave(key registry.Key) {
+func (h *Head) leave(key router.Key) {
 	t := h.known[key]
 	if t == nil {
 		return

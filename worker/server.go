@@ -478,8 +478,8 @@ func (svc *service) Health(context.Context, *stagepb.HealthRequest) (*stagepb.He
 // Sleep implements StageService.
 func (svc *service) Sleep(_ context.Context, req *stagepb.SleepRequest) (*stagepb.SleepResponse, error) {
 	s := svc.s
-	if l := req.GetLevel(); l != 1 && l != 2 {
-		return nil, status.Errorf(codes.InvalidArgument, "worker: sleep level must be 1 or 2, got %d", l)
+	if _, err := stagepb.SleepStateForLevel(int(req.GetLevel())); err != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "worker: %v", err)
 	}
 	st, err := s.cfg.Engine.Sleep(int(req.GetLevel()))
 	if err != nil {

@@ -19,9 +19,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/keepalive"
 
+	"github.com/troupe-serving/troupe/internal/httpapi"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
-	"github.com/troupe-serving/troupe/internal/httpapi"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 

@@ -4,7 +4,6 @@ import (
 	"context"
 	"net/http"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/troupe-serving/troupe/orchestrator"
@@ -75,7 +74,7 @@ func (s *Server) sleep(w http.ResponseWriter, r *http.Request) {
 	level := 1
 	if v := r.URL.Query().Get("level"); v != "" {
 		n, err := strconv.Atoi(v)
-		if err != nil || (n != 1 && n != 2) {
+		if _, lerr := stagepb.SleepStateForLevel(n); err != nil || lerr != nil {
 			s.reject(w, r, badRequest("level", "invalid_value", "level must be 1 (offload weights) or 2 (discard all), got %q", v))
 			return
 		}
@@ -112,21 +111,8 @@ func (s *Server) changeSleep(w http.ResponseWriter, r *http.Request, call func(c
 		return
 	}
 	s.log.InfoContext(r.Context(), "httpapi: replica sleep state changed", "request_id", requestIDFrom(r.Context()),
-		"stage", stage, "replica", id, "sleep_state", sleepStateName(state))
+		"stage", stage, "replica", id, "sleep_state", state.Name())
 	writeJSON(w, http.StatusOK, sleepAnswer{
-		Stage: stage, StageName: s.b.Pipeline().Stages[stage].Name, Replica: uint32(id), SleepState: sleepStateName(state),
+		Stage: stage, StageName: s.b.Pipeline().Stages[stage].Name, Replica: uint32(id), SleepState: state.Name(),
 	})
-}
-
-// sleepStateName is the engine_sleep_state label value of a state.
-func sleepStateName(s stagepb.SleepState) string {
-	switch s {
-	case stagepb.SleepState_SLEEP_STATE_AWAKE:
-		return "awake"
-	case stagepb.SleepState_SLEEP_STATE_WEIGHTS_OFFLOADED:
-		return "weights_offloaded"
-	case stagepb.SleepState_SLEEP_STATE_DISCARD_ALL:
-		return "discard_all"
-	}
-	return strings.ToLower(strings.TrimPrefix(s.String(), "SLEEP_STATE_"))
 }

@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -23,17 +24,28 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/connectivity"
 
-	"github.com/troupe-serving/troupe/orchestrator/registry"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
 // ErrNoReplica is wrapped when a stage has no routable replica.
 var ErrNoReplica = errors.New("router: no routable replica")
 
+// Key names one replica: the stage's index in the pipeline and the replica
+// id the worker registered under.
+type Key struct {
+	Stage   int
+	Replica uint32
+}
+
+// String renders the key as "stage/replica", e.g. "0/3".
+func (k Key) String() string {
+	return strconv.Itoa(k.Stage) + "/" + strconv.FormatUint(uint64(k.Replica), 10)
+}
+
 // Replica is one attached replica. Its identity fields never change; a
 // rejoin with a new address produces a new Replica.
 type Replica struct {
-	Key         registry.Key
+	Key         Key
 	StageName   string
 	EngineIndex int
 	Addr        string
@@ -94,7 +106,7 @@ func (r *Replica) close() {
 // Snapshot is an immutable view of the routable set. Safe for concurrent use.
 type Snapshot struct {
 	stages [][]*Replica // by stage index, sorted by replica id
-	byKey  map[registry.Key]*Replica
+	byKey  map[Key]*Replica
 }
 
 // Stage returns the replicas of a stage, sorted by replica id. Do not modify.
@@ -106,7 +118,7 @@ func (s *Snapshot) Stage(stage int) []*Replica {
 }
 
 // Lookup finds a replica by key.
-func (s *Snapshot) Lookup(k registry.Key) (*Replica, bool) {
+func (s *Snapshot) Lookup(k Key) (*Replica, bool) {
 	r, ok := s.byKey[k]
 	return r, ok
 }
@@ -138,7 +150,7 @@ func New(numStages int, dial Dialer, log *slog.Logger) *Router {
 		log = slog.Default()
 	}
 	r := &Router{numStages: numStages, dial: dial, log: log}
-	r.snap.Store(&Snapshot{stages: make([][]*Replica, numStages), byKey: map[registry.Key]*Replica{}})
+	r.snap.Store(&Snapshot{stages: make([][]*Replica, numStages), byKey: map[Key]*Replica{}})
 	return r
 }
 
@@ -147,7 +159,7 @@ func (r *Router) Snapshot() *Snapshot { return r.snap.Load() }
 
 // ReplicaSpec is what Add needs to attach a replica.
 type ReplicaSpec struct {
-	Key         registry.Key
+	Key         Key
 	StageName   string
 	EngineIndex int
 	Addr        string
@@ -209,7 +221,7 @@ func (r *Router) Add(rep *Replica) error {
 
 // Remove takes a replica out of rotation. Its connection closes when its
 // last in-flight request ends.
-func (r *Router) Remove(k registry.Key) (*Replica, bool) {
+func (r *Router) Remove(k Key) (*Replica, bool) {
 	old := r.snap.Load()
 	rep, ok := old.byKey[k]
 	if !ok {
@@ -223,7 +235,7 @@ func (r *Router) Remove(k registry.Key) (*Replica, bool) {
 // Close retires every replica and waits for the health watchers to end.
 func (r *Router) Close() {
 	old := r.snap.Load()
-	r.snap.Store(&Snapshot{stages: make([][]*Replica, r.numStages), byKey: map[registry.Key]*Replica{}})
+	r.snap.Store(&Snapshot{stages: make([][]*Replica, r.numStages), byKey: map[Key]*Replica{}})
 	for _, rep := range old.byKey {
 		rep.removed.Store(true)
 		rep.close()
@@ -260,7 +272,7 @@ func (r *Router) watchConn(ctx context.Context, rep *Replica) {
 }
 
 func (s *Snapshot) with(rep *Replica) *Snapshot {
-	next := &Snapshot{stages: slices.Clone(s.stages), byKey: make(map[registry.Key]*Replica, len(s.byKey)+1)}
+	next := &Snapshot{stages: slices.Clone(s.stages), byKey: make(map[Key]*Replica, len(s.byKey)+1)}
 	for k, v := range s.byKey {
 		next.byKey[k] = v
 	}
@@ -272,8 +284,8 @@ func (s *Snapshot) with(rep *Replica) *Snapshot {
 	return next
 }
 
-func (s *Snapshot) without(k registry.Key) *Snapshot {
-	next := &Snapshot{stages: slices.Clone(s.stages), byKey: make(map[registry.Key]*Replica, len(s.byKey))}
+func (s *Snapshot) without(k Key) *Snapshot {
+	next := &Snapshot{stages: slices.Clone(s.stages), byKey: make(map[Key]*Replica, len(s.byKey))}
 	for kk, v := range s.byKey {
 		if kk != k {
 			next.byKey[kk] = v

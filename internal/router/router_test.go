@@ -12,7 +12,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/troupe-serving/troupe/orchestrator/registry"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
@@ -47,7 +46,7 @@ func insecureDial(addr string) (*grpc.ClientConn, error) {
 
 func addReplica(t *testing.T, r *Router, stage int, id uint32, addr string) *Replica {
 	t.Helper()
-	rep, err := r.Dial(ReplicaSpec{Key: registry.Key{Stage: stage, Replica: id}, StageName: "s", EngineIndex: int(id), Addr: addr})
+	rep, err := r.Dial(ReplicaSpec{Key: Key{Stage: stage, Replica: id}, StageName: "s", EngineIndex: int(id), Addr: addr})
 	require.NoError(t, err)
 	require.NoError(t, r.Add(rep))
 	return rep
@@ -69,11 +68,11 @@ func TestSnapshotsAreImmutable(t *testing.T) {
 	require.Len(t, after.Stage(0), 2)
 	assert.Equal(t, uint32(1), after.Stage(0)[0].Key.Replica, "sorted by replica id")
 
-	r.Remove(registry.Key{Stage: 0, Replica: 3})
+	r.Remove(Key{Stage: 0, Replica: 3})
 	assert.Len(t, after.Stage(0), 2, "removal publishes a new snapshot")
 	assert.Len(t, r.Snapshot().Stage(0), 1)
 	assert.Nil(t, r.Snapshot().Stage(5), "out-of-range stage is empty")
-	assert.Error(t, r.Add(&Replica{Key: registry.Key{Stage: 9}}), "stage out of range")
+	assert.Error(t, r.Add(&Replica{Key: Key{Stage: 9}}), "stage out of range")
 }
 
 func TestRoundRobinSpreadsEvenly(t *testing.T) {

@@ -9,7 +9,6 @@ import (
 	"github.com/stretchr/testify/require"
 	"pgregory.net/rapid"
 
-	"github.com/troupe-serving/troupe/orchestrator/registry"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
@@ -22,14 +21,14 @@ type tally struct{ prompt, gen, stop float64 }
 // replica's sums equal what was sent.
 func TestConcurrentRecordsDuringMembershipChanges(t *testing.T) {
 	reg, l := newTestLogger(t, Options{})
-	rg := registry.New()
-	keyOf := map[int]registry.Key{}
+	rg := newIndexes()
+	keyOf := map[int]replicaKey{}
 
 	// published holds the indices recorders may use: only registered ones,
 	// as the router only routes to replicas after Register.
 	var published atomic.Pointer[[]int]
 	var indices []int
-	join := func(k registry.Key) {
+	join := func(k replicaKey) {
 		idx, err := rg.Attach(k)
 		require.NoError(t, err)
 		require.NoError(t, l.Register(idx, replica(k.Stage, k.Replica)))
@@ -41,7 +40,7 @@ func TestConcurrentRecordsDuringMembershipChanges(t *testing.T) {
 		}
 	}
 	for i := range 4 {
-		join(registry.Key{Stage: i % 2, Replica: uint32(10 * i)})
+		join(replicaKey{Stage: i % 2, Replica: uint32(10 * i)})
 	}
 
 	const recorders = 4
@@ -100,7 +99,7 @@ func TestConcurrentRecordsDuringMembershipChanges(t *testing.T) {
 	for i := range 200 {
 		switch i % 4 {
 		case 0:
-			join(registry.Key{Stage: i % 3, Replica: uint32(1000 + i)})
+			join(replicaKey{Stage: i % 3, Replica: uint32(1000 + i)})
 			attached[indices[len(indices)-1]] = true
 		case 1, 2:
 			idx := indices[(i*5)%len(indices)]
@@ -150,7 +149,7 @@ func TestConcurrentRecordsDuringMembershipChanges(t *testing.T) {
 
 // modelReplica is the property test's model of one replica.
 type modelReplica struct {
-	key      registry.Key
+	key      replicaKey
 	index    int
 	attached bool
 	k        int // largest K registered
@@ -183,8 +182,8 @@ func TestMembershipProperty(t *testing.T) {
 				rt.Fatal(err)
 			}
 		}
-		rg := registry.New()
-		model := map[registry.Key]*modelReplica{}
+		rg := newIndexes()
+		model := map[replicaKey]*modelReplica{}
 		var order []*modelReplica
 		var unregistered float64
 		last := map[string]float64{} // every counter as last seen
@@ -202,7 +201,7 @@ func TestMembershipProperty(t *testing.T) {
 			}
 			return rapid.SampledFrom(c).Draw(rt, "replica")
 		}
-		register := func(rt *rapid.T, k registry.Key) {
+		register := func(rt *rapid.T, k replicaKey) {
 			idx, err := rg.Attach(k)
 			if err != nil {
 				rt.Fatal(err)
@@ -230,7 +229,7 @@ func TestMembershipProperty(t *testing.T) {
 
 		rt.Repeat(map[string]func(*rapid.T){
 			"join": func(rt *rapid.T) {
-				k := registry.Key{
+				k := replicaKey{
 					Stage:   rapid.IntRange(0, len(stageNames)-1).Draw(rt, "stage"),
 					Replica: rapid.SampledFrom(replicaIDs).Draw(rt, "id"),
 				}

@@ -8,7 +8,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	"github.com/troupe-serving/troupe/orchestrator/registry"
 	"github.com/troupe-serving/troupe/internal/stats"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -22,11 +21,9 @@ func Example() {
 		fmt.Println(err)
 		return
 	}
-	engines := registry.New()
-
-	// Join (head loop).
-	key := registry.Key{Stage: 0, Replica: 3}
-	idx, _ := engines.Attach(key)
+	// Join (head loop). The head hands out engine indexes in first-join
+	// order; this is the first replica it has seen.
+	idx := 0
 	_ = logger.Register(idx, stats.Replica{Stage: 0, StageName: "thinker", ReplicaID: 3, Engine: "sim"})
 
 	// A chunk arrives (request goroutine).

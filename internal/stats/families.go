@@ -38,10 +38,19 @@ var (
 	// promptSources: index 0 local_compute, 1 local_cache_hit, 2 external_kv_transfer.
 	promptSources = [3]string{"local_compute", "local_cache_hit", "external_kv_transfer"}
 	// sleepStates is indexed by stagepb.SleepState.
-	sleepStates = [3]string{"awake", "weights_offloaded", "discard_all"}
+	sleepStates = namesOf(stagepb.SleepStates[:])
 	// finishedReasons is indexed by stagepb.FinishReason - 1.
-	finishedReasons = [4]string{"stop", "length", "abort", "error"}
+	finishedReasons = namesOf(stagepb.FinishReasons[:])
 )
+
+// namesOf returns the label values of protocol enum values, in order.
+func namesOf[E interface{ Name() string }](values []E) []string {
+	out := make([]string, len(values))
+	for i, v := range values {
+		out[i] = v.Name()
+	}
+	return out
+}
 
 // cacheInfoLabels are the labels of troupe_cache_config_info, in order.
 var cacheInfoLabels = []string{
@@ -169,17 +178,16 @@ func (f *families) collectors() []prometheus.Collector {
 // RecordFinished touch is either immutable after bind or atomic, so they run
 // without locks. Fields below "writer side" belong to Logger.mu.
 type engine struct {
-	key replicaKey
-	lv  [3]string // model_name, stage, replica
+	lv [3]string // model_name, stage, replica
 
 	running, waiting, kvUsage, attached prometheus.Gauge
 	waitingBy                           [2]prometheus.Gauge
-	sleep                               [3]prometheus.Gauge
+	sleep                               [len(stagepb.SleepStates)]prometheus.Gauge
 	sleepMu                             sync.Mutex // makes the three sleep gauges change together
 
 	promptTokens, generationTokens         prometheus.Counter
 	promptBySource                         [3]prometheus.Counter
-	success                                [4]prometheus.Counter
+	success                                [len(stagepb.FinishReasons)]prometheus.Counter
 	prefixQueries, prefixHits, preemptions prometheus.Counter
 	spec                                   atomic.Pointer[specChildren] // nil when K was always 0
 
@@ -210,8 +218,8 @@ type specChildren struct {
 }
 
 // bind creates (at 0) every child of one replica and returns them.
-func (f *families) bind(key replicaKey, lv [3]string, k int) (*engine, error) {
-	e := &engine{key: key, lv: lv}
+func (f *families) bind(lv [3]string, k int) (*engine, error) {
+	e := &engine{lv: lv}
 	m, s, r := lv[0], lv[1], lv[2]
 	e.running = f.running.WithLabelValues(m, s, r)
 	e.waiting = f.waiting.WithLabelValues(m, s, r)

@@ -1,6 +1,7 @@
 package stats
 
 import (
+	"fmt"
 	"sort"
 	"strconv"
 	"strings"
@@ -143,3 +144,40 @@ func replicaSeriesCount(t testing.TB, g prometheus.Gatherer, stage int, id uint3
 func statsOf(prompt, gen uint64) *stagepb.EngineStats {
 	return &stagepb.EngineStats{PromptTokens: prompt, GenerationTokens: gen}
 }
+
+// replicaKey names a replica in the tests.
+type replicaKey struct {
+	Stage   int
+	Replica uint32
+}
+
+// indexes hands out engine indexes the way the head's loop does: on a key's
+// first join, in join order, stable for the key afterwards.
+type indexes struct {
+	byKey map[replicaKey]int
+	keys  []replicaKey
+}
+
+func newIndexes() *indexes { return &indexes{byKey: map[replicaKey]int{}} }
+
+func (x *indexes) Attach(k replicaKey) (int, error) {
+	if i, ok := x.byKey[k]; ok {
+		return i, nil
+	}
+	if len(x.keys) > MaxEngineIndex {
+		return -1, fmt.Errorf("stats test: engine indexes exhausted")
+	}
+	x.byKey[k] = len(x.keys)
+	x.keys = append(x.keys, k)
+	return len(x.keys) - 1, nil
+}
+
+// Key reports which key holds index.
+func (x *indexes) Key(index int) (replicaKey, bool) {
+	if index < 0 || index >= len(x.keys) {
+		return replicaKey{}, false
+	}
+	return x.keys[index], true
+}
+
+func (k replicaKey) String() string { return fmt.Sprintf("%d/%d", k.Stage, k.Replica) }

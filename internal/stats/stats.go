@@ -32,13 +32,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/troupe-serving/troupe/orchestrator/registry"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
-// MaxSpeculativeTokens bounds Replica.NumSpeculativeTokens (as the membership
-// record does), and with it the number of per-position series.
-const MaxSpeculativeTokens = 64
+// MaxEngineIndex is the largest engine index the Logger can bind: its
+// per-index table is sized for it. The head refuses joins beyond it.
+const MaxEngineIndex = 1<<20 - 1
 
 // DefaultMaxModelLen sets the upper bucket of the token-count histograms when
 // Options.MaxModelLen is 0.
@@ -48,12 +47,10 @@ var (
 	// ErrNotRegistered is returned (wrapped) for an engine index that has no
 	// bound series: never registered, or swept.
 	ErrNotRegistered = errors.New("stats: engine index not registered")
-	// ErrConflict is returned (wrapped) when an index or a replica is already
-	// bound to something else. Nothing is changed.
+	// ErrConflict is returned (wrapped) when a stage index is registered
+	// under another name than before. Nothing is changed.
 	ErrConflict = errors.New("stats: conflict")
 )
-
-type replicaKey = registry.Key
 
 // Replica describes one stage replica as it joins.
 type Replica struct {
@@ -114,7 +111,6 @@ type Logger struct {
 
 	mu         sync.Mutex // serializes Register, Detach, Sweep
 	byIndex    map[int]*engine
-	byKey      map[replicaKey]int
 	stageNames map[int]string
 	detached   map[int]struct{} // indices detached and not swept
 }
@@ -152,7 +148,6 @@ func New(reg prometheus.Registerer, model string, opts Options) (*Logger, error)
 			Help:      "Stat records for an engine index with no bound series; each is a bug in the caller.",
 		}),
 		byIndex:    make(map[int]*engine),
-		byKey:      make(map[replicaKey]int),
 		stageNames: make(map[int]string),
 		detached:   make(map[int]struct{}),
 	}
@@ -192,8 +187,8 @@ func (r Replica) validate() error {
 		return fmt.Errorf("stats: negative stage index %d", r.Stage)
 	case r.StageName == "":
 		return fmt.Errorf("stats: empty stage name for stage %d", r.Stage)
-	case r.NumSpeculativeTokens < 0 || r.NumSpeculativeTokens > MaxSpeculativeTokens:
-		return fmt.Errorf("stats: num_speculative_tokens %d out of range 0..%d", r.NumSpeculativeTokens, MaxSpeculativeTokens)
+	case r.NumSpeculativeTokens < 0 || r.NumSpeculativeTokens > stagepb.MaxSpeculativeTokens:
+		return fmt.Errorf("stats: num_speculative_tokens %d out of range 0..%d", r.NumSpeculativeTokens, stagepb.MaxSpeculativeTokens)
 	}
 	return validateSleepState(r.SleepState)
 }
@@ -203,12 +198,12 @@ func (r Replica) validate() error {
 // first time its stage is seen), sets replica_attached=1 and the sleep state
 // as reported. Its cost does not depend on how many replicas exist.
 //
-// Registering the same (stage, replica) at the same index again (a rejoin or
-// a changed record) keeps every counter, sets attached=1 and the reported
-// sleep state, refreshes cache_config_info, and adds spec-decode positions if
-// K grew (none is ever deleted). An index bound to another replica, a replica
-// bound to another index, or another name for a known stage index is rejected
-// with an error; nothing is changed.
+// The caller owns the mapping from (stage, replica) to index and must keep
+// it stable: registering an index again (a rejoin or a changed record) keeps
+// every counter, sets attached=1 and the reported sleep state, refreshes
+// cache_config_info, and adds spec-decode positions if K grew (none is ever
+// deleted). Another name for a known stage index is rejected with an error;
+// nothing is changed.
 func (l *Logger) Register(index int, r Replica) error {
 	if l.disabled {
 		return nil
@@ -219,17 +214,9 @@ func (l *Logger) Register(index int, r Replica) error {
 	if err := r.validate(); err != nil {
 		return err
 	}
-	key := replicaKey{Stage: r.Stage, Replica: r.ReplicaID}
-
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if have, ok := l.byKey[key]; ok && have != index {
-		return fmt.Errorf("%w: replica %s is bound to engine index %d, not %d", ErrConflict, key, have, index)
-	}
 	e := l.byIndex[index]
-	if e != nil && e.key != key {
-		return fmt.Errorf("%w: engine index %d is bound to replica %s, not %s", ErrConflict, index, e.key, key)
-	}
 	name, stageKnown := l.stageNames[r.Stage]
 	if stageKnown && name != r.StageName {
 		return fmt.Errorf("%w: stage %d is named %q, not %q", ErrConflict, r.Stage, name, r.StageName)
@@ -238,7 +225,7 @@ func (l *Logger) Register(index int, r Replica) error {
 	swept := e != nil && l.table.load(index) == nil
 	if e == nil || swept {
 		lv := [3]string{l.model, strconv.Itoa(r.Stage), strconv.FormatUint(uint64(r.ReplicaID), 10)}
-		fresh, err := l.fam.bind(key, lv, r.NumSpeculativeTokens)
+		fresh, err := l.fam.bind(lv, r.NumSpeculativeTokens)
 		if err != nil {
 			return err
 		}
@@ -264,7 +251,6 @@ func (l *Logger) Register(index int, r Replica) error {
 	e.attached.Set(1)
 
 	l.byIndex[index] = e
-	l.byKey[key] = index
 	l.table.store(index, e)
 	return nil
 }
@@ -309,9 +295,8 @@ func (l *Logger) Detach(index int) error {
 
 // Sweep deletes every series of each replica that has been detached for at
 // least DetachedSeriesTTL at now, and returns how many replicas it swept. With
-// a TTL of 0 it does nothing. A swept replica's index stays bound to its key
-// (Register of another replica there is still a conflict); registering it
-// again binds fresh children at 0. Records for it fail until then.
+// a TTL of 0 it does nothing. Registering a swept index again binds fresh
+// children at 0. Records for it fail until then.
 func (l *Logger) Sweep(now time.Time) int {
 	if l.disabled || l.ttl <= 0 {
 		return 0

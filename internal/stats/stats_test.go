@@ -11,7 +11,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
 
-	"github.com/troupe-serving/troupe/orchestrator/registry"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
@@ -44,7 +43,7 @@ troupe_stats_unregistered_records_total 0
 	require.Equal(t, 0, n)
 
 	// The first join brings the families.
-	idx, err := registry.New().Attach(registry.Key{Stage: 1, Replica: 4})
+	idx, err := newIndexes().Attach(replicaKey{Stage: 1, Replica: 4})
 	require.NoError(t, err)
 	require.NoError(t, l.Register(idx, replica(1, 4)))
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
@@ -193,8 +192,8 @@ troupe_cache_config_info{block_size="16",enable_prefix_caching="true",engine="si
 
 func TestTwoStagesSparseIDs(t *testing.T) {
 	reg, l := newTestLogger(t, Options{})
-	rg := registry.New()
-	for _, k := range []registry.Key{{Stage: 0, Replica: 7}, {Stage: 1, Replica: 1000}, {Stage: 0, Replica: 2}} {
+	rg := newIndexes()
+	for _, k := range []replicaKey{{Stage: 0, Replica: 7}, {Stage: 1, Replica: 1000}, {Stage: 0, Replica: 2}} {
 		idx, err := rg.Attach(k)
 		require.NoError(t, err)
 		require.NoError(t, l.Register(idx, replica(k.Stage, k.Replica)))
@@ -218,13 +217,13 @@ troupe_stage_info{stage="1",stage_name="talker"} 1
 // join must not reset or rebuild an existing replica's counters.
 func TestCounterPreservedAcrossJoin(t *testing.T) {
 	reg, l := newTestLogger(t, Options{})
-	rg := registry.New()
-	i0, err := rg.Attach(registry.Key{Stage: 0, Replica: 0})
+	rg := newIndexes()
+	i0, err := rg.Attach(replicaKey{Stage: 0, Replica: 0})
 	require.NoError(t, err)
 	require.NoError(t, l.Register(i0, replica(0, 0)))
 	require.NoError(t, l.Record(i0, statsOf(16, 0)))
 
-	i1, err := rg.Attach(registry.Key{Stage: 0, Replica: 1})
+	i1, err := rg.Attach(replicaKey{Stage: 0, Replica: 1})
 	require.NoError(t, err)
 	require.NoError(t, l.Register(i1, replica(0, 1)))
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
@@ -275,19 +274,15 @@ troupe_cache_config_info{block_size="",enable_prefix_caching="",engine="sim",max
 `), "troupe_cache_config_info"))
 }
 
-func TestConflicts(t *testing.T) {
+func TestStageRenameConflicts(t *testing.T) {
 	reg, l := newTestLogger(t, Options{})
 	require.NoError(t, l.Register(0, replica(0, 1)))
 	require.NoError(t, l.Record(0, statsOf(5, 0)))
 	before := gatherSeries(t, reg)
 
-	err := l.Register(0, replica(1, 1))
-	require.ErrorIs(t, err, ErrConflict, "index 0 reused for another replica")
-	err = l.Register(1, replica(0, 1))
-	require.ErrorIs(t, err, ErrConflict, "replica moved to another index")
 	renamed := replica(0, 2)
 	renamed.StageName = "other"
-	err = l.Register(1, renamed)
+	err := l.Register(1, renamed)
 	require.ErrorIs(t, err, ErrConflict, "stage 0 renamed")
 
 	require.Equal(t, before, gatherSeries(t, reg), "nothing changed")
@@ -303,11 +298,11 @@ func TestInvalidInput(t *testing.T) {
 		r     Replica
 	}{
 		{"negative index", -1, replica(0, 0)},
-		{"huge index", registry.MaxIndex + 1, replica(0, 0)},
+		{"huge index", MaxEngineIndex + 1, replica(0, 0)},
 		{"negative stage", 0, Replica{Stage: -1, StageName: "x"}},
 		{"empty stage name", 0, Replica{Stage: 0}},
 		{"negative K", 0, Replica{StageName: "x", NumSpeculativeTokens: -1}},
-		{"huge K", 0, Replica{StageName: "x", NumSpeculativeTokens: MaxSpeculativeTokens + 1}},
+		{"huge K", 0, Replica{StageName: "x", NumSpeculativeTokens: stagepb.MaxSpeculativeTokens + 1}},
 		{"bad sleep state", 0, Replica{StageName: "x", SleepState: 7}},
 	}
 	for _, tc := range bad {
@@ -493,8 +488,8 @@ func TestDetachKeepsSeries(t *testing.T) {
 
 func TestRejoinContinuity(t *testing.T) {
 	reg, l := newTestLogger(t, Options{})
-	rg := registry.New()
-	k := registry.Key{Stage: 0, Replica: 3}
+	rg := newIndexes()
+	k := replicaKey{Stage: 0, Replica: 3}
 	idx, err := rg.Attach(k)
 	require.NoError(t, err)
 	require.NoError(t, l.Register(idx, replica(0, 3)))
@@ -502,7 +497,7 @@ func TestRejoinContinuity(t *testing.T) {
 	require.NoError(t, l.Detach(idx))
 
 	// Another replica joins meanwhile; then 0/3 comes back as a new process.
-	other, err := rg.Attach(registry.Key{Stage: 0, Replica: 4})
+	other, err := rg.Attach(replicaKey{Stage: 0, Replica: 4})
 	require.NoError(t, err)
 	require.NoError(t, l.Register(other, replica(0, 4)))
 	again, err := rg.Attach(k)
@@ -552,7 +547,7 @@ func TestUnknownIndex(t *testing.T) {
 		func() error { return l.Record(-1, statsOf(1, 1)) },
 		func() error { return l.Record(math.MinInt, statsOf(1, 1)) },
 		func() error { return l.Record(math.MaxInt, statsOf(1, 1)) },
-		func() error { return l.Record(registry.MaxIndex+1, statsOf(1, 1)) },
+		func() error { return l.Record(MaxEngineIndex+1, statsOf(1, 1)) },
 		func() error { return l.Record(1, statsOf(1, 1)) },
 		func() error { return l.Record(5000, nil) },
 		func() error {
@@ -672,8 +667,7 @@ func TestTTLSweep(t *testing.T) {
 	require.ErrorIs(t, l.Record(0, statsOf(1, 0)), ErrNotRegistered)
 	require.Equal(t, 1.0, gatherSeries(t, reg)["troupe_stats_unregistered_records_total{}"])
 
-	// The index stays bound to its key; the key rejoins with fresh series.
-	require.ErrorIs(t, l.Register(0, replica(0, 9)), ErrConflict)
+	// The key rejoins at its index with fresh series.
 	require.NoError(t, l.Register(0, replica(0, 0)))
 	s := gatherSeries(t, reg)
 	require.Equal(t, 0.0, s[seriesKey("troupe_prompt_tokens_total", 0, 0)])

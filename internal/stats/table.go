@@ -1,19 +1,15 @@
 package stats
 
-import (
-	"sync/atomic"
-
-	"github.com/troupe-serving/troupe/orchestrator/registry"
-)
+import "sync/atomic"
 
 // The engine table maps an engine index to its pre-bound children with two
 // atomic loads and no locks: a fixed array of lazily allocated pages. It
-// covers every index the registry can hand out.
+// covers every index up to MaxEngineIndex.
 const (
 	pageBits   = 10
 	pageSize   = 1 << pageBits
 	pageMask   = pageSize - 1
-	maxEngines = registry.MaxIndex + 1
+	maxEngines = MaxEngineIndex + 1
 	numPages   = (maxEngines + pageSize - 1) / pageSize
 )
 

@@ -28,8 +28,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/troupe-serving/troupe/internal/jaeger"
-	"github.com/troupe-serving/troupe/pkg/telemetry"
 	"github.com/troupe-serving/troupe/internal/jaeger/jaegertest"
+	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 
 // proc is a troupe process that is stopped at cleanup.

@@ -6,6 +6,8 @@ import (
 	"log/slog"
 	"math"
 	"time"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
 // Defaults for zero Config fields.
@@ -14,7 +16,6 @@ const (
 	DefaultMaxNumBatchedTokens = 8192
 	DefaultNumKVBlocks         = 4096
 	DefaultBlockSize           = 16
-	MaxSpeculativeTokens       = 64
 )
 
 // Config configures a sim Engine. Zero fields take the defaults above; the
@@ -57,8 +58,8 @@ func (c Config) Validate() error {
 			errs = append(errs, fmt.Errorf("sim: %s must be positive, got %d", f.name, f.v))
 		}
 	}
-	if c.NumSpeculativeTokens < 0 || c.NumSpeculativeTokens > MaxSpeculativeTokens {
-		errs = append(errs, fmt.Errorf("sim: num-speculative-tokens %d out of range 0..%d", c.NumSpeculativeTokens, MaxSpeculativeTokens))
+	if c.NumSpeculativeTokens < 0 || c.NumSpeculativeTokens > stagepb.MaxSpeculativeTokens {
+		errs = append(errs, fmt.Errorf("sim: num-speculative-tokens %d out of range 0..%d", c.NumSpeculativeTokens, stagepb.MaxSpeculativeTokens))
 	}
 	if c.PrefillTokensPerSec < 0 || math.IsNaN(c.PrefillTokensPerSec) || math.IsInf(c.PrefillTokensPerSec, 0) {
 		errs = append(errs, fmt.Errorf("sim: prefill tokens per second must be a finite number >= 0, got %v", c.PrefillTokensPerSec))
@@ -90,7 +91,7 @@ func (c Config) withDefaults() Config {
 	if c.BlockSize <= 0 {
 		c.BlockSize = DefaultBlockSize
 	}
-	c.NumSpeculativeTokens = min(max(c.NumSpeculativeTokens, 0), MaxSpeculativeTokens)
+	c.NumSpeculativeTokens = min(max(c.NumSpeculativeTokens, 0), stagepb.MaxSpeculativeTokens)
 	c.MaxNumBatchedTokens = max(c.MaxNumBatchedTokens, 1+c.NumSpeculativeTokens)
 	if c.PrefillTokensPerSec < 0 || math.IsNaN(c.PrefillTokensPerSec) || math.IsInf(c.PrefillTokensPerSec, 0) {
 		c.PrefillTokensPerSec = 0

@@ -166,8 +166,8 @@ func (e *Engine) abort(s *seq) {
 // engine refuses Generate with FailedPrecondition. The engine must be idle:
 // with requests in flight Sleep fails with FailedPrecondition (drain first).
 func (e *Engine) Sleep(level int) (stagepb.SleepState, error) {
-	if level != 1 && level != 2 {
-		return e.Snapshot().SleepState, invalidArgument(fmt.Sprintf("sim: sleep level must be 1 or 2, got %d", level))
+	if _, err := stagepb.SleepStateForLevel(level); err != nil {
+		return e.Snapshot().SleepState, invalidArgument("sim: " + err.Error())
 	}
 	return e.control(event{kind: evSleep, level: level})
 }
@@ -230,7 +230,7 @@ func (e *Engine) loop(sc *scheduler) {
 		switch ev.kind {
 		case evSubmit:
 			if sleep != stagepb.SleepState_SLEEP_STATE_AWAKE {
-				ev.seq.box.fail(status.Errorf(codes.FailedPrecondition, "sim: engine is asleep (%s); wake it up first", sleepName(sleep)))
+				ev.seq.box.fail(status.Errorf(codes.FailedPrecondition, "sim: engine is asleep (%s); wake it up first", sleep.Name()))
 				return
 			}
 			sc.add(ev.seq, time.Now())
@@ -241,11 +241,11 @@ func (e *Engine) loop(sc *scheduler) {
 				reply.err = status.Errorf(codes.FailedPrecondition, "sim: cannot sleep with %d requests in flight; drain first", n)
 				break
 			}
-			sleep = stagepb.SleepState(ev.level)
-			if ev.level == 2 {
+			sleep, _ = stagepb.SleepStateForLevel(ev.level) // Sleep checked the level
+			if sleep == stagepb.SleepState_SLEEP_STATE_DISCARD_ALL {
 				sc.pool.reset()
 			}
-			e.cfg.Logger.Info("sim: engine asleep", "sleep_state", sleepName(sleep))
+			e.cfg.Logger.Info("sim: engine asleep", "sleep_state", sleep.Name())
 		case evWake:
 			if sleep != stagepb.SleepState_SLEEP_STATE_AWAKE {
 				e.cfg.Logger.Info("sim: engine awake")
@@ -329,16 +329,6 @@ func (e *Engine) stepDuration(b *batch) time.Duration {
 		d += e.cfg.DecodeTokenLatency
 	}
 	return d
-}
-
-func sleepName(s stagepb.SleepState) string {
-	switch s {
-	case stagepb.SleepState_SLEEP_STATE_WEIGHTS_OFFLOADED:
-		return "weights_offloaded"
-	case stagepb.SleepState_SLEEP_STATE_DISCARD_ALL:
-		return "discard_all"
-	}
-	return "awake"
 }
 
 // mailbox carries one request's chunks from the loop to its Generate call

@@ -332,7 +332,7 @@ func TestConfigValidate(t *testing.T) {
 	// New clamps instead of failing.
 	e := New(Config{NumSpeculativeTokens: 100, MaxNumSeqs: -3})
 	defer e.Close()
-	assert.Equal(t, MaxSpeculativeTokens, e.Config().NumSpeculativeTokens)
+	assert.Equal(t, stagepb.MaxSpeculativeTokens, e.Config().NumSpeculativeTokens)
 	assert.Equal(t, DefaultMaxNumSeqs, e.Config().MaxNumSeqs)
 }
 
