@@ -396,7 +396,7 @@ func TestEtcdOutageKeepsServing(t *testing.T) {
 		require.NoError(t, err, "serving does not depend on etcd being up")
 	}
 	for _, r := range c.Head.Replicas() {
-		assert.Equal(t, "attached", r.State, "no mass leave while etcd is unreachable")
+		assert.Equal(t, orchestrator.StateAttached, r.State, "no mass leave while etcd is unreachable")
 	}
 
 	c.Etcd.Restart(t)

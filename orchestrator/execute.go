@@ -81,7 +81,7 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	// Fail fast: every needed stage must have a replica before any work.
 	snap := h.router.Snapshot()
 	for i := range n {
-		if err := snap.Routable(i); err != nil {
+		if err := snap.CheckRoutable(i); err != nil {
 			err = fmt.Errorf("orchestrator: stage %q: %w", h.cfg.Pipeline.Stages[i].Name, err)
 			span.SetStatus(codes.Error, err.Error())
 			return nil, err

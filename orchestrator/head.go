@@ -43,13 +43,13 @@ type Config struct {
 // Head is the orchestrator. Run owns its goroutines; Execute, Replicas,
 // Sleep and WakeUp may be called concurrently from request goroutines.
 type Head struct {
-	cfg      Config
-	log      *slog.Logger
-	watcher  *membership.Watcher
-	stats    *stats.Logger
-	router   *router.Router
-	policy   router.Policy
-	tracer   trace.Tracer
+	cfg     Config
+	log     *slog.Logger
+	watcher *membership.Watcher
+	stats   *stats.Logger
+	router  *router.Router
+	policy  router.Policy
+	tracer  trace.Tracer
 
 	events  *prometheus.CounterVec
 	invalid prometheus.Counter
@@ -113,12 +113,12 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		return nil, fmt.Errorf("orchestrator: stats: %w", err)
 	}
 	h := &Head{
-		cfg:      cfg,
-		log:      cfg.Logger,
-		stats:    st,
-		router:   router.New(len(cfg.Pipeline.Stages), cfg.Dial, cfg.Logger),
-		policy:   policy,
-		tracer:   cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
+		cfg:    cfg,
+		log:    cfg.Logger,
+		stats:  st,
+		router: router.New(len(cfg.Pipeline.Stages), cfg.Dial, cfg.Logger),
+		policy: policy,
+		tracer: cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "troupe_membership_events_total",
 			Help: "Membership events applied by the head, by type.",
@@ -389,16 +389,35 @@ func (h *Head) publish() {
 	h.view.Store(&out)
 }
 
-// ReplicaStatus is one row of GET /v1/replicas.
+// ReplicaState is a replica's state as the head sees it: the "state" of a
+// GET /v1/replicas row.
+type ReplicaState string
+
+// The states of a replica.
+const (
+	// StateAttached: routable, awake and connected.
+	StateAttached ReplicaState = "attached"
+	// StateSleeping: attached but asleep; not routed to until woken.
+	StateSleeping ReplicaState = "sleeping"
+	// StateUnhealthy: a member whose probe has not answered yet, or whose
+	// connection is failing; not routed to.
+	StateUnhealthy ReplicaState = "unhealthy"
+	// StateDetached: left the membership; its series are kept.
+	StateDetached ReplicaState = "detached"
+)
+
+// ReplicaStatus is one row of GET /v1/replicas, in the wire shape of
+// docs/contracts.md (JoinedAt is UTC, whole seconds, so it encodes as
+// RFC 3339).
 type ReplicaStatus struct {
-	Stage       int       `json:"stage"`
-	StageName   string    `json:"stage_name"`
-	Replica     uint32    `json:"replica"`
-	EngineIndex int       `json:"engine_index"`
-	Addr        string    `json:"addr"`
-	State       string    `json:"state"` // attached | detached | sleeping | unhealthy
-	JoinedAt    time.Time `json:"joined_at"`
-	InFlight    int64     `json:"in_flight"`
+	Stage       int          `json:"stage"`
+	StageName   string       `json:"stage_name"`
+	Replica     uint32       `json:"replica"`
+	EngineIndex int          `json:"engine_index"`
+	Addr        string       `json:"addr"`
+	State       ReplicaState `json:"state"`
+	JoinedAt    time.Time    `json:"joined_at"`
+	InFlight    int64        `json:"in_flight"`
 }
 
 // Replicas lists every replica the head knows, detached ones included.
@@ -414,17 +433,17 @@ func (h *Head) Replicas() []ReplicaStatus {
 		rep, ok := snap.Lookup(t.key)
 		switch {
 		case t.detached:
-			s.State = "detached"
+			s.State = StateDetached
 		case !ok:
-			s.State = "unhealthy" // joined, but its probe has not answered yet
+			s.State = StateUnhealthy // joined, but its probe has not answered yet
 		case !rep.Healthy():
-			s.State = "unhealthy"
+			s.State = StateUnhealthy
 			s.InFlight = rep.InFlight()
 		case rep.SleepState() != stagepb.SleepState_SLEEP_STATE_AWAKE:
-			s.State = "sleeping"
+			s.State = StateSleeping
 			s.InFlight = rep.InFlight()
 		default:
-			s.State = "attached"
+			s.State = StateAttached
 			s.InFlight = rep.InFlight()
 		}
 		out = append(out, s)
@@ -437,7 +456,7 @@ func (h *Head) Replicas() []ReplicaStatus {
 func (h *Head) Ready() (bool, string) {
 	snap := h.router.Snapshot()
 	for i, st := range h.cfg.Pipeline.Stages {
-		if snap.Routable(i) != nil {
+		if snap.CheckRoutable(i) != nil {
 			return false, fmt.Sprintf("stage %d (%s) has no routable replica", i, st.Name)
 		}
 	}

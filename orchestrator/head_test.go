@@ -155,7 +155,7 @@ func TestRoutedOnlyAfterSeriesBound(t *testing.T) {
 	for _, r := range h.Replicas() {
 		assert.False(t, idx[r.EngineIndex], "duplicate engine index %d", r.EngineIndex)
 		idx[r.EngineIndex] = true
-		assert.Equal(t, "attached", r.State)
+		assert.Equal(t, StateAttached, r.State)
 	}
 }
 
@@ -175,7 +175,7 @@ func TestSlowProbeDoesNotRouteOrBlock(t *testing.T) {
 	assert.False(t, bound, "no series before the probe answers")
 	rows := h.Replicas()
 	require.Len(t, rows, 2)
-	assert.Equal(t, "unhealthy", rows[0].State, "a joined but unprobed replica shows as unhealthy")
+	assert.Equal(t, StateUnhealthy, rows[0].State, "a joined but unprobed replica shows as unhealthy")
 
 	close(slow.gate)
 	waitFor(t, "slow replica routable", func() bool { return len(h.router.Snapshot().Stage(0)) == 2 })
@@ -198,7 +198,7 @@ func TestSleepingReplicaJoinsAsleep(t *testing.T) {
 	ok, reason := h.Ready()
 	assert.False(t, ok)
 	assert.Contains(t, reason, "thinker")
-	assert.Equal(t, "sleeping", h.Replicas()[0].State)
+	assert.Equal(t, StateSleeping, h.Replicas()[0].State)
 }
 
 // TestLeaveDetachesAndKeepsSeries: a leave stops routing, sets
@@ -222,7 +222,7 @@ func TestLeaveDetachesAndKeepsSeries(t *testing.T) {
 	})
 	_, kept := series(t, h.metrics, "troupe_generation_tokens_total", map[string]string{"replica": "2"})
 	assert.True(t, kept, "counters of a detached replica are kept")
-	assert.Equal(t, "detached", h.Replicas()[0].State)
+	assert.Equal(t, StateDetached, h.Replicas()[0].State)
 
 	register(t, cli, "thinker", 2, startProbeServer(t, &probeServer{}))
 	waitFor(t, "rejoined", func() bool { return len(h.router.Snapshot().Stage(0)) == 1 })

@@ -4,9 +4,7 @@ import (
 	"context"
 	"net/http"
 	"strconv"
-	"time"
 
-	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
@@ -54,19 +52,7 @@ func writeText(w http.ResponseWriter, status int, text string) {
 // replicas serves GET /v1/replicas: every replica the head knows,
 // detached ones included.
 func (s *Server) replicas(w http.ResponseWriter, _ *http.Request) {
-	reps := s.b.Replicas()
-	out := replicaList{Data: make([]replicaRow, 0, len(reps))}
-	for _, r := range reps {
-		out.Data = append(out.Data, rowOf(r))
-	}
-	writeJSON(w, http.StatusOK, out)
-}
-
-func rowOf(r orchestrator.ReplicaStatus) replicaRow {
-	return replicaRow{
-		Stage: r.Stage, StageName: r.StageName, Replica: r.Replica, EngineIndex: r.EngineIndex,
-		Addr: r.Addr, State: r.State, JoinedAt: r.JoinedAt.UTC().Format(time.RFC3339), InFlight: r.InFlight,
-	}
+	writeJSON(w, http.StatusOK, replicaList{Data: s.b.Replicas()})
 }
 
 // sleep serves POST /v1/replicas/{stage}/{replica}/sleep?level=1|2.

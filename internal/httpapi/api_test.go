@@ -467,7 +467,7 @@ func TestAdmin(t *testing.T) {
 	}
 	var list replicaList
 	require.NoError(t, json.Unmarshal(body, &list))
-	byStage := map[string]replicaRow{}
+	byStage := map[string]orchestrator.ReplicaStatus{}
 	for _, r := range list.Data {
 		byStage[r.StageName] = r
 	}

@@ -107,20 +107,9 @@ type modelCard struct {
 	OwnedBy string `json:"owned_by"`
 }
 
-// replicaList is GET /v1/replicas, exactly as DESIGN.md specifies.
+// replicaList is GET /v1/replicas, as docs/contracts.md specifies.
 type replicaList struct {
-	Data []replicaRow `json:"data"`
-}
-
-type replicaRow struct {
-	Stage       int    `json:"stage"`
-	StageName   string `json:"stage_name"`
-	Replica     uint32 `json:"replica"`
-	EngineIndex int    `json:"engine_index"`
-	Addr        string `json:"addr"`
-	State       string `json:"state"`
-	JoinedAt    string `json:"joined_at"` // RFC 3339
-	InFlight    int64  `json:"in_flight"`
+	Data []orchestrator.ReplicaStatus `json:"data"`
 }
 
 // sleepAnswer is the body of a successful sleep or wake_up.

@@ -104,9 +104,9 @@ func (s *Snapshot) Pick(p Policy, stage int, exclude []*Replica) (*Replica, erro
 	return nil, s.noReplica(stage)
 }
 
-// Routable returns nil when a stage has a replica that may take new work,
+// CheckRoutable returns nil when a stage has a replica that may take new work,
 // and otherwise the error Pick would return.
-func (s *Snapshot) Routable(stage int) error {
+func (s *Snapshot) CheckRoutable(stage int) error {
 	for _, r := range s.Stage(stage) {
 		if r.Routable() {
 			return nil

@@ -237,7 +237,7 @@ func (c *Cluster) WaitReady(t testing.TB) {
 }
 
 // WaitState waits until a replica shows the given state in Head.Replicas.
-func (c *Cluster) WaitState(t testing.TB, stage string, replica uint32, state string) orchestrator.ReplicaStatus {
+func (c *Cluster) WaitState(t testing.TB, stage string, replica uint32, state orchestrator.ReplicaState) orchestrator.ReplicaStatus {
 	t.Helper()
 	var got orchestrator.ReplicaStatus
 	require.Eventually(t, func() bool {
