@@ -78,14 +78,12 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 	g.Go(func() error { return serveHead(gctx, cli, hf, log, io.Discard, headAddr) })
 	for _, st := range pipeline.Stages {
 		for range *replicas {
-			wfs := newFlagSet("worker")
-			wf := addWorkerFlags(wfs)
-			wargs := []string{"--stage", st.Name, "--cluster", hf.cluster, "--model", pipeline.Model,
-				"--decode-latency", decodeLatency.String(), "--log-level", hf.log.level, "--log-format", hf.log.format}
-			if err := wfs.Parse(wargs); err != nil {
-				return fmt.Errorf("up: worker flags: %w", err)
-			}
-			wf.tls, wf.otel = hf.tls, hf.otel
+			// A worker's defaults are its flags' defaults; up sets the rest
+			// from its own configuration.
+			wf := addWorkerFlags(newFlagSet("worker"))
+			wf.stage, wf.cluster, wf.model = st.Name, hf.cluster, pipeline.Model
+			wf.decodeLatency = *decodeLatency
+			wf.tls, wf.otel, wf.log = hf.tls, hf.otel, hf.log
 			g.Go(func() error { return serveWorker(gctx, cli, wf, log, io.Discard, nil) })
 		}
 	}
