@@ -111,7 +111,7 @@ func TestJaegerSmoke(t *testing.T) {
 // pipelineSpans is how many spans emitPipeline creates.
 const pipelineSpans = 16
 
-// emitPipeline records the span tree of DESIGN.md for a two-stage request
+// emitPipeline records the span tree of docs/contracts.md for a two-stage request
 // whose first thinker attempt fails, with fixed offsets from base: the head
 // (otelhttp server span, troupe.request, troupe.stage attempts, gRPC client
 // spans) and the worker (gRPC server spans, queue/prefill/decode), joined

@@ -14,7 +14,7 @@ import (
 
 const namespace = "troupe"
 
-// Label names of the metrics contract (DESIGN.md).
+// Label names of the metrics contract (docs/contracts.md).
 const (
 	labelModel          = "model_name"
 	labelStage          = "stage"

@@ -2,7 +2,7 @@ package telemetry
 
 import "go.opentelemetry.io/otel/attribute"
 
-// Span names of the request path (DESIGN.md, Tracing). They are a contract:
+// Span names of the request path (docs/contracts.md, Tracing). They are a contract:
 // dashboards and `troupe trace` users search for them.
 const (
 	// SpanRequest is the head's internal span around one request, under the
