@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 	"github.com/troupe-serving/troupe/pkg/tlsconfig"
@@ -29,28 +28,18 @@ func addTLSFlags(fs *flag.FlagSet, what string) *tlsFlags {
 	return f
 }
 
-func (f *tlsFlags) enabled() bool { return f.cert != "" || f.key != "" || f.ca != "" }
-
-func (f *tlsFlags) clientCredentials() (credentials.TransportCredentials, error) {
-	if !f.enabled() {
-		return insecure.NewCredentials(), nil
-	}
-	cfg, err := tlsconfig.Client(tlsconfig.Files{Cert: f.cert, Key: f.key, CA: f.ca})
-	if err != nil {
-		return nil, err
-	}
-	return credentials.NewTLS(cfg), nil
+func (f *tlsFlags) files() tlsconfig.Files {
+	return tlsconfig.Files{Cert: f.cert, Key: f.key, CA: f.ca}
 }
 
+// clientCredentials are plaintext without TLS flags.
+func (f *tlsFlags) clientCredentials() (credentials.TransportCredentials, error) {
+	return tlsconfig.ClientCredentials(f.files())
+}
+
+// serverCredentials are plaintext without TLS flags.
 func (f *tlsFlags) serverCredentials() (credentials.TransportCredentials, error) {
-	if !f.enabled() {
-		return insecure.NewCredentials(), nil
-	}
-	cfg, err := tlsconfig.Server(tlsconfig.Files{Cert: f.cert, Key: f.key, CA: f.ca})
-	if err != nil {
-		return nil, err
-	}
-	return credentials.NewTLS(cfg), nil
+	return tlsconfig.ServerCredentials(f.files())
 }
 
 // otelFlags override the OTEL_EXPORTER_OTLP_* environment.

@@ -28,7 +28,6 @@ import (
 	"strings"
 	"time"
 
-	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
@@ -110,7 +109,7 @@ var propagator = propagation.NewCompositeTextMapPropagator(propagation.TraceCont
 
 // Setup builds a Provider from cfg and the environment. It does not touch
 // the global OpenTelemetry state: pass TracerProvider and Propagator to the
-// instrumentation (otelhttp, otelgrpc), or call SetGlobal. It returns an
+// instrumentation (otelhttp, otelgrpc). It returns an
 // error for configuration that cannot work (an unknown protocol, sampler or
 // exporter, a ratio out of range); connection problems are only reported
 // later, by the exporter, because the collector may come up after us.
@@ -359,13 +358,6 @@ func (p *Provider) Tracer(name string, opts ...trace.TracerOption) trace.Tracer 
 
 // Propagator returns the W3C tracecontext + baggage propagator.
 func (p *Provider) Propagator() propagation.TextMapPropagator { return propagator }
-
-// SetGlobal installs the provider and the propagator as OpenTelemetry's
-// globals, for instrumentation that offers no option to pass them.
-func (p *Provider) SetGlobal() {
-	otel.SetTracerProvider(p.TracerProvider())
-	otel.SetTextMapPropagator(propagator)
-}
 
 // Enabled reports whether spans are exported.
 func (p *Provider) Enabled() bool { return p != nil && p.endpoint != "" }
