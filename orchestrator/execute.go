@@ -42,6 +42,9 @@ type Request struct {
 	// Operation is gen_ai.operation.name: "chat" (default) or
 	// "text_completion".
 	Operation string
+	// OnAudio, when not nil, receives the last stage's PCM16 audio as it is
+	// made (with its sample rate); an error from it aborts the request.
+	OnAudio func(pcm []byte, sampleRate int) error
 }
 
 // Result is what a request produced.
@@ -53,13 +56,20 @@ type Result struct {
 	Codes            []uint32
 	PCM              []byte // PCM16 mono little-endian
 	SampleRate       int
+	// AudioTruncated: a stage after the first stopped at its output limit,
+	// so the audio covers only part of the text. FinishReason is then
+	// "length".
+	AudioTruncated bool
 }
 
 // Execute walks req through the pipeline: each stage's output is the next
-// stage's input. onText receives stage 0's text as it arrives and may be
-// nil; an error from it aborts the request. Execute is safe for concurrent
-// use.
-func (h *Head) Execute(ctx context.Context, req Request, onText func(delta string) error) (*Result, error) {
+// stage's input. With a streaming pipeline (the default) every stage runs
+// at once and each chunk of output is forwarded to the next stage as it is
+// made; otherwise each stage starts when the one before it finished.
+// onText receives stage 0's text as it arrives and req.OnAudio the last
+// stage's audio; either may be nil, and an error from either aborts the
+// request. Execute is safe for concurrent use.
+func (h *Head) Execute(ctx context.Context, req Request, onText func(delta string) error) (res *Result, err error) {
 	n := req.Stages
 	if n <= 0 {
 		n = 1
@@ -70,6 +80,15 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	if req.Operation == "" {
 		req.Operation = telemetry.GenAIOperationChat
 	}
+	start := time.Now()
+	var ttfa time.Duration
+	defer func() {
+		r := stats.PipelineResult{Outcome: outcomeOf(ctx, err), E2E: time.Since(start), TTFA: ttfa}
+		if res != nil && res.SampleRate > 0 {
+			r.Audio = time.Duration(len(res.PCM) / 2 * int(time.Second) / res.SampleRate)
+		}
+		h.pipeline.Finish(r)
+	}()
 	ctx, span := h.tracer.Start(ctx, telemetry.SpanRequest, trace.WithSpanKind(trace.SpanKindInternal),
 		trace.WithAttributes(
 			telemetry.KeyRequestID.String(req.ID),
@@ -88,23 +107,63 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		}
 	}
 
-	res := &Result{}
 	in := &stagepb.GenerateRequest{RequestId: req.ID, Input: &stagepb.GenerateRequest_Text{Text: req.Prompt}, Sampling: req.Sampling}
+	if n > 1 && h.cfg.Pipeline.StreamsBetweenStages() {
+		span.SetAttributes(attribute.Bool("troupe.request.streamed", true))
+		res, ttfa, err = h.executeStreamed(ctx, req, n, in, onText)
+	} else {
+		res, ttfa, err = h.executeSequential(ctx, req, n, in, onText)
+	}
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+		return nil, err
+	}
+	span.SetAttributes(telemetry.GenAIUsageAttributes(int64(res.PromptTokens), int64(res.CompletionTokens), res.FinishReason)...)
+	return res, nil
+}
+
+// executeSequential runs the stages one after the other; the last stage's
+// audio still reaches req.OnAudio as it is made.
+func (h *Head) executeSequential(ctx context.Context, req Request, n int, in *stagepb.GenerateRequest, onText func(string) error) (*Result, time.Duration, error) {
+	start := time.Now()
+	var ttfa time.Duration
+	res := &Result{}
 	for i := range n {
-		var emit func(*stagepb.GenerateChunk) error
-		if i == 0 && onText != nil {
-			emit = func(c *stagepb.GenerateChunk) error { return onText(c.GetText()) }
+		var forward forwarder
+		switch {
+		case i == 0 && onText != nil:
+			forward = func(c *stagepb.GenerateChunk) (bool, error) {
+				if c.GetText() == "" {
+					return false, nil
+				}
+				return true, onText(c.GetText())
+			}
+		case i == n-1 && i > 0:
+			forward = func(c *stagepb.GenerateChunk) (bool, error) {
+				if len(c.GetAudioPcm16()) == 0 {
+					return false, nil
+				}
+				if ttfa == 0 {
+					ttfa = time.Since(start)
+				}
+				if req.OnAudio == nil {
+					return false, nil
+				}
+				return true, req.OnAudio(c.GetAudioPcm16(), int(c.GetSampleRate()))
+			}
 		}
-		out, err := h.runStage(ctx, req, i, in, emit)
+		out, err := h.runStage(ctx, req, i, in, forward)
 		if err != nil {
-			span.RecordError(err)
-			span.SetStatus(codes.Error, err.Error())
-			return nil, err
+			return nil, 0, err
 		}
-		switch i {
-		case 0:
+		switch {
+		case i == 0:
 			res.Text, res.FinishReason = out.text.String(), out.finish
 			res.PromptTokens, res.CompletionTokens = out.promptTokens, out.generationTokens
+		case out.finish == stagepb.FinishReason_FINISH_REASON_LENGTH.Name():
+			res.AudioTruncated = true
+			res.FinishReason = out.finish
 		}
 		if len(out.codes) > 0 {
 			res.Codes = out.codes
@@ -122,8 +181,22 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		}
 		in = next
 	}
-	span.SetAttributes(telemetry.GenAIUsageAttributes(int64(res.PromptTokens), int64(res.CompletionTokens), res.FinishReason)...)
-	return res, nil
+	return res, ttfa, nil
+}
+
+// outcomeOf classifies a finished request for troupe_pipeline_requests_total.
+func outcomeOf(ctx context.Context, err error) string {
+	switch {
+	case err == nil:
+		return stats.OutcomeSuccess
+	case errors.Is(err, ErrNoReplica):
+		return stats.OutcomeNoReplica
+	case errors.Is(err, ErrBadRequest):
+		return stats.OutcomeBadRequest
+	case ctx.Err() != nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
+		return stats.OutcomeAbort
+	}
+	return stats.OutcomeError
 }
 
 // requestAttributes are the gen_ai.request.* attributes of a request.
@@ -150,10 +223,10 @@ type stageOutput struct {
 const maxAttempts = 2
 
 // runStage runs one stage, retrying once on another replica when the first
-// attempt fails before any output reached the client. emit, when not nil,
-// streams output to the client; without it nothing is visible until the
-// stage ends, so any failure may be retried.
-func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) (*stageOutput, error) {
+// attempt fails before any output reached the client. forward, when not
+// nil, streams output to the client; without it nothing is visible until
+// the stage ends, so any failure may be retried.
+func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb.GenerateRequest, forward forwarder) (*stageOutput, error) {
 	var failed []*router.Replica
 	var lastErr error
 	for attempt := 1; attempt <= maxAttempts; attempt++ {
@@ -164,7 +237,11 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 			}
 			return nil, fmt.Errorf("orchestrator: stage %q: %w", h.cfg.Pipeline.Stages[stage].Name, err)
 		}
-		out, produced, err := h.attempt(ctx, req, stage, rep, attempt, in, emit)
+		open := func(ctx context.Context, _ trace.Span) (chunkStream, func(), error) {
+			stream, err := rep.Client.Generate(ctx, in)
+			return stream, func() {}, err
+		}
+		out, produced, err := h.attempt(ctx, req, stage, rep, attempt, in.GetSampling(), open, forward)
 		if err == nil {
 			return out, nil
 		}
@@ -178,16 +255,32 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 	return nil, lastErr
 }
 
+// chunkStream is the receiving side of Generate and GenerateStream.
+type chunkStream interface {
+	Recv() (*stagepb.GenerateChunk, error)
+}
+
+// opener starts a stage attempt's RPC under ctx. wait, called after ctx is
+// cancelled, waits for whatever goroutine the opener started.
+type opener func(ctx context.Context, span trace.Span) (stream chunkStream, wait func(), err error)
+
+// forwarder passes an output chunk on (to the client, or to the next
+// stage). visible reports whether the output reached the client, after
+// which the attempt cannot be retried.
+type forwarder func(c *stagepb.GenerateChunk) (visible bool, err error)
+
 // attempt runs a stage on one replica. produced reports whether any output
-// reached the client through emit, after which a retry would duplicate it.
-func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.Replica, attempt int, in *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) (_ *stageOutput, produced bool, err error) {
+// reached the client through forward, after which a retry would duplicate
+// it. forward may be nil.
+func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.Replica, attempt int, sampling *stagepb.SamplingParams, open opener, forward forwarder) (_ *stageOutput, produced bool, err error) {
 	name := h.cfg.Pipeline.Stages[stage].Name
 	ctx, span := h.tracer.Start(ctx, telemetry.StageSpanName(name), trace.WithSpanKind(trace.SpanKindInternal),
 		trace.WithAttributes(telemetry.StageAttributes(stage, name, uint64(rep.Key.Replica), rep.EngineIndex, attempt)...),
-		trace.WithAttributes(requestAttributes(Request{Operation: req.Operation, Sampling: in.GetSampling()}, h.cfg.Pipeline.Model)...))
+		trace.WithAttributes(requestAttributes(Request{Operation: req.Operation, Sampling: sampling}, h.cfg.Pipeline.Model)...))
 	defer span.End()
 	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
+	wait := func() {}
+	defer func() { cancel(); wait() }()
 
 	rep.Acquire()
 	defer rep.Release()
@@ -213,7 +306,8 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.
 		}
 	}()
 
-	stream, err := rep.Client.Generate(ctx, in)
+	stream, w, err := open(ctx, span)
+	wait = w
 	if err != nil {
 		return nil, false, h.stageError(ctx, name, rep, err, &fin)
 	}
@@ -248,11 +342,12 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.
 			if r := chunk.GetSampleRate(); r > 0 {
 				out.sampleRate = int(r)
 			}
-			if emit != nil && chunk.GetText() != "" {
-				produced = true
-				if eerr := emit(chunk); eerr != nil {
+			if forward != nil {
+				visible, ferr := forward(chunk)
+				produced = produced || visible
+				if ferr != nil {
 					fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
-					return nil, true, fmt.Errorf("orchestrator: client gone: %w", eerr)
+					return nil, produced, fmt.Errorf("orchestrator: stage %q: output not delivered: %w", name, ferr)
 				}
 			}
 		}

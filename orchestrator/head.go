@@ -47,9 +47,11 @@ type Head struct {
 	log     *slog.Logger
 	watcher *membership.Watcher
 	stats   *stats.Logger
-	router  *router.Router
-	policy  router.Policy
-	tracer  trace.Tracer
+	// pipeline holds the pipeline-level families; nil without LogStats.
+	pipeline *stats.Pipeline
+	router   *router.Router
+	policy   router.Policy
+	tracer   trace.Tracer
 
 	events  *prometheus.CounterVec
 	invalid prometheus.Counter
@@ -112,13 +114,20 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	if err != nil {
 		return nil, fmt.Errorf("orchestrator: stats: %w", err)
 	}
+	var pipe *stats.Pipeline
+	if cfg.LogStats {
+		if pipe, err = stats.NewPipeline(cfg.Metrics, cfg.Pipeline.Model, len(cfg.Pipeline.Stages)); err != nil {
+			return nil, fmt.Errorf("orchestrator: %w", err)
+		}
+	}
 	h := &Head{
-		cfg:    cfg,
-		log:    cfg.Logger,
-		stats:  st,
-		router: router.New(len(cfg.Pipeline.Stages), cfg.Dial, cfg.Logger),
-		policy: policy,
-		tracer: cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
+		pipeline: pipe,
+		cfg:      cfg,
+		log:      cfg.Logger,
+		stats:    st,
+		router:   router.New(len(cfg.Pipeline.Stages), cfg.Dial, cfg.Logger),
+		policy:   policy,
+		tracer:   cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "troupe_membership_events_total",
 			Help: "Membership events applied by the head, by type.",

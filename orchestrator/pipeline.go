@@ -13,12 +13,25 @@ import (
 type Pipeline struct {
 	Model  string  `yaml:"model"`
 	Stages []Stage `yaml:"stages"`
+	// Streaming forwards each stage's output to the next stage while it is
+	// still generating (the default). false runs the stages one after the
+	// other, each on its whole input: slower to the first audio, kept to
+	// compare against.
+	Streaming *bool `yaml:"streaming,omitempty"`
 }
 
 // Stage is one step of the pipeline. Only Name is required.
 type Stage struct {
 	Name string `yaml:"name"`
+	// InputChunk is how many input units (words of text, or codes) the
+	// stage gathers from the previous stage before it starts a segment of
+	// work, when the pipeline streams. 0: the worker's default (8 words,
+	// 10 codes).
+	InputChunk int `yaml:"input_chunk,omitempty"`
 }
+
+// StreamsBetweenStages reports whether stages stream into each other.
+func (p Pipeline) StreamsBetweenStages() bool { return p.Streaming == nil || *p.Streaming }
 
 // DefaultPipeline is the omni pipeline that `troupe up` runs.
 func DefaultPipeline() Pipeline {
@@ -64,6 +77,9 @@ func (p Pipeline) Validate() error {
 	for i, s := range p.Stages {
 		if s.Name == "" {
 			return fmt.Errorf("orchestrator: pipeline: stage %d has no name", i)
+		}
+		if s.InputChunk < 0 {
+			return fmt.Errorf("orchestrator: pipeline: stage %q: input_chunk must be 0 or more, got %d", s.Name, s.InputChunk)
 		}
 		if seen[s.Name] {
 			return fmt.Errorf("orchestrator: pipeline: duplicate stage name %q", s.Name)

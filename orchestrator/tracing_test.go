@@ -139,10 +139,19 @@ func TestSpanTreeThreeStages(t *testing.T) {
 		assert.Positive(t, attr(s, telemetry.KeyGenAIUsageOutputTokens).AsInt64())
 		assert.True(t, hasEvent(s, "first_token"), "%s: first token event", name)
 		assert.True(t, hasEvent(s, "finish"), "%s: finish event", name)
+		// The stages stream into each other: every stage after the first
+		// records its first input, every stage its first output forwarded
+		// (to the next stage, or to the client).
+		assert.Equal(t, i > 0, hasEvent(s, "first_input"), "%s: first_input event", name)
+		assert.True(t, hasEvent(s, "first_output_forwarded"), "%s: first_output_forwarded event", name)
 
 		clients := tr.children[s.SpanContext().SpanID()]
 		require.Len(t, clients, 1, "%s: one gRPC client span", name)
-		assert.Equal(t, rpc, clients[0].Name())
+		wantRPC := rpc
+		if i > 0 {
+			wantRPC = rpc + "Stream" // fed by the previous stage as it generates
+		}
+		assert.Equal(t, wantRPC, clients[0].Name())
 		assert.Equal(t, trace.SpanKindClient, clients[0].SpanKind())
 		servers := tr.children[clients[0].SpanContext().SpanID()]
 		require.Len(t, servers, 1, "%s: the worker's server span is a child of the client span", name)

@@ -356,8 +356,12 @@ type GenerateRequest struct {
 	//	*GenerateRequest_Text
 	//	*GenerateRequest_TokenIds
 	//	*GenerateRequest_Codes
-	Input         isGenerateRequest_Input `protobuf_oneof:"input"`
-	Sampling      *SamplingParams         `protobuf:"bytes,5,opt,name=sampling,proto3" json:"sampling,omitempty"`
+	Input    isGenerateRequest_Input `protobuf_oneof:"input"`
+	Sampling *SamplingParams         `protobuf:"bytes,5,opt,name=sampling,proto3" json:"sampling,omitempty"`
+	// Text input that earlier segments of the same streamed request already
+	// consumed. The engine may condition on it (a talker continues its
+	// prosody) but produces output for input only.
+	Context       string `protobuf:"bytes,6,opt,name=context,proto3" json:"context,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -440,6 +444,13 @@ func (x *GenerateRequest) GetSampling() *SamplingParams {
 	return nil
 }
 
+func (x *GenerateRequest) GetContext() string {
+	if x != nil {
+		return x.Context
+	}
+	return ""
+}
+
 type isGenerateRequest_Input interface {
 	isGenerateRequest_Input()
 }
@@ -461,6 +472,77 @@ func (*GenerateRequest_Text) isGenerateRequest_Input() {}
 func (*GenerateRequest_TokenIds) isGenerateRequest_Input() {}
 
 func (*GenerateRequest_Codes) isGenerateRequest_Input() {}
+
+// StreamInput is one message of GenerateStream's input.
+type StreamInput struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Request *GenerateRequest       `protobuf:"bytes,1,opt,name=request,proto3" json:"request,omitempty"` // first message only
+	// First message only: how many input units (words of text, codes) the
+	// worker gathers before it runs a segment; 0 means the worker's default.
+	SegmentUnits  uint32   `protobuf:"varint,2,opt,name=segment_units,json=segmentUnits,proto3" json:"segment_units,omitempty"`
+	Text          string   `protobuf:"bytes,3,opt,name=text,proto3" json:"text,omitempty"`           // text appended to the input
+	Codes         []uint32 `protobuf:"varint,4,rep,packed,name=codes,proto3" json:"codes,omitempty"` // codes appended to the input
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StreamInput) Reset() {
+	*x = StreamInput{}
+	mi := &file_stage_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StreamInput) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StreamInput) ProtoMessage() {}
+
+func (x *StreamInput) ProtoReflect() protoreflect.Message {
+	mi := &file_stage_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StreamInput.ProtoReflect.Descriptor instead.
+func (*StreamInput) Descriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *StreamInput) GetRequest() *GenerateRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+func (x *StreamInput) GetSegmentUnits() uint32 {
+	if x != nil {
+		return x.SegmentUnits
+	}
+	return 0
+}
+
+func (x *StreamInput) GetText() string {
+	if x != nil {
+		return x.Text
+	}
+	return ""
+}
+
+func (x *StreamInput) GetCodes() []uint32 {
+	if x != nil {
+		return x.Codes
+	}
+	return nil
+}
 
 type EngineStats struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -489,7 +571,7 @@ type EngineStats struct {
 
 func (x *EngineStats) Reset() {
 	*x = EngineStats{}
-	mi := &file_stage_proto_msgTypes[4]
+	mi := &file_stage_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -501,7 +583,7 @@ func (x *EngineStats) String() string {
 func (*EngineStats) ProtoMessage() {}
 
 func (x *EngineStats) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[4]
+	mi := &file_stage_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -514,7 +596,7 @@ func (x *EngineStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineStats.ProtoReflect.Descriptor instead.
 func (*EngineStats) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{4}
+	return file_stage_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *EngineStats) GetPromptTokens() uint64 {
@@ -648,7 +730,7 @@ type Timings struct {
 
 func (x *Timings) Reset() {
 	*x = Timings{}
-	mi := &file_stage_proto_msgTypes[5]
+	mi := &file_stage_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -660,7 +742,7 @@ func (x *Timings) String() string {
 func (*Timings) ProtoMessage() {}
 
 func (x *Timings) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[5]
+	mi := &file_stage_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -673,7 +755,7 @@ func (x *Timings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Timings.ProtoReflect.Descriptor instead.
 func (*Timings) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{5}
+	return file_stage_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Timings) GetQueueSeconds() float64 {
@@ -713,7 +795,7 @@ type GenerateChunk struct {
 
 func (x *GenerateChunk) Reset() {
 	*x = GenerateChunk{}
-	mi := &file_stage_proto_msgTypes[6]
+	mi := &file_stage_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -725,7 +807,7 @@ func (x *GenerateChunk) String() string {
 func (*GenerateChunk) ProtoMessage() {}
 
 func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[6]
+	mi := &file_stage_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -738,7 +820,7 @@ func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateChunk.ProtoReflect.Descriptor instead.
 func (*GenerateChunk) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{6}
+	return file_stage_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *GenerateChunk) GetText() string {
@@ -805,7 +887,7 @@ type HealthRequest struct {
 
 func (x *HealthRequest) Reset() {
 	*x = HealthRequest{}
-	mi := &file_stage_proto_msgTypes[7]
+	mi := &file_stage_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -817,7 +899,7 @@ func (x *HealthRequest) String() string {
 func (*HealthRequest) ProtoMessage() {}
 
 func (x *HealthRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[7]
+	mi := &file_stage_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -830,7 +912,7 @@ func (x *HealthRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthRequest.ProtoReflect.Descriptor instead.
 func (*HealthRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{7}
+	return file_stage_proto_rawDescGZIP(), []int{8}
 }
 
 type CacheConfig struct {
@@ -845,7 +927,7 @@ type CacheConfig struct {
 
 func (x *CacheConfig) Reset() {
 	*x = CacheConfig{}
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -857,7 +939,7 @@ func (x *CacheConfig) String() string {
 func (*CacheConfig) ProtoMessage() {}
 
 func (x *CacheConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -870,7 +952,7 @@ func (x *CacheConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CacheConfig.ProtoReflect.Descriptor instead.
 func (*CacheConfig) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{8}
+	return file_stage_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *CacheConfig) GetBlockSize() uint32 {
@@ -916,7 +998,7 @@ type HealthResponse struct {
 
 func (x *HealthResponse) Reset() {
 	*x = HealthResponse{}
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -928,7 +1010,7 @@ func (x *HealthResponse) String() string {
 func (*HealthResponse) ProtoMessage() {}
 
 func (x *HealthResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -941,7 +1023,7 @@ func (x *HealthResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthResponse.ProtoReflect.Descriptor instead.
 func (*HealthResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{9}
+	return file_stage_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *HealthResponse) GetStatus() ServingStatus {
@@ -1002,7 +1084,7 @@ type SleepRequest struct {
 
 func (x *SleepRequest) Reset() {
 	*x = SleepRequest{}
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1014,7 +1096,7 @@ func (x *SleepRequest) String() string {
 func (*SleepRequest) ProtoMessage() {}
 
 func (x *SleepRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1027,7 +1109,7 @@ func (x *SleepRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepRequest.ProtoReflect.Descriptor instead.
 func (*SleepRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{10}
+	return file_stage_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *SleepRequest) GetLevel() uint32 {
@@ -1046,7 +1128,7 @@ type SleepResponse struct {
 
 func (x *SleepResponse) Reset() {
 	*x = SleepResponse{}
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1058,7 +1140,7 @@ func (x *SleepResponse) String() string {
 func (*SleepResponse) ProtoMessage() {}
 
 func (x *SleepResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1071,7 +1153,7 @@ func (x *SleepResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepResponse.ProtoReflect.Descriptor instead.
 func (*SleepResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{11}
+	return file_stage_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *SleepResponse) GetSleepState() SleepState {
@@ -1089,7 +1171,7 @@ type WakeUpRequest struct {
 
 func (x *WakeUpRequest) Reset() {
 	*x = WakeUpRequest{}
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1101,7 +1183,7 @@ func (x *WakeUpRequest) String() string {
 func (*WakeUpRequest) ProtoMessage() {}
 
 func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1114,7 +1196,7 @@ func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpRequest.ProtoReflect.Descriptor instead.
 func (*WakeUpRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{12}
+	return file_stage_proto_rawDescGZIP(), []int{13}
 }
 
 type WakeUpResponse struct {
@@ -1126,7 +1208,7 @@ type WakeUpResponse struct {
 
 func (x *WakeUpResponse) Reset() {
 	*x = WakeUpResponse{}
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1138,7 +1220,7 @@ func (x *WakeUpResponse) String() string {
 func (*WakeUpResponse) ProtoMessage() {}
 
 func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1151,7 +1233,7 @@ func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpResponse.ProtoReflect.Descriptor instead.
 func (*WakeUpResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{13}
+	return file_stage_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *WakeUpResponse) GetSleepState() SleepState {
@@ -1169,7 +1251,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1181,7 +1263,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1194,7 +1276,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{14}
+	return file_stage_proto_rawDescGZIP(), []int{15}
 }
 
 type DrainResponse struct {
@@ -1206,7 +1288,7 @@ type DrainResponse struct {
 
 func (x *DrainResponse) Reset() {
 	*x = DrainResponse{}
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1218,7 +1300,7 @@ func (x *DrainResponse) String() string {
 func (*DrainResponse) ProtoMessage() {}
 
 func (x *DrainResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1231,7 +1313,7 @@ func (x *DrainResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainResponse.ProtoReflect.Descriptor instead.
 func (*DrainResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{15}
+	return file_stage_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *DrainResponse) GetInFlight() uint32 {
@@ -1258,15 +1340,21 @@ const file_stage_proto_rawDesc = "" +
 	"\bTokenIds\x12\x10\n" +
 	"\x03ids\x18\x01 \x03(\rR\x03ids\"\x1d\n" +
 	"\x05Codes\x12\x14\n" +
-	"\x05codes\x18\x01 \x03(\rR\x05codes\"\xf6\x01\n" +
+	"\x05codes\x18\x01 \x03(\rR\x05codes\"\x90\x02\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
 	"\x04text\x18\x02 \x01(\tH\x00R\x04text\x128\n" +
 	"\ttoken_ids\x18\x03 \x01(\v2\x19.troupe.stage.v1.TokenIdsH\x00R\btokenIds\x12.\n" +
 	"\x05codes\x18\x04 \x01(\v2\x16.troupe.stage.v1.CodesH\x00R\x05codes\x12;\n" +
-	"\bsampling\x18\x05 \x01(\v2\x1f.troupe.stage.v1.SamplingParamsR\bsamplingB\a\n" +
-	"\x05input\"\xd4\a\n" +
+	"\bsampling\x18\x05 \x01(\v2\x1f.troupe.stage.v1.SamplingParamsR\bsampling\x12\x18\n" +
+	"\acontext\x18\x06 \x01(\tR\acontextB\a\n" +
+	"\x05input\"\x98\x01\n" +
+	"\vStreamInput\x12:\n" +
+	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +
+	"\rsegment_units\x18\x02 \x01(\rR\fsegmentUnits\x12\x12\n" +
+	"\x04text\x18\x03 \x01(\tR\x04text\x12\x14\n" +
+	"\x05codes\x18\x04 \x03(\rR\x05codes\"\xd4\a\n" +
 	"\vEngineStats\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\x04R\fpromptTokens\x12+\n" +
 	"\x11generation_tokens\x18\x02 \x01(\x04R\x10generationTokens\x120\n" +
@@ -1345,13 +1433,14 @@ const file_stage_proto_rawDesc = "" +
 	"\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16SERVING_STATUS_SERVING\x10\x01\x12\x1e\n" +
 	"\x1aSERVING_STATUS_NOT_SERVING\x10\x02\x12\x1b\n" +
-	"\x17SERVING_STATUS_DRAINING\x10\x032\x84\x03\n" +
+	"\x17SERVING_STATUS_DRAINING\x10\x032\xd8\x03\n" +
 	"\fStageService\x12N\n" +
 	"\bGenerate\x12 .troupe.stage.v1.GenerateRequest\x1a\x1e.troupe.stage.v1.GenerateChunk0\x01\x12I\n" +
 	"\x06Health\x12\x1e.troupe.stage.v1.HealthRequest\x1a\x1f.troupe.stage.v1.HealthResponse\x12F\n" +
 	"\x05Sleep\x12\x1d.troupe.stage.v1.SleepRequest\x1a\x1e.troupe.stage.v1.SleepResponse\x12I\n" +
 	"\x06WakeUp\x12\x1e.troupe.stage.v1.WakeUpRequest\x1a\x1f.troupe.stage.v1.WakeUpResponse\x12F\n" +
-	"\x05Drain\x12\x1d.troupe.stage.v1.DrainRequest\x1a\x1e.troupe.stage.v1.DrainResponseB.Z,github.com/troupe-serving/troupe/pkg/stagepbb\x06proto3"
+	"\x05Drain\x12\x1d.troupe.stage.v1.DrainRequest\x1a\x1e.troupe.stage.v1.DrainResponse\x12R\n" +
+	"\x0eGenerateStream\x12\x1c.troupe.stage.v1.StreamInput\x1a\x1e.troupe.stage.v1.GenerateChunk(\x010\x01B.Z,github.com/troupe-serving/troupe/pkg/stagepbb\x06proto3"
 
 var (
 	file_stage_proto_rawDescOnce sync.Once
@@ -1366,7 +1455,7 @@ func file_stage_proto_rawDescGZIP() []byte {
 }
 
 var file_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_stage_proto_goTypes = []any{
 	(FinishReason)(0),       // 0: troupe.stage.v1.FinishReason
 	(SleepState)(0),         // 1: troupe.stage.v1.SleepState
@@ -1375,47 +1464,51 @@ var file_stage_proto_goTypes = []any{
 	(*TokenIds)(nil),        // 4: troupe.stage.v1.TokenIds
 	(*Codes)(nil),           // 5: troupe.stage.v1.Codes
 	(*GenerateRequest)(nil), // 6: troupe.stage.v1.GenerateRequest
-	(*EngineStats)(nil),     // 7: troupe.stage.v1.EngineStats
-	(*Timings)(nil),         // 8: troupe.stage.v1.Timings
-	(*GenerateChunk)(nil),   // 9: troupe.stage.v1.GenerateChunk
-	(*HealthRequest)(nil),   // 10: troupe.stage.v1.HealthRequest
-	(*CacheConfig)(nil),     // 11: troupe.stage.v1.CacheConfig
-	(*HealthResponse)(nil),  // 12: troupe.stage.v1.HealthResponse
-	(*SleepRequest)(nil),    // 13: troupe.stage.v1.SleepRequest
-	(*SleepResponse)(nil),   // 14: troupe.stage.v1.SleepResponse
-	(*WakeUpRequest)(nil),   // 15: troupe.stage.v1.WakeUpRequest
-	(*WakeUpResponse)(nil),  // 16: troupe.stage.v1.WakeUpResponse
-	(*DrainRequest)(nil),    // 17: troupe.stage.v1.DrainRequest
-	(*DrainResponse)(nil),   // 18: troupe.stage.v1.DrainResponse
+	(*StreamInput)(nil),     // 7: troupe.stage.v1.StreamInput
+	(*EngineStats)(nil),     // 8: troupe.stage.v1.EngineStats
+	(*Timings)(nil),         // 9: troupe.stage.v1.Timings
+	(*GenerateChunk)(nil),   // 10: troupe.stage.v1.GenerateChunk
+	(*HealthRequest)(nil),   // 11: troupe.stage.v1.HealthRequest
+	(*CacheConfig)(nil),     // 12: troupe.stage.v1.CacheConfig
+	(*HealthResponse)(nil),  // 13: troupe.stage.v1.HealthResponse
+	(*SleepRequest)(nil),    // 14: troupe.stage.v1.SleepRequest
+	(*SleepResponse)(nil),   // 15: troupe.stage.v1.SleepResponse
+	(*WakeUpRequest)(nil),   // 16: troupe.stage.v1.WakeUpRequest
+	(*WakeUpResponse)(nil),  // 17: troupe.stage.v1.WakeUpResponse
+	(*DrainRequest)(nil),    // 18: troupe.stage.v1.DrainRequest
+	(*DrainResponse)(nil),   // 19: troupe.stage.v1.DrainResponse
 }
 var file_stage_proto_depIdxs = []int32{
 	4,  // 0: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
 	5,  // 1: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
 	3,  // 2: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
-	0,  // 3: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
-	7,  // 4: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
-	8,  // 5: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
-	2,  // 6: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
-	1,  // 7: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	11, // 8: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
-	7,  // 9: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
-	1,  // 10: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	1,  // 11: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	6,  // 12: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
-	10, // 13: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
-	13, // 14: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
-	15, // 15: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
-	17, // 16: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
-	9,  // 17: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
-	12, // 18: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
-	14, // 19: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
-	16, // 20: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
-	18, // 21: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
-	17, // [17:22] is the sub-list for method output_type
-	12, // [12:17] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	6,  // 3: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
+	0,  // 4: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
+	8,  // 5: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
+	9,  // 6: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
+	2,  // 7: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
+	1,  // 8: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	12, // 9: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
+	8,  // 10: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
+	1,  // 11: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	1,  // 12: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	6,  // 13: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
+	11, // 14: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
+	14, // 15: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
+	16, // 16: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
+	18, // 17: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
+	7,  // 18: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
+	10, // 19: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
+	13, // 20: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
+	15, // 21: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
+	17, // 22: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
+	19, // 23: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
+	10, // 24: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
+	19, // [19:25] is the sub-list for method output_type
+	13, // [13:19] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_stage_proto_init() }
@@ -1435,7 +1528,7 @@ func file_stage_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_stage_proto_rawDesc), len(file_stage_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   16,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -26,11 +26,12 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	StageService_Generate_FullMethodName = "/troupe.stage.v1.StageService/Generate"
-	StageService_Health_FullMethodName   = "/troupe.stage.v1.StageService/Health"
-	StageService_Sleep_FullMethodName    = "/troupe.stage.v1.StageService/Sleep"
-	StageService_WakeUp_FullMethodName   = "/troupe.stage.v1.StageService/WakeUp"
-	StageService_Drain_FullMethodName    = "/troupe.stage.v1.StageService/Drain"
+	StageService_Generate_FullMethodName       = "/troupe.stage.v1.StageService/Generate"
+	StageService_Health_FullMethodName         = "/troupe.stage.v1.StageService/Health"
+	StageService_Sleep_FullMethodName          = "/troupe.stage.v1.StageService/Sleep"
+	StageService_WakeUp_FullMethodName         = "/troupe.stage.v1.StageService/WakeUp"
+	StageService_Drain_FullMethodName          = "/troupe.stage.v1.StageService/Drain"
+	StageService_GenerateStream_FullMethodName = "/troupe.stage.v1.StageService/GenerateStream"
 )
 
 // StageServiceClient is the client API for StageService service.
@@ -48,6 +49,13 @@ type StageServiceClient interface {
 	WakeUp(ctx context.Context, in *WakeUpRequest, opts ...grpc.CallOption) (*WakeUpResponse, error)
 	// Drain makes the replica refuse new work; in-flight requests finish.
 	Drain(ctx context.Context, in *DrainRequest, opts ...grpc.CallOption) (*DrainResponse, error)
+	// GenerateStream runs one request whose input arrives while it runs, as
+	// the previous stage makes it. The first message carries the request (its
+	// input may be empty); later messages append input; the client's
+	// CloseSend ends the input. The worker starts as soon as a segment of
+	// input is there and streams output as Generate does. Cancelling the
+	// stream aborts the request.
+	GenerateStream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[StreamInput, GenerateChunk], error)
 }
 
 type stageServiceClient struct {
@@ -117,6 +125,19 @@ func (c *stageServiceClient) Drain(ctx context.Context, in *DrainRequest, opts .
 	return out, nil
 }
 
+func (c *stageServiceClient) GenerateStream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[StreamInput, GenerateChunk], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &StageService_ServiceDesc.Streams[1], StageService_GenerateStream_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[StreamInput, GenerateChunk]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type StageService_GenerateStreamClient = grpc.BidiStreamingClient[StreamInput, GenerateChunk]
+
 // StageServiceServer is the server API for StageService service.
 // All implementations must embed UnimplementedStageServiceServer
 // for forward compatibility.
@@ -132,6 +153,13 @@ type StageServiceServer interface {
 	WakeUp(context.Context, *WakeUpRequest) (*WakeUpResponse, error)
 	// Drain makes the replica refuse new work; in-flight requests finish.
 	Drain(context.Context, *DrainRequest) (*DrainResponse, error)
+	// GenerateStream runs one request whose input arrives while it runs, as
+	// the previous stage makes it. The first message carries the request (its
+	// input may be empty); later messages append input; the client's
+	// CloseSend ends the input. The worker starts as soon as a segment of
+	// input is there and streams output as Generate does. Cancelling the
+	// stream aborts the request.
+	GenerateStream(grpc.BidiStreamingServer[StreamInput, GenerateChunk]) error
 	mustEmbedUnimplementedStageServiceServer()
 }
 
@@ -156,6 +184,9 @@ func (UnimplementedStageServiceServer) WakeUp(context.Context, *WakeUpRequest) (
 }
 func (UnimplementedStageServiceServer) Drain(context.Context, *DrainRequest) (*DrainResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Drain not implemented")
+}
+func (UnimplementedStageServiceServer) GenerateStream(grpc.BidiStreamingServer[StreamInput, GenerateChunk]) error {
+	return status.Error(codes.Unimplemented, "method GenerateStream not implemented")
 }
 func (UnimplementedStageServiceServer) mustEmbedUnimplementedStageServiceServer() {}
 func (UnimplementedStageServiceServer) testEmbeddedByValue()                      {}
@@ -261,6 +292,13 @@ func _StageService_Drain_Handler(srv interface{}, ctx context.Context, dec func(
 	return interceptor(ctx, in, info, handler)
 }
 
+func _StageService_GenerateStream_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(StageServiceServer).GenerateStream(&grpc.GenericServerStream[StreamInput, GenerateChunk]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type StageService_GenerateStreamServer = grpc.BidiStreamingServer[StreamInput, GenerateChunk]
+
 // StageService_ServiceDesc is the grpc.ServiceDesc for StageService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -290,6 +328,12 @@ var StageService_ServiceDesc = grpc.ServiceDesc{
 			StreamName:    "Generate",
 			Handler:       _StageService_Generate_Handler,
 			ServerStreams: true,
+		},
+		{
+			StreamName:    "GenerateStream",
+			Handler:       _StageService_GenerateStream_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
 		},
 	},
 	Metadata: "stage.proto",

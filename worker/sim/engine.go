@@ -107,18 +107,18 @@ func invalidArgument(msg string) error { return status.Error(codes.InvalidArgume
 // status errors, except ctx's own error and emit's.
 func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
 	role := e.cfg.Role
-	prompt, err := promptOf(role, req)
+	prompt, ctxLen, err := promptOf(role, req)
 	if err != nil {
 		return err
 	}
 	p := paramsOf(req.GetSampling())
-	n, _ := outputLength(role, prompt, p)
+	n, _ := outputLength(role, prompt, ctxLen, p)
 	if need := len(prompt) + n + e.cfg.NumSpeculativeTokens; need > e.cfg.maxModelLen() {
 		return invalidArgument(fmt.Sprintf(
 			"sim: request needs %d tokens of KV cache (prompt %d + output up to %d + %d draft), more than the %d the cache holds (num-kv-blocks %d x block-size %d)",
 			need, len(prompt), n, e.cfg.NumSpeculativeTokens, e.cfg.maxModelLen(), e.cfg.NumKVBlocks, e.cfg.BlockSize))
 	}
-	s := newSeq(req.GetRequestId(), role, prompt, buildPlan(role, prompt, p), p.seed)
+	s := newSeq(req.GetRequestId(), role, prompt, buildPlan(role, prompt, ctxLen, p), p.seed)
 	select {
 	case e.events <- event{kind: evSubmit, seq: s}:
 	case <-ctx.Done():
@@ -374,3 +374,9 @@ func (m *mailbox) take() (chunks []*stagepb.GenerateChunk, final bool, err error
 	chunks, m.chunks = m.chunks, nil
 	return chunks, m.final, m.err
 }
+
+// ContinuesInput reports whether the engine can take a streamed input in
+// segments, each with the earlier input as context (worker.Continuer): the
+// codes and audio roles can, since each output depends only on the input
+// before it; the text role needs its whole prompt.
+func (e *Engine) ContinuesInput() bool { return e.cfg.Role != RoleText }

@@ -66,7 +66,7 @@ func checkChunks(t *testing.T, role Role, req *stagepb.GenerateRequest, chunks [
 	got.GenerationTokens = int(st.GenerationTokens)
 	assert.Equal(t, want, got)
 
-	prompt, err := promptOf(role, req)
+	prompt, _, err := promptOf(role, req)
 	require.NoError(t, err)
 	assert.Equal(t, uint64(len(prompt)), st.PromptTokens)
 	assert.Equal(t, st.PromptTokens, st.PromptTokensLocalCompute+st.PromptTokensLocalCacheHit)

@@ -123,11 +123,9 @@ func naturalTextLength(key uint64, seed int64) int {
 	return 4 + int(draw(key, seed, 0, saltLength)%32)
 }
 
-// naturalCodeLength is where the codes role stops on its own: two codes per
-// prompt token, at least 4.
-func naturalCodeLength(promptTokens int) int {
-	return max(4, 2*promptTokens)
-}
+// CodesPerToken is how many codec codes the codes role makes per input
+// token: its natural length is CodesPerToken per token it consumes.
+const CodesPerToken = 2
 
 // params is the part of SamplingParams the sim looks at. Temperature is
 // ignored: the sim always "samples" its hash.
@@ -157,7 +155,11 @@ type plan struct {
 // string, and why it ends; decided without building the output, so a huge
 // max_tokens is rejected before any work. The natural end wins when it falls
 // on max_tokens (EOS is checked before length, as in vLLM).
-func outputLength(role Role, prompt []uint32, p params) (int, stagepb.FinishReason) {
+//
+// ctxLen leading tokens of prompt are context: input that earlier segments
+// of a streamed request consumed (GenerateRequest.context). The codes role
+// makes output for the tokens after it only.
+func outputLength(role Role, prompt []uint32, ctxLen int, p params) (int, stagepb.FinishReason) {
 	if role == RoleAudio {
 		return len(prompt), stagepb.FinishReason_FINISH_REASON_STOP
 	}
@@ -166,7 +168,7 @@ func outputLength(role Role, prompt []uint32, p params) (int, stagepb.FinishReas
 		if limit <= 0 {
 			limit = DefaultMaxCodes
 		}
-		natural = naturalCodeLength(len(prompt))
+		natural = CodesPerToken * (len(prompt) - ctxLen)
 	} else {
 		if limit <= 0 {
 			limit = DefaultMaxTextTokens
@@ -180,20 +182,42 @@ func outputLength(role Role, prompt []uint32, p params) (int, stagepb.FinishReas
 }
 
 // buildPlan computes the output of one request.
-func buildPlan(role Role, prompt []uint32, p params) plan {
-	n, finish := outputLength(role, prompt, p)
-	key := promptKey(prompt)
+func buildPlan(role Role, prompt []uint32, ctxLen int, p params) plan {
+	n, finish := outputLength(role, prompt, ctxLen, p)
 	switch role {
 	case RoleAudio:
 		return plan{ids: append([]uint32(nil), prompt...), finish: finish}
 	case RoleCodes:
-		ids := make([]uint32, n)
-		for i := range ids {
-			ids[i] = uint32(draw(key, p.seed, i, saltCode) % uint64(CodebookSize))
-		}
-		return plan{ids: ids, finish: finish}
+		return plan{ids: talkerCodes(prompt, ctxLen, p.seed, n), finish: finish}
 	}
-	return textPlan(key, p, n, finish)
+	return textPlan(promptKey(prompt), p, n, finish)
+}
+
+// talkerCodes are the first n codes the codes role makes for the tokens of
+// prompt after ctxLen: CodesPerToken per token, each drawn from the hash of
+// the prompt up to and including that token and its position in the whole
+// input. A code therefore depends only on the input before it, so a talker
+// fed its input in segments (each with the earlier ones as context) makes
+// exactly the codes it makes for the whole input at once.
+func talkerCodes(prompt []uint32, ctxLen int, seed int64, n int) []uint32 {
+	ids := make([]uint32, 0, n)
+	h := fnv.New64a()
+	var b [4]byte
+	for j, tok := range prompt {
+		binary.LittleEndian.PutUint32(b[:], tok)
+		h.Write(b[:])
+		if j < ctxLen {
+			continue
+		}
+		key := h.Sum64()
+		for k := range CodesPerToken {
+			if len(ids) == n {
+				return ids
+			}
+			ids = append(ids, uint32(draw(key, seed, CodesPerToken*j+k, saltCode)%uint64(CodebookSize)))
+		}
+	}
+	return ids
 }
 
 // textPlan generates n words and cuts the text before the first stop string,
@@ -255,11 +279,11 @@ type Output struct {
 // function of the input, the seed (unset = 0), max_tokens, stop and
 // ignore_eos; temperature does not matter.
 func Expect(role Role, req *stagepb.GenerateRequest) (Output, error) {
-	prompt, err := promptOf(role, req)
+	prompt, ctxLen, err := promptOf(role, req)
 	if err != nil {
 		return Output{}, err
 	}
-	pl := buildPlan(role, prompt, paramsOf(req.GetSampling()))
+	pl := buildPlan(role, prompt, ctxLen, paramsOf(req.GetSampling()))
 	return pl.output(role), nil
 }
 
@@ -281,14 +305,14 @@ func (pl plan) output(role Role) Output {
 // given seed and max_tokens (0: DefaultMaxTextTokens), no stop strings:
 // the text, the number of generated tokens and the finish reason.
 func ExpectedText(prompt string, seed int64, maxTokens int) (text string, tokens int, finish stagepb.FinishReason) {
-	pl := buildPlan(RoleText, Tokenize(prompt), params{maxTokens: max(0, maxTokens), seed: seed})
+	pl := buildPlan(RoleText, Tokenize(prompt), 0, params{maxTokens: max(0, maxTokens), seed: seed})
 	return strings.Join(pl.pieces, ""), len(pl.ids), pl.finish
 }
 
 // ExpectedCodes is what a codes-role sim (a talker) answers to a text
 // prompt with the given seed and max_tokens (0: DefaultMaxCodes).
 func ExpectedCodes(text string, seed int64, maxTokens int) (codes []uint32, finish stagepb.FinishReason) {
-	pl := buildPlan(RoleCodes, Tokenize(text), params{maxTokens: max(0, maxTokens), seed: seed})
+	pl := buildPlan(RoleCodes, Tokenize(text), 0, params{maxTokens: max(0, maxTokens), seed: seed})
 	return pl.ids, pl.finish
 }
 
@@ -328,8 +352,26 @@ func appendTone(dst []byte, code uint32) []byte {
 }
 
 // promptOf checks the input kind against the role and returns the prompt
-// tokens. Errors are InvalidArgument.
-func promptOf(role Role, req *stagepb.GenerateRequest) ([]uint32, error) {
+// tokens, and how many of them are context (GenerateRequest.context: the
+// tokenized context, words of the input after it). Errors are
+// InvalidArgument.
+func promptOf(role Role, req *stagepb.GenerateRequest) (prompt []uint32, ctxLen int, err error) {
+	if c := req.GetContext(); c != "" {
+		if _, ok := req.GetInput().(*stagepb.GenerateRequest_Text); !ok || role == RoleAudio {
+			return nil, 0, invalidArgument("sim: context is only taken with text input by the text and codes roles")
+		}
+		prompt = Tokenize(c)
+		ctxLen = len(prompt)
+		for _, w := range strings.Fields(req.GetText()) {
+			prompt = append(prompt, WordID(w))
+		}
+		return prompt, ctxLen, nil
+	}
+	prompt, err = promptWithoutContext(role, req)
+	return prompt, 0, err
+}
+
+func promptWithoutContext(role Role, req *stagepb.GenerateRequest) ([]uint32, error) {
 	switch in := req.GetInput().(type) {
 	case *stagepb.GenerateRequest_Text:
 		if role == RoleAudio {

@@ -28,10 +28,10 @@ func newDriver(t *testing.T, cfg Config) *driver {
 func (d *driver) add(text string, sp *stagepb.SamplingParams) *seq {
 	d.t.Helper()
 	req := textRequest(text, sp)
-	prompt, err := promptOf(d.sc.cfg.Role, req)
+	prompt, ctxLen, err := promptOf(d.sc.cfg.Role, req)
 	require.NoError(d.t, err)
 	p := paramsOf(sp)
-	s := newSeq(text, d.sc.cfg.Role, prompt, buildPlan(d.sc.cfg.Role, prompt, p), p.seed)
+	s := newSeq(text, d.sc.cfg.Role, prompt, buildPlan(d.sc.cfg.Role, prompt, ctxLen, p), p.seed)
 	d.sc.add(s, d.now)
 	return s
 }
