@@ -1,0 +1,63 @@
+package orchestrator
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+// TestStageInputBackPressure: the previous stage can run at most
+// inputWindow pieces ahead of the sender; each piece sent frees one slot.
+// A retry replays from the first piece and the window follows it.
+func TestStageInputBackPressure(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	in := newStageInput()
+	for i := range inputWindow {
+		require.NoError(t, in.append(ctx, piece{text: string(rune('a' + i))}))
+	}
+	blocked, stop := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer stop()
+	require.ErrorIs(t, in.append(blocked, piece{text: "x"}), context.DeadlineExceeded, "a full window blocks the previous stage")
+
+	appended := make(chan error, 1)
+	go func() { appended <- in.append(ctx, piece{text: "late"}) }()
+	p, ok, err := in.next(ctx, 0)
+	require.NoError(t, err)
+	require.True(t, ok)
+	assert.Equal(t, "a", p.text)
+	in.markSent(0)
+	require.NoError(t, <-appended, "sending one piece frees a slot")
+
+	in.restart() // a retry: everything is replayed, the window starts over
+	blocked2, stop2 := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer stop2()
+	require.ErrorIs(t, in.append(blocked2, piece{text: "y"}), context.DeadlineExceeded)
+
+	in.close()
+	for i := 0; i <= inputWindow; i++ {
+		_, ok, err := in.next(ctx, i)
+		require.NoError(t, err)
+		assert.True(t, ok, "piece %d is kept for the retry", i)
+	}
+	_, ok, err = in.next(ctx, inputWindow+1)
+	require.NoError(t, err)
+	assert.False(t, ok, "the input ended")
+}
+
+func TestOutputCursorSkipsWhatWasDelivered(t *testing.T) {
+	c := outputCursor{text: 3, codes: 1, pcm: 4}
+	text, codes, pcm := c.cut(&stagepb.GenerateChunk{Text: "ab", Codes: []uint32{1, 2}, AudioPcm16: []byte{1, 2}})
+	assert.Empty(t, text)
+	assert.Equal(t, []uint32{2}, codes)
+	assert.Empty(t, pcm)
+	text, _, pcm = c.cut(&stagepb.GenerateChunk{Text: "cde", AudioPcm16: []byte{3, 4, 5, 6}})
+	assert.Equal(t, "de", text)
+	assert.Equal(t, []byte{5, 6}, pcm)
+	assert.Equal(t, outputCursor{}, c)
+}

@@ -1,0 +1,217 @@
+package orchestrator_test
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/worker/sim"
+)
+
+func omni(streaming bool, chunk int) orchestrator.Pipeline {
+	p := orchestrator.DefaultPipeline()
+	p.Streaming = &streaming
+	for i := range p.Stages {
+		p.Stages[i].InputChunk = chunk
+	}
+	return p
+}
+
+// expectedText is what the sim thinker answers.
+func expectedText(t *testing.T, prompt string, sp *stagepb.SamplingParams) string {
+	t.Helper()
+	out, err := sim.Expect(sim.RoleText, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: prompt}, Sampling: sp})
+	require.NoError(t, err)
+	return out.Text
+}
+
+// longAnswer makes the thinker say maxTokens words (ignore_eos).
+func longAnswer(maxTokens uint32, seed int64) *stagepb.SamplingParams {
+	s := sampling(maxTokens, seed)
+	s.IgnoreEos = true
+	return s
+}
+
+// TestStreamedEqualsSequential: streaming through the stages, in segments
+// as small as one word or one code, gives the text, codes and samples of
+// running the stages one after the other, and both are the sim's pure
+// function of the prompt.
+func TestStreamedEqualsSequential(t *testing.T) {
+	const prompt = "tell me a long story about the sea"
+	req := orchestrator.Request{ID: "eq", Prompt: prompt, Sampling: longAnswer(30, 11), Stages: 3}
+	var results []*orchestrator.Result
+	for _, p := range []orchestrator.Pipeline{omni(false, 0), omni(true, 0), omni(true, 1)} {
+		c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: p})
+		var pcm []byte
+		r := req
+		r.OnAudio = func(b []byte, rate int) error {
+			assert.Equal(t, sim.SampleRate, rate)
+			pcm = append(pcm, b...)
+			return nil
+		}
+		res, err := c.Head.Execute(ctxT(t), r, nil)
+		require.NoError(t, err)
+		samePCM(t, res.PCM, pcm, "OnAudio saw every sample, in order")
+		results = append(results, res)
+	}
+	text := expectedText(t, prompt, req.Sampling)
+	codes, _ := sim.ExpectedCodes(text, 11, 0)
+	for i, res := range results {
+		assert.Equal(t, text, res.Text, "run %d", i)
+		assert.Equal(t, codes, res.Codes, "run %d", i)
+		samePCM(t, sim.ExpectedAudio(codes), res.PCM, fmt.Sprintf("run %d: audio byte for byte", i))
+		assert.False(t, res.AudioTruncated)
+	}
+}
+
+// TestFirstAudioBeforeThinkerEnds: with a realistic pace the first audio
+// reaches the client while the thinker is still speaking; run one after
+// the other it comes only after.
+func TestFirstAudioBeforeThinkerEnds(t *testing.T) {
+	pace := sim.Config{DecodeTokenLatency: 4 * time.Millisecond}
+	for _, streaming := range []bool{true, false} {
+		c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: omni(streaming, 0), Sim: pace})
+		var mu sync.Mutex
+		var firstAudio, lastText time.Time
+		req := orchestrator.Request{ID: "ttfa", Prompt: "a story", Sampling: longAnswer(48, 2), Stages: 3,
+			OnAudio: func([]byte, int) error {
+				mu.Lock()
+				defer mu.Unlock()
+				if firstAudio.IsZero() {
+					firstAudio = time.Now()
+				}
+				return nil
+			}}
+		_, err := c.Head.Execute(ctxT(t), req, func(string) error {
+			mu.Lock()
+			defer mu.Unlock()
+			lastText = time.Now()
+			return nil
+		})
+		require.NoError(t, err)
+		if streaming {
+			assert.True(t, firstAudio.Before(lastText), "streaming: first audio %v before the thinker's last word", lastText.Sub(firstAudio))
+		} else {
+			assert.True(t, firstAudio.After(lastText), "sequential: first audio after the thinker's last word")
+		}
+	}
+}
+
+// TestStreamedRetryDeliversNoAudioTwice: a talker killed after audio has
+// reached the client is re-driven on another replica from its buffered
+// input; the client hears every sample exactly once.
+func TestStreamedRetryDeliversNoAudioTwice(t *testing.T) {
+	slow := sim.Config{DecodeTokenLatency: 3 * time.Millisecond}
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: omni(true, 2), ReplicasPerStage: -1, Sim: slow})
+	c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
+	c.AddWorker(t, "vocoder", orchestratortest.WorkerOptions{})
+	talkers := []*orchestratortest.Worker{
+		c.AddWorker(t, "talker", orchestratortest.WorkerOptions{}),
+		c.AddWorker(t, "talker", orchestratortest.WorkerOptions{}),
+	}
+	c.WaitReady(t)
+	for _, w := range talkers {
+		c.WaitState(t, "talker", w.ReplicaID(), orchestrator.StateAttached)
+	}
+	var pcm []byte
+	killed := false
+	req := orchestrator.Request{ID: "retry", Prompt: "keep talking", Sampling: longAnswer(40, 4), Stages: 3,
+		OnAudio: func(b []byte, _ int) error {
+			pcm = append(pcm, b...)
+			if killed {
+				return nil
+			}
+			for _, r := range c.Head.Replicas() {
+				if r.StageName == "talker" && r.InFlight > 0 {
+					for _, w := range talkers {
+						if w.ReplicaID() == r.Replica {
+							killed = true
+							go w.Kill(t)
+						}
+					}
+				}
+			}
+			return nil
+		}}
+	res, err := c.Head.Execute(ctxT(t), req, nil)
+	require.NoError(t, err)
+	require.True(t, killed, "a talker was killed mid-request")
+	text := expectedText(t, "keep talking", req.Sampling)
+	codes, _ := sim.ExpectedCodes(text, 4, 0)
+	want := sim.ExpectedAudio(codes)
+	samePCM(t, want, res.PCM, "the result's audio")
+	samePCM(t, want, pcm, "the audio the client heard: every sample once")
+}
+
+// TestStreamedClientGoneCancelsEveryStage: a client that leaves after the
+// first audio ends the request on every stage's worker.
+func TestStreamedClientGoneCancelsEveryStage(t *testing.T) {
+	slow := sim.Config{DecodeTokenLatency: 3 * time.Millisecond}
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: omni(true, 0), Sim: slow})
+	gone := errors.New("client hung up")
+	req := orchestrator.Request{ID: "gone", Prompt: "talk", Sampling: longAnswer(60, 1), Stages: 3,
+		OnAudio: func([]byte, int) error { return gone }}
+	_, err := c.Head.Execute(ctxT(t), req, nil)
+	require.ErrorIs(t, err, gone)
+	require.Eventually(t, func() bool {
+		for _, w := range c.Workers() {
+			if w.Engine.Snapshot().Running+w.Engine.Snapshot().WaitingCapacity > 0 {
+				return false
+			}
+		}
+		for _, r := range c.Head.Replicas() {
+			if r.InFlight > 0 {
+				return false
+			}
+		}
+		return true
+	}, 10*time.Second, 5*time.Millisecond, "every stage's work ended")
+}
+
+// TestPipelineMetrics: an audio request is counted and timed by the
+// pipeline families; the handoff between each pair of stages is observed.
+func TestPipelineMetrics(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: omni(true, 0)})
+	_, err := c.Head.Execute(ctxT(t), orchestrator.Request{ID: "m", Prompt: "metrics please", Sampling: sampling(10, 1), Stages: 3}, nil)
+	require.NoError(t, err)
+	model := map[string]string{"model_name": "troupe-omni-sim"}
+	for _, f := range []string{"troupe_pipeline_e2e_request_latency_seconds", "troupe_time_to_first_audio_seconds",
+		"troupe_audio_duration_seconds", "troupe_audio_real_time_factor"} {
+		v, ok := orchestrator.GatheredValue(t, c.Metrics, f, model)
+		require.True(t, ok, f)
+		assert.Equal(t, 1.0, v, f)
+	}
+	v, _ := orchestrator.GatheredValue(t, c.Metrics, "troupe_pipeline_requests_total", map[string]string{"outcome": "success"})
+	assert.Equal(t, 1.0, v)
+	for _, pair := range [][2]string{{"0", "1"}, {"1", "2"}} {
+		v, ok := orchestrator.GatheredValue(t, c.Metrics, "troupe_stage_handoff_latency_seconds", map[string]string{"from_stage": pair[0], "to_stage": pair[1]})
+		require.True(t, ok)
+		assert.Positive(t, v, "handoffs %s→%s", pair[0], pair[1])
+	}
+	v, ok := orchestrator.GatheredValue(t, c.Metrics, "troupe_pipeline_requests_total", map[string]string{"outcome": "no_replica"})
+	require.True(t, ok, "every outcome is bound at 0 from the start")
+	assert.Zero(t, v)
+}
+
+// samePCM compares audio without dumping it: lengths, then the first
+// differing byte.
+func samePCM(t *testing.T, want, got []byte, what string) {
+	t.Helper()
+	if bytes.Equal(want, got) {
+		return
+	}
+	i := 0
+	for i < min(len(want), len(got)) && want[i] == got[i] {
+		i++
+	}
+	t.Errorf("%s: %d bytes, want %d; first difference at byte %d", what, len(got), len(want), i)
+}
