@@ -153,26 +153,45 @@ func TestOpenAIClient(t *testing.T) {
 			counter(t, c, "troupe_request_success_total", "2", "finished_reason", "length")
 		assert.Equal(t, 1.0, vocoder1-vocoder0, "audio runs every stage")
 
-		// Same request, streamed: the text streams, then one chunk carries
-		// the audio, identical to the whole answer's.
+		// Same request, streamed: text and audio arrive as they are made, in
+		// OpenAI's streamed-audio shape (pcm16); the samples are exactly
+		// those of the whole answer's WAV.
+		p.Audio.Format = openai.ChatCompletionAudioParamFormatPcm16
 		stream := client.Chat.Completions.NewStreaming(ctx, p)
-		var text, data strings.Builder
-		for stream.Next() {
+		var text, transcript strings.Builder
+		var pcm []byte
+		audioChunks, firstAudio, lastText := 0, -1, -1
+		for i := 0; stream.Next(); i++ {
 			ch := stream.Current()
 			if len(ch.Choices) == 0 {
 				continue
 			}
-			text.WriteString(ch.Choices[0].Delta.Content)
-			if au := ch.Choices[0].Delta.Audio; au.Data != "" {
-				assert.Equal(t, msg.Content, au.Transcript)
-				assert.True(t, strings.HasPrefix(au.ID, "audio_"))
-				data.WriteString(au.Data)
+			d := ch.Choices[0].Delta
+			text.WriteString(d.Content)
+			if d.Content != "" {
+				lastText = i
+			}
+			transcript.WriteString(d.Audio.Transcript)
+			if d.Audio.Data != "" {
+				assert.Equal(t, "audio_"+strings.TrimPrefix(ch.ID, "chatcmpl-"), d.Audio.ID, "one audio id per answer")
+				if audioChunks == 0 {
+					firstAudio = i
+					assert.Greater(t, d.Audio.ExpiresAt, before.Unix())
+				}
+				b, err := base64.StdEncoding.DecodeString(d.Audio.Data)
+				require.NoError(t, err)
+				pcm = append(pcm, b...)
+				audioChunks++
 			}
 		}
 		require.NoError(t, stream.Err())
 		require.NoError(t, stream.Close())
 		assert.Equal(t, msg.Content, text.String())
-		assert.Equal(t, msg.Audio.Data, data.String(), "seeded pipeline: same audio")
+		assert.Equal(t, msg.Content, transcript.String())
+		assert.Equal(t, w.data, pcm, "seeded pipeline: the streamed samples are the WAV's")
+		assert.Greater(t, audioChunks, 1, "audio in more than one chunk")
+		assert.Positive(t, firstAudio)
+		assert.Positive(t, lastText)
 	})
 
 	t.Run("completions", func(t *testing.T) {

@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/troupe-serving/troupe/orchestrator"
@@ -94,7 +95,7 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 		res, err := s.b.Execute(ctx, req, nil)
 		var audio *audioOut
 		if err == nil {
-			audio, err = audioOf(res, j.audio, id)
+			audio, err = audioOf(res, j.audio, j.audioFormat, id)
 		}
 		if err != nil {
 			s.fail(w, r, nil, err)
@@ -105,28 +106,52 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 		return
 	}
 
+	// The head calls onText (stage 0's goroutine) and OnAudio (the last
+	// stage's) concurrently: events are written one at a time.
 	stream := &sseWriter{w: w, rc: http.NewResponseController(w)}
+	var mu sync.Mutex
+	write := func(chunk func() any) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if err := stream.begin(resp); err != nil {
+			return err
+		}
+		return stream.send(chunk())
+	}
+	audioID := "audio_" + id
+	samples := 0
+	if j.audio {
+		expires := time.Now().Add(audioTTL).Unix()
+		req.OnAudio = func(pcm []byte, _ int) error {
+			return write(func() any {
+				d := &audioDelta{ID: audioID, Data: base64.StdEncoding.EncodeToString(pcm)}
+				if samples == 0 {
+					d.ExpiresAt = expires
+				}
+				samples += len(pcm) / 2
+				return resp.audioChunk(d)
+			})
+		}
+	}
 	res, err := s.b.Execute(ctx, req, func(delta string) error {
 		if delta == "" {
 			return nil
 		}
-		if err := stream.begin(resp); err != nil {
-			return err
-		}
-		return stream.send(resp.textChunk(delta))
+		return write(func() any {
+			if j.audio {
+				return resp.transcriptChunk(delta, audioID)
+			}
+			return resp.textChunk(delta)
+		})
 	})
-	var audio *audioOut
-	if err == nil {
-		audio, err = audioOf(res, j.audio, id)
+	if err == nil && j.audio && samples == 0 {
+		err = errNoAudio
 	}
 	if err != nil {
 		s.fail(w, r, stream, err)
 		return
 	}
 	err = stream.begin(resp)
-	if err == nil && audio != nil {
-		err = stream.send(resp.audioChunk(audio))
-	}
 	if err == nil {
 		err = stream.send(resp.finishChunk(finishReason(res)))
 	}
@@ -169,22 +194,29 @@ func (s *Server) reject(w http.ResponseWriter, r *http.Request, e *apiError) {
 	writeError(w, e)
 }
 
-// audioOf builds message.audio from the pipeline's PCM, when asked for.
-func audioOf(res *orchestrator.Result, wanted bool, id string) (*audioOut, error) {
+var errNoAudio = &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "no_audio",
+	Message: "the pipeline produced no audio: its last stage returned no PCM samples"}
+
+// audioOf builds message.audio from the pipeline's PCM, when asked for: a
+// WAV file, or the raw samples for format pcm16.
+func audioOf(res *orchestrator.Result, wanted bool, format, id string) (*audioOut, error) {
 	if !wanted {
 		return nil, nil
 	}
 	if len(res.PCM) < 2 || res.SampleRate <= 0 {
-		return nil, &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "no_audio",
-			Message: "the pipeline produced no audio: its last stage returned no PCM samples"}
+		return nil, errNoAudio
 	}
-	wav, err := encodeWAV(res.PCM, res.SampleRate)
-	if err != nil {
-		return nil, &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "invalid_audio", Message: err.Error()}
+	data := res.PCM
+	if format != audioFormatPCM16 {
+		wav, err := encodeWAV(res.PCM, res.SampleRate)
+		if err != nil {
+			return nil, &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "invalid_audio", Message: err.Error()}
+		}
+		data = wav
 	}
 	return &audioOut{
 		ID:         "audio_" + id,
-		Data:       base64.StdEncoding.EncodeToString(wav),
+		Data:       base64.StdEncoding.EncodeToString(data),
 		ExpiresAt:  time.Now().Add(audioTTL).Unix(),
 		Transcript: res.Text,
 	}, nil
@@ -272,7 +304,8 @@ type responder interface {
 	full(res *orchestrator.Result, audio *audioOut) any
 	roleChunk() any // nil: the endpoint has no opening chunk
 	textChunk(delta string) any
-	audioChunk(a *audioOut) any
+	transcriptChunk(delta, audioID string) any
+	audioChunk(a *audioDelta) any
 	finishChunk(reason string) any
 	usageChunk(u *usage) any
 }
@@ -313,7 +346,13 @@ func (c *chatResponder) roleChunk() any {
 
 func (c *chatResponder) textChunk(delta string) any { return c.chunk(chatDelta{Content: &delta}, nil) }
 
-func (c *chatResponder) audioChunk(a *audioOut) any { return c.chunk(chatDelta{Audio: a}, nil) }
+// transcriptChunk carries a piece of the text of an audio answer, both as
+// content and as the audio's transcript, as the whole answer carries it.
+func (c *chatResponder) transcriptChunk(delta, audioID string) any {
+	return c.chunk(chatDelta{Content: &delta, Audio: &audioDelta{ID: audioID, Transcript: delta}}, nil)
+}
+
+func (c *chatResponder) audioChunk(a *audioDelta) any { return c.chunk(chatDelta{Audio: a}, nil) }
 
 func (c *chatResponder) finishChunk(reason string) any { return c.chunk(chatDelta{}, &reason) }
 
@@ -355,7 +394,9 @@ func (c *completionResponder) roleChunk() any { return nil }
 
 func (c *completionResponder) textChunk(delta string) any { return c.chunk(delta, nil) }
 
-func (c *completionResponder) audioChunk(*audioOut) any { return nil }
+func (c *completionResponder) transcriptChunk(delta, _ string) any { return c.textChunk(delta) }
+
+func (c *completionResponder) audioChunk(*audioDelta) any { return nil }
 
 func (c *completionResponder) finishChunk(reason string) any { return c.chunk("", &reason) }
 

@@ -79,6 +79,7 @@ type job struct {
 	stream       bool
 	includeUsage bool
 	audio        bool   // run every stage and return message.audio (chat only)
+	audioFormat  string // audioFormatWAV or audioFormatPCM16
 	operation    string // gen_ai.operation.name: chat or text_completion
 }
 
@@ -166,10 +167,21 @@ func parseChat(body []byte, model string) (job, *apiError) {
 			return job{}, badRequest("modalities", "invalid_value", "unknown modality %q: expected \"text\" or \"audio\"", m)
 		}
 	}
+	j.audioFormat = audioFormatWAV
+	if j.stream {
+		j.audioFormat = audioFormatPCM16 // the only format audio streams in
+	}
 	if req.Audio != nil {
 		if e := req.Audio.validate(); e != nil {
 			return job{}, e
 		}
+		if req.Audio.Format != nil {
+			j.audioFormat = *req.Audio.Format
+		}
+	}
+	if j.audio && j.stream && j.audioFormat != audioFormatPCM16 {
+		return job{}, badRequest("audio.format", "unsupported",
+			"streamed audio is sent as raw samples: set \"audio\": {\"format\": \"pcm16\"} with \"stream\": true (as OpenAI requires), or stream without audio")
 	}
 	return j, nil
 }
@@ -247,9 +259,17 @@ func messageText(param string, raw json.RawMessage) (string, *apiError) {
 	return "", badRequest(param, "invalid_type", "invalid type for %q: expected a string or an array of content parts", param)
 }
 
+// Audio formats troupe answers in: a WAV file, or raw PCM16 mono
+// little-endian samples at the pipeline's sample rate (OpenAI's pcm16,
+// which it requires for streamed audio).
+const (
+	audioFormatWAV   = "wav"
+	audioFormatPCM16 = "pcm16"
+)
+
 func (a *audioParam) validate() *apiError {
-	if a.Format != nil && *a.Format != "wav" {
-		return badRequest("audio.format", "unsupported", "audio format %q is not supported: only \"wav\" is", *a.Format)
+	if a.Format != nil && *a.Format != audioFormatWAV && *a.Format != audioFormatPCM16 {
+		return badRequest("audio.format", "unsupported", "audio format %q is not supported: \"wav\" and \"pcm16\" are", *a.Format)
 	}
 	if !isNull(a.Voice) {
 		switch bytes.TrimSpace(a.Voice)[0] {

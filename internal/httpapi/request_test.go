@@ -23,7 +23,7 @@ func TestParseChatMapsFields(t *testing.T) {
 		"max_tokens": 7, "max_completion_tokens": 9,
 		"temperature": 0.5, "seed": 42, "stop": ["x", "y"], "ignore_eos": true,
 		"stream": true, "stream_options": {"include_usage": true},
-		"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
+		"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "pcm16"},
 		"top_p": 0.9, "user": "ignored"
 	}`
 	j, e := parseChat([]byte(body), testModel)
@@ -38,6 +38,7 @@ func TestParseChatMapsFields(t *testing.T) {
 	assert.True(t, j.stream)
 	assert.True(t, j.includeUsage)
 	assert.True(t, j.audio)
+	assert.Equal(t, "pcm16", j.audioFormat)
 	assert.Equal(t, testModel, j.model)
 }
 
@@ -102,6 +103,7 @@ func TestParseErrors(t *testing.T) {
 		{name: "n two", body: `{"model":"troupe-omni-sim",` + msgs + `,"n":2}`, status: 400, param: "n", code: "unsupported"},
 		{name: "n zero", body: `{"model":"troupe-omni-sim",` + msgs + `,"n":0}`, status: 400, param: "n", code: "invalid_value"},
 		{name: "unknown modality", body: `{"model":"troupe-omni-sim",` + msgs + `,"modalities":["video"]}`, status: 400, param: "modalities", code: "invalid_value"},
+		{name: "streamed wav", body: `{"model":"troupe-omni-sim",` + msgs + `,"stream":true,"modalities":["text","audio"],"audio":{"voice":"alloy","format":"wav"}}`, status: 400, param: "audio.format", code: "unsupported"},
 		{name: "audio mp3", body: `{"model":"troupe-omni-sim",` + msgs + `,"modalities":["text","audio"],"audio":{"voice":"alloy","format":"mp3"}}`, status: 400, param: "audio.format", code: "unsupported"},
 		{name: "audio voice number", body: `{"model":"troupe-omni-sim",` + msgs + `,"audio":{"voice":3,"format":"wav"}}`, status: 400, param: "audio.voice", code: "invalid_type"},
 		{name: "completion missing prompt", completion: true, body: `{"model":"troupe-omni-sim"}`, status: 400, param: "prompt", code: "missing_field"},

@@ -29,7 +29,7 @@ var nullUsage = json.RawMessage("null")
 
 type audioOut struct {
 	ID         string `json:"id"`
-	Data       string `json:"data"` // base64 WAV
+	Data       string `json:"data"` // base64 WAV, or base64 PCM16 for format pcm16
 	ExpiresAt  int64  `json:"expires_at"`
 	Transcript string `json:"transcript"`
 }
@@ -74,9 +74,19 @@ type chatChunkChoice struct {
 }
 
 type chatDelta struct {
-	Role    string    `json:"role,omitempty"`
-	Content *string   `json:"content,omitempty"`
-	Audio   *audioOut `json:"audio,omitempty"`
+	Role    string      `json:"role,omitempty"`
+	Content *string     `json:"content,omitempty"`
+	Audio   *audioDelta `json:"audio,omitempty"`
+}
+
+// audioDelta is delta.audio of a streamed answer, as OpenAI streams audio:
+// every delta names the audio; one carries a piece of the transcript or a
+// piece of base64 PCM16 samples; the first carries expires_at.
+type audioDelta struct {
+	ID         string `json:"id"`
+	Data       string `json:"data,omitempty"`
+	Transcript string `json:"transcript,omitempty"`
+	ExpiresAt  int64  `json:"expires_at,omitempty"`
 }
 
 type textCompletion struct {
