@@ -202,7 +202,7 @@ func outcomeOf(ctx context.Context, err error) string {
 // requestAttributes are the gen_ai.request.* attributes of a request.
 func requestAttributes(req Request, model string) []attribute.KeyValue {
 	var temp *float64
-	if req.Sampling != nil && req.Sampling.Temperature != 0 {
+	if req.Sampling != nil && req.Sampling.Temperature != nil {
 		t := float64(req.Sampling.GetTemperature())
 		temp = &t
 	}

@@ -43,16 +43,36 @@ type Engine interface {
 	// Generate runs one request and calls emit for each chunk in order, the
 	// final one carrying the finish reason and timings. Cancelling ctx must
 	// abort the request in the engine. Errors should be gRPC status errors
-	// (InvalidArgument for bad input, FailedPrecondition while asleep); ctx
-	// errors and emit's errors are passed through.
+	// (InvalidArgument for bad input, FailedPrecondition while asleep,
+	// Unavailable while the engine is down); ctx errors and emit's errors
+	// are passed through.
 	Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error
-	// Health describes the engine; the Server overrides Status.
+	// Health describes the engine; the Server overrides Status while
+	// draining.
 	Health() *stagepb.HealthResponse
-	// Sleep puts the engine to sleep at level 1 or 2.
-	Sleep(level int) (stagepb.SleepState, error)
-	// WakeUp wakes a sleeping engine.
-	WakeUp() (stagepb.SleepState, error)
+	// Sleep puts the engine to sleep at level 1 or 2. ctx is the Sleep
+	// RPC's.
+	Sleep(ctx context.Context, level int) (stagepb.SleepState, error)
+	// WakeUp wakes a sleeping engine. ctx is the WakeUp RPC's.
+	WakeUp(ctx context.Context) (stagepb.SleepState, error)
 }
+
+// Availability is implemented by engines that can be down while the worker
+// runs, such as an upstream server that is still loading its weights or has
+// stopped answering. The Server registers the replica only while the engine
+// is available, revokes the registration (so the head stops routing here)
+// when it becomes unavailable, and registers again under the same replica
+// id when it is back. Engines without it are always available.
+type Availability interface {
+	// Available reports whether the engine can take requests now, and a
+	// channel that is closed at the next change.
+	Available() (ok bool, changed <-chan struct{})
+}
+
+// modelNamer is implemented by engines that know their model's name (an
+// upstream's, once it is ready); the Server records it when Config.Model
+// is empty.
+type modelNamer interface{ Model() string }
 
 // Defaults for zero Config fields.
 const (
@@ -95,7 +115,8 @@ type Config struct {
 type Server struct {
 	cfg       Config
 	log       *slog.Logger
-	role      string
+	role      string // what the engine gives
+	inputRole string // what it takes
 	lis       net.Listener
 	advertise string
 	grpc      *grpc.Server
@@ -142,6 +163,7 @@ func New(cfg Config) (*Server, error) {
 		cfg:        cfg,
 		log:        cfg.Logger.With("stage", cfg.Stage),
 		role:       h.GetRole(),
+		inputRole:  h.EffectiveInputRole(),
 		health:     health.NewServer(),
 		idle:       make(chan struct{}),
 		registered: make(chan struct{}),
@@ -187,9 +209,21 @@ func (s *Server) record(addr string) membership.Member {
 		NumSpeculativeTokens: int(s.cfg.Engine.Health().GetNumSpeculativeTokens()),
 		Version:              s.cfg.Version,
 		StartedAt:            time.Now().UTC(),
-		Model:                s.cfg.Model,
+		Model:                s.model(),
 		Labels:               s.cfg.Labels,
 	}
+}
+
+// model is the model name for the member record: Config.Model, else the
+// engine's own name for it, if it knows one.
+func (s *Server) model() string {
+	if s.cfg.Model != "" {
+		return s.cfg.Model
+	}
+	if n, ok := s.cfg.Engine.(modelNamer); ok {
+		return n.Model()
+	}
+	return ""
 }
 
 // Addr is the bound listen address.
@@ -220,52 +254,26 @@ func (s *Server) Close() error {
 }
 
 // Run serves until ctx ends, then drains and returns nil (see the package
-// doc). It returns an error when registration fails (a duplicate replica
-// id returns membership's *AlreadyRegisteredError unchanged) or serving
-// fails. Run may be called once.
+// doc). It returns an error when the first registration fails (a duplicate
+// replica id returns membership's *AlreadyRegisteredError unchanged) or
+// serving fails. With an engine that implements Availability, the replica
+// is registered only while the engine is available (see Availability); a
+// later registration that fails is retried with backoff, never fatal.
+// Run may be called once.
 func (s *Server) Run(ctx context.Context) error {
 	if !s.ran.CompareAndSwap(false, true) {
 		return errors.New("worker: Run called twice, or after Close")
 	}
 	served := make(chan error, 1)
 	go func() { served <- s.grpc.Serve(s.lis) }()
-	s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
-	s.health.SetServingStatus(stagepb.StageService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
 	s.log.Info("worker: serving", "listen", s.lis.Addr().String(), "advertise", s.advertise)
 
-	var reg *membership.Registration
-	if s.cfg.EtcdClient != nil {
-		var err error
-		reg, err = membership.Register(ctx, s.cfg.EtcdClient, membership.RegisterConfig{
-			Cluster: s.cfg.Cluster,
-			Member:  s.record(s.advertise),
-			AutoID:  s.cfg.AutoID,
-			TTL:     s.cfg.LeaseTTL,
-			Logger:  s.cfg.Logger,
-		})
-		if err != nil {
-			s.health.Shutdown()
-			s.grpc.Stop()
-			<-served
-			if ctx.Err() != nil {
-				return nil // asked to stop while registering
-			}
-			return err
-		}
-		m := reg.Member()
-		s.member.Store(&m)
-	} else {
-		m := s.record(s.advertise)
-		s.member.Store(&m)
-	}
-	close(s.registered)
-	s.log.Info("worker: ready", "replica", s.Member().ReplicaID, "addr", s.advertise, "cluster", s.cfg.Cluster)
-
-	var serveErr error
-	select {
-	case <-ctx.Done():
-	case serveErr = <-served:
-		served <- serveErr // for the wait below
+	reg, serveErr, err := s.maintain(ctx, served)
+	if err != nil {
+		s.health.Shutdown()
+		s.grpc.Stop()
+		<-served
+		return err
 	}
 	s.deregister(reg)
 	n := s.Drain()
@@ -288,6 +296,116 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 	s.log.Info("worker: stopped")
 	return nil
+}
+
+// Bounds of the backoff between failed re-registrations.
+const (
+	reregisterMinBackoff = 500 * time.Millisecond
+	reregisterMaxBackoff = 10 * time.Second
+)
+
+// maintain keeps the replica in rotation exactly while the engine is
+// available, until ctx ends or gRPC stops serving. It returns the live
+// registration (nil when none), the serve error, and the error of a first
+// registration that failed (then nothing else).
+func (s *Server) maintain(ctx context.Context, served chan error) (reg *membership.Registration, serveErr, err error) {
+	inRotation := false
+	backoff := reregisterMinBackoff
+	var retry *time.Timer
+	defer func() {
+		if retry != nil {
+			retry.Stop()
+		}
+	}()
+	for {
+		ok, changed := s.available()
+		s.setServing(ok)
+		switch {
+		case ok && !inRotation && retry == nil:
+			r, rerr := s.register(ctx)
+			first := s.member.Load() == nil
+			switch {
+			case rerr == nil:
+				reg, inRotation, backoff = r, true, reregisterMinBackoff
+				m := s.record(s.advertise)
+				if r != nil {
+					m = r.Member()
+				}
+				s.member.Store(&m)
+				if first {
+					close(s.registered)
+					s.log.Info("worker: ready", "replica", m.ReplicaID, "addr", s.advertise, "cluster", s.cfg.Cluster)
+				} else {
+					s.log.Info("worker: engine available again; back in rotation", "replica", m.ReplicaID)
+				}
+			case ctx.Err() != nil:
+				return nil, nil, nil // asked to stop while registering
+			case first:
+				return nil, nil, rerr
+			default:
+				s.log.Warn("worker: re-registration failed; retrying", "err", rerr, "in", backoff)
+				retry = time.NewTimer(backoff)
+				backoff = min(2*backoff, reregisterMaxBackoff)
+			}
+		case !ok && inRotation:
+			s.log.Warn("worker: engine unavailable; leaving rotation", "reason", s.cfg.Engine.Health().GetStatusMessage())
+			s.deregister(reg)
+			reg, inRotation = nil, false
+		}
+		var retryC <-chan time.Time
+		if retry != nil {
+			retryC = retry.C
+		}
+		select {
+		case <-ctx.Done():
+			return reg, nil, nil
+		case serveErr = <-served:
+			served <- serveErr // for the wait in stop
+			return reg, serveErr, nil
+		case <-changed:
+		case <-retryC:
+			retry = nil
+		}
+	}
+}
+
+// available asks the engine's Availability, if it has one.
+func (s *Server) available() (bool, <-chan struct{}) {
+	if a, ok := s.cfg.Engine.(Availability); ok {
+		return a.Available()
+	}
+	return true, nil
+}
+
+// setServing sets the grpc health services; after Drain it changes nothing.
+func (s *Server) setServing(ok bool) {
+	st := healthpb.HealthCheckResponse_NOT_SERVING
+	if ok {
+		st = healthpb.HealthCheckResponse_SERVING
+	}
+	s.health.SetServingStatus("", st)
+	s.health.SetServingStatus(stagepb.StageService_ServiceDesc.ServiceName, st)
+}
+
+// register writes the member record; without an etcd client it only
+// returns (nil, nil). After the first registration the replica id is
+// fixed, so a replica that comes back keeps its id.
+func (s *Server) register(ctx context.Context) (*membership.Registration, error) {
+	if s.cfg.EtcdClient == nil {
+		return nil, nil
+	}
+	m := s.record(s.advertise)
+	auto := s.cfg.AutoID
+	if prev := s.member.Load(); prev != nil {
+		m.ReplicaID, auto = prev.ReplicaID, false
+	}
+	return membership.Register(ctx, s.cfg.EtcdClient, membership.RegisterConfig{
+		Cluster: s.cfg.Cluster,
+		Member:  m,
+		AutoID:  auto,
+		TTL:     s.cfg.LeaseTTL,
+		Logger:  s.cfg.Logger,
+	})
 }
 
 // deregister revokes the lease, bounded, so the record goes at once.
@@ -396,28 +514,31 @@ func (svc *service) Generate(req *stagepb.GenerateRequest, stream grpc.ServerStr
 	return toStatus(err)
 }
 
-// checkInput refuses an input kind the engine's role cannot take.
+// checkInput refuses an input kind the engine cannot take (see
+// InputRole).
 func (s *Server) checkInput(req *stagepb.GenerateRequest) error {
 	var kind string
 	switch req.GetInput().(type) {
 	case *stagepb.GenerateRequest_Text:
 		kind = "text"
+	case *stagepb.GenerateRequest_Chat:
+		kind = "chat"
 	case *stagepb.GenerateRequest_TokenIds:
 		kind = "token_ids"
 	case *stagepb.GenerateRequest_Codes:
 		kind = "codes"
 	case nil:
-		return status.Error(codes.InvalidArgument, "worker: request has no input (text, token_ids or codes)")
+		return status.Error(codes.InvalidArgument, "worker: request has no input (text, chat, token_ids or codes)")
 	}
 	want := ""
-	switch s.role {
-	case "audio":
+	switch s.inputRole {
+	case stagepb.RoleCodes:
 		if kind != "codes" {
 			want = "codes"
 		}
-	case "text", "codes":
+	default:
 		if kind == "codes" {
-			want = "text or token_ids"
+			want = "text, chat or token_ids"
 		}
 	}
 	if want != "" {
@@ -476,12 +597,12 @@ func (svc *service) Health(context.Context, *stagepb.HealthRequest) (*stagepb.He
 }
 
 // Sleep implements StageService.
-func (svc *service) Sleep(_ context.Context, req *stagepb.SleepRequest) (*stagepb.SleepResponse, error) {
+func (svc *service) Sleep(ctx context.Context, req *stagepb.SleepRequest) (*stagepb.SleepResponse, error) {
 	s := svc.s
 	if _, err := stagepb.SleepStateForLevel(int(req.GetLevel())); err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "worker: %v", err)
 	}
-	st, err := s.cfg.Engine.Sleep(int(req.GetLevel()))
+	st, err := s.cfg.Engine.Sleep(ctx, int(req.GetLevel()))
 	if err != nil {
 		return nil, toStatus(err)
 	}
@@ -490,8 +611,8 @@ func (svc *service) Sleep(_ context.Context, req *stagepb.SleepRequest) (*stagep
 }
 
 // WakeUp implements StageService.
-func (svc *service) WakeUp(context.Context, *stagepb.WakeUpRequest) (*stagepb.WakeUpResponse, error) {
-	st, err := svc.s.cfg.Engine.WakeUp()
+func (svc *service) WakeUp(ctx context.Context, _ *stagepb.WakeUpRequest) (*stagepb.WakeUpResponse, error) {
+	st, err := svc.s.cfg.Engine.WakeUp(ctx)
 	if err != nil {
 		return nil, toStatus(err)
 	}

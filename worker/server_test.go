@@ -80,7 +80,7 @@ func TestWrongInputKindIsInvalidArgument(t *testing.T) {
 		msg  string
 	}{
 		{vocoder.Advertise(), textReq("hi", nil), "worker: stage vocoder (role audio) takes codes input, got text"},
-		{thinker.Advertise(), &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: []uint32{1}}}}, "worker: stage thinker (role text) takes text or token_ids input, got codes"},
+		{thinker.Advertise(), &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: []uint32{1}}}}, "worker: stage thinker (role text) takes text, chat or token_ids input, got codes"},
 		{thinker.Advertise(), &stagepb.GenerateRequest{}, "request has no input"},
 		{vocoder.Advertise(), &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: []uint32{1 << 20}}}}, "out of range"},
 	} {

@@ -252,7 +252,7 @@ func streamCode(err error) codes.Code {
 // segment runs one segment. Its finish reason is held back unless it ends
 // the request (the output limit); its counters and outputs pass through.
 func (g *segmenter) segment(text string, codesIn []uint32, generate func(*stagepb.GenerateRequest, func(*stagepb.GenerateChunk) error) error, send func(*stagepb.GenerateChunk) error) (done bool, err error) {
-	r := &stagepb.GenerateRequest{RequestId: g.req.GetRequestId(), Sampling: cloneSampling(g.req.GetSampling())}
+	r := &stagepb.GenerateRequest{RequestId: g.req.GetRequestId(), Sampling: cloneSampling(g.req.GetSampling()), Voice: g.req.GetVoice()}
 	if g.codes {
 		r.Input = &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: codesIn}}
 	} else {
@@ -307,7 +307,11 @@ func cloneSampling(p *stagepb.SamplingParams) *stagepb.SamplingParams {
 	if p == nil {
 		return &stagepb.SamplingParams{}
 	}
-	c := &stagepb.SamplingParams{MaxTokens: p.GetMaxTokens(), Temperature: p.GetTemperature(), Stop: p.GetStop(), IgnoreEos: p.GetIgnoreEos()}
+	c := &stagepb.SamplingParams{MaxTokens: p.GetMaxTokens(), Stop: p.GetStop(), IgnoreEos: p.GetIgnoreEos()}
+	if p.Temperature != nil {
+		t := p.GetTemperature()
+		c.Temperature = &t
+	}
 	if p.Seed != nil {
 		seed := p.GetSeed()
 		c.Seed = &seed

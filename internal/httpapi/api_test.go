@@ -403,7 +403,7 @@ func TestStageFailure(t *testing.T) {
 	a := startAPI(t, c, Config{}, nil, nil)
 	w := c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
 	c.WaitState(t, "thinker", w.ReplicaID(), "attached")
-	_, err := w.Engine.Sleep(1)
+	_, err := w.Engine.Sleep(t.Context(), 1)
 	require.NoError(t, err)
 
 	resp, body := a.post(t, "/v1/completions", `{"model":"troupe-omni-sim","prompt":"hi","max_tokens":4}`)

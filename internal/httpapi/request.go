@@ -360,7 +360,8 @@ func (f *samplingFields) job(model string) (job, *apiError) {
 		if t := *f.Temperature; t < 0 || t > maxTemperature {
 			return job{}, badRequest("temperature", "invalid_value", "temperature must be between 0 and %g, got %g", maxTemperature, t)
 		}
-		sp.Temperature = float32(*f.Temperature)
+		t := float32(*f.Temperature)
+		sp.Temperature = &t
 	}
 	if f.Seed != nil {
 		seed := *f.Seed

@@ -187,8 +187,8 @@ func (ServingStatus) EnumDescriptor() ([]byte, []int) {
 type SamplingParams struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	MaxTokens     uint32                 `protobuf:"varint,1,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"` // 0: engine default
-	Temperature   float32                `protobuf:"fixed32,2,opt,name=temperature,proto3" json:"temperature,omitempty"`
-	Seed          *int64                 `protobuf:"varint,3,opt,name=seed,proto3,oneof" json:"seed,omitempty"` // unset means seed 0
+	Temperature   *float32               `protobuf:"fixed32,2,opt,name=temperature,proto3,oneof" json:"temperature,omitempty"`       // unset: engine default
+	Seed          *int64                 `protobuf:"varint,3,opt,name=seed,proto3,oneof" json:"seed,omitempty"`                      // unset means seed 0
 	Stop          []string               `protobuf:"bytes,4,rep,name=stop,proto3" json:"stop,omitempty"`
 	IgnoreEos     bool                   `protobuf:"varint,5,opt,name=ignore_eos,json=ignoreEos,proto3" json:"ignore_eos,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -233,8 +233,8 @@ func (x *SamplingParams) GetMaxTokens() uint32 {
 }
 
 func (x *SamplingParams) GetTemperature() float32 {
-	if x != nil {
-		return x.Temperature
+	if x != nil && x.Temperature != nil {
+		return *x.Temperature
 	}
 	return 0
 }
@@ -348,6 +348,107 @@ func (x *Codes) GetCodes() []uint32 {
 	return nil
 }
 
+// ChatMessage is one turn of a conversation. content is the message's text
+// (the text parts of a multi-part content joined by "\n").
+type ChatMessage struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Role          string                 `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"` // system | developer | user | assistant | tool | function
+	Content       string                 `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChatMessage) Reset() {
+	*x = ChatMessage{}
+	mi := &file_stage_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChatMessage) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChatMessage) ProtoMessage() {}
+
+func (x *ChatMessage) ProtoReflect() protoreflect.Message {
+	mi := &file_stage_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChatMessage.ProtoReflect.Descriptor instead.
+func (*ChatMessage) Descriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *ChatMessage) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *ChatMessage) GetContent() string {
+	if x != nil {
+		return x.Content
+	}
+	return ""
+}
+
+// Chat is a conversation, for engines that apply a chat template (an
+// upstream's /v1/chat/completions). Engines without one flatten it to one
+// "role: content" line per message, joined by "\n".
+type Chat struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Messages      []*ChatMessage         `protobuf:"bytes,1,rep,name=messages,proto3" json:"messages,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Chat) Reset() {
+	*x = Chat{}
+	mi := &file_stage_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Chat) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Chat) ProtoMessage() {}
+
+func (x *Chat) ProtoReflect() protoreflect.Message {
+	mi := &file_stage_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Chat.ProtoReflect.Descriptor instead.
+func (*Chat) Descriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *Chat) GetMessages() []*ChatMessage {
+	if x != nil {
+		return x.Messages
+	}
+	return nil
+}
+
 type GenerateRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	RequestId string                 `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
@@ -356,19 +457,23 @@ type GenerateRequest struct {
 	//	*GenerateRequest_Text
 	//	*GenerateRequest_TokenIds
 	//	*GenerateRequest_Codes
+	//	*GenerateRequest_Chat
 	Input    isGenerateRequest_Input `protobuf_oneof:"input"`
 	Sampling *SamplingParams         `protobuf:"bytes,5,opt,name=sampling,proto3" json:"sampling,omitempty"`
 	// Text input that earlier segments of the same streamed request already
 	// consumed. The engine may condition on it (a talker continues its
 	// prosody) but produces output for input only.
-	Context       string `protobuf:"bytes,6,opt,name=context,proto3" json:"context,omitempty"`
+	Context string `protobuf:"bytes,6,opt,name=context,proto3" json:"context,omitempty"`
+	// voice is the client's audio.voice, for stages that make speech; "" is
+	// the engine's default voice.
+	Voice         string `protobuf:"bytes,7,opt,name=voice,proto3" json:"voice,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateRequest) Reset() {
 	*x = GenerateRequest{}
-	mi := &file_stage_proto_msgTypes[3]
+	mi := &file_stage_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -380,7 +485,7 @@ func (x *GenerateRequest) String() string {
 func (*GenerateRequest) ProtoMessage() {}
 
 func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[3]
+	mi := &file_stage_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -393,7 +498,7 @@ func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateRequest.ProtoReflect.Descriptor instead.
 func (*GenerateRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{3}
+	return file_stage_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *GenerateRequest) GetRequestId() string {
@@ -437,6 +542,15 @@ func (x *GenerateRequest) GetCodes() *Codes {
 	return nil
 }
 
+func (x *GenerateRequest) GetChat() *Chat {
+	if x != nil {
+		if x, ok := x.Input.(*GenerateRequest_Chat); ok {
+			return x.Chat
+		}
+	}
+	return nil
+}
+
 func (x *GenerateRequest) GetSampling() *SamplingParams {
 	if x != nil {
 		return x.Sampling
@@ -447,6 +561,13 @@ func (x *GenerateRequest) GetSampling() *SamplingParams {
 func (x *GenerateRequest) GetContext() string {
 	if x != nil {
 		return x.Context
+	}
+	return ""
+}
+
+func (x *GenerateRequest) GetVoice() string {
+	if x != nil {
+		return x.Voice
 	}
 	return ""
 }
@@ -467,11 +588,17 @@ type GenerateRequest_Codes struct {
 	Codes *Codes `protobuf:"bytes,4,opt,name=codes,proto3,oneof"`
 }
 
+type GenerateRequest_Chat struct {
+	Chat *Chat `protobuf:"bytes,8,opt,name=chat,proto3,oneof"`
+}
+
 func (*GenerateRequest_Text) isGenerateRequest_Input() {}
 
 func (*GenerateRequest_TokenIds) isGenerateRequest_Input() {}
 
 func (*GenerateRequest_Codes) isGenerateRequest_Input() {}
+
+func (*GenerateRequest_Chat) isGenerateRequest_Input() {}
 
 // StreamInput is one message of GenerateStream's input.
 type StreamInput struct {
@@ -488,7 +615,7 @@ type StreamInput struct {
 
 func (x *StreamInput) Reset() {
 	*x = StreamInput{}
-	mi := &file_stage_proto_msgTypes[4]
+	mi := &file_stage_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -500,7 +627,7 @@ func (x *StreamInput) String() string {
 func (*StreamInput) ProtoMessage() {}
 
 func (x *StreamInput) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[4]
+	mi := &file_stage_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -513,7 +640,7 @@ func (x *StreamInput) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamInput.ProtoReflect.Descriptor instead.
 func (*StreamInput) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{4}
+	return file_stage_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *StreamInput) GetRequest() *GenerateRequest {
@@ -571,7 +698,7 @@ type EngineStats struct {
 
 func (x *EngineStats) Reset() {
 	*x = EngineStats{}
-	mi := &file_stage_proto_msgTypes[5]
+	mi := &file_stage_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -583,7 +710,7 @@ func (x *EngineStats) String() string {
 func (*EngineStats) ProtoMessage() {}
 
 func (x *EngineStats) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[5]
+	mi := &file_stage_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -596,7 +723,7 @@ func (x *EngineStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineStats.ProtoReflect.Descriptor instead.
 func (*EngineStats) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{5}
+	return file_stage_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *EngineStats) GetPromptTokens() uint64 {
@@ -730,7 +857,7 @@ type Timings struct {
 
 func (x *Timings) Reset() {
 	*x = Timings{}
-	mi := &file_stage_proto_msgTypes[6]
+	mi := &file_stage_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -742,7 +869,7 @@ func (x *Timings) String() string {
 func (*Timings) ProtoMessage() {}
 
 func (x *Timings) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[6]
+	mi := &file_stage_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -755,7 +882,7 @@ func (x *Timings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Timings.ProtoReflect.Descriptor instead.
 func (*Timings) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{6}
+	return file_stage_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Timings) GetQueueSeconds() float64 {
@@ -795,7 +922,7 @@ type GenerateChunk struct {
 
 func (x *GenerateChunk) Reset() {
 	*x = GenerateChunk{}
-	mi := &file_stage_proto_msgTypes[7]
+	mi := &file_stage_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -807,7 +934,7 @@ func (x *GenerateChunk) String() string {
 func (*GenerateChunk) ProtoMessage() {}
 
 func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[7]
+	mi := &file_stage_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -820,7 +947,7 @@ func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateChunk.ProtoReflect.Descriptor instead.
 func (*GenerateChunk) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{7}
+	return file_stage_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *GenerateChunk) GetText() string {
@@ -887,7 +1014,7 @@ type HealthRequest struct {
 
 func (x *HealthRequest) Reset() {
 	*x = HealthRequest{}
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -899,7 +1026,7 @@ func (x *HealthRequest) String() string {
 func (*HealthRequest) ProtoMessage() {}
 
 func (x *HealthRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -912,7 +1039,7 @@ func (x *HealthRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthRequest.ProtoReflect.Descriptor instead.
 func (*HealthRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{8}
+	return file_stage_proto_rawDescGZIP(), []int{10}
 }
 
 type CacheConfig struct {
@@ -927,7 +1054,7 @@ type CacheConfig struct {
 
 func (x *CacheConfig) Reset() {
 	*x = CacheConfig{}
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -939,7 +1066,7 @@ func (x *CacheConfig) String() string {
 func (*CacheConfig) ProtoMessage() {}
 
 func (x *CacheConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -952,7 +1079,7 @@ func (x *CacheConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CacheConfig.ProtoReflect.Descriptor instead.
 func (*CacheConfig) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{9}
+	return file_stage_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *CacheConfig) GetBlockSize() uint32 {
@@ -988,17 +1115,23 @@ type HealthResponse struct {
 	Status               ServingStatus          `protobuf:"varint,1,opt,name=status,proto3,enum=troupe.stage.v1.ServingStatus" json:"status,omitempty"`
 	SleepState           SleepState             `protobuf:"varint,2,opt,name=sleep_state,json=sleepState,proto3,enum=troupe.stage.v1.SleepState" json:"sleep_state,omitempty"`
 	Engine               string                 `protobuf:"bytes,3,opt,name=engine,proto3" json:"engine,omitempty"`
-	Role                 string                 `protobuf:"bytes,4,opt,name=role,proto3" json:"role,omitempty"` // text | codes | audio
+	Role                 string                 `protobuf:"bytes,4,opt,name=role,proto3" json:"role,omitempty"` // what the engine gives: text | codes | audio
 	NumSpeculativeTokens uint32                 `protobuf:"varint,5,opt,name=num_speculative_tokens,json=numSpeculativeTokens,proto3" json:"num_speculative_tokens,omitempty"`
 	CacheConfig          *CacheConfig           `protobuf:"bytes,6,opt,name=cache_config,json=cacheConfig,proto3" json:"cache_config,omitempty"`
 	Gauges               *EngineStats           `protobuf:"bytes,7,opt,name=gauges,proto3" json:"gauges,omitempty"` // only the snapshot fields are meaningful
-	unknownFields        protoimpl.UnknownFields
-	sizeCache            protoimpl.SizeCache
+	// input_role is what the engine takes: text (text, token_ids or chat) or
+	// codes. Empty (older workers): codes for role audio, text otherwise.
+	InputRole string `protobuf:"bytes,8,opt,name=input_role,json=inputRole,proto3" json:"input_role,omitempty"`
+	// status_message says why the status is not SERVING, e.g. the upstream
+	// engine's last health check error.
+	StatusMessage string `protobuf:"bytes,9,opt,name=status_message,json=statusMessage,proto3" json:"status_message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *HealthResponse) Reset() {
 	*x = HealthResponse{}
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1010,7 +1143,7 @@ func (x *HealthResponse) String() string {
 func (*HealthResponse) ProtoMessage() {}
 
 func (x *HealthResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1023,7 +1156,7 @@ func (x *HealthResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthResponse.ProtoReflect.Descriptor instead.
 func (*HealthResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{10}
+	return file_stage_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *HealthResponse) GetStatus() ServingStatus {
@@ -1075,6 +1208,20 @@ func (x *HealthResponse) GetGauges() *EngineStats {
 	return nil
 }
 
+func (x *HealthResponse) GetInputRole() string {
+	if x != nil {
+		return x.InputRole
+	}
+	return ""
+}
+
+func (x *HealthResponse) GetStatusMessage() string {
+	if x != nil {
+		return x.StatusMessage
+	}
+	return ""
+}
+
 type SleepRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Level         uint32                 `protobuf:"varint,1,opt,name=level,proto3" json:"level,omitempty"`
@@ -1084,7 +1231,7 @@ type SleepRequest struct {
 
 func (x *SleepRequest) Reset() {
 	*x = SleepRequest{}
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1096,7 +1243,7 @@ func (x *SleepRequest) String() string {
 func (*SleepRequest) ProtoMessage() {}
 
 func (x *SleepRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1109,7 +1256,7 @@ func (x *SleepRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepRequest.ProtoReflect.Descriptor instead.
 func (*SleepRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{11}
+	return file_stage_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *SleepRequest) GetLevel() uint32 {
@@ -1128,7 +1275,7 @@ type SleepResponse struct {
 
 func (x *SleepResponse) Reset() {
 	*x = SleepResponse{}
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1140,7 +1287,7 @@ func (x *SleepResponse) String() string {
 func (*SleepResponse) ProtoMessage() {}
 
 func (x *SleepResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1153,7 +1300,7 @@ func (x *SleepResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepResponse.ProtoReflect.Descriptor instead.
 func (*SleepResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{12}
+	return file_stage_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *SleepResponse) GetSleepState() SleepState {
@@ -1171,7 +1318,7 @@ type WakeUpRequest struct {
 
 func (x *WakeUpRequest) Reset() {
 	*x = WakeUpRequest{}
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1183,7 +1330,7 @@ func (x *WakeUpRequest) String() string {
 func (*WakeUpRequest) ProtoMessage() {}
 
 func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1196,7 +1343,7 @@ func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpRequest.ProtoReflect.Descriptor instead.
 func (*WakeUpRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{13}
+	return file_stage_proto_rawDescGZIP(), []int{15}
 }
 
 type WakeUpResponse struct {
@@ -1208,7 +1355,7 @@ type WakeUpResponse struct {
 
 func (x *WakeUpResponse) Reset() {
 	*x = WakeUpResponse{}
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1220,7 +1367,7 @@ func (x *WakeUpResponse) String() string {
 func (*WakeUpResponse) ProtoMessage() {}
 
 func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1233,7 +1380,7 @@ func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpResponse.ProtoReflect.Descriptor instead.
 func (*WakeUpResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{14}
+	return file_stage_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *WakeUpResponse) GetSleepState() SleepState {
@@ -1251,7 +1398,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1263,7 +1410,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1276,7 +1423,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{15}
+	return file_stage_proto_rawDescGZIP(), []int{17}
 }
 
 type DrainResponse struct {
@@ -1288,7 +1435,7 @@ type DrainResponse struct {
 
 func (x *DrainResponse) Reset() {
 	*x = DrainResponse{}
-	mi := &file_stage_proto_msgTypes[16]
+	mi := &file_stage_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1300,7 +1447,7 @@ func (x *DrainResponse) String() string {
 func (*DrainResponse) ProtoMessage() {}
 
 func (x *DrainResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[16]
+	mi := &file_stage_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1313,7 +1460,7 @@ func (x *DrainResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainResponse.ProtoReflect.Descriptor instead.
 func (*DrainResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{16}
+	return file_stage_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *DrainResponse) GetInFlight() uint32 {
@@ -1327,28 +1474,36 @@ var File_stage_proto protoreflect.FileDescriptor
 
 const file_stage_proto_rawDesc = "" +
 	"\n" +
-	"\vstage.proto\x12\x0ftroupe.stage.v1\"\xa6\x01\n" +
+	"\vstage.proto\x12\x0ftroupe.stage.v1\"\xbb\x01\n" +
 	"\x0eSamplingParams\x12\x1d\n" +
 	"\n" +
-	"max_tokens\x18\x01 \x01(\rR\tmaxTokens\x12 \n" +
-	"\vtemperature\x18\x02 \x01(\x02R\vtemperature\x12\x17\n" +
-	"\x04seed\x18\x03 \x01(\x03H\x00R\x04seed\x88\x01\x01\x12\x12\n" +
+	"max_tokens\x18\x01 \x01(\rR\tmaxTokens\x12%\n" +
+	"\vtemperature\x18\x02 \x01(\x02H\x00R\vtemperature\x88\x01\x01\x12\x17\n" +
+	"\x04seed\x18\x03 \x01(\x03H\x01R\x04seed\x88\x01\x01\x12\x12\n" +
 	"\x04stop\x18\x04 \x03(\tR\x04stop\x12\x1d\n" +
 	"\n" +
-	"ignore_eos\x18\x05 \x01(\bR\tignoreEosB\a\n" +
+	"ignore_eos\x18\x05 \x01(\bR\tignoreEosB\x0e\n" +
+	"\f_temperatureB\a\n" +
 	"\x05_seed\"\x1c\n" +
 	"\bTokenIds\x12\x10\n" +
 	"\x03ids\x18\x01 \x03(\rR\x03ids\"\x1d\n" +
 	"\x05Codes\x12\x14\n" +
-	"\x05codes\x18\x01 \x03(\rR\x05codes\"\x90\x02\n" +
+	"\x05codes\x18\x01 \x03(\rR\x05codes\";\n" +
+	"\vChatMessage\x12\x12\n" +
+	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
+	"\acontent\x18\x02 \x01(\tR\acontent\"@\n" +
+	"\x04Chat\x128\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xd3\x02\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
 	"\x04text\x18\x02 \x01(\tH\x00R\x04text\x128\n" +
 	"\ttoken_ids\x18\x03 \x01(\v2\x19.troupe.stage.v1.TokenIdsH\x00R\btokenIds\x12.\n" +
-	"\x05codes\x18\x04 \x01(\v2\x16.troupe.stage.v1.CodesH\x00R\x05codes\x12;\n" +
+	"\x05codes\x18\x04 \x01(\v2\x16.troupe.stage.v1.CodesH\x00R\x05codes\x12+\n" +
+	"\x04chat\x18\b \x01(\v2\x15.troupe.stage.v1.ChatH\x00R\x04chat\x12;\n" +
 	"\bsampling\x18\x05 \x01(\v2\x1f.troupe.stage.v1.SamplingParamsR\bsampling\x12\x18\n" +
-	"\acontext\x18\x06 \x01(\tR\acontextB\a\n" +
+	"\acontext\x18\x06 \x01(\tR\acontext\x12\x14\n" +
+	"\x05voice\x18\a \x01(\tR\x05voiceB\a\n" +
 	"\x05input\"\x98\x01\n" +
 	"\vStreamInput\x12:\n" +
 	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +
@@ -1396,7 +1551,7 @@ const file_stage_proto_rawDesc = "" +
 	"\rnum_kv_blocks\x18\x02 \x01(\rR\vnumKvBlocks\x122\n" +
 	"\x15enable_prefix_caching\x18\x03 \x01(\bR\x13enablePrefixCaching\x12 \n" +
 	"\fmax_num_seqs\x18\x04 \x01(\rR\n" +
-	"maxNumSeqs\"\xdf\x02\n" +
+	"maxNumSeqs\"\xa5\x03\n" +
 	"\x0eHealthResponse\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.troupe.stage.v1.ServingStatusR\x06status\x12<\n" +
 	"\vsleep_state\x18\x02 \x01(\x0e2\x1b.troupe.stage.v1.SleepStateR\n" +
@@ -1405,7 +1560,10 @@ const file_stage_proto_rawDesc = "" +
 	"\x04role\x18\x04 \x01(\tR\x04role\x124\n" +
 	"\x16num_speculative_tokens\x18\x05 \x01(\rR\x14numSpeculativeTokens\x12?\n" +
 	"\fcache_config\x18\x06 \x01(\v2\x1c.troupe.stage.v1.CacheConfigR\vcacheConfig\x124\n" +
-	"\x06gauges\x18\a \x01(\v2\x1c.troupe.stage.v1.EngineStatsR\x06gauges\"$\n" +
+	"\x06gauges\x18\a \x01(\v2\x1c.troupe.stage.v1.EngineStatsR\x06gauges\x12\x1d\n" +
+	"\n" +
+	"input_role\x18\b \x01(\tR\tinputRole\x12%\n" +
+	"\x0estatus_message\x18\t \x01(\tR\rstatusMessage\"$\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\"M\n" +
 	"\rSleepResponse\x12<\n" +
@@ -1455,7 +1613,7 @@ func file_stage_proto_rawDescGZIP() []byte {
 }
 
 var file_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
+var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_stage_proto_goTypes = []any{
 	(FinishReason)(0),       // 0: troupe.stage.v1.FinishReason
 	(SleepState)(0),         // 1: troupe.stage.v1.SleepState
@@ -1463,52 +1621,56 @@ var file_stage_proto_goTypes = []any{
 	(*SamplingParams)(nil),  // 3: troupe.stage.v1.SamplingParams
 	(*TokenIds)(nil),        // 4: troupe.stage.v1.TokenIds
 	(*Codes)(nil),           // 5: troupe.stage.v1.Codes
-	(*GenerateRequest)(nil), // 6: troupe.stage.v1.GenerateRequest
-	(*StreamInput)(nil),     // 7: troupe.stage.v1.StreamInput
-	(*EngineStats)(nil),     // 8: troupe.stage.v1.EngineStats
-	(*Timings)(nil),         // 9: troupe.stage.v1.Timings
-	(*GenerateChunk)(nil),   // 10: troupe.stage.v1.GenerateChunk
-	(*HealthRequest)(nil),   // 11: troupe.stage.v1.HealthRequest
-	(*CacheConfig)(nil),     // 12: troupe.stage.v1.CacheConfig
-	(*HealthResponse)(nil),  // 13: troupe.stage.v1.HealthResponse
-	(*SleepRequest)(nil),    // 14: troupe.stage.v1.SleepRequest
-	(*SleepResponse)(nil),   // 15: troupe.stage.v1.SleepResponse
-	(*WakeUpRequest)(nil),   // 16: troupe.stage.v1.WakeUpRequest
-	(*WakeUpResponse)(nil),  // 17: troupe.stage.v1.WakeUpResponse
-	(*DrainRequest)(nil),    // 18: troupe.stage.v1.DrainRequest
-	(*DrainResponse)(nil),   // 19: troupe.stage.v1.DrainResponse
+	(*ChatMessage)(nil),     // 6: troupe.stage.v1.ChatMessage
+	(*Chat)(nil),            // 7: troupe.stage.v1.Chat
+	(*GenerateRequest)(nil), // 8: troupe.stage.v1.GenerateRequest
+	(*StreamInput)(nil),     // 9: troupe.stage.v1.StreamInput
+	(*EngineStats)(nil),     // 10: troupe.stage.v1.EngineStats
+	(*Timings)(nil),         // 11: troupe.stage.v1.Timings
+	(*GenerateChunk)(nil),   // 12: troupe.stage.v1.GenerateChunk
+	(*HealthRequest)(nil),   // 13: troupe.stage.v1.HealthRequest
+	(*CacheConfig)(nil),     // 14: troupe.stage.v1.CacheConfig
+	(*HealthResponse)(nil),  // 15: troupe.stage.v1.HealthResponse
+	(*SleepRequest)(nil),    // 16: troupe.stage.v1.SleepRequest
+	(*SleepResponse)(nil),   // 17: troupe.stage.v1.SleepResponse
+	(*WakeUpRequest)(nil),   // 18: troupe.stage.v1.WakeUpRequest
+	(*WakeUpResponse)(nil),  // 19: troupe.stage.v1.WakeUpResponse
+	(*DrainRequest)(nil),    // 20: troupe.stage.v1.DrainRequest
+	(*DrainResponse)(nil),   // 21: troupe.stage.v1.DrainResponse
 }
 var file_stage_proto_depIdxs = []int32{
-	4,  // 0: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
-	5,  // 1: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
-	3,  // 2: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
-	6,  // 3: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
-	0,  // 4: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
-	8,  // 5: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
-	9,  // 6: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
-	2,  // 7: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
-	1,  // 8: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	12, // 9: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
-	8,  // 10: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
-	1,  // 11: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	1,  // 12: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	6,  // 13: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
-	11, // 14: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
-	14, // 15: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
-	16, // 16: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
-	18, // 17: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
-	7,  // 18: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
-	10, // 19: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
-	13, // 20: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
-	15, // 21: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
-	17, // 22: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
-	19, // 23: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
-	10, // 24: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
-	19, // [19:25] is the sub-list for method output_type
-	13, // [13:19] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	6,  // 0: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
+	4,  // 1: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
+	5,  // 2: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
+	7,  // 3: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
+	3,  // 4: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
+	8,  // 5: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
+	0,  // 6: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
+	10, // 7: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
+	11, // 8: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
+	2,  // 9: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
+	1,  // 10: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	14, // 11: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
+	10, // 12: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
+	1,  // 13: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	1,  // 14: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	8,  // 15: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
+	13, // 16: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
+	16, // 17: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
+	18, // 18: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
+	20, // 19: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
+	9,  // 20: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
+	12, // 21: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
+	15, // 22: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
+	17, // 23: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
+	19, // 24: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
+	21, // 25: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
+	12, // 26: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
+	21, // [21:27] is the sub-list for method output_type
+	15, // [15:21] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_stage_proto_init() }
@@ -1517,10 +1679,11 @@ func file_stage_proto_init() {
 		return
 	}
 	file_stage_proto_msgTypes[0].OneofWrappers = []any{}
-	file_stage_proto_msgTypes[3].OneofWrappers = []any{
+	file_stage_proto_msgTypes[5].OneofWrappers = []any{
 		(*GenerateRequest_Text)(nil),
 		(*GenerateRequest_TokenIds)(nil),
 		(*GenerateRequest_Codes)(nil),
+		(*GenerateRequest_Chat)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1528,7 +1691,7 @@ func file_stage_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_stage_proto_rawDesc), len(file_stage_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   17,
+			NumMessages:   19,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -165,22 +165,24 @@ func (e *Engine) abort(s *seq) {
 // also discards the KV cache (the prefix cache is emptied). A sleeping
 // engine refuses Generate with FailedPrecondition. The engine must be idle:
 // with requests in flight Sleep fails with FailedPrecondition (drain first).
-func (e *Engine) Sleep(level int) (stagepb.SleepState, error) {
+func (e *Engine) Sleep(ctx context.Context, level int) (stagepb.SleepState, error) {
 	if _, err := stagepb.SleepStateForLevel(level); err != nil {
 		return e.Snapshot().SleepState, invalidArgument("sim: " + err.Error())
 	}
-	return e.control(event{kind: evSleep, level: level})
+	return e.control(ctx, event{kind: evSleep, level: level})
 }
 
 // WakeUp restores a sleeping engine; waking an awake one is a no-op.
-func (e *Engine) WakeUp() (stagepb.SleepState, error) {
-	return e.control(event{kind: evWake})
+func (e *Engine) WakeUp(ctx context.Context) (stagepb.SleepState, error) {
+	return e.control(ctx, event{kind: evWake})
 }
 
-func (e *Engine) control(ev event) (stagepb.SleepState, error) {
+func (e *Engine) control(ctx context.Context, ev event) (stagepb.SleepState, error) {
 	ev.reply = make(chan sleepReply, 1)
 	select {
 	case e.events <- ev:
+	case <-ctx.Done():
+		return e.Snapshot().SleepState, ctx.Err()
 	case <-e.done:
 		return e.Snapshot().SleepState, errClosed
 	}
@@ -200,6 +202,7 @@ func (e *Engine) Health() *stagepb.HealthResponse {
 		SleepState:           s.SleepState,
 		Engine:               EngineName,
 		Role:                 string(e.cfg.Role),
+		InputRole:            e.cfg.Role.InputRole(),
 		NumSpeculativeTokens: uint32(e.cfg.NumSpeculativeTokens),
 		CacheConfig: &stagepb.CacheConfig{
 			BlockSize:           uint32(e.cfg.BlockSize),

@@ -228,10 +228,10 @@ func TestEngineSleepAndWake(t *testing.T) {
 	_, err := generate(ctx, e, req)
 	require.NoError(t, err)
 
-	_, err = e.Sleep(3)
+	_, err = e.Sleep(context.Background(), 3)
 	assert.Equal(t, codes.InvalidArgument, status.Code(err))
 
-	state, err := e.Sleep(1)
+	state, err := e.Sleep(context.Background(), 1)
 	require.NoError(t, err)
 	assert.Equal(t, stagepb.SleepState_SLEEP_STATE_WEIGHTS_OFFLOADED, state)
 	assert.Equal(t, state, e.Health().GetSleepState())
@@ -239,19 +239,19 @@ func TestEngineSleepAndWake(t *testing.T) {
 	assert.Equal(t, codes.FailedPrecondition, status.Code(err))
 	assert.ErrorContains(t, err, "asleep (weights_offloaded)")
 
-	state, err = e.WakeUp()
+	state, err = e.WakeUp(context.Background())
 	require.NoError(t, err)
 	assert.Equal(t, stagepb.SleepState_SLEEP_STATE_AWAKE, state)
 	chunks, err := generate(ctx, e, req)
 	require.NoError(t, err)
 	assert.Positive(t, sums(chunks).PrefixCacheHits, "level 1 keeps the prefix cache")
 
-	state, err = e.Sleep(2)
+	state, err = e.Sleep(context.Background(), 2)
 	require.NoError(t, err)
 	assert.Equal(t, stagepb.SleepState_SLEEP_STATE_DISCARD_ALL, state)
 	_, err = generate(ctx, e, req)
 	assert.Equal(t, codes.FailedPrecondition, status.Code(err))
-	_, err = e.WakeUp()
+	_, err = e.WakeUp(context.Background())
 	require.NoError(t, err)
 	chunks, err = generate(ctx, e, req)
 	require.NoError(t, err)
@@ -272,7 +272,7 @@ func TestEngineRefusesSleepWithRequestsInFlight(t *testing.T) {
 		})
 	}()
 	<-started
-	_, err := e.Sleep(1)
+	_, err := e.Sleep(context.Background(), 1)
 	assert.Equal(t, codes.FailedPrecondition, status.Code(err))
 	assert.ErrorContains(t, err, "1 requests in flight")
 	assert.Equal(t, stagepb.SleepState_SLEEP_STATE_AWAKE, e.Health().GetSleepState())
@@ -306,7 +306,7 @@ func TestEngineCloseEndsRequests(t *testing.T) {
 	_, err := generate(context.Background(), e, textRequest("late", nil))
 	assert.Equal(t, codes.Unavailable, status.Code(err))
 	assert.Equal(t, stagepb.ServingStatus_SERVING_STATUS_NOT_SERVING, e.Health().GetStatus())
-	_, err = e.Sleep(1)
+	_, err = e.Sleep(context.Background(), 1)
 	assert.Equal(t, codes.Unavailable, status.Code(err))
 	require.NoError(t, e.Close(), "Close is idempotent")
 }

@@ -378,6 +378,11 @@ func promptWithoutContext(role Role, req *stagepb.GenerateRequest) ([]uint32, er
 			return nil, invalidInput(role, "text")
 		}
 		return Tokenize(in.Text), nil
+	case *stagepb.GenerateRequest_Chat:
+		if role == RoleAudio {
+			return nil, invalidInput(role, "chat")
+		}
+		return Tokenize(ChatPrompt(in.Chat.GetMessages())), nil
 	case *stagepb.GenerateRequest_TokenIds:
 		if role == RoleAudio {
 			return nil, invalidInput(role, "token_ids")
@@ -413,8 +418,32 @@ func promptWithoutContext(role Role, req *stagepb.GenerateRequest) ([]uint32, er
 	}
 }
 
+// ChatPrompt is how the sim reads a conversation (it has no chat
+// template): one "role: content" line per message, joined by "\n". A chat
+// input and the text input ChatPrompt(messages) give the same output.
+func ChatPrompt(msgs []*stagepb.ChatMessage) string {
+	var b strings.Builder
+	for i, m := range msgs {
+		if i > 0 {
+			b.WriteByte('\n')
+		}
+		b.WriteString(m.GetRole())
+		b.WriteString(": ")
+		b.WriteString(m.GetContent())
+	}
+	return b.String()
+}
+
+// InputRole is what a role takes: codes for audio, text otherwise.
+func (r Role) InputRole() string {
+	if r == RoleAudio {
+		return "codes"
+	}
+	return "text"
+}
+
 func invalidInput(role Role, got string) error {
-	want := "text or token_ids"
+	want := "text, chat or token_ids"
 	if role == RoleAudio {
 		want = "codes"
 	}

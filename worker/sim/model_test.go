@@ -52,7 +52,7 @@ func TestExpectedTextIsPure(t *testing.T) {
 	assert.NotEqual(t, a, other)
 
 	// Temperature does not matter.
-	x, err := Expect(RoleText, textRequest("tell me a story", &stagepb.SamplingParams{Seed: proto.Int64(7), Temperature: 1.7}))
+	x, err := Expect(RoleText, textRequest("tell me a story", &stagepb.SamplingParams{Seed: proto.Int64(7), Temperature: proto.Float32(1.7)}))
 	require.NoError(t, err)
 	assert.Equal(t, a, x.Text)
 
@@ -179,8 +179,8 @@ func TestExpectRejectsWrongInput(t *testing.T) {
 		msg  string
 	}{
 		{RoleAudio, textRequest("hi", nil), "role audio takes codes input, got text"},
-		{RoleText, codesRequest([]uint32{1}), "role text takes text or token_ids input, got codes"},
-		{RoleCodes, codesRequest([]uint32{1}), "role codes takes text or token_ids input, got codes"},
+		{RoleText, codesRequest([]uint32{1}), "role text takes text, chat or token_ids input, got codes"},
+		{RoleCodes, codesRequest([]uint32{1}), "role codes takes text, chat or token_ids input, got codes"},
 		{RoleAudio, codesRequest(nil), "empty codes"},
 		{RoleAudio, codesRequest([]uint32{CodebookSize}), "out of range"},
 		{RoleText, &stagepb.GenerateRequest{}, "no input"},

@@ -1,0 +1,32 @@
+package stagepb
+
+// Roles say what a stage's engine gives (HealthResponse.role) and takes
+// (HealthResponse.input_role). A stage's input role must equal the role of
+// the stage before it; the first stage takes text from the client.
+const (
+	RoleText  = "text"  // text out; as input: text, chat or token_ids
+	RoleCodes = "codes" // codec codes
+	RoleAudio = "audio" // PCM16 audio out; no engine takes it as input
+)
+
+// EffectiveInputRole is what the engine that reported h takes: its
+// input_role, or, for workers that do not report one, codes for role audio
+// and text otherwise (the sim's rule).
+func (h *HealthResponse) EffectiveInputRole() string {
+	if r := h.GetInputRole(); r != "" {
+		return r
+	}
+	if h.GetRole() == RoleAudio {
+		return RoleCodes
+	}
+	return RoleText
+}
+
+// EffectiveRole is what the engine that reported h gives: its role, text
+// when it reports none.
+func (h *HealthResponse) EffectiveRole() string {
+	if r := h.GetRole(); r != "" {
+		return r
+	}
+	return RoleText
+}
