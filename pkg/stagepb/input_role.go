@@ -30,3 +30,20 @@ func (h *HealthResponse) EffectiveRole() string {
 	}
 	return RoleText
 }
+
+// SpeechText is the text a speech stage speaks for r: its text input, or
+// the content of the last message of a chat input. ok is false for other
+// inputs (token ids, codes, none).
+func (r *GenerateRequest) SpeechText() (text string, ok bool) {
+	switch in := r.GetInput().(type) {
+	case *GenerateRequest_Text:
+		return in.Text, true
+	case *GenerateRequest_Chat:
+		msgs := in.Chat.GetMessages()
+		if len(msgs) == 0 {
+			return "", true
+		}
+		return msgs[len(msgs)-1].GetContent(), true
+	}
+	return "", false
+}
