@@ -33,8 +33,14 @@ var (
 
 // Request is one pipeline request.
 type Request struct {
-	ID       string
-	Prompt   string
+	ID     string
+	Prompt string
+	// Messages, when not empty, is the conversation: stage 0 gets it as
+	// chat input (engines with a chat template apply it) instead of
+	// Prompt.
+	Messages []*stagepb.ChatMessage
+	// Voice is the client's audio voice, passed to every stage.
+	Voice    string
 	Sampling *stagepb.SamplingParams
 	// Stages is how many stages to run, from stage 0: 1 for text, all of
 	// them for audio. 0 means 1.
@@ -63,8 +69,9 @@ type Result struct {
 }
 
 // Execute walks req through the pipeline: each stage's output is the next
-// stage's input. With a streaming pipeline (the default) every stage runs
-// at once and each chunk of output is forwarded to the next stage as it is
+// stage's input, chosen by the role the stage gives (text or codes; see
+// nextInput). With a streaming pipeline (the default) every stage runs at
+// once and each chunk of output is forwarded to the next stage as it is
 // made; otherwise each stage starts when the one before it finished.
 // onText receives stage 0's text as it arrives and req.OnAudio the last
 // stage's audio; either may be nil, and an error from either aborts the
@@ -107,7 +114,10 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		}
 	}
 
-	in := &stagepb.GenerateRequest{RequestId: req.ID, Input: &stagepb.GenerateRequest_Text{Text: req.Prompt}, Sampling: req.Sampling}
+	in := &stagepb.GenerateRequest{RequestId: req.ID, Input: &stagepb.GenerateRequest_Text{Text: req.Prompt}, Sampling: req.Sampling, Voice: req.Voice}
+	if len(req.Messages) > 0 {
+		in.Input = &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: req.Messages}}
+	}
 	if n > 1 && h.cfg.Pipeline.StreamsBetweenStages() {
 		span.SetAttributes(attribute.Bool("troupe.request.streamed", true))
 		res, ttfa, err = h.executeStreamed(ctx, req, n, in, onText)
@@ -171,14 +181,15 @@ func (h *Head) executeSequential(ctx context.Context, req Request, n int, in *st
 		if len(out.pcm) > 0 {
 			res.PCM, res.SampleRate = out.pcm, out.sampleRate
 		}
-		// The next stage takes this stage's output: codes if it made any,
-		// otherwise its text.
-		next := &stagepb.GenerateRequest{RequestId: req.ID, Sampling: &stagepb.SamplingParams{Seed: seedOf(req.Sampling)}}
-		if len(out.codes) > 0 {
-			next.Input = &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: out.codes}}
-		} else {
-			next.Input = &stagepb.GenerateRequest_Text{Text: out.text.String()}
+		if i == n-1 {
+			break
 		}
+		next, err := nextInput((*h.outputs.Load())[i], out)
+		if err != nil {
+			return nil, 0, err
+		}
+		next.RequestId, next.Voice = req.ID, req.Voice
+		next.Sampling = &stagepb.SamplingParams{Seed: seedOf(req.Sampling)}
 		in = next
 	}
 	return res, ttfa, nil

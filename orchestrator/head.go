@@ -57,7 +57,8 @@ type Head struct {
 	invalid prometheus.Counter
 	errors  *prometheus.CounterVec
 
-	view atomic.Pointer[[]tracked] // every replica the head knows, for the API
+	view    atomic.Pointer[[]tracked] // every replica the head knows, for the API
+	outputs atomic.Pointer[[]string]  // by stage: the role its routed replicas give (see stageOutputs)
 
 	// Owned by Run's loop goroutine only. known is the one owner of the
 	// mapping from replica key to engine index: an index is handed out on a
@@ -78,6 +79,9 @@ type tracked struct {
 	detachedAt time.Time
 	probeGen   uint64             // generation of the pending probe; 0 when none
 	cancel     context.CancelFunc // cancels the pending probe
+	io         stageIO            // what its engine takes and gives, from the probe
+	routed     bool               // attached: its series are bound and the router has it
+	refused    string             // why the head refused to route it (roles); "" when not refused
 }
 
 // New builds a head. It starts nothing; call Run.
@@ -138,14 +142,14 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		}),
 		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "troupe_head_attach_errors_total",
-			Help: "Joins the head refused (index conflict, stats binding, dial), by step.",
+			Help: "Joins the head refused (index conflict, stats binding, dial, roles that do not fit the pipeline), by step.",
 		}, []string{"step"}),
 		known: map[router.Key]*tracked{},
 	}
 	for _, t := range []string{"join", "leave"} {
 		h.events.WithLabelValues(t)
 	}
-	for _, s := range []string{"attach", "stats", "dial", "router"} {
+	for _, s := range []string{"attach", "stats", "dial", "router", "role"} {
 		h.errors.WithLabelValues(s)
 	}
 	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors} {
@@ -162,6 +166,8 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	})
 	empty := []tracked{}
 	h.view.Store(&empty)
+	outputs := make([]string, len(cfg.Pipeline.Stages))
+	h.outputs.Store(&outputs)
 	return h, nil
 }
 
@@ -266,6 +272,7 @@ func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, pr
 		t.cancel()
 	}
 	t.member, t.detached = m, false
+	t.routed, t.refused = false, ""
 	index := t.index
 	if t.joinedAt.IsZero() || t.detachedAt.After(t.joinedAt) {
 		t.joinedAt = time.Now()
@@ -328,6 +335,15 @@ func (h *Head) attach(pr probeResult) {
 		return
 	}
 	t.probeGen, t.cancel = 0, nil
+	t.io = ioOf(pr.health)
+	if why := h.checkRoles(pr.key, t.io); why != "" {
+		t.refused = why
+		h.errors.WithLabelValues("role").Inc()
+		h.log.Error("orchestrator: refusing replica: its roles do not fit the pipeline", "stage", t.member.Stage, "replica", pr.key.Replica, "addr", t.member.Addr, "roles", t.io.String(), "reason", why)
+		h.router.Discard(pr.rep)
+		h.publish()
+		return
+	}
 	sleep := pr.health.GetSleepState()
 	k := t.member.NumSpeculativeTokens
 	if n := int(pr.health.GetNumSpeculativeTokens()); n > k {
@@ -351,13 +367,17 @@ func (h *Head) attach(pr probeResult) {
 		return
 	}
 	pr.rep.SetSleepState(sleep)
+	if g := pr.health.GetGauges(); g != nil {
+		pr.rep.SetLoad(int64(g.GetNumRequestsRunning()) + int64(g.GetNumRequestsWaitingCapacity()) + int64(g.GetNumRequestsWaitingDeferred()))
+	}
 	if err := h.router.Add(pr.rep); err != nil {
 		h.errors.WithLabelValues("router").Inc()
 		h.log.Error("orchestrator: cannot route", "err", err)
 		h.router.Discard(pr.rep)
 		return
 	}
-	h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", pr.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "sleep_state", sleep.String())
+	t.routed = true
+	h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", pr.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "sleep_state", sleep.String(), "roles", t.io.String())
 	h.publish()
 }
 
@@ -378,6 +398,7 @@ func (h *Head) leave(key router.Key) {
 		}
 	}
 	t.detached, t.detachedAt = true, time.Now()
+	t.routed, t.refused = false, ""
 	h.log.Info("orchestrator: replica detached", "stage", t.member.Stage, "replica", key.Replica, "engine_index", t.index)
 }
 
@@ -396,6 +417,8 @@ func (h *Head) publish() {
 		return int(a.key.Replica) - int(b.key.Replica)
 	})
 	h.view.Store(&out)
+	outputs := h.stageOutputs()
+	h.outputs.Store(&outputs)
 }
 
 // ReplicaState is a replica's state as the head sees it: the "state" of a
@@ -425,6 +448,7 @@ type ReplicaStatus struct {
 	EngineIndex int          `json:"engine_index"`
 	Addr        string       `json:"addr"`
 	State       ReplicaState `json:"state"`
+	Reason      string       `json:"reason,omitempty"` // why it is unhealthy, when the head knows
 	JoinedAt    time.Time    `json:"joined_at"`
 	InFlight    int64        `json:"in_flight"`
 }
@@ -443,10 +467,12 @@ func (h *Head) Replicas() []ReplicaStatus {
 		switch {
 		case t.detached:
 			s.State = StateDetached
+		case t.refused != "":
+			s.State, s.Reason = StateUnhealthy, "refused: "+t.refused
 		case !ok:
-			s.State = StateUnhealthy // joined, but its probe has not answered yet
+			s.State, s.Reason = StateUnhealthy, "joined; its Health probe has not answered SERVING yet"
 		case !rep.Healthy():
-			s.State = StateUnhealthy
+			s.State, s.Reason = StateUnhealthy, "connection to the replica is failing"
 			s.InFlight = rep.InFlight()
 		case rep.SleepState() != stagepb.SleepState_SLEEP_STATE_AWAKE:
 			s.State = StateSleeping

@@ -267,8 +267,9 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 
 // openStreamed opens GenerateStream on rep and starts the goroutine that
 // sends the stage's input as it arrives; the returned wait waits for it.
-// The request header goes out with the first piece, whose kind (text or
-// codes) sets the input's kind, as the sequential path decides it.
+// The request header goes out with the first piece. The input's kind (text
+// or codes) is what the stage before gives, as the sequential path decides
+// it (see nextInput).
 func (h *Head) openStreamed(ctx context.Context, run *streamedRun, stage int, rep *router.Replica, span trace.Span) (chunkStream, func(), error) {
 	stream, err := rep.Client.GenerateStream(ctx)
 	if err != nil {
@@ -280,9 +281,10 @@ func (h *Head) openStreamed(ctx context.Context, run *streamedRun, stage int, re
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
+		role := (*h.outputs.Load())[stage-1] // what the stage before gives
 		header := func(p piece) *stagepb.StreamInput {
-			r := &stagepb.GenerateRequest{RequestId: run.req.ID, Sampling: &stagepb.SamplingParams{Seed: seedOf(run.prompt.GetSampling())}}
-			if len(p.codes) > 0 {
+			r := &stagepb.GenerateRequest{RequestId: run.req.ID, Voice: run.req.Voice, Sampling: &stagepb.SamplingParams{Seed: seedOf(run.prompt.GetSampling())}}
+			if inputKind(role, len(p.codes) > 0) == stagepb.RoleCodes {
 				r.Input = &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: p.codes}}
 			} else {
 				r.Input = &stagepb.GenerateRequest_Text{Text: p.text}

@@ -86,7 +86,7 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
 	defer cancel()
 	id := requestIDFrom(r.Context())
-	req := orchestrator.Request{ID: id, Prompt: j.prompt, Sampling: j.sampling, Stages: 1, Operation: j.operation}
+	req := orchestrator.Request{ID: id, Prompt: j.prompt, Messages: j.messages, Voice: j.voice, Sampling: j.sampling, Stages: 1, Operation: j.operation}
 	if j.audio {
 		req.Stages = len(s.b.Pipeline().Stages)
 	}

@@ -78,9 +78,11 @@ type job struct {
 	sampling     *stagepb.SamplingParams
 	stream       bool
 	includeUsage bool
-	audio        bool   // run every stage and return message.audio (chat only)
-	audioFormat  string // audioFormatWAV or audioFormatPCM16
-	operation    string // gen_ai.operation.name: chat or text_completion
+	messages     []*stagepb.ChatMessage // the conversation (chat only)
+	voice        string                 // audio.voice (chat only)
+	audio        bool                   // run every stage and return message.audio (chat only)
+	audioFormat  string                 // audioFormatWAV or audioFormatPCM16
+	operation    string                 // gen_ai.operation.name: chat or text_completion
 }
 
 // decodeBody unmarshals a JSON object into v and turns decoding failures
@@ -155,7 +157,7 @@ func parseChat(body []byte, model string) (job, *apiError) {
 	if len(req.Messages) == 0 {
 		return job{}, badRequest("messages", "invalid_value", "\"messages\" must hold at least one message")
 	}
-	if j.prompt, e = chatPrompt(req.Messages); e != nil {
+	if j.prompt, j.messages, e = chatPrompt(req.Messages); e != nil {
 		return job{}, e
 	}
 	for _, m := range req.Modalities {
@@ -178,6 +180,7 @@ func parseChat(body []byte, model string) (job, *apiError) {
 		if req.Audio.Format != nil {
 			j.audioFormat = *req.Audio.Format
 		}
+		j.voice = req.Audio.voiceName()
 	}
 	if j.audio && j.stream && j.audioFormat != audioFormatPCM16 {
 		return job{}, badRequest("audio.format", "unsupported",
@@ -189,23 +192,27 @@ func parseChat(body []byte, model string) (job, *apiError) {
 // chatPrompt renders messages as the stage-0 prompt: one "role: content"
 // line per message, joined by "\n"; the text parts of an array content are
 // joined by "\n". The rendering is deterministic, so the same conversation
-// always yields the same output from a seeded engine.
-func chatPrompt(msgs []chatMessage) (string, *apiError) {
+// always yields the same output from a seeded engine. It also returns the
+// messages as the protocol carries them (the same contents), for engines
+// that apply their own chat template.
+func chatPrompt(msgs []chatMessage) (string, []*stagepb.ChatMessage, *apiError) {
 	var b strings.Builder
+	out := make([]*stagepb.ChatMessage, 0, len(msgs))
 	for i, m := range msgs {
 		param := fmt.Sprintf("messages[%d]", i)
 		if m.Role == nil {
-			return "", badRequest(param+".role", "missing_field", "missing required field %q", param+".role")
+			return "", nil, badRequest(param+".role", "missing_field", "missing required field %q", param+".role")
 		}
 		switch *m.Role {
 		case "system", "developer", "user", "assistant", "tool", "function":
 		default:
-			return "", badRequest(param+".role", "invalid_value", "unknown role %q: expected system, developer, user, assistant, tool or function", *m.Role)
+			return "", nil, badRequest(param+".role", "invalid_value", "unknown role %q: expected system, developer, user, assistant, tool or function", *m.Role)
 		}
 		text, e := messageText(param+".content", m.Content)
 		if e != nil {
-			return "", e
+			return "", nil, e
 		}
+		out = append(out, &stagepb.ChatMessage{Role: *m.Role, Content: text})
 		if i > 0 {
 			b.WriteByte('\n')
 		}
@@ -213,7 +220,7 @@ func chatPrompt(msgs []chatMessage) (string, *apiError) {
 		b.WriteString(": ")
 		b.WriteString(text)
 	}
-	return b.String(), nil
+	return b.String(), out, nil
 }
 
 // messageText flattens a message content: a string, null (an assistant
@@ -286,6 +293,19 @@ func (a *audioParam) validate() *apiError {
 		}
 	}
 	return nil
+}
+
+// voiceName is the voice's name: the string, or the object's id.
+func (a *audioParam) voiceName() string {
+	var name string
+	if json.Unmarshal(a.Voice, &name) == nil {
+		return name
+	}
+	var v struct {
+		ID string `json:"id"`
+	}
+	_ = json.Unmarshal(a.Voice, &v)
+	return v.ID
 }
 
 // parseCompletion validates a text completion request.

@@ -1,0 +1,100 @@
+package orchestrator
+
+import (
+	"fmt"
+
+	"github.com/troupe-serving/troupe/internal/router"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+// stageIO is what a replica's engine takes and gives (Health's input_role
+// and role), e.g. text → audio for a speech stage.
+type stageIO struct {
+	in, out string
+}
+
+func ioOf(h *stagepb.HealthResponse) stageIO {
+	return stageIO{in: h.EffectiveInputRole(), out: h.EffectiveRole()}
+}
+
+func (s stageIO) String() string { return s.in + " → " + s.out }
+
+// checkRoles decides whether a replica of stage with roles io fits the
+// pipeline as the head knows it now, and if not, why. The rules:
+//   - the first stage takes text (the client's prompt or conversation);
+//   - every routed replica of the stage has the same roles;
+//   - the stage takes what the routed replicas of the stage before give;
+//   - the routed replicas of the stage after take what it gives.
+//
+// Only routed replicas count, so the first replica of each stage sets the
+// stage's roles until every replica of the stage has left. It runs on the
+// loop goroutine.
+func (h *Head) checkRoles(key router.Key, io stageIO) string {
+	names := h.cfg.Pipeline.StageNames()
+	if key.Stage == 0 && io.in != stagepb.RoleText {
+		return fmt.Sprintf("stage %s is the first stage, which takes text from the client, but this replica takes %s", names[0], io.in)
+	}
+	for k, t := range h.known {
+		if k == key || !t.routed {
+			continue
+		}
+		switch k.Stage {
+		case key.Stage:
+			if t.io != io {
+				return fmt.Sprintf("stage %s serves %s (replica %d), but this replica is %s", names[key.Stage], t.io, k.Replica, io)
+			}
+		case key.Stage - 1:
+			if t.io.out != io.in {
+				return fmt.Sprintf("this replica takes %s, but stage %s before it gives %s (replica %d)", io.in, names[k.Stage], t.io.out, k.Replica)
+			}
+		case key.Stage + 1:
+			if t.io.in != io.out {
+				return fmt.Sprintf("this replica gives %s, but stage %s after it takes %s (replica %d)", io.out, names[k.Stage], t.io.in, k.Replica)
+			}
+		}
+	}
+	return ""
+}
+
+// stageOutputs lists, by stage, what the stage's routed replicas give ("":
+// no routed replica yet). It runs on the loop goroutine; the result is
+// published for Execute.
+func (h *Head) stageOutputs() []string {
+	out := make([]string, len(h.cfg.Pipeline.Stages))
+	for k, t := range h.known {
+		if t.routed {
+			out[k.Stage] = t.io.out
+		}
+	}
+	return out
+}
+
+// inputKind is the input kind (text or codes) of the stage after one whose
+// routed replicas give role: codes for codes, text for text; when the head
+// has no role for the stage yet, what it actually produced (codes when it
+// made any). A stage that gives audio feeds nothing: the join check keeps
+// such a pipeline from forming, and its output is passed as text.
+func inputKind(role string, producedCodes bool) string {
+	switch role {
+	case stagepb.RoleCodes:
+		return stagepb.RoleCodes
+	case "":
+		if producedCodes {
+			return stagepb.RoleCodes
+		}
+	}
+	return stagepb.RoleText
+}
+
+// nextInput is the request for the stage after one that gave out, by the
+// role the stage gives (see inputKind). A stage that gives audio cannot
+// feed another stage: an error of the pipeline.
+func nextInput(role string, out *stageOutput) (*stagepb.GenerateRequest, error) {
+	if role == stagepb.RoleAudio {
+		return nil, fmt.Errorf("%w: a stage that gives audio cannot feed another stage", ErrStageFailed)
+	}
+	if inputKind(role, len(out.codes) > 0) == stagepb.RoleCodes {
+		return &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: out.codes}}}, nil
+	}
+	return &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: out.text.String()}}, nil
+}
