@@ -97,10 +97,11 @@ func (e *Engine) body(req *stagepb.GenerateRequest) (path string, body chatReque
 		Stream:        true,
 		StreamOptions: &streamOptions{IncludeUsage: true},
 		MaxTokens:     sp.GetMaxTokens(),
-		Temperature:   sp.Temperature,
-		Seed:          sp.Seed,
 		Stop:          sp.GetStop(),
 		IgnoreEOS:     sp.GetIgnoreEos(),
+	}
+	if sp != nil {
+		body.Temperature, body.Seed = sp.Temperature, sp.Seed
 	}
 	switch in := req.GetInput().(type) {
 	case *stagepb.GenerateRequest_Chat:

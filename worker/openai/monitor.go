@@ -87,6 +87,7 @@ func (u *upstream) waitReady(ctx context.Context) error {
 	tick := time.NewTicker(readyPoll)
 	defer tick.Stop()
 	var lastLog time.Time
+	var lastErr error // the last check that failed on its own, not cut by the deadline
 	for {
 		err := u.check(ctx)
 		if err == nil {
@@ -95,7 +96,10 @@ func (u *upstream) waitReady(ctx context.Context) error {
 		if fe := (errFatal{}); errors.As(err, &fe) {
 			return fe.err
 		}
-		u.setAvailable(false, "not ready: "+err.Error())
+		if ctx.Err() == nil || lastErr == nil {
+			lastErr = err
+		}
+		u.setAvailable(false, "not ready: "+lastErr.Error())
 		if time.Since(lastLog) >= readyLogEvery {
 			lastLog = time.Now()
 			u.log.Info("openai: waiting for the upstream to be ready", "url", u.base,
@@ -104,7 +108,7 @@ func (u *upstream) waitReady(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			if ctx.Err() == context.DeadlineExceeded {
-				return fmt.Errorf("openai: upstream %s not ready after %s (--upstream-ready-timeout): %w", u.base, u.cfg.ReadyTimeout, err)
+				return fmt.Errorf("openai: upstream %s not ready after %s (--upstream-ready-timeout): %w", u.base, u.cfg.ReadyTimeout, lastErr)
 			}
 			return ctx.Err()
 		case <-tick.C:

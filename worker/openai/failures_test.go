@@ -1,0 +1,286 @@
+package openai_test
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/worker/openai"
+)
+
+// TestRequestBody: the conversation, model and sampling parameters reach
+// the upstream as the OpenAI API spells them; unset ones are left out; the
+// API key is sent.
+func TestRequestBody(t *testing.T) {
+	f := newFake(t)
+	f.route("POST /v1/chat/completions", func(w http.ResponseWriter, _ *http.Request) {
+		sse(w, delta("hi"), finish("stop"), usageEvent(5, 1, 0), "[DONE]")
+	})
+	e := startText(t, openai.Config{URL: f.URL + "/v1", APIKey: "sk-secret"})
+	_, err := collect(testCtx(t), e, chatReq(&stagepb.SamplingParams{MaxTokens: 9, Temperature: proto.Float32(0), Seed: proto.Int64(-4), Stop: []string{"x", "yz"}, IgnoreEos: true},
+		msg("system", "be brief"), msg("user", "hello")))
+	require.NoError(t, err)
+	b := f.lastBody()
+	assert.Equal(t, "m", b["model"])
+	assert.Equal(t, true, b["stream"])
+	assert.Equal(t, map[string]any{"include_usage": true}, b["stream_options"])
+	assert.Equal(t, []any{map[string]any{"role": "system", "content": "be brief"}, map[string]any{"role": "user", "content": "hello"}}, b["messages"])
+	assert.EqualValues(t, 9, b["max_tokens"])
+	assert.Contains(t, b, "temperature", "temperature 0 is sent: it is set")
+	assert.EqualValues(t, 0, b["temperature"])
+	assert.EqualValues(t, -4, b["seed"])
+	assert.Equal(t, []any{"x", "yz"}, b["stop"])
+	assert.Equal(t, true, b["ignore_eos"])
+	f.mu.Lock()
+	assert.Equal(t, "Bearer sk-secret", f.headers[len(f.headers)-1].Get("Authorization"))
+	f.mu.Unlock()
+
+	_, err = collect(testCtx(t), e, chatReq(nil, msg("user", "hello")))
+	require.NoError(t, err)
+	b = f.lastBody()
+	for _, k := range []string{"max_tokens", "temperature", "seed", "stop", "ignore_eos", "prompt"} {
+		assert.NotContains(t, b, k)
+	}
+}
+
+// TestUsageAndFinish: usage is taken as the upstream reports it, cached
+// prompt tokens included; finish reasons keep their meaning.
+func TestUsageAndFinish(t *testing.T) {
+	f := newFake(t)
+	reason := "length"
+	f.route("POST /v1/chat/completions", func(w http.ResponseWriter, _ *http.Request) {
+		sse(w, delta("a"), delta(" b"), finish(reason), usageEvent(100, 2, 64), "[DONE]")
+	})
+	e := startText(t, openai.Config{URL: f.URL})
+	chunks, err := collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
+	require.NoError(t, err)
+	require.Len(t, chunks, 3)
+	assert.Equal(t, "a b", joinText(chunks))
+	last := chunks[2].GetStats()
+	assert.Equal(t, stagepb.FinishReason_FINISH_REASON_LENGTH, chunks[2].GetFinishReason())
+	assert.Equal(t, uint64(100), last.GetPromptTokens())
+	assert.Equal(t, uint64(2), last.GetGenerationTokens())
+	assert.Equal(t, uint64(64), last.GetPromptTokensLocalCacheHit())
+	assert.Equal(t, uint64(36), last.GetPromptTokensLocalCompute())
+
+	for upstream, want := range map[string]stagepb.FinishReason{
+		"stop": stagepb.FinishReason_FINISH_REASON_STOP, "abort": stagepb.FinishReason_FINISH_REASON_ABORT,
+		"tool_calls": stagepb.FinishReason_FINISH_REASON_STOP,
+	} {
+		reason = upstream
+		chunks, err := collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
+		require.NoError(t, err)
+		assert.Equal(t, want, chunks[len(chunks)-1].GetFinishReason(), upstream)
+	}
+}
+
+// TestStreamCut: an upstream that dies mid-answer, or ends its stream
+// without finishing, is a stage failure (Unavailable), never a truncated
+// success: no chunk with a finish reason is emitted.
+func TestStreamCut(t *testing.T) {
+	for name, handler := range map[string]http.HandlerFunc{
+		"connection killed": func(w http.ResponseWriter, _ *http.Request) {
+			sse(w, delta("one"), delta(" two"))
+			panic(http.ErrAbortHandler) // the server drops the connection
+		},
+		"ends without finish": func(w http.ResponseWriter, _ *http.Request) {
+			sse(w, delta("one"), delta(" two"))
+		},
+		"done without finish": func(w http.ResponseWriter, _ *http.Request) {
+			sse(w, delta("one"), delta(" two"), "[DONE]")
+		},
+		"error event": func(w http.ResponseWriter, _ *http.Request) {
+			sse(w, delta("one"), delta(" two"), `{"error":{"message":"engine died","type":"InternalServerError","code":500}}`)
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			f := newFake(t)
+			f.route("POST /v1/chat/completions", handler)
+			e := startText(t, openai.Config{URL: f.URL})
+			chunks, err := collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
+			assert.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+			assert.Equal(t, "one two", joinText(chunks), "what came before the cut was streamed")
+			for _, c := range chunks {
+				assert.Equal(t, stagepb.FinishReason_FINISH_REASON_UNSPECIFIED, c.GetFinishReason())
+			}
+			if name == "error event" {
+				assert.Contains(t, status.Convert(err).Message(), "engine died")
+			}
+		})
+	}
+}
+
+// TestStatusCodes: upstream errors keep their meaning as gRPC codes, with
+// the upstream's message.
+func TestStatusCodes(t *testing.T) {
+	for _, tc := range []struct {
+		status int
+		body   string
+		want   codes.Code
+		msg    string
+	}{
+		{400, `{"error":{"message":"This model's maximum context length is 4096 tokens","type":"BadRequestError","code":400}}`, codes.InvalidArgument, "This model's maximum context length is 4096 tokens"},
+		{400, `{"object":"error","message":"older vLLM error","type":"BadRequestError","code":400}`, codes.InvalidArgument, "older vLLM error"},
+		{422, `{"detail":[{"type":"missing","loc":["body","messages"],"msg":"Field required"}]}`, codes.InvalidArgument, "body.messages: Field required"},
+		{429, `{"error":{"message":"slow down"}}`, codes.Unavailable, "slow down"},
+		{503, `overloaded`, codes.Unavailable, "overloaded"},
+		{502, ``, codes.Unavailable, "Bad Gateway"},
+		{500, `{"error":{"message":"boom"}}`, codes.Internal, "boom"},
+		{401, `{"error":{"message":"bad key"}}`, codes.Unauthenticated, "bad key"},
+		{404, `{"error":{"message":"The model m does not exist."}}`, codes.NotFound, "does not exist"},
+	} {
+		f := newFake(t)
+		f.route("POST /v1/chat/completions", func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(tc.status)
+			_, _ = io.WriteString(w, tc.body)
+		})
+		e := startText(t, openai.Config{URL: f.URL})
+		chunks, err := collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
+		assert.Empty(t, chunks)
+		assert.Equal(t, tc.want, status.Code(err), "%d: %v", tc.status, err)
+		assert.Contains(t, status.Convert(err).Message(), tc.msg, "%d", tc.status)
+	}
+}
+
+// TestConnectionRefused: an upstream that is gone is Unavailable.
+func TestConnectionRefused(t *testing.T) {
+	f := newFake(t)
+	e := startText(t, openai.Config{URL: f.URL, HealthInterval: time.Hour})
+	f.Close()
+	_, err := collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
+	assert.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+}
+
+// TestSlowStart: while the upstream loads (health 503, no models yet) the
+// engine is not available; it becomes available once the upstream is
+// ready. An upstream never ready within the timeout fails Run.
+func TestSlowStart(t *testing.T) {
+	f := newFake(t)
+	var healthy atomic.Bool
+	var checks atomic.Int32
+	f.route("GET /health", func(w http.ResponseWriter, _ *http.Request) {
+		checks.Add(1)
+		if !healthy.Load() {
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+	})
+	e, err := openai.New(openai.Config{URL: f.URL, Logger: quiet()})
+	require.NoError(t, err)
+	run(t, e)
+	require.Eventually(t, func() bool { return checks.Load() >= 2 }, wait, time.Millisecond)
+	ok, _ := e.Available()
+	assert.False(t, ok, "not available while the upstream loads")
+	h := e.Health()
+	assert.Equal(t, stagepb.ServingStatus_SERVING_STATUS_NOT_SERVING, h.GetStatus())
+	assert.Contains(t, h.GetStatusMessage(), "GET /health: 503")
+	_, err = collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
+	assert.Equal(t, codes.Unavailable, status.Code(err))
+	assert.Zero(t, f.posts(), "nothing sent to an upstream that is not ready")
+	healthy.Store(true)
+	waitAvailable(t, e, true)
+
+	// Never ready.
+	g := newFake(t)
+	g.route("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusServiceUnavailable) })
+	e2, err := openai.New(openai.Config{URL: g.URL, ReadyTimeout: 1500 * time.Millisecond, Logger: quiet()})
+	require.NoError(t, err)
+	err = run(t, e2).result(t)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "not ready after 1.5s (--upstream-ready-timeout)")
+	assert.Contains(t, err.Error(), "503")
+}
+
+// TestNoHealthEndpoint: an upstream without /health (Ollama) is checked
+// through its model list.
+func TestNoHealthEndpoint(t *testing.T) {
+	f := newFake(t)
+	f.route("GET /health", nil)
+	var models atomic.Bool
+	var asked atomic.Int32
+	f.route("GET /v1/models", func(w http.ResponseWriter, _ *http.Request) {
+		asked.Add(1)
+		if !models.Load() {
+			_, _ = io.WriteString(w, `{"object":"list","data":[]}`)
+			return
+		}
+		_, _ = io.WriteString(w, `{"object":"list","data":[{"id":"llama3.2:1b"},{"id":"qwen"}]}`)
+	})
+	e, err := openai.New(openai.Config{URL: f.URL, Logger: quiet()})
+	require.NoError(t, err)
+	run(t, e)
+	require.Eventually(t, func() bool { return asked.Load() >= 2 }, wait, time.Millisecond)
+	ok, _ := e.Available()
+	assert.False(t, ok)
+	models.Store(true)
+	waitAvailable(t, e, true)
+	assert.Equal(t, "llama3.2:1b", e.Model())
+}
+
+// TestAPIKeyRefused: a refused key is a startup error, not a wait.
+func TestAPIKeyRefused(t *testing.T) {
+	f := newFake(t)
+	f.route("GET /v1/models", func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Bearer right" {
+			w.WriteHeader(http.StatusUnauthorized)
+			return
+		}
+		_, _ = io.WriteString(w, `{"data":[{"id":"m"}]}`)
+	})
+	e, err := openai.New(openai.Config{URL: f.URL, APIKey: "wrong", Logger: quiet()})
+	require.NoError(t, err)
+	err = run(t, e).result(t)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "refused the API key")
+	startText(t, openai.Config{URL: f.URL, APIKey: "right"})
+}
+
+// TestSlowUpstreamHeaders: a request whose upstream never answers ends
+// when its context does.
+func TestSlowUpstreamHeaders(t *testing.T) {
+	f := newFake(t)
+	release := make(chan struct{})
+	f.route("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-r.Context().Done():
+		case <-release:
+		}
+	})
+	defer close(release)
+	e := startText(t, openai.Config{URL: f.URL})
+	ctx, cancel := context.WithTimeout(testCtx(t), 200*time.Millisecond)
+	defer cancel()
+	_, err := collect(ctx, e, chatReq(nil, msg("user", "x")))
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+}
+
+func closedAddr(t *testing.T) string {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := lis.Addr().String()
+	require.NoError(t, lis.Close())
+	return addr
+}
+
+// TestUnreachableAtStart: nothing listens: Run keeps waiting (and says so
+// in Health) until its timeout.
+func TestUnreachableAtStart(t *testing.T) {
+	e, err := openai.New(openai.Config{URL: "http://" + closedAddr(t) + "/v1", ReadyTimeout: time.Second, Logger: quiet()})
+	require.NoError(t, err)
+	err = run(t, e).result(t)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "not ready after 1s")
+	assert.True(t, strings.Contains(err.Error(), "connection refused"), err.Error())
+}
