@@ -34,6 +34,9 @@ type headFlags struct {
 	tls                                                *tlsFlags
 	otel                                               *otelFlags
 	log                                                *logFlags
+	// builtPipeline, when set, is the pipeline instead of --pipeline's
+	// (troupe up --speech builds its own).
+	builtPipeline *orchestrator.Pipeline
 }
 
 func addHeadFlags(fs *flag.FlagSet) *headFlags {
@@ -57,6 +60,9 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 
 // loadPipeline reads --pipeline, or returns the default pipeline.
 func (f *headFlags) loadPipeline() (orchestrator.Pipeline, error) {
+	if f.builtPipeline != nil {
+		return *f.builtPipeline, nil
+	}
 	if f.pipeline == "" {
 		return orchestrator.DefaultPipeline(), nil
 	}

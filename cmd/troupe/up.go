@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"os/exec"
 	"strconv"
 	"strings"
 	"time"
@@ -16,6 +17,7 @@ import (
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/membership/embedetcd"
 	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/worker/espeak"
 )
 
 // runUp is the laptop all-in-one: an embedded etcd, a head and sim workers
@@ -28,6 +30,7 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 	etcdURL := fs.String("etcd-listen", "http://127.0.0.1:0", "client URL of the embedded etcd (port 0: a free port)")
 	replicas := fs.Int("replicas", 1, "sim workers per stage")
 	decodeLatency := fs.Duration("decode-latency", 0, "sim: duration of one decode step (0: instant)")
+	speech := fs.String("speech", "", "espeak: run thinker → speech, the speech stage on espeak-ng (real audio); default: the sim's thinker → talker → vocoder")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -35,10 +38,11 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 		return fmt.Errorf("--replicas must be in 1..64, got %d", *replicas)
 	}
 	log := hf.log.logger()
-	pipeline, err := hf.loadPipeline()
+	pipeline, err := upPipeline(hf, *speech)
 	if err != nil {
 		return err
 	}
+	hf.builtPipeline = &pipeline
 
 	dir := *dataDir
 	if dir == "" {
@@ -84,6 +88,9 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 			wf.stage, wf.cluster, wf.model = st.Name, hf.cluster, pipeline.Model
 			wf.decodeLatency = *decodeLatency
 			wf.tls, wf.otel, wf.log = hf.tls, hf.otel, hf.log
+			if *speech != "" && st.Name == speechStage {
+				wf.engine = espeak.EngineName
+			}
 			g.Go(func() error { return serveWorker(gctx, cli, wf, log, io.Discard, nil) })
 		}
 	}
@@ -102,7 +109,7 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 			}
 			return err
 		}
-		printBanner(stdout, pipeline, base, etcd.ClientURLs(), dir, *dataDir == "", hf.apiKey != "")
+		printBanner(stdout, pipeline, base, etcd.ClientURLs(), dir, *dataDir == "", hf.apiKey != "", *speech != "")
 		return nil
 	})
 	err = g.Wait()
@@ -111,6 +118,29 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 		return nil
 	}
 	return err
+}
+
+// speechStage is the name of the speech stage of `troupe up --speech`.
+const speechStage = "speech"
+
+// upPipeline is the pipeline `troupe up` runs: --pipeline, the default,
+// or with --speech espeak a thinker (sim) and a speech stage (espeak-ng).
+func upPipeline(hf *headFlags, speech string) (orchestrator.Pipeline, error) {
+	switch speech {
+	case "":
+		return hf.loadPipeline()
+	case espeak.EngineName:
+		if hf.pipeline != "" {
+			return orchestrator.Pipeline{}, errors.New("up: --speech and --pipeline cannot be combined: --speech runs thinker → speech")
+		}
+		if _, err := exec.LookPath(espeak.DefaultBinary); err != nil {
+			return orchestrator.Pipeline{}, fmt.Errorf("up: --speech espeak needs espeak-ng (Debian: apt-get install espeak-ng): %w", err)
+		}
+		p := orchestrator.DefaultPipeline()
+		p.Stages = []orchestrator.Stage{{Name: "thinker"}, {Name: speechStage}}
+		return p, nil
+	}
+	return orchestrator.Pipeline{}, fmt.Errorf("up: unknown --speech %q (supported: espeak)", speech)
 }
 
 // waitReady polls a readiness URL until it answers 200.
@@ -143,7 +173,7 @@ func waitReady(ctx context.Context, url string, limit time.Duration) error {
 	}
 }
 
-func printBanner(w io.Writer, p orchestrator.Pipeline, base string, etcdURLs []string, dir string, temporary, auth bool) {
+func printBanner(w io.Writer, p orchestrator.Pipeline, base string, etcdURLs []string, dir string, temporary, auth, speech bool) {
 	keep := "kept"
 	if temporary {
 		keep = "removed at exit"
@@ -162,7 +192,15 @@ Try:
   curl -s %s/v1/chat/completions%s \
     -H 'Content-Type: application/json' \
     -d '{"model":%s,"messages":[{"role":"user","content":"hello"}],"max_tokens":8}'
-
-Press Ctrl-C to stop.
 `, p.Model, strings.Join(p.StageNames(), " → "), base, base, base, strings.Join(etcdURLs, ","), dir, keep, base, header, strconv.Quote(p.Model))
+	if speech {
+		fmt.Fprintf(w, `
+Speech (espeak-ng), saved as hello.wav:
+  curl -s %s/v1/chat/completions%s \
+    -H 'Content-Type: application/json' \
+    -d '{"model":%s,"modalities":["text","audio"],"audio":{"voice":"en","format":"wav"},"messages":[{"role":"user","content":"hello"}],"max_tokens":16}' \
+    | jq -r .choices[0].message.audio.data | base64 -d > hello.wav
+`, base, header, strconv.Quote(p.Model))
+	}
+	fmt.Fprint(w, "\nPress Ctrl-C to stop.\n")
 }

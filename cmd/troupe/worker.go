@@ -2,10 +2,14 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
+	"os/exec"
+	"runtime"
 	"strconv"
 	"strings"
 	"time"
@@ -15,8 +19,11 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 	"github.com/troupe-serving/troupe/worker"
+	"github.com/troupe-serving/troupe/worker/espeak"
+	"github.com/troupe-serving/troupe/worker/openai"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
 
@@ -27,10 +34,23 @@ type workerFlags struct {
 	numSpec, maxNumSeqs, maxBatchedTokens, numKVBlocks, blockSize        int
 	prefillTPS                                                           float64
 	noPrefixCaching                                                      bool
+	upstream                                                             upstreamFlags
+	voice, espeakBinary                                                  string
+	espeakConcurrency                                                    int
 	tls                                                                  *tlsFlags
 	otel                                                                 *otelFlags
 	log                                                                  *logFlags
 }
+
+// upstreamFlags configure the openai and openai-speech engines.
+type upstreamFlags struct {
+	url, model, apiKeyFile, ca, speechFormat string
+	readyTimeout, healthInterval             time.Duration
+	healthFailures                           int
+}
+
+// Engine names --engine takes.
+var engineNames = []string{sim.EngineName, openai.EngineName, openai.SpeechEngineName, espeak.EngineName}
 
 func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	f := &workerFlags{}
@@ -38,7 +58,7 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.StringVar(&f.replicaID, "replica-id", "auto", "replica id: a number, or auto for the smallest free id of the stage")
 	fs.StringVar(&f.listen, "listen", worker.DefaultListen, "gRPC listen address; port 0 picks a free port")
 	fs.StringVar(&f.advertise, "advertise", "", "address registered in etcd (default: the bound address; the hostname when listening on all interfaces)")
-	fs.StringVar(&f.engine, "engine", sim.EngineName, "engine: sim")
+	fs.StringVar(&f.engine, "engine", sim.EngineName, "engine: sim, openai (an OpenAI-compatible server's completions), openai-speech (its /v1/audio/speech) or espeak (espeak-ng speech)")
 	fs.StringVar(&f.cluster, "cluster", membership.DefaultCluster, "cluster name (etcd key prefix)")
 	fs.StringVar(&f.model, "model", "", "model name recorded in the member record (informational)")
 	fs.DurationVar(&f.leaseTTL, "lease-ttl", membership.DefaultTTL, "etcd lease TTL of the registration")
@@ -52,6 +72,18 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.BoolVar(&f.noPrefixCaching, "no-enable-prefix-caching", false, "sim: turn the prefix cache off")
 	fs.Float64Var(&f.prefillTPS, "prefill-tps", 0, "sim: prefill throughput in tokens per second (0: instant)")
 	fs.DurationVar(&f.decodeLatency, "decode-latency", 0, "sim: duration of one decode step (0: instant)")
+	u := &f.upstream
+	fs.StringVar(&u.url, "upstream", "", "openai engines: the upstream's base URL as OpenAI clients take it, e.g. http://127.0.0.1:8001/v1 (/v1 may be left out)")
+	fs.StringVar(&u.model, "upstream-model", "", "openai engines: the upstream's model (default: the first of its /v1/models)")
+	fs.StringVar(&u.apiKeyFile, "upstream-api-key-file", "", "openai engines: file holding the upstream's API key (default: $TROUPE_UPSTREAM_API_KEY; never on the command line)")
+	fs.StringVar(&u.ca, "upstream-ca", "", "openai engines: CA bundle (PEM) trusted for the upstream's TLS, on top of the system roots")
+	fs.DurationVar(&u.readyTimeout, "upstream-ready-timeout", openai.DefaultReadyTimeout, "openai engines: how long to wait for the upstream to answer /health and list the model before giving up")
+	fs.DurationVar(&u.healthInterval, "upstream-health-interval", openai.DefaultHealthInterval, "openai engines: period of the upstream's health checks and metric scrapes")
+	fs.IntVar(&u.healthFailures, "upstream-health-failures", openai.DefaultHealthFailures, "openai engines: failed health checks in a row that take the replica out of rotation")
+	fs.StringVar(&u.speechFormat, "upstream-speech-format", openai.DefaultSpeechFormat, "openai-speech: response_format asked of /v1/audio/speech: wav or pcm (PCM16 at 24 kHz)")
+	fs.StringVar(&f.voice, "voice", "", "speech engines: voice when the request names none (default: alloy for openai-speech, en for espeak)")
+	fs.StringVar(&f.espeakBinary, "espeak-binary", espeak.DefaultBinary, "espeak: the espeak-ng executable")
+	fs.IntVar(&f.espeakConcurrency, "espeak-concurrency", runtime.NumCPU(), "espeak: most espeak-ng processes at once; more requests wait")
 	f.tls = addTLSFlags(fs, "the worker's gRPC server; a CA requires client certificates")
 	f.otel = addOtelFlags(fs)
 	f.log = addLogFlags(fs)
@@ -74,7 +106,7 @@ func runWorker(ctx context.Context, args []string, stdout io.Writer) error {
 	if _, _, err := parseReplicaID(wf.replicaID); err != nil {
 		return err
 	}
-	if _, err := wf.simConfig(log); err != nil {
+	if err := wf.checkEngine(log); err != nil {
 		return err
 	}
 	cli, err := membership.Dial(ctx, ef.config())
@@ -115,6 +147,101 @@ func (f *workerFlags) simConfig(log *slog.Logger) (sim.Config, error) {
 	return cfg, cfg.Validate()
 }
 
+// checkEngine refuses bad engine flags before anything waits on etcd or
+// an upstream.
+func (f *workerFlags) checkEngine(log *slog.Logger) error {
+	switch f.engine {
+	case sim.EngineName:
+		_, err := f.simConfig(log)
+		return err
+	case openai.EngineName, openai.SpeechEngineName:
+		_, err := f.openaiConfig(log)
+		return err
+	case espeak.EngineName:
+		_, err := exec.LookPath(f.espeakBinary)
+		if err != nil {
+			return fmt.Errorf("--engine espeak needs %s (Debian: apt-get install espeak-ng): %w", f.espeakBinary, err)
+		}
+		return nil
+	}
+	return fmt.Errorf("unknown --engine %q (supported: %s)", f.engine, strings.Join(engineNames, ", "))
+}
+
+// openaiConfig builds the openai engines' configuration. The API key comes
+// from --upstream-api-key-file, else TROUPE_UPSTREAM_API_KEY; never argv.
+func (f *workerFlags) openaiConfig(log *slog.Logger) (openai.Config, error) {
+	u := f.upstream
+	if u.url == "" {
+		return openai.Config{}, fmt.Errorf("--engine %s needs --upstream URL (e.g. http://127.0.0.1:8001/v1)", f.engine)
+	}
+	if _, _, err := openai.Endpoints(u.url); err != nil {
+		return openai.Config{}, err
+	}
+	if u.speechFormat != "wav" && u.speechFormat != "pcm" {
+		return openai.Config{}, fmt.Errorf("--upstream-speech-format %q: want wav or pcm", u.speechFormat)
+	}
+	if u.healthFailures < 1 || u.healthInterval <= 0 || u.readyTimeout <= 0 {
+		return openai.Config{}, errors.New("--upstream-health-failures, --upstream-health-interval and --upstream-ready-timeout must be positive")
+	}
+	key := os.Getenv("TROUPE_UPSTREAM_API_KEY")
+	if u.apiKeyFile != "" {
+		b, err := os.ReadFile(u.apiKeyFile)
+		if err != nil {
+			return openai.Config{}, fmt.Errorf("--upstream-api-key-file: %w", err)
+		}
+		key = strings.TrimSpace(string(b))
+	}
+	return openai.Config{
+		URL:            u.url,
+		Model:          u.model,
+		APIKey:         key,
+		CAFile:         u.ca,
+		ReadyTimeout:   u.readyTimeout,
+		HealthInterval: u.healthInterval,
+		HealthFailures: u.healthFailures,
+		Voice:          f.voice,
+		SpeechFormat:   u.speechFormat,
+		Logger:         log,
+	}, nil
+}
+
+// runnableEngine is an engine and what must run beside it for as long as
+// the worker serves: the sim's scheduler, an upstream's monitor.
+type runnableEngine struct {
+	worker.Engine
+	// run runs until ctx ends (then it returns nil), or fails (the
+	// upstream never became ready). nil: nothing to run.
+	run func(ctx context.Context) error
+}
+
+// buildEngine makes the --engine engine.
+func (f *workerFlags) buildEngine(log *slog.Logger) (runnableEngine, error) {
+	switch f.engine {
+	case sim.EngineName:
+		cfg, err := f.simConfig(log)
+		if err != nil {
+			return runnableEngine{}, err
+		}
+		eng := sim.New(cfg)
+		return runnableEngine{Engine: eng, run: eng.Run}, nil
+	case openai.EngineName, openai.SpeechEngineName:
+		cfg, err := f.openaiConfig(log)
+		if err != nil {
+			return runnableEngine{}, err
+		}
+		if f.engine == openai.SpeechEngineName {
+			eng, err := openai.NewSpeech(cfg)
+			return runnableEngine{Engine: eng, run: eng.Run}, err
+		}
+		eng, err := openai.New(cfg)
+		return runnableEngine{Engine: eng, run: eng.Run}, err
+	case espeak.EngineName:
+		eng, err := espeak.New(espeak.Config{Binary: f.espeakBinary, Voice: f.voice, Concurrency: f.espeakConcurrency, Logger: log})
+		return runnableEngine{Engine: eng}, err
+	}
+	return runnableEngine{}, fmt.Errorf("unknown --engine %q (supported: %s)", f.engine, strings.Join(engineNames, ", "))
+}
+
 // parseReplicaID reads --replica-id: a number or "auto".
 func parseReplicaID(s string) (id uint32, auto bool, err error) {
 	if strings.EqualFold(s, "auto") {
@@ -128,17 +255,15 @@ func parseReplicaID(s string) (id uint32, auto bool, err error) {
 }
 
 // serveWorker runs a worker until ctx ends. ready, when not nil, receives
-// the member record once the replica is registered.
+// the member record once the replica is registered. The engine lives
+// until the server has drained; an engine that fails (an upstream that is
+// never ready) stops the worker with its error.
 func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log *slog.Logger, stdout io.Writer, ready chan<- membership.Member) error {
-	if wf.engine != sim.EngineName {
-		return fmt.Errorf("unknown --engine %q (supported: %s)", wf.engine, sim.EngineName)
-	}
 	id, auto, err := parseReplicaID(wf.replicaID)
 	if err != nil {
 		return err
 	}
-	simCfg, err := wf.simConfig(log)
-	if err != nil {
+	if err := wf.checkEngine(log); err != nil {
 		return err
 	}
 	creds, err := wf.tls.serverCredentials() // plaintext without TLS flags
@@ -154,8 +279,21 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 	}
 	defer shutdown()
 
-	eng := sim.New(simCfg)
-	defer eng.Close()
+	eng, err := wf.buildEngine(log)
+	if err != nil {
+		return err
+	}
+	// The engine's context is not ctx: it must outlive the drain.
+	engCtx, stopEngine := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopEngine()
+	engDone := make(chan error, 1)
+	if eng.run != nil {
+		go func() { engDone <- eng.run(engCtx) }()
+	} else {
+		go func() { <-engCtx.Done(); engDone <- nil }()
+	}
+	defer func() { stopEngine(); <-engDone }()
+
 	srv, err := worker.New(worker.Config{
 		Stage:        wf.stage,
 		ReplicaID:    id,
@@ -165,7 +303,7 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 		Cluster:      wf.cluster,
 		LeaseTTL:     wf.leaseTTL,
 		DrainTimeout: wf.drainTimeout,
-		Engine:       eng,
+		Engine:       eng.Engine,
 		Model:        wf.model,
 		Version:      version,
 		EtcdClient:   cli,
@@ -182,21 +320,47 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 	if err != nil {
 		return err
 	}
+	srvCtx, stopServer := context.WithCancel(ctx)
+	defer stopServer()
 	done := make(chan error, 1)
-	go func() { done <- srv.Run(ctx) }()
-	select {
-	case <-srv.Registered():
-		m := srv.Member()
-		fmt.Fprintf(stdout, "troupe worker: stage %s replica %d addr %s (cluster %s, engine %s, role %s, listening on %s)\n",
-			m.Stage, m.ReplicaID, m.Addr, wf.cluster, m.Engine, simCfg.Role, srv.Addr())
-		if ready != nil {
-			select {
-			case ready <- m:
-			case <-ctx.Done():
-			}
-		}
-	case err := <-done:
-		return err
+	go func() { done <- srv.Run(srvCtx) }()
+	if wf.engine == openai.EngineName || wf.engine == openai.SpeechEngineName {
+		log.Info("troupe worker: waiting for the upstream before registering", "upstream", wf.upstream.url, "timeout", wf.upstream.readyTimeout)
 	}
-	return <-done
+	registered := srv.Registered()
+	for {
+		select {
+		case <-registered:
+			registered = nil
+			m := srv.Member()
+			fmt.Fprintf(stdout, "troupe worker: stage %s replica %d addr %s (cluster %s, engine %s, role %s, listening on %s)\n",
+				m.Stage, m.ReplicaID, m.Addr, wf.cluster, m.Engine, roleOf(eng.Health()), srv.Addr())
+			if ready != nil {
+				select {
+				case ready <- m:
+				case <-ctx.Done():
+				}
+			}
+		case err := <-done:
+			return err
+		case err := <-engDone:
+			engDone <- err // for the deferred wait
+			stopServer()
+			serr := <-done
+			if err != nil {
+				return err
+			}
+			return serr
+		}
+	}
+}
+
+// roleOf describes what an engine takes and gives, e.g. "text → audio";
+// just the role when it takes what the sim's role would.
+func roleOf(h *stagepb.HealthResponse) string {
+	in, out := h.EffectiveInputRole(), h.EffectiveRole()
+	if (out == stagepb.RoleAudio && in == stagepb.RoleCodes) || (out != stagepb.RoleAudio && in == stagepb.RoleText) {
+		return out
+	}
+	return in + " → " + out
 }
