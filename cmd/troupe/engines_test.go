@@ -1,0 +1,248 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/binary"
+	"encoding/json"
+	"io"
+	"math"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/worker/sim"
+)
+
+// lines is a stdout that tests can wait on.
+type lines struct {
+	mu     sync.Mutex
+	buf    bytes.Buffer
+	notify chan struct{}
+}
+
+func newLines() *lines { return &lines{notify: make(chan struct{}, 1)} }
+
+func (l *lines) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.buf.Write(p)
+	select {
+	case l.notify <- struct{}{}:
+	default:
+	}
+	return len(p), nil
+}
+
+// wait returns the first submatch of re in the output, waiting for it.
+func (l *lines) wait(t *testing.T, re *regexp.Regexp) string {
+	t.Helper()
+	deadline := time.After(90 * time.Second)
+	for {
+		l.mu.Lock()
+		m := re.FindStringSubmatch(l.buf.String())
+		out := l.buf.String()
+		l.mu.Unlock()
+		if m != nil {
+			return m[1]
+		}
+		select {
+		case <-l.notify:
+		case <-deadline:
+			t.Fatalf("no %v in output:\n%s", re, out)
+		}
+	}
+}
+
+// background runs a subcommand until the test ends; it must then return nil.
+func background(t *testing.T, name string, run func(context.Context, []string, io.Writer) error, args ...string) *lines {
+	t.Helper()
+	out := newLines()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, args, out) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			assert.NoError(t, err, "troupe %s", name)
+		case <-time.After(60 * time.Second):
+			t.Errorf("troupe %s did not stop", name)
+		}
+	})
+	return out
+}
+
+var (
+	apiRE  = regexp.MustCompile(`API:\s+(http://\S+)/v1\n`)
+	etcdRE = regexp.MustCompile(`etcd:\s+(\S+) \(data dir`)
+	headRE = regexp.MustCompile(`API on (http://\S+)\n`)
+	workRE = regexp.MustCompile(`troupe worker: (stage .*)\n`)
+)
+
+type chatAnswer struct {
+	Choices []struct {
+		Message struct {
+			Content string `json:"content"`
+			Audio   *struct {
+				Data       string `json:"data"`
+				Transcript string `json:"transcript"`
+			} `json:"audio"`
+		} `json:"message"`
+	} `json:"choices"`
+	Usage struct {
+		PromptTokens     int `json:"prompt_tokens"`
+		CompletionTokens int `json:"completion_tokens"`
+	} `json:"usage"`
+}
+
+func chat(t *testing.T, base, body string) chatAnswer {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", strings.NewReader(body))
+	require.NoError(t, err)
+	req.Header.Set("Content-Type", "application/json")
+	client := &http.Client{Transport: &http.Transport{}}
+	defer client.CloseIdleConnections()
+	resp, err := client.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "%s", data)
+	var a chatAnswer
+	require.NoError(t, json.Unmarshal(data, &a))
+	require.Len(t, a.Choices, 1)
+	return a
+}
+
+func requireEspeak(t *testing.T) {
+	t.Helper()
+	if _, err := exec.LookPath("espeak-ng"); err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatalf("espeak-ng is required in CI (scripts/test.sh installs it): %v", err)
+		}
+		t.Skipf("espeak-ng is not installed; skipping outside CI: %v", err)
+	}
+}
+
+// TestUpSpeech: `troupe up --speech espeak` answers an audio request with
+// real speech of the thinker's text.
+func TestUpSpeech(t *testing.T) {
+	requireEspeak(t)
+	out := background(t, "up", runUp, "--speech", "espeak", "--http", "127.0.0.1:0", "--log-level", "error")
+	base := out.wait(t, apiRE)
+	out.wait(t, regexp.MustCompile(`(Speech \(espeak-ng\))`))
+	a := chat(t, base, `{"model":"troupe-omni-sim","modalities":["text","audio"],"audio":{"voice":"en","format":"wav"},"seed":3,
+		"messages":[{"role":"user","content":"hello"}],"max_tokens":12}`)
+	want, _, _ := sim.ExpectedText("user: hello", 3, 12)
+	msg := a.Choices[0].Message
+	assert.Equal(t, want, msg.Content)
+	require.NotNil(t, msg.Audio)
+	assert.Equal(t, want, msg.Audio.Transcript)
+	wav, err := base64.StdEncoding.DecodeString(msg.Audio.Data)
+	require.NoError(t, err)
+	require.Greater(t, len(wav), 44)
+	assert.Equal(t, "RIFF", string(wav[0:4]))
+	assert.Equal(t, uint32(22050), binary.LittleEndian.Uint32(wav[24:28]), "espeak-ng's rate")
+	pcm := wav[44:]
+	seconds := float64(len(pcm)/2) / 22050
+	assert.Greater(t, seconds, 0.25*float64(len(strings.Fields(want))), "about a quarter second or more per word")
+	var sum float64
+	for i := 0; i+1 < len(pcm); i += 2 {
+		v := float64(int16(binary.LittleEndian.Uint16(pcm[i:])))
+		sum += v * v
+	}
+	assert.Greater(t, math.Sqrt(sum/float64(len(pcm)/2)), 500.0, "not silent")
+}
+
+// TestWorkerInFrontOfUpstream: the CLI wiring of --engine openai. Head B's
+// only thinker is a worker whose upstream is `troupe up` (head A, an
+// OpenAI-compatible server): B answers with what A's sim says.
+func TestWorkerInFrontOfUpstream(t *testing.T) {
+	a := background(t, "up", runUp, "--http", "127.0.0.1:0", "--log-level", "error")
+	aBase := a.wait(t, apiRE)
+	etcd := a.wait(t, etcdRE)
+	a.wait(t, regexp.MustCompile(`(Press Ctrl-C)`))
+
+	keyFile := filepath.Join(t.TempDir(), "key")
+	require.NoError(t, os.WriteFile(keyFile, []byte("unused-by-troupe-up\n"), 0o600))
+	pipeline := filepath.Join(t.TempDir(), "pipeline.yaml")
+	require.NoError(t, os.WriteFile(pipeline, []byte("model: troupe-omni-sim\nstages:\n  - name: thinker\n"), 0o600))
+	b := background(t, "head", runHead, "--etcd-endpoints", etcd, "--cluster", "b", "--pipeline", pipeline, "--http", "127.0.0.1:0", "--log-level", "error")
+	bBase := b.wait(t, headRE)
+	w := background(t, "worker", runWorker, "--etcd-endpoints", etcd, "--cluster", "b", "--stage", "thinker", "--engine", "openai",
+		"--upstream", aBase+"/v1", "--upstream-api-key-file", keyFile, "--upstream-health-interval", "1s", "--log-level", "error")
+	line := w.wait(t, workRE)
+	assert.Contains(t, line, "engine openai, role text")
+
+	probe := &http.Client{Transport: &http.Transport{}, Timeout: 5 * time.Second}
+	defer probe.CloseIdleConnections()
+	require.Eventually(t, func() bool {
+		resp, err := probe.Get(bBase + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	}, 60*time.Second, 20*time.Millisecond)
+	got := chat(t, bBase, `{"model":"troupe-omni-sim","seed":8,"messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}],"max_tokens":10}`)
+	want, tokens, _ := sim.ExpectedText("system: be brief\nuser: hi", 8, 10)
+	assert.Equal(t, want, got.Choices[0].Message.Content)
+	assert.Equal(t, tokens, got.Usage.CompletionTokens)
+	assert.Equal(t, len(sim.Tokenize("system: be brief\nuser: hi")), got.Usage.PromptTokens)
+}
+
+func TestWorkerEngineFlags(t *testing.T) {
+	parse := func(args ...string) *workerFlags {
+		fs := newFlagSet("worker")
+		wf := addWorkerFlags(fs)
+		require.NoError(t, parseFlags(fs, append([]string{"--stage", "thinker"}, args...)))
+		return wf
+	}
+	log := (&logFlags{level: "error"}).logger()
+	assert.ErrorContains(t, parse("--engine", "vllm").checkEngine(log), `unknown --engine "vllm" (supported: sim, openai, openai-speech, espeak)`)
+	assert.ErrorContains(t, parse("--engine", "openai").checkEngine(log), "needs --upstream URL")
+	assert.ErrorContains(t, parse("--engine", "openai", "--upstream", "localhost:8000").checkEngine(log), "scheme must be http or https")
+	assert.ErrorContains(t, parse("--engine", "openai-speech", "--upstream", "http://h/v1", "--upstream-speech-format", "mp3").checkEngine(log), "want wav or pcm")
+	assert.ErrorContains(t, parse("--engine", "espeak", "--espeak-binary", "/nonexistent/espeak").checkEngine(log), "apt-get install espeak-ng")
+	assert.ErrorContains(t, parse("--engine", "openai", "--upstream", "http://h/v1", "--upstream-api-key-file", "/nonexistent").checkEngine(log), "--upstream-api-key-file")
+
+	// The key: from the environment, or from the file, which wins.
+	t.Setenv("TROUPE_UPSTREAM_API_KEY", "from-env")
+	cfg, err := parse("--engine", "openai", "--upstream", "http://h:8000").openaiConfig(log)
+	require.NoError(t, err)
+	assert.Equal(t, "from-env", cfg.APIKey)
+	keyFile := filepath.Join(t.TempDir(), "key")
+	require.NoError(t, os.WriteFile(keyFile, []byte("  from-file\n"), 0o600))
+	cfg, err = parse("--engine", "openai", "--upstream", "http://h:8000", "--upstream-api-key-file", keyFile).openaiConfig(log)
+	require.NoError(t, err)
+	assert.Equal(t, "from-file", cfg.APIKey)
+
+	// Every upstream flag also reads TROUPE_<FLAG>.
+	t.Setenv("TROUPE_UPSTREAM", "http://env-host:9000/v1")
+	t.Setenv("TROUPE_UPSTREAM_HEALTH_FAILURES", "7")
+	cfg, err = parse("--engine", "openai").openaiConfig(log)
+	require.NoError(t, err)
+	assert.Equal(t, "http://env-host:9000/v1", cfg.URL)
+	assert.Equal(t, 7, cfg.HealthFailures)
+
+	fs := newFlagSet("up")
+	hf := addHeadFlags(fs)
+	require.NoError(t, parseFlags(fs, []string{"--pipeline", "p.yaml"}))
+	_, err = upPipeline(hf, "espeak")
+	assert.ErrorContains(t, err, "cannot be combined")
+	_, err = upPipeline(hf, "festival")
+	assert.ErrorContains(t, err, `unknown --speech "festival"`)
+}
