@@ -284,3 +284,26 @@ func TestUnreachableAtStart(t *testing.T) {
 	assert.Contains(t, err.Error(), "not ready after 1s")
 	assert.True(t, strings.Contains(err.Error(), "connection refused"), err.Error())
 }
+
+// TestConnectionsReused: requests reuse the upstream connection (the end
+// of each stream is read), so a busy worker does not open a connection
+// per request.
+func TestConnectionsReused(t *testing.T) {
+	var conns atomic.Int32
+	f := newFakeWith(t, func(s *http.Server) {
+		s.ConnState = func(_ net.Conn, s http.ConnState) {
+			if s == http.StateNew {
+				conns.Add(1)
+			}
+		}
+	})
+	chatting(f)
+	e := startText(t, openai.Config{URL: f.URL, HealthInterval: time.Hour})
+	before := conns.Load()
+	for range 20 {
+		chunks, err := collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
+		require.NoError(t, err)
+		require.Equal(t, "ok", joinText(chunks))
+	}
+	assert.LessOrEqual(t, conns.Load()-before, int32(1), "one connection for 20 sequential requests")
+}

@@ -183,7 +183,10 @@ type fake struct {
 
 // newFake serves /health and /v1/models (model "m") until routes say
 // otherwise.
-func newFake(t testing.TB) *fake {
+func newFake(t testing.TB) *fake { return newFakeWith(t, nil) }
+
+// newFakeWith is newFake with tweak applied to the server before it starts.
+func newFakeWith(t testing.TB, tweak func(*http.Server)) *fake {
 	t.Helper()
 	f := &fake{routes: map[string]http.HandlerFunc{
 		"GET /health": func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) },
@@ -191,7 +194,11 @@ func newFake(t testing.TB) *fake {
 			_, _ = io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model"}]}`)
 		},
 	}}
-	f.Server = httptest.NewServer(http.HandlerFunc(f.serve))
+	f.Server = httptest.NewUnstartedServer(http.HandlerFunc(f.serve))
+	if tweak != nil {
+		tweak(f.Config)
+	}
+	f.Start()
 	t.Cleanup(f.Close)
 	return f
 }

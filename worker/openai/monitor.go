@@ -180,7 +180,7 @@ func (u *upstream) get(ctx context.Context, url string, v any) (int, error) {
 	if err != nil {
 		return 0, fmt.Errorf("GET %s: %w", req.URL.Path, err)
 	}
-	defer resp.Body.Close()
+	defer closeBody(resp)
 	if resp.StatusCode == http.StatusOK && v != nil {
 		if err := json.NewDecoder(resp.Body).Decode(v); err != nil {
 			return resp.StatusCode, fmt.Errorf("GET %s: decode: %w", req.URL.Path, err)
@@ -205,7 +205,7 @@ func (u *upstream) scrape(ctx context.Context) {
 		u.log.Debug("openai: metrics scrape failed", "url", u.root, "err", err)
 		return
 	}
-	defer resp.Body.Close()
+	defer closeBody(resp)
 	if resp.StatusCode != http.StatusOK {
 		if !u.noMetrics.Swap(true) {
 			u.log.Info("openai: upstream exposes no Prometheus metrics; load is what this worker has in flight", "url", u.root+"/metrics", "status", resp.StatusCode)
@@ -305,7 +305,7 @@ func (u *upstream) admin(ctx context.Context, path string) error {
 	if err != nil {
 		return err
 	}
-	defer resp.Body.Close()
+	defer closeBody(resp)
 	switch {
 	case resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusMethodNotAllowed:
 		return status.Errorf(codes.Unimplemented, "openai: upstream %s has no sleep mode (POST %s: %d); vLLM needs --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1", u.root, path, resp.StatusCode)

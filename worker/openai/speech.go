@@ -69,7 +69,7 @@ func (e *SpeechEngine) Generate(ctx context.Context, req *stagepb.GenerateReques
 	if err != nil {
 		return err
 	}
-	defer resp.Body.Close()
+	defer closeBody(resp)
 	if resp.StatusCode != http.StatusOK {
 		return statusError(resp)
 	}

@@ -351,6 +351,19 @@ func (u *upstream) postJSON(ctx context.Context, path string, v any) (*http.Resp
 	return u.do(req)
 }
 
+// drainLimit bounds what closeBody reads to let the connection be reused.
+const drainLimit = 64 << 10
+
+// closeBody reads what is left of a response (the end of a chunked body
+// after [DONE], typically) so its connection goes back to the pool, then
+// closes it. A response cut off by its context is just closed.
+func closeBody(resp *http.Response) {
+	if resp.Request.Context().Err() == nil {
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, drainLimit))
+	}
+	_ = resp.Body.Close()
+}
+
 func unwrapURLError(err error) error {
 	var ue *url.Error
 	if errors.As(err, &ue) {

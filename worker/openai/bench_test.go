@@ -1,0 +1,179 @@
+package openai_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/worker"
+	"github.com/troupe-serving/troupe/worker/openai"
+)
+
+// benchTokens is the length of every benchmark answer.
+const benchTokens = 64
+
+// streamingUpstream answers every chat request with benchTokens deltas,
+// each its own flushed SSE event, as fast as it can.
+func streamingUpstream(b *testing.B) *httptest.Server {
+	b.Helper()
+	events := make([][]byte, 0, benchTokens+3)
+	for i := range benchTokens {
+		events = append(events, []byte("data: "+delta(fmt.Sprintf(" w%d", i))+"\n\n"))
+	}
+	events = append(events, []byte("data: "+finish("length")+"\n\n"), []byte("data: "+usageEvent(12, benchTokens, 0)+"\n\n"), []byte("data: [DONE]\n\n"))
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
+	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, `{"data":[{"id":"m"}]}`) })
+	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		f := w.(http.Flusher)
+		for _, e := range events {
+			if _, err := w.Write(e); err != nil {
+				return
+			}
+			f.Flush()
+		}
+	})
+	srv := httptest.NewServer(mux)
+	b.Cleanup(srv.Close)
+	return srv
+}
+
+// timing accumulates what one request took: time to the first delta, the
+// mean gap between deltas, and the whole request.
+type timing struct {
+	ttft, itl, total time.Duration
+	n                int
+}
+
+func (t *timing) add(start, first, last, end time.Time, deltas int) {
+	t.ttft += first.Sub(start)
+	if deltas > 1 {
+		t.itl += last.Sub(first) / time.Duration(deltas-1)
+	}
+	t.total += end.Sub(start)
+	t.n++
+}
+
+func (t *timing) report(b *testing.B) {
+	n := float64(t.n)
+	b.ReportMetric(float64(t.ttft.Microseconds())/n, "ttft-µs")
+	b.ReportMetric(float64(t.itl.Nanoseconds())/n/1000, "itl-µs")
+	b.ReportMetric(float64(t.total.Microseconds())/n, "req-µs")
+}
+
+// BenchmarkAdapterOverhead measures what the openai engine adds: the same
+// 64-token stream from a loopback upstream, read (direct) by an HTTP
+// client that parses the SSE JSON as an OpenAI client does, and (worker)
+// by a gRPC client of a worker whose engine streams it from the upstream.
+// One op is one request; ttft-µs is the time to the first delta, itl-µs
+// the mean gap between deltas, req-µs the whole request.
+func BenchmarkAdapterOverhead(b *testing.B) {
+	up := streamingUpstream(b)
+	body := []byte(`{"model":"m","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hello"}]}`)
+
+	b.Run("direct", func(b *testing.B) {
+		client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}}
+		defer client.CloseIdleConnections()
+		var tm timing
+		b.ReportAllocs()
+		for b.Loop() {
+			start := time.Now()
+			req, err := http.NewRequest(http.MethodPost, up.URL+"/v1/chat/completions", bytes.NewReader(body))
+			require.NoError(b, err)
+			req.Header.Set("Content-Type", "application/json")
+			resp, err := client.Do(req)
+			require.NoError(b, err)
+			sc := bufio.NewScanner(resp.Body)
+			var first, last time.Time
+			deltas := 0
+			for sc.Scan() {
+				line := sc.Bytes()
+				if !bytes.HasPrefix(line, []byte("data: ")) || bytes.Equal(line[6:], []byte("[DONE]")) {
+					continue
+				}
+				var ev struct {
+					Choices []struct {
+						Delta struct {
+							Content string `json:"content"`
+						} `json:"delta"`
+					} `json:"choices"`
+				}
+				require.NoError(b, json.Unmarshal(line[6:], &ev))
+				if len(ev.Choices) > 0 && ev.Choices[0].Delta.Content != "" {
+					last = time.Now()
+					if first.IsZero() {
+						first = last
+					}
+					deltas++
+				}
+			}
+			require.NoError(b, sc.Err())
+			resp.Body.Close()
+			require.Equal(b, benchTokens, deltas)
+			tm.add(start, first, last, time.Now(), deltas)
+		}
+		tm.report(b)
+	})
+
+	b.Run("worker", func(b *testing.B) {
+		e, err := openai.New(openai.Config{URL: up.URL + "/v1", HealthInterval: time.Hour, Logger: quiet()})
+		require.NoError(b, err)
+		run(b, e)
+		waitAvailable(b, e, true)
+		srv, err := worker.New(worker.Config{Stage: "thinker", Engine: e, Logger: quiet()})
+		require.NoError(b, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- srv.Run(ctx) }()
+		defer func() { cancel(); require.NoError(b, <-done) }()
+		<-srv.Registered()
+		conn, err := grpc.NewClient(srv.Advertise(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		require.NoError(b, err)
+		defer conn.Close()
+		cli := stagepb.NewStageServiceClient(conn)
+		req := chatReq(nil, msg("user", "hello"))
+		var tm timing
+		b.ReportAllocs()
+		for b.Loop() {
+			start := time.Now()
+			stream, err := cli.Generate(context.Background(), req)
+			require.NoError(b, err)
+			var first, last time.Time
+			deltas := 0
+			var text strings.Builder
+			for {
+				c, err := stream.Recv()
+				if err == io.EOF {
+					break
+				}
+				require.NoError(b, err)
+				if c.GetText() != "" {
+					last = time.Now()
+					if first.IsZero() {
+						first = last
+					}
+					deltas++
+					text.WriteString(c.GetText())
+				}
+			}
+			require.Equal(b, benchTokens, deltas)
+			tm.add(start, first, last, time.Now(), deltas)
+		}
+		tm.report(b)
+	})
+}
