@@ -182,6 +182,12 @@ func joinText(chunks []*stagepb.GenerateChunk) string {
 // Unavailable while Run has not returned (a request is still in flight).
 func (r *running) requireDraining(t *testing.T, cli stagepb.StageServiceClient) {
 	t.Helper()
+	// Shutdown deregisters before it drains: a request that arrives in
+	// between is still taken (and finishes), so wait for the drain itself.
+	require.Eventually(t, func() bool {
+		h, err := cli.Health(testCtx(t), &stagepb.HealthRequest{})
+		return err == nil && h.GetStatus() == stagepb.ServingStatus_SERVING_STATUS_DRAINING
+	}, wait, time.Millisecond, "the replica never reported DRAINING")
 	refused, err := cli.Generate(testCtx(t), textReq("too late", nil))
 	require.NoError(t, err)
 	_, err = recvAll(refused)
