@@ -6,11 +6,16 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
-if ! command -v protoc >/dev/null 2>&1; then
-  step "installing protoc (Debian protobuf-compiler)"
+# protoc checks the generated code; espeak-ng is the espeak speech engine,
+# which its tests run for real.
+missing=()
+command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
+command -v espeak-ng >/dev/null 2>&1 || missing+=(espeak-ng)
+if [ ${#missing[@]} -gt 0 ]; then
+  step "installing ${missing[*]} (Debian)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq protobuf-compiler >/dev/null
+  $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 step "gofmt"

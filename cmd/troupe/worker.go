@@ -81,7 +81,7 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.DurationVar(&u.healthInterval, "upstream-health-interval", openai.DefaultHealthInterval, "openai engines: period of the upstream's health checks and metric scrapes")
 	fs.IntVar(&u.healthFailures, "upstream-health-failures", openai.DefaultHealthFailures, "openai engines: failed health checks in a row that take the replica out of rotation")
 	fs.StringVar(&u.speechFormat, "upstream-speech-format", openai.DefaultSpeechFormat, "openai-speech: response_format asked of /v1/audio/speech: wav or pcm (PCM16 at 24 kHz)")
-	fs.StringVar(&f.voice, "voice", "", "speech engines: voice when the request names none (default: alloy for openai-speech, en for espeak)")
+	fs.StringVar(&f.voice, "voice", "", "speech engines: voice when the request names none (default: the upstream's own for openai-speech, en for espeak)")
 	fs.StringVar(&f.espeakBinary, "espeak-binary", espeak.DefaultBinary, "espeak: the espeak-ng executable")
 	fs.IntVar(&f.espeakConcurrency, "espeak-concurrency", runtime.NumCPU(), "espeak: most espeak-ng processes at once; more requests wait")
 	f.tls = addTLSFlags(fs, "the worker's gRPC server; a CA requires client certificates")

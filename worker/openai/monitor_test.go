@@ -391,13 +391,22 @@ func TestSpeech(t *testing.T) {
 	assert.Greater(t, len(chunks), 2, "streamed")
 	assert.Equal(t, stagepb.FinishReason_FINISH_REASON_STOP, chunks[len(chunks)-1].GetFinishReason())
 	b := f.lastBody()
-	assert.Equal(t, map[string]any{"model": "m", "input": "hello there", "voice": "echo", "response_format": "wav"}, b)
+	assert.Equal(t, map[string]any{"model": "m", "input": "hello there", "voice": "echo", "response_format": "wav", "stream_format": "audio"}, b)
 
 	// No voice in the request: the configured one.
 	_, err = collect(testCtx(t), e, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: []*stagepb.ChatMessage{msg("user", "hi"), msg("assistant", "say this")}}}})
 	require.NoError(t, err)
 	assert.Equal(t, "nova", f.lastBody()["voice"])
 	assert.Equal(t, "say this", f.lastBody()["input"], "the last message is spoken")
+
+	// No voice anywhere: the upstream's default speaker.
+	e2, err := openai.NewSpeech(openai.Config{URL: f.URL, Logger: quiet()})
+	require.NoError(t, err)
+	run(t, e2)
+	waitAvailable(t, e2, true)
+	_, err = collect(testCtx(t), e2, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: "hi"}})
+	require.NoError(t, err)
+	assert.NotContains(t, f.lastBody(), "voice")
 
 	cut = true
 	_, err = collect(testCtx(t), e, req)

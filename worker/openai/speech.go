@@ -41,13 +41,17 @@ func (e *SpeechEngine) Health() *stagepb.HealthResponse {
 type speechRequest struct {
 	Model          string `json:"model"`
 	Input          string `json:"input"`
-	Voice          string `json:"voice"`
+	Voice          string `json:"voice,omitempty"`
 	ResponseFormat string `json:"response_format"`
+	// StreamFormat "audio" asks for the audio bytes as they are made
+	// (OpenAI's default; vLLM-Omni streams only when asked).
+	StreamFormat string `json:"stream_format"`
 }
 
 // Generate speaks the request's text (its text input, or the last chat
-// message) with its voice (the configured one when it names none) and
-// streams the audio as it arrives. Empty text gives no audio. A response
+// message) with its voice (the configured one when it names none; none at
+// all leaves the choice to the upstream) and streams the audio as it
+// arrives (stream_format audio). Empty text gives no audio. A response
 // cut short is an Unavailable error.
 func (e *SpeechEngine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
 	if err := e.admit(); err != nil {
@@ -65,7 +69,7 @@ func (e *SpeechEngine) Generate(ctx context.Context, req *stagepb.GenerateReques
 	if voice == "" {
 		voice = e.cfg.Voice
 	}
-	resp, err := e.postJSON(ctx, "/audio/speech", speechRequest{Model: e.Model(), Input: text, Voice: voice, ResponseFormat: e.cfg.SpeechFormat})
+	resp, err := e.postJSON(ctx, "/audio/speech", speechRequest{Model: e.Model(), Input: text, Voice: voice, ResponseFormat: e.cfg.SpeechFormat, StreamFormat: "audio"})
 	if err != nil {
 		return err
 	}

@@ -53,7 +53,6 @@ const (
 	DefaultReadyTimeout   = 10 * time.Minute
 	DefaultHealthInterval = 5 * time.Second
 	DefaultHealthFailures = 3
-	DefaultVoice          = "alloy"
 	DefaultSpeechFormat   = "wav"
 	DefaultPCMSampleRate  = 24000 // the OpenAI speech API's pcm format
 )
@@ -91,8 +90,9 @@ type Config struct {
 	// unavailable (default DefaultHealthFailures); one success makes it
 	// available again.
 	HealthFailures int
-	// Voice is the speech engine's voice when a request names none
-	// (default DefaultVoice).
+	// Voice is the speech engine's voice when a request names none; empty
+	// leaves it to the upstream (vLLM-Omni has a default speaker; OpenAI
+	// requires one, e.g. alloy).
 	Voice string
 	// SpeechFormat is the response_format asked of /v1/audio/speech: wav
 	// (default) or pcm (headerless PCM16 at PCMSampleRate).
@@ -111,9 +111,6 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.HealthFailures <= 0 {
 		c.HealthFailures = DefaultHealthFailures
-	}
-	if c.Voice == "" {
-		c.Voice = DefaultVoice
 	}
 	if c.SpeechFormat == "" {
 		c.SpeechFormat = DefaultSpeechFormat
