@@ -26,8 +26,8 @@ import (
 const benchTokens = 64
 
 // streamingUpstream answers every chat request with benchTokens deltas,
-// each its own flushed SSE event, as fast as it can.
-func streamingUpstream(b *testing.B) *httptest.Server {
+// each its own flushed SSE event, one every pace (0: as fast as it can).
+func streamingUpstream(b *testing.B, pace time.Duration) *httptest.Server {
 	b.Helper()
 	events := make([][]byte, 0, benchTokens+3)
 	for i := range benchTokens {
@@ -41,7 +41,20 @@ func streamingUpstream(b *testing.B) *httptest.Server {
 		_, _ = io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "text/event-stream")
 		f := w.(http.Flusher)
-		for _, e := range events {
+		var tick <-chan time.Time
+		if pace > 0 {
+			t := time.NewTicker(pace)
+			defer t.Stop()
+			tick = t.C
+		}
+		for i, e := range events {
+			if tick != nil && i > 0 && i < benchTokens {
+				select { // the upstream decoding its next token
+				case <-tick:
+				case <-r.Context().Done():
+					return
+				}
+			}
 			if _, err := w.Write(e); err != nil {
 				return
 			}
@@ -78,12 +91,25 @@ func (t *timing) report(b *testing.B) {
 
 // BenchmarkAdapterOverhead measures what the openai engine adds: the same
 // 64-token stream from a loopback upstream, read (direct) by an HTTP
-// client that parses the SSE JSON as an OpenAI client does, and (worker)
-// by a gRPC client of a worker whose engine streams it from the upstream.
+// client that parses the SSE JSON as an OpenAI client does, (engine) by
+// the engine alone, called in process, and (worker) by a gRPC client of a
+// worker whose engine streams it from the upstream.
 // One op is one request; ttft-µs is the time to the first delta, itl-µs
-// the mean gap between deltas, req-µs the whole request.
+// the mean gap between deltas, req-µs the whole request. "burst" streams
+// every token at once (the cost of the hops under full load); "paced-1ms"
+// streams one token per millisecond, as a fast real engine does.
 func BenchmarkAdapterOverhead(b *testing.B) {
-	up := streamingUpstream(b)
+	for _, pace := range []time.Duration{0, time.Millisecond} {
+		name := "burst"
+		if pace > 0 {
+			name = "paced-" + pace.String()
+		}
+		b.Run(name, func(b *testing.B) { benchAdapter(b, pace) })
+	}
+}
+
+func benchAdapter(b *testing.B, pace time.Duration) {
+	up := streamingUpstream(b, pace)
 	body := []byte(`{"model":"m","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hello"}]}`)
 
 	b.Run("direct", func(b *testing.B) {
@@ -124,6 +150,35 @@ func BenchmarkAdapterOverhead(b *testing.B) {
 			}
 			require.NoError(b, sc.Err())
 			resp.Body.Close()
+			require.Equal(b, benchTokens, deltas)
+			tm.add(start, first, last, time.Now(), deltas)
+		}
+		tm.report(b)
+	})
+
+	b.Run("engine", func(b *testing.B) {
+		e, err := openai.New(openai.Config{URL: up.URL + "/v1", HealthInterval: time.Hour, Logger: quiet()})
+		require.NoError(b, err)
+		run(b, e)
+		waitAvailable(b, e, true)
+		req := chatReq(nil, msg("user", "hello"))
+		var tm timing
+		b.ReportAllocs()
+		for b.Loop() {
+			start := time.Now()
+			var first, last time.Time
+			deltas := 0
+			err := e.Generate(context.Background(), req, func(c *stagepb.GenerateChunk) error {
+				if c.GetText() != "" {
+					last = time.Now()
+					if first.IsZero() {
+						first = last
+					}
+					deltas++
+				}
+				return nil
+			})
+			require.NoError(b, err)
 			require.Equal(b, benchTokens, deltas)
 			tm.add(start, first, last, time.Now(), deltas)
 		}
