@@ -165,6 +165,15 @@ func TestUpSpeech(t *testing.T) {
 		sum += v * v
 	}
 	assert.Greater(t, math.Sqrt(sum/float64(len(pcm)/2)), 500.0, "not silent")
+
+	// The client's voice reaches the speech stage: another voice, other audio.
+	again := chat(t, base, `{"model":"troupe-omni-sim","modalities":["text","audio"],"audio":{"voice":"alloy","format":"wav"},"seed":3,
+		"messages":[{"role":"user","content":"hello"}],"max_tokens":12}`)
+	assert.Equal(t, msg.Audio.Data, again.Choices[0].Message.Audio.Data, "alloy is espeak's default voice, en")
+	female := chat(t, base, `{"model":"troupe-omni-sim","modalities":["text","audio"],"audio":{"voice":"en+f3","format":"wav"},"seed":3,
+		"messages":[{"role":"user","content":"hello"}],"max_tokens":12}`)
+	assert.Equal(t, want, female.Choices[0].Message.Content)
+	assert.NotEqual(t, msg.Audio.Data, female.Choices[0].Message.Audio.Data, "voice en+f3 sounds different")
 }
 
 // TestWorkerInFrontOfUpstream: the CLI wiring of --engine openai. Head B's
