@@ -2,18 +2,13 @@ package orchestrator
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strconv"
-
-	"google.golang.org/grpc/status"
+	"strings"
 
 	"github.com/troupe-serving/troupe/internal/router"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
-
-// ErrUnknownReplica: the admin call names no attached replica (404).
-var ErrUnknownReplica = errors.New("orchestrator: unknown replica")
 
 // ResolveStage accepts a stage name or index.
 func (h *Head) ResolveStage(s string) (int, error) {
@@ -22,7 +17,7 @@ func (h *Head) ResolveStage(s string) (int, error) {
 	}
 	i, err := strconv.Atoi(s)
 	if err != nil || i < 0 || i >= len(h.cfg.Pipeline.Stages) {
-		return 0, fmt.Errorf("%w: no stage %q", ErrUnknownReplica, s)
+		return 0, newError(ErrUnknownReplica, nil, "no stage %q: stages are %s (or their indexes 0..%d)", s, strings.Join(h.cfg.Pipeline.StageNames(), ", "), len(h.cfg.Pipeline.Stages)-1)
 	}
 	return i, nil
 }
@@ -31,15 +26,15 @@ func (h *Head) ResolveStage(s string) (int, error) {
 // rotation, and its engine_sleep_state follows what the worker reports.
 func (h *Head) Sleep(ctx context.Context, stage int, replica uint32, level int) (stagepb.SleepState, error) {
 	if _, err := stagepb.SleepStateForLevel(level); err != nil {
-		return 0, fmt.Errorf("%w: %w", ErrBadRequest, err)
+		return 0, newError(ErrBadRequest, nil, "level must be 1 (offload weights) or 2 (discard all), got %d", level)
 	}
 	rep, ok := h.router.Snapshot().Lookup(router.Key{Stage: stage, Replica: replica})
 	if !ok {
-		return 0, fmt.Errorf("%w: stage %d replica %d is not attached", ErrUnknownReplica, stage, replica)
+		return 0, newError(ErrUnknownReplica, nil, "stage %d replica %d is not attached", stage, replica)
 	}
 	resp, err := rep.Client.Sleep(ctx, &stagepb.SleepRequest{Level: uint32(level)})
 	if err != nil {
-		return 0, fmt.Errorf("%w: sleep stage %d replica %d: %s", ErrStageFailed, stage, replica, status.Convert(err).Message())
+		return 0, replicaError(fmt.Sprintf("sleep of stage %d", stage), replica, rep.Addr, err)
 	}
 	rep.SetSleepState(resp.GetSleepState())
 	if err := h.stats.SetSleepState(rep.EngineIndex, resp.GetSleepState()); err != nil {
@@ -52,11 +47,11 @@ func (h *Head) Sleep(ctx context.Context, stage int, replica uint32, level int) 
 func (h *Head) WakeUp(ctx context.Context, stage int, replica uint32) (stagepb.SleepState, error) {
 	rep, ok := h.router.Snapshot().Lookup(router.Key{Stage: stage, Replica: replica})
 	if !ok {
-		return 0, fmt.Errorf("%w: stage %d replica %d is not attached", ErrUnknownReplica, stage, replica)
+		return 0, newError(ErrUnknownReplica, nil, "stage %d replica %d is not attached", stage, replica)
 	}
 	resp, err := rep.Client.WakeUp(ctx, &stagepb.WakeUpRequest{})
 	if err != nil {
-		return 0, fmt.Errorf("%w: wake stage %d replica %d: %s", ErrStageFailed, stage, replica, status.Convert(err).Message())
+		return 0, replicaError(fmt.Sprintf("wake_up of stage %d", stage), replica, rep.Addr, err)
 	}
 	if err := h.stats.SetSleepState(rep.EngineIndex, resp.GetSleepState()); err != nil {
 		h.log.Warn("orchestrator: sleep state not recorded", "err", err)

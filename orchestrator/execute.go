@@ -11,24 +11,15 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/grpc"
 	grpccodes "google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/troupe-serving/troupe/internal/router"
 	"github.com/troupe-serving/troupe/internal/stats"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
-)
-
-// Errors the HTTP layer maps to status codes.
-var (
-	// ErrNoReplica: a needed stage has no routable replica (503).
-	ErrNoReplica = router.ErrNoReplica
-	// ErrStageFailed: a replica failed and the request could not be
-	// completed (502).
-	ErrStageFailed = errors.New("orchestrator: stage failed")
-	// ErrBadRequest: a replica refused the input as invalid (400).
-	ErrBadRequest = errors.New("orchestrator: invalid request")
 )
 
 // Request is one pipeline request.
@@ -82,7 +73,7 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		n = 1
 	}
 	if n > len(h.cfg.Pipeline.Stages) {
-		return nil, fmt.Errorf("%w: %d stages requested, pipeline has %d", ErrBadRequest, n, len(h.cfg.Pipeline.Stages))
+		return nil, newError(ErrBadRequest, nil, "%d stages requested, the pipeline has %d", n, len(h.cfg.Pipeline.Stages))
 	}
 	if req.Operation == "" {
 		req.Operation = telemetry.GenAIOperationChat
@@ -108,15 +99,21 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	snap := h.router.Snapshot()
 	for i := range n {
 		if err := snap.CheckRoutable(i); err != nil {
-			err = fmt.Errorf("orchestrator: stage %q: %w", h.cfg.Pipeline.Stages[i].Name, err)
-			span.SetStatus(codes.Error, err.Error())
-			return nil, err
+			oe := newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[i].Name)
+			span.SetStatus(codes.Error, oe.Error())
+			return nil, oe
 		}
 	}
 
 	in := &stagepb.GenerateRequest{RequestId: req.ID, Input: &stagepb.GenerateRequest_Text{Text: req.Prompt}, Sampling: req.Sampling, Voice: req.Voice}
 	if len(req.Messages) > 0 {
 		in.Input = &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: req.Messages}}
+	}
+	if size := proto.Size(in); size > h.cfg.MaxMessageBytes {
+		// gRPC would refuse it too, as a failure of the replica.
+		err = newError(ErrInputTooLarge, nil, "the prompt is too large: %d bytes once decoded, and a request to a replica may hold %d bytes", size, h.cfg.MaxMessageBytes)
+		span.SetStatus(codes.Error, err.Error())
+		return nil, err
 	}
 	if n > 1 && h.cfg.Pipeline.StreamsBetweenStages() {
 		span.SetAttributes(attribute.Bool("troupe.request.streamed", true))
@@ -202,7 +199,7 @@ func outcomeOf(ctx context.Context, err error) string {
 		return stats.OutcomeSuccess
 	case errors.Is(err, ErrNoReplica):
 		return stats.OutcomeNoReplica
-	case errors.Is(err, ErrBadRequest):
+	case errors.Is(err, ErrBadRequest), errors.Is(err, ErrInputTooLarge):
 		return stats.OutcomeBadRequest
 	case ctx.Err() != nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
 		return stats.OutcomeAbort
@@ -246,10 +243,10 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 			if lastErr != nil {
 				return nil, lastErr
 			}
-			return nil, fmt.Errorf("orchestrator: stage %q: %w", h.cfg.Pipeline.Stages[stage].Name, err)
+			return nil, newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[stage].Name)
 		}
 		open := func(ctx context.Context, _ trace.Span) (chunkStream, func(), error) {
-			stream, err := rep.Client.Generate(ctx, in)
+			stream, err := rep.Client.Generate(ctx, in, h.callOptions()...)
 			return stream, func() {}, err
 		}
 		out, produced, err := h.attempt(ctx, req, stage, rep, attempt, in.GetSampling(), open, forward)
@@ -376,10 +373,10 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.
 	case stagepb.FinishReason_FINISH_REASON_STOP, stagepb.FinishReason_FINISH_REASON_LENGTH:
 		return out, produced, nil
 	case stagepb.FinishReason_FINISH_REASON_ABORT:
-		return nil, produced, fmt.Errorf("%w: stage %q replica %d aborted the request", ErrStageFailed, name, rep.Key.Replica)
+		return nil, produced, newError(ErrStageFailed, nil, "stage %q failed on replica %d: it aborted the request", name, rep.Key.Replica)
 	default:
 		fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
-		return nil, produced, fmt.Errorf("%w: stage %q replica %d ended its stream without finishing", ErrStageFailed, name, rep.Key.Replica)
+		return nil, produced, newError(ErrStageFailed, nil, "stage %q failed on replica %d: it ended its stream without finishing", name, rep.Key.Replica)
 	}
 }
 
@@ -398,10 +395,13 @@ func (h *Head) stageError(ctx context.Context, stage string, rep *router.Replica
 		return fmt.Errorf("orchestrator: stage %q: %w", stage, cause)
 	}
 	fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
-	if status.Code(err) == grpccodes.InvalidArgument {
-		return fmt.Errorf("%w: stage %q: %s", ErrBadRequest, stage, status.Convert(err).Message())
-	}
-	return fmt.Errorf("%w: stage %q replica %d (%s): %s", ErrStageFailed, stage, rep.Key.Replica, rep.Addr, status.Convert(err).Message())
+	return replicaError(fmt.Sprintf("stage %q", stage), rep.Key.Replica, rep.Addr, err)
+}
+
+// callOptions set the gRPC message limits of a call to a replica (gRPC's
+// default would stop at 4 MiB received).
+func (h *Head) callOptions() []grpc.CallOption {
+	return []grpc.CallOption{grpc.MaxCallSendMsgSize(h.cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(h.cfg.MaxMessageBytes)}
 }
 
 func hasOutput(c *stagepb.GenerateChunk) bool {

@@ -34,10 +34,15 @@ type Config struct {
 	DetachedSeriesTTL time.Duration // 0: keep a detached replica's series forever
 	ReconcileInterval time.Duration // membership full re-list period
 	ProbeTimeout      time.Duration // per Health call on join; default 3s
-	Metrics           prometheus.Registerer
-	Dial              router.Dialer
-	TracerProvider    trace.TracerProvider
-	Logger            *slog.Logger
+	// MaxMessageBytes caps each gRPC message to and from a replica (the
+	// client side of the replicas' own limit); default
+	// stagepb.DefaultMaxMessageBytes. A prompt whose request would exceed
+	// it is refused with ErrInputTooLarge before it is sent.
+	MaxMessageBytes int
+	Metrics         prometheus.Registerer
+	Dial            router.Dialer
+	TracerProvider  trace.TracerProvider
+	Logger          *slog.Logger
 }
 
 // Head is the orchestrator. Run owns its goroutines; Execute, Replicas,
@@ -94,6 +99,9 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	}
 	if cfg.ProbeTimeout <= 0 {
 		cfg.ProbeTimeout = 3 * time.Second
+	}
+	if cfg.MaxMessageBytes <= 0 {
+		cfg.MaxMessageBytes = stagepb.DefaultMaxMessageBytes
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

@@ -3,7 +3,6 @@ package orchestrator
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync"
 	"time"
 
@@ -206,7 +205,7 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 			if lastErr != nil {
 				return nil, lastErr
 			}
-			return nil, fmt.Errorf("orchestrator: stage %q: %w", h.cfg.Pipeline.Stages[stage].Name, err)
+			return nil, newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[stage].Name)
 		}
 		skip := delivered
 		var span trace.Span
@@ -246,7 +245,7 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 		open := func(ctx context.Context, s trace.Span) (chunkStream, func(), error) {
 			span = s
 			if stage == 0 {
-				stream, err := rep.Client.Generate(ctx, run.prompt)
+				stream, err := rep.Client.Generate(ctx, run.prompt, h.callOptions()...)
 				return stream, func() {}, err
 			}
 			return h.openStreamed(ctx, run, stage, rep, s)
@@ -271,7 +270,7 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 // or codes) is what the stage before gives, as the sequential path decides
 // it (see nextInput).
 func (h *Head) openStreamed(ctx context.Context, run *streamedRun, stage int, rep *router.Replica, span trace.Span) (chunkStream, func(), error) {
-	stream, err := rep.Client.GenerateStream(ctx)
+	stream, err := rep.Client.GenerateStream(ctx, h.callOptions()...)
 	if err != nil {
 		return nil, func() {}, err
 	}

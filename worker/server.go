@@ -106,6 +106,10 @@ type Config struct {
 	// (Registered is closed once serving).
 	EtcdClient *clientv3.Client
 	Logger     *slog.Logger // default slog.Default()
+	// MaxMessageBytes caps a received gRPC message (a request and its
+	// prompt); default stagepb.DefaultMaxMessageBytes, which takes the
+	// head's default body limit. gRPC's own default is 4 MiB.
+	MaxMessageBytes int
 	// ServerOptions are added after the Server's own (so they win): the
 	// hook for interceptors and stats handlers, e.g. otelgrpc's.
 	ServerOptions []grpc.ServerOption
@@ -151,6 +155,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.DrainTimeout <= 0 {
 		cfg.DrainTimeout = DefaultDrainTimeout
 	}
+	if cfg.MaxMessageBytes <= 0 {
+		cfg.MaxMessageBytes = stagepb.DefaultMaxMessageBytes
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -187,6 +194,7 @@ func New(cfg Config) (*Server, error) {
 	opts := []grpc.ServerOption{
 		// Let the head keep idle connections alive with pings every 5s or more.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
+		grpc.MaxRecvMsgSize(cfg.MaxMessageBytes),
 	}
 	if cfg.TLS != nil {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg.TLS)))
@@ -528,7 +536,7 @@ func (s *Server) checkInput(req *stagepb.GenerateRequest) error {
 	case *stagepb.GenerateRequest_Codes:
 		kind = "codes"
 	case nil:
-		return status.Error(codes.InvalidArgument, "worker: request has no input (text, chat, token_ids or codes)")
+		return status.Error(codes.InvalidArgument, "request has no input (text, chat, token_ids or codes)")
 	}
 	want := ""
 	switch s.inputRole {
@@ -542,7 +550,7 @@ func (s *Server) checkInput(req *stagepb.GenerateRequest) error {
 		}
 	}
 	if want != "" {
-		return status.Errorf(codes.InvalidArgument, "worker: stage %s (role %s) takes %s input, got %s", s.cfg.Stage, s.role, want, kind)
+		return status.Errorf(codes.InvalidArgument, "stage %s (role %s) takes %s input, got %s", s.cfg.Stage, s.role, want, kind)
 	}
 	return nil
 }

@@ -2,6 +2,7 @@ package worker_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -79,8 +80,8 @@ func TestWrongInputKindIsInvalidArgument(t *testing.T) {
 		req  *stagepb.GenerateRequest
 		msg  string
 	}{
-		{vocoder.Advertise(), textReq("hi", nil), "worker: stage vocoder (role audio) takes codes input, got text"},
-		{thinker.Advertise(), &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: []uint32{1}}}}, "worker: stage thinker (role text) takes text, chat or token_ids input, got codes"},
+		{vocoder.Advertise(), textReq("hi", nil), "stage vocoder (role audio) takes codes input, got text"},
+		{thinker.Advertise(), &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: []uint32{1}}}}, "stage thinker (role text) takes text, chat or token_ids input, got codes"},
 		{thinker.Advertise(), &stagepb.GenerateRequest{}, "request has no input"},
 		{vocoder.Advertise(), &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: []uint32{1 << 20}}}}, "out of range"},
 	} {
@@ -306,4 +307,25 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, srv.Close())
 	assert.ErrorContains(t, srv.Run(context.Background()), "Run called twice, or after Close")
+}
+
+// TestMessageLimit: by default a replica takes a prompt as large as the
+// head's default body limit (gRPC alone stops at 4 MiB); MaxMessageBytes
+// sets the limit.
+func TestMessageLimit(t *testing.T) {
+	r := start(t, worker.Config{Stage: "thinker", Engine: newSim(t, sim.Config{Role: sim.RoleText})})
+	small := start(t, worker.Config{Stage: "thinker", Engine: newSim(t, sim.Config{Role: sim.RoleText}), MaxMessageBytes: 1 << 20})
+	r.waitRegistered(t)
+	small.waitRegistered(t)
+	word := strings.Repeat("x", 6<<20) // one word: two tokens, however long
+	stream, err := dial(t, r.Advertise()).Generate(testCtx(t), textReq(word, &stagepb.SamplingParams{MaxTokens: 2}))
+	require.NoError(t, err)
+	chunks, err := recvAll(stream)
+	require.NoError(t, err, "a 6 MiB prompt is within the default limit")
+	assert.NotEmpty(t, chunks)
+
+	stream, err = dial(t, small.Advertise()).Generate(testCtx(t), textReq(strings.Repeat("x", 2<<20), nil))
+	require.NoError(t, err)
+	_, err = recvAll(stream)
+	assert.Equal(t, codes.ResourceExhausted, status.Code(err), "over the configured limit: %v", err)
 }

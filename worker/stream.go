@@ -40,11 +40,11 @@ func (svc *service) GenerateStream(stream grpc.BidiStreamingServer[stagepb.Strea
 	s := svc.s
 	first, err := stream.Recv()
 	if err != nil {
-		return status.Errorf(codes.InvalidArgument, "worker: GenerateStream ended before its request: %v", err)
+		return status.Errorf(codes.InvalidArgument, "GenerateStream ended before its request: %v", err)
 	}
 	req := first.GetRequest()
 	if req == nil {
-		return status.Error(codes.InvalidArgument, "worker: the first message of GenerateStream must carry the request")
+		return status.Error(codes.InvalidArgument, "the first message of GenerateStream must carry the request")
 	}
 	if err := s.checkInput(req); err != nil {
 		return err

@@ -32,11 +32,11 @@ func (s *Server) healthz(w http.ResponseWriter, _ *http.Request) {
 	writeText(w, http.StatusOK, "ok")
 }
 
-// readyz serves GET /readyz: 200 when every stage has a routable replica,
-// else 503 naming the stage that has none.
+// readyz serves GET /readyz: 200 "ok" when every stage has a routable
+// replica, else 503 with an error naming the stage that has none.
 func (s *Server) readyz(w http.ResponseWriter, _ *http.Request) {
 	if ok, reason := s.b.Ready(); !ok {
-		writeText(w, http.StatusServiceUnavailable, "not ready: "+reason)
+		writeError(w, &apiError{Status: http.StatusServiceUnavailable, Type: typeServer, Code: "not_ready", Message: "not ready: " + reason})
 		return
 	}
 	writeText(w, http.StatusOK, "ok")
@@ -81,7 +81,8 @@ func (s *Server) wakeUp(w http.ResponseWriter, r *http.Request) {
 func (s *Server) changeSleep(w http.ResponseWriter, r *http.Request, call func(context.Context, int, uint32) (stagepb.SleepState, error)) {
 	stage, err := s.b.ResolveStage(r.PathValue("stage"))
 	if err != nil {
-		s.reject(w, r, notFound("stage", "unknown_stage", "%v", err))
+		e := fromBackend(err, requestIDFrom(r.Context()))
+		s.reject(w, r, notFound("stage", "unknown_stage", "%s", e.Message))
 		return
 	}
 	id, err := strconv.ParseUint(r.PathValue("replica"), 10, 32)

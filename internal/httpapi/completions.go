@@ -2,15 +2,20 @@ package httpapi
 
 import (
 	"context"
+	"crypto/rand"
 	"encoding/base64"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
+	"strings"
 	"sync"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
@@ -39,8 +44,8 @@ func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	j.operation = telemetry.GenAIOperationChat
-	id := requestIDFrom(r.Context())
-	s.execute(w, r, j, &chatResponder{id: "chatcmpl-" + id, created: time.Now().Unix(), model: j.model, includeUsage: j.includeUsage})
+	id := s.begin(w, r, j, "chatcmpl-")
+	s.execute(w, r, j, &chatResponder{id: "chatcmpl-" + id, created: time.Now().Unix(), model: j.model, includeUsage: j.includeUsage}, "audio_"+id)
 }
 
 // completions serves POST /v1/completions.
@@ -56,8 +61,36 @@ func (s *Server) completions(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	j.operation = telemetry.GenAIOperationTextCompletion
-	id := requestIDFrom(r.Context())
-	s.execute(w, r, j, &completionResponder{id: "cmpl-" + id, created: time.Now().Unix(), model: j.model, includeUsage: j.includeUsage})
+	id := s.begin(w, r, j, "cmpl-")
+	resp := &completionResponder{id: "cmpl-" + id, created: time.Now().Unix(), model: j.model, includeUsage: j.includeUsage}
+	if j.echo {
+		resp.echo = j.prompt
+	}
+	s.execute(w, r, j, resp, "")
+}
+
+// ignoredHeader lists, on the response, the request fields troupe accepted
+// and ignored (docs/api.md says which and why).
+const ignoredHeader = "X-Troupe-Ignored-Params"
+
+// begin prepares the answer of a parsed request: the ignored-fields header
+// and a new response id (returned without its prefix). The id is random
+// per response, whatever X-Request-Id the client sent; the server span
+// records it next to the request id.
+func (s *Server) begin(w http.ResponseWriter, r *http.Request, j job, prefix string) string {
+	if len(j.ignored) > 0 {
+		w.Header().Set(ignoredHeader, strings.Join(j.ignored, ", "))
+	}
+	id := newResponseID()
+	trace.SpanFromContext(r.Context()).SetAttributes(telemetry.KeyGenAIResponseID.String(prefix + id))
+	return id
+}
+
+// newResponseID is 128 random bits in hex.
+func newResponseID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
+	return hex.EncodeToString(b[:])
 }
 
 // readBody reads the whole request body; the middleware has already capped
@@ -82,7 +115,7 @@ func tooLarge(limit int64) *apiError {
 // execute runs a parsed request on the head and answers it, whole or as
 // server-sent events. Nothing is written until the head either fails (an
 // ordinary error response) or produces its first text (the stream begins).
-func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp responder) {
+func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp responder, audioID string) {
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
 	defer cancel()
 	id := requestIDFrom(r.Context())
@@ -95,7 +128,7 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 		res, err := s.b.Execute(ctx, req, nil)
 		var audio *audioOut
 		if err == nil {
-			audio, err = audioOf(res, j.audio, j.audioFormat, id)
+			audio, err = audioOf(res, j.audio, j.audioFormat, audioID)
 		}
 		if err != nil {
 			s.fail(w, r, nil, err)
@@ -118,7 +151,6 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 		}
 		return stream.send(chunk())
 	}
-	audioID := "audio_" + id
 	samples := 0
 	if j.audio {
 		expires := time.Now().Add(audioTTL).Unix()
@@ -175,7 +207,7 @@ func (s *Server) fail(w http.ResponseWriter, r *http.Request, stream *sseWriter,
 		s.log.InfoContext(r.Context(), "httpapi: client went away; request aborted", "request_id", id, "err", err)
 		return
 	}
-	e := fromBackend(err)
+	e := fromBackend(err, id)
 	level := slog.LevelInfo
 	if e.Status >= 500 {
 		level = slog.LevelWarn
@@ -197,8 +229,8 @@ func (s *Server) reject(w http.ResponseWriter, r *http.Request, e *apiError) {
 var errNoAudio = &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "no_audio",
 	Message: "the pipeline produced no audio: its last stage returned no PCM samples"}
 
-// audioOf builds message.audio from the pipeline's PCM, when asked for: a
-// WAV file, or the raw samples for format pcm16.
+// audioOf builds message.audio, with the given id, from the pipeline's PCM,
+// when asked for: a WAV file, or the raw samples for format pcm16.
 func audioOf(res *orchestrator.Result, wanted bool, format, id string) (*audioOut, error) {
 	if !wanted {
 		return nil, nil
@@ -210,12 +242,13 @@ func audioOf(res *orchestrator.Result, wanted bool, format, id string) (*audioOu
 	if format != audioFormatPCM16 {
 		wav, err := encodeWAV(res.PCM, res.SampleRate)
 		if err != nil {
-			return nil, &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "invalid_audio", Message: err.Error()}
+			return nil, &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "invalid_audio",
+				Message: fmt.Sprintf("the pipeline's audio cannot be encoded as WAV (%d bytes at %d Hz)", len(res.PCM), res.SampleRate)}
 		}
 		data = wav
 	}
 	return &audioOut{
-		ID:         "audio_" + id,
+		ID:         id,
 		Data:       base64.StdEncoding.EncodeToString(data),
 		ExpiresAt:  time.Now().Add(audioTTL).Unix(),
 		Transcript: res.Text,
@@ -368,13 +401,14 @@ type completionResponder struct {
 	created      int64
 	model        string
 	includeUsage bool
+	echo         string // the prompt, sent before the text when echo is set
 }
 
 func (c *completionResponder) full(res *orchestrator.Result, _ *audioOut) any {
 	reason := finishReason(res)
 	return textCompletion{
 		ID: c.id, Object: "text_completion", Created: c.created, Model: c.model,
-		Choices: []completionChoice{{Text: res.Text, FinishReason: &reason}},
+		Choices: []completionChoice{{Text: c.echo + res.Text, FinishReason: &reason}},
 		Usage:   usageOf(res),
 	}
 }
@@ -390,7 +424,14 @@ func (c *completionResponder) chunk(text string, finish *string) textCompletion 
 	return ch
 }
 
-func (c *completionResponder) roleChunk() any { return nil }
+// roleChunk: text completions have no role; with echo, the prompt opens
+// the stream.
+func (c *completionResponder) roleChunk() any {
+	if c.echo == "" {
+		return nil
+	}
+	return c.chunk(c.echo, nil)
+}
 
 func (c *completionResponder) textChunk(delta string) any { return c.chunk(delta, nil) }
 

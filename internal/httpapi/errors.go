@@ -8,6 +8,7 @@ import (
 	"net/http"
 
 	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
 // OpenAI error types. The status code is what clients branch on; the type
@@ -97,24 +98,40 @@ const retryAfterSeconds = "1"
 
 // fromBackend maps an error of the head to the client's answer. Errors of
 // the request's own context are mapped by the caller (the client is gone,
-// or the per-request timeout fired).
-func fromBackend(err error) *apiError {
+// or the per-request timeout fired). The message shown is the head's
+// client message (orchestrator.Error.Message), never err.Error(), which is
+// for the log and may name a replica's address.
+func fromBackend(err error, requestID string) *apiError {
 	var ae *apiError
-	switch {
-	case errors.As(err, &ae):
+	if errors.As(err, &ae) {
 		return ae
+	}
+	msg := "internal error; the head's log has the details (request id " + requestID + ")"
+	var oe *orchestrator.Error
+	if errors.As(err, &oe) {
+		msg = oe.Message
+	}
+	switch {
 	case errors.Is(err, orchestrator.ErrNoReplica):
 		return &apiError{Status: http.StatusServiceUnavailable, Type: typeServer, Code: "no_replica",
-			Message: err.Error(), RetryAfter: retryAfterSeconds}
+			Message: msg + "; retry shortly", RetryAfter: retryAfterSeconds}
 	case errors.Is(err, orchestrator.ErrBadRequest):
-		return &apiError{Status: http.StatusBadRequest, Type: typeInvalidRequest, Code: "invalid_request", Message: err.Error()}
+		code := "invalid_request"
+		if oe != nil && oe.Reason == stagepb.ReasonContextLengthExceeded {
+			code = "context_length_exceeded"
+		}
+		return &apiError{Status: http.StatusBadRequest, Type: typeInvalidRequest, Code: code, Message: msg}
+	case errors.Is(err, orchestrator.ErrInputTooLarge):
+		return &apiError{Status: http.StatusRequestEntityTooLarge, Type: typeInvalidRequest, Code: "request_too_large", Message: msg}
 	case errors.Is(err, orchestrator.ErrUnknownReplica):
-		return &apiError{Status: http.StatusNotFound, Type: typeNotFound, Code: "unknown_replica", Message: err.Error()}
+		return &apiError{Status: http.StatusNotFound, Type: typeNotFound, Code: "unknown_replica", Message: msg}
 	case errors.Is(err, orchestrator.ErrStageFailed):
-		return &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "stage_failed", Message: err.Error()}
+		return &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "stage_failed",
+			Message: msg + " (request id " + requestID + ")"}
 	case errors.Is(err, context.DeadlineExceeded):
-		return &apiError{Status: http.StatusGatewayTimeout, Type: typeServer, Code: "timeout", Message: "the request did not finish in time: " + err.Error()}
+		return &apiError{Status: http.StatusGatewayTimeout, Type: typeServer, Code: "timeout",
+			Message: "the request did not finish within the head's request timeout"}
 	default:
-		return &apiError{Status: http.StatusInternalServerError, Type: typeServer, Code: "internal_error", Message: err.Error()}
+		return &apiError{Status: http.StatusInternalServerError, Type: typeServer, Code: "internal_error", Message: msg}
 	}
 }

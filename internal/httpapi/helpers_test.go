@@ -76,7 +76,7 @@ func startAPI(t *testing.T, c *orchestratortest.Cluster, cfg Config, handler fun
 	lis, err := net.Listen("tcp", srv.Addr)
 	require.NoError(t, err)
 	served := make(chan error, 1)
-	go func() { served <- srv.Serve(lis) }()
+	go func() { served <- srv.Serve(NewListener(lis)) }()
 	tr := &http.Transport{}
 	a := &api{Server: s, cluster: c, http: srv, base: "http://" + lis.Addr().String(), client: &http.Client{Transport: tr}}
 	t.Cleanup(func() {

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
@@ -34,21 +36,42 @@ type samplingFields struct {
 	Stop                json.RawMessage `json:"stop"`
 	IgnoreEOS           *bool           `json:"ignore_eos"` // vLLM extension
 	N                   *int64          `json:"n"`
+	// Asked for, but not produced by troupe: refused when they ask for
+	// something (see refuseUnsupported).
+	ResponseFormat *responseFormat `json:"response_format"`
+	PromptLogprobs json.RawMessage `json:"prompt_logprobs"` // vLLM extension
 }
 
 type streamOptions struct {
 	IncludeUsage *bool `json:"include_usage"`
 }
 
-// chatRequest is the body of POST /v1/chat/completions. Fields troupe does
-// not use (top_p, user, tools, ...) are accepted and ignored, as clients
-// send them freely.
+type responseFormat struct {
+	Type *string `json:"type"`
+}
+
+// commonFields are the top-level fields samplingFields reads; with an
+// endpoint's own, every other field of a request is accepted, ignored and
+// reported in the X-Troupe-Ignored-Params header.
+var commonFields = []string{
+	"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
+	"seed", "stop", "ignore_eos", "n", "response_format", "prompt_logprobs",
+}
+
+// chatRequest is the body of POST /v1/chat/completions. Arrays are decoded
+// element by element, so an error names the element's index.
 type chatRequest struct {
 	samplingFields
-	Messages   []chatMessage `json:"messages"`
-	Modalities []string      `json:"modalities"`
-	Audio      *audioParam   `json:"audio"`
+	Messages     []json.RawMessage `json:"messages"`
+	Modalities   []json.RawMessage `json:"modalities"`
+	Audio        *audioParam       `json:"audio"`
+	Logprobs     *bool             `json:"logprobs"`
+	TopLogprobs  *int64            `json:"top_logprobs"`
+	ToolChoice   json.RawMessage   `json:"tool_choice"`
+	FunctionCall json.RawMessage   `json:"function_call"` // deprecated form of tool_choice
 }
+
+var chatFields = append([]string{"messages", "modalities", "audio", "logprobs", "top_logprobs", "tool_choice", "function_call"}, commonFields...)
 
 type chatMessage struct {
 	Role    *string         `json:"role"`
@@ -68,8 +91,14 @@ type audioParam struct {
 // completionRequest is the body of POST /v1/completions.
 type completionRequest struct {
 	samplingFields
-	Prompt json.RawMessage `json:"prompt"`
+	Prompt   json.RawMessage `json:"prompt"`
+	Echo     *bool           `json:"echo"`
+	Logprobs *int64          `json:"logprobs"`
+	Suffix   *string         `json:"suffix"`
+	BestOf   *int64          `json:"best_of"`
 }
+
+var completionFields = append([]string{"prompt", "echo", "logprobs", "suffix", "best_of"}, commonFields...)
 
 // job is a parsed, validated request, ready for the head.
 type job struct {
@@ -82,7 +111,9 @@ type job struct {
 	voice        string                 // audio.voice (chat only)
 	audio        bool                   // run every stage and return message.audio (chat only)
 	audioFormat  string                 // audioFormatWAV or audioFormatPCM16
+	echo         bool                   // prepend the prompt to the text (completions only)
 	operation    string                 // gen_ai.operation.name: chat or text_completion
+	ignored      []string               // fields accepted and ignored, sorted
 }
 
 // decodeBody unmarshals a JSON object into v and turns decoding failures
@@ -92,21 +123,62 @@ func decodeBody(body []byte, v any) *apiError {
 	if len(trimmed) == 0 {
 		return badRequest("", "invalid_json", "request body is empty; expected a JSON object")
 	}
-	err := json.Unmarshal(trimmed, v)
+	return decodeValue(trimmed, v, "")
+}
+
+// decodeValue unmarshals valid JSON into v. A type mismatch becomes a 400
+// whose param is the field's path below param (`messages[1].role`), in
+// JSON's words: encoding/json's own message names Go types.
+func decodeValue(raw json.RawMessage, v any, param string) *apiError {
+	err := json.Unmarshal(raw, v)
 	if err == nil {
 		return nil
 	}
 	var te *json.UnmarshalTypeError
-	if errors.As(err, &te) {
-		// encoding/json names the embedded struct in the path; clients do
-		// not know it.
-		field := strings.TrimPrefix(te.Field, "samplingFields.")
-		if field == "" {
-			return badRequest("", "invalid_type", "request body must be a JSON object, got %s", te.Value)
-		}
-		return badRequest(field, "invalid_type", "invalid type for %q: expected %s, got %s", field, jsonTypeName(te.Type), te.Value)
+	if !errors.As(err, &te) {
+		// A syntax error: its text names no Go type.
+		return badRequest(param, "invalid_json", "%s is not valid JSON: %v", orBody(param), err)
 	}
-	return badRequest("", "invalid_json", "request body is not valid JSON: %v", err)
+	// encoding/json names the embedded struct in the path; clients do not
+	// know it.
+	field := strings.TrimPrefix(strings.TrimPrefix(te.Field, "samplingFields"), ".")
+	switch {
+	case field == "":
+		field = param
+	case param != "":
+		field = param + "." + field
+	}
+	return badRequest(field, "invalid_type", "invalid type for %s: expected %s, got %s", orBody(field), jsonTypeName(te.Type), te.Value)
+}
+
+// orBody names a param in a message: "max_tokens" quoted, or "the request
+// body" for the whole body.
+func orBody(param string) string {
+	if param == "" {
+		return "the request body"
+	}
+	return strconv.Quote(param)
+}
+
+// jsonKind names the JSON type of a valid value by its first byte.
+func jsonKind(raw []byte) string {
+	t := bytes.TrimSpace(raw)
+	if len(t) == 0 {
+		return "nothing"
+	}
+	switch t[0] {
+	case '{':
+		return "an object"
+	case '[':
+		return "an array"
+	case '"':
+		return "a string"
+	case 't', 'f':
+		return "a boolean"
+	case 'n':
+		return "null"
+	}
+	return "a number"
 }
 
 // jsonTypeName names a Go type as JSON would.
@@ -116,6 +188,9 @@ func jsonTypeName(t reflect.Type) string {
 	}
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
+	}
+	if t == reflect.TypeFor[json.RawMessage]() {
+		return "a value"
 	}
 	switch t.Kind() {
 	case reflect.Bool:
@@ -141,6 +216,31 @@ func isNull(raw json.RawMessage) bool {
 	return len(t) == 0 || bytes.Equal(t, []byte("null"))
 }
 
+// presence records whether a field is set, without copying its value.
+type presence struct{ set bool }
+
+func (p *presence) UnmarshalJSON(b []byte) error {
+	p.set = !isNull(b)
+	return nil
+}
+
+// ignoredFields lists the top-level fields of a valid JSON object that are
+// set (not null) and not among used, sorted.
+func ignoredFields(body []byte, used []string) []string {
+	var fields map[string]presence
+	if json.Unmarshal(body, &fields) != nil {
+		return nil
+	}
+	var out []string
+	for name, p := range fields {
+		if p.set && !slices.Contains(used, name) {
+			out = append(out, name)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
 // parseChat validates a chat request for a pipeline serving model.
 func parseChat(body []byte, model string) (job, *apiError) {
 	var req chatRequest
@@ -160,13 +260,18 @@ func parseChat(body []byte, model string) (job, *apiError) {
 	if j.prompt, j.messages, e = chatPrompt(req.Messages); e != nil {
 		return job{}, e
 	}
-	for _, m := range req.Modalities {
+	for i, raw := range req.Modalities {
+		param := fmt.Sprintf("modalities[%d]", i)
+		var m string
+		if e := decodeValue(raw, &m, param); e != nil {
+			return job{}, e
+		}
 		switch m {
 		case "text":
 		case "audio":
 			j.audio = true
 		default:
-			return job{}, badRequest("modalities", "invalid_value", "unknown modality %q: expected \"text\" or \"audio\"", m)
+			return job{}, badRequest(param, "invalid_value", "unknown modality %q: expected \"text\" or \"audio\"", m)
 		}
 	}
 	j.audioFormat = audioFormatWAV
@@ -186,7 +291,49 @@ func parseChat(body []byte, model string) (job, *apiError) {
 		return job{}, badRequest("audio.format", "unsupported",
 			"streamed audio is sent as raw samples: set \"audio\": {\"format\": \"pcm16\"} with \"stream\": true (as OpenAI requires), or stream without audio")
 	}
+	if req.Logprobs != nil && *req.Logprobs {
+		return job{}, unsupported("logprobs", "logprobs are not supported: troupe's engines do not report them; leave \"logprobs\" unset or false")
+	}
+	if req.TopLogprobs != nil && *req.TopLogprobs != 0 {
+		return job{}, unsupported("top_logprobs", "top_logprobs are not supported: troupe's engines do not report log probabilities")
+	}
+	for _, tc := range []struct {
+		name string
+		raw  json.RawMessage
+	}{{"tool_choice", req.ToolChoice}, {"function_call", req.FunctionCall}} {
+		if e := toolChoice(tc.name, tc.raw); e != nil {
+			return job{}, e
+		}
+	}
+	j.ignored = ignoredFields(body, chatFields)
 	return j, nil
+}
+
+// toolChoice accepts "none" and "auto": the model may answer without a
+// tool call, which it always does. A choice that forces a call is refused,
+// as troupe's models never call tools.
+func toolChoice(param string, raw json.RawMessage) *apiError {
+	if isNull(raw) {
+		return nil
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		switch s {
+		case "none", "auto":
+			return nil
+		case "required":
+			return unsupported(param, "%s %q is not supported: troupe's models do not call tools; use \"auto\" or \"none\"", param, s)
+		}
+		return badRequest(param, "invalid_value", "unknown %s %q: expected \"none\", \"auto\" or \"required\"", param, s)
+	}
+	if bytes.TrimSpace(raw)[0] == '{' {
+		return unsupported(param, "forcing a tool call with %s is not supported: troupe's models do not call tools; use \"auto\" or \"none\"", param)
+	}
+	return badRequest(param, "invalid_type", "invalid type for %q: expected a string or an object, got %s", param, jsonKind(raw))
+}
+
+func unsupported(param, format string, args ...any) *apiError {
+	return badRequest(param, "unsupported", format, args...)
 }
 
 // chatPrompt renders messages as the stage-0 prompt: one "role: content"
@@ -195,11 +342,18 @@ func parseChat(body []byte, model string) (job, *apiError) {
 // always yields the same output from a seeded engine. It also returns the
 // messages as the protocol carries them (the same contents), for engines
 // that apply their own chat template.
-func chatPrompt(msgs []chatMessage) (string, []*stagepb.ChatMessage, *apiError) {
+func chatPrompt(msgs []json.RawMessage) (string, []*stagepb.ChatMessage, *apiError) {
 	var b strings.Builder
 	out := make([]*stagepb.ChatMessage, 0, len(msgs))
-	for i, m := range msgs {
+	for i, raw := range msgs {
 		param := fmt.Sprintf("messages[%d]", i)
+		var m chatMessage
+		if t := bytes.TrimSpace(raw); t[0] != '{' {
+			return "", nil, badRequest(param, "invalid_type", "invalid type for %q: expected an object, got %s", param, jsonKind(t))
+		}
+		if e := decodeValue(raw, &m, param); e != nil {
+			return "", nil, e
+		}
 		if m.Role == nil {
 			return "", nil, badRequest(param+".role", "missing_field", "missing required field %q", param+".role")
 		}
@@ -232,24 +386,24 @@ func messageText(param string, raw json.RawMessage) (string, *apiError) {
 	switch bytes.TrimSpace(raw)[0] {
 	case '"':
 		var s string
-		if err := json.Unmarshal(raw, &s); err != nil {
-			return "", badRequest(param, "invalid_type", "invalid %s: %v", param, err)
+		if e := decodeValue(raw, &s, param); e != nil {
+			return "", e
 		}
 		return s, nil
 	case '[':
 		var parts []json.RawMessage
-		if err := json.Unmarshal(raw, &parts); err != nil {
-			return "", badRequest(param, "invalid_type", "invalid %s: %v", param, err)
+		if e := decodeValue(raw, &parts, param); e != nil {
+			return "", e
 		}
 		texts := make([]string, 0, len(parts))
 		for k, rawPart := range parts {
 			pp := fmt.Sprintf("%s[%d]", param, k)
 			var p contentPart
-			if t := bytes.TrimSpace(rawPart); len(t) == 0 || t[0] != '{' {
-				return "", badRequest(pp, "invalid_type", "invalid type for %q: expected an object", pp)
+			if t := bytes.TrimSpace(rawPart); t[0] != '{' {
+				return "", badRequest(pp, "invalid_type", "invalid type for %q: expected an object, got %s", pp, jsonKind(t))
 			}
-			if err := json.Unmarshal(rawPart, &p); err != nil {
-				return "", badRequest(pp, "invalid_type", "invalid %s: %v", pp, err)
+			if e := decodeValue(rawPart, &p, pp); e != nil {
+				return "", e
 			}
 			switch {
 			case p.Type == nil:
@@ -263,7 +417,7 @@ func messageText(param string, raw json.RawMessage) (string, *apiError) {
 		}
 		return strings.Join(texts, "\n"), nil
 	}
-	return "", badRequest(param, "invalid_type", "invalid type for %q: expected a string or an array of content parts", param)
+	return "", badRequest(param, "invalid_type", "invalid type for %q: expected a string or an array of content parts, got %s", param, jsonKind(raw))
 }
 
 // Audio formats troupe answers in: a WAV file, or raw PCM16 mono
@@ -289,7 +443,7 @@ func (a *audioParam) validate() *apiError {
 				return badRequest("audio.voice", "invalid_type", "\"audio.voice\" must be a voice name or an object with a string \"id\"")
 			}
 		default:
-			return badRequest("audio.voice", "invalid_type", "invalid type for \"audio.voice\": expected a string or an object")
+			return badRequest("audio.voice", "invalid_type", "invalid type for \"audio.voice\": expected a string or an object, got %s", jsonKind(a.Voice))
 		}
 	}
 	return nil
@@ -321,30 +475,80 @@ func parseCompletion(body []byte, model string) (job, *apiError) {
 	if j.prompt, e = completionPrompt(req.Prompt); e != nil {
 		return job{}, e
 	}
+	if req.Echo != nil {
+		j.echo = *req.Echo
+	}
+	if req.Logprobs != nil {
+		return job{}, unsupported("logprobs", "logprobs are not supported: troupe's engines do not report them; leave \"logprobs\" unset")
+	}
+	if req.Suffix != nil && *req.Suffix != "" {
+		return job{}, unsupported("suffix", "suffix is not supported: troupe's engines only append to the prompt")
+	}
+	if req.BestOf != nil && *req.BestOf != 1 {
+		if *req.BestOf > 1 {
+			return job{}, unsupported("best_of", "best_of=%d is not supported: troupe generates one completion per request (best_of must be 1)", *req.BestOf)
+		}
+		return job{}, badRequest("best_of", "invalid_value", "best_of must be 1, got %d", *req.BestOf)
+	}
+	j.ignored = ignoredFields(body, completionFields)
 	return j, nil
 }
 
 // completionPrompt accepts a string, or an array holding one string.
-// Batches and token-id prompts are refused: one request is one pipeline run.
+// Batches and token-id prompts are refused: one request is one pipeline
+// run, and the pipeline takes text.
 func completionPrompt(raw json.RawMessage) (string, *apiError) {
 	if isNull(raw) {
 		return "", badRequest("prompt", "missing_field", "missing required field \"prompt\"")
 	}
-	var s string
-	if err := json.Unmarshal(raw, &s); err == nil {
+	t := bytes.TrimSpace(raw)
+	switch t[0] {
+	case '"':
+		var s string
+		if e := decodeValue(t, &s, "prompt"); e != nil {
+			return "", e
+		}
 		return s, nil
+	case '[':
+	default:
+		return "", badRequest("prompt", "invalid_type", "invalid type for \"prompt\": expected a string or an array of one string, got %s", jsonKind(t))
 	}
 	var arr []json.RawMessage
-	if err := json.Unmarshal(raw, &arr); err != nil {
-		return "", badRequest("prompt", "invalid_type", "invalid type for \"prompt\": expected a string or an array of one string")
+	if e := decodeValue(t, &arr, "prompt"); e != nil {
+		return "", e
 	}
-	if len(arr) != 1 {
-		return "", badRequest("prompt", "unsupported", "\"prompt\" holds %d prompts: batched prompts are not supported, send one request per prompt", len(arr))
+	if len(arr) == 0 {
+		return "", badRequest("prompt", "invalid_value", "\"prompt\" is an empty array: send the prompt as a string")
 	}
-	if err := json.Unmarshal(arr[0], &s); err != nil {
-		return "", badRequest("prompt", "unsupported", "token-id prompts are not supported: \"prompt\" must be text")
+	// OpenAI's prompt forms: "text", ["text", ...], [1, 2, 3] (one prompt
+	// of token ids), [[1, 2], [3]] (prompts of token ids).
+	switch first := bytes.TrimSpace(arr[0]); first[0] {
+	case '"':
+		if len(arr) > 1 {
+			return "", unsupported("prompt", "\"prompt\" holds %d prompts: batched prompts are not supported, send one request per prompt", len(arr))
+		}
+		var s string
+		if e := decodeValue(arr[0], &s, "prompt[0]"); e != nil {
+			return "", e
+		}
+		return s, nil
+	case '[':
+		if len(arr) > 1 {
+			return "", unsupported("prompt", "\"prompt\" holds %d prompts of token ids: batched prompts and token-id prompts are not supported, send one request per prompt, as text", len(arr))
+		}
+		var ids []int64
+		if e := decodeValue(arr[0], &ids, "prompt[0]"); e != nil {
+			return "", e
+		}
+		return "", unsupported("prompt", "\"prompt\" is one prompt of %d token ids: token-id prompts are not supported, send the prompt as text", len(ids))
 	}
-	return s, nil
+	for i, el := range arr {
+		var id int64
+		if e := decodeValue(el, &id, fmt.Sprintf("prompt[%d]", i)); e != nil {
+			return "", e
+		}
+	}
+	return "", unsupported("prompt", "\"prompt\" is one prompt of %d token ids: token-id prompts are not supported, send the prompt as text", len(arr))
 }
 
 // job validates the fields shared by both endpoints.
@@ -395,6 +599,9 @@ func (f *samplingFields) job(model string) (job, *apiError) {
 	if f.IgnoreEOS != nil {
 		sp.IgnoreEos = *f.IgnoreEOS
 	}
+	if e := f.refuseUnsupported(); e != nil {
+		return job{}, e
+	}
 	j := job{model: model, sampling: sp}
 	if f.Stream != nil {
 		j.stream = *f.Stream
@@ -410,24 +617,60 @@ func stopSequences(raw json.RawMessage) ([]string, *apiError) {
 	if isNull(raw) {
 		return nil, nil
 	}
-	var one string
-	if err := json.Unmarshal(raw, &one); err == nil {
+	t := bytes.TrimSpace(raw)
+	switch t[0] {
+	case '"':
+		var one string
+		if e := decodeValue(t, &one, "stop"); e != nil {
+			return nil, e
+		}
 		if one == "" {
 			return nil, badRequest("stop", "invalid_value", "stop sequences must not be empty")
 		}
 		return []string{one}, nil
+	case '[':
+	default:
+		return nil, badRequest("stop", "invalid_type", "invalid type for \"stop\": expected a string or an array of strings, got %s", jsonKind(t))
 	}
-	var many []string
-	if err := json.Unmarshal(raw, &many); err != nil {
-		return nil, badRequest("stop", "invalid_type", "invalid type for \"stop\": expected a string or an array of strings")
+	var many []json.RawMessage
+	if e := decodeValue(t, &many, "stop"); e != nil {
+		return nil, e
 	}
-	for _, s := range many {
-		if s == "" {
-			return nil, badRequest("stop", "invalid_value", "stop sequences must not be empty")
+	out := make([]string, 0, len(many))
+	for i, el := range many {
+		param := fmt.Sprintf("stop[%d]", i)
+		var s string
+		if e := decodeValue(el, &s, param); e != nil {
+			return nil, e
 		}
+		if s == "" {
+			return nil, badRequest(param, "invalid_value", "stop sequences must not be empty")
+		}
+		out = append(out, s)
 	}
-	if len(many) == 0 {
+	if len(out) == 0 {
 		return nil, nil
 	}
-	return many, nil
+	return out, nil
+}
+
+// refuseUnsupported refuses the shared fields that ask for output troupe
+// cannot give, where ignoring them would hand the client something else
+// than it parses for.
+func (f *samplingFields) refuseUnsupported() *apiError {
+	if rf := f.ResponseFormat; rf != nil {
+		switch {
+		case rf.Type == nil:
+			return badRequest("response_format.type", "missing_field", "missing required field \"response_format.type\"")
+		case *rf.Type == "text":
+		case *rf.Type == "json_object" || *rf.Type == "json_schema":
+			return unsupported("response_format", "response_format %q is not supported: troupe's engines cannot constrain their output; use \"text\"", *rf.Type)
+		default:
+			return badRequest("response_format.type", "invalid_value", "unknown response_format type %q: expected \"text\", \"json_object\" or \"json_schema\"", *rf.Type)
+		}
+	}
+	if !isNull(f.PromptLogprobs) {
+		return unsupported("prompt_logprobs", "prompt_logprobs are not supported: troupe's engines do not report log probabilities")
+	}
+	return nil
 }

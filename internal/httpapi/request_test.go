@@ -2,6 +2,7 @@ package httpapi
 
 import (
 	"net/http"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -71,6 +72,7 @@ func TestParseErrors(t *testing.T) {
 		status     int
 		param      string
 		code       string
+		msg        string // the whole message, when the case pins it
 	}{
 		{name: "empty body", body: ``, status: 400, code: "invalid_json"},
 		{name: "syntax", body: `{"model":`, status: 400, code: "invalid_json"},
@@ -98,11 +100,11 @@ func TestParseErrors(t *testing.T) {
 		{name: "seed float", body: `{"model":"troupe-omni-sim",` + msgs + `,"seed":0.5}`, status: 400, param: "seed", code: "invalid_type"},
 		{name: "stream string", body: `{"model":"troupe-omni-sim",` + msgs + `,"stream":"yes"}`, status: 400, param: "stream", code: "invalid_type"},
 		{name: "stop number", body: `{"model":"troupe-omni-sim",` + msgs + `,"stop":1}`, status: 400, param: "stop", code: "invalid_type"},
-		{name: "stop mixed array", body: `{"model":"troupe-omni-sim",` + msgs + `,"stop":["a",1]}`, status: 400, param: "stop", code: "invalid_type"},
+		{name: "stop mixed array", body: `{"model":"troupe-omni-sim",` + msgs + `,"stop":["a",1]}`, status: 400, param: "stop[1]", code: "invalid_type"},
 		{name: "stop empty", body: `{"model":"troupe-omni-sim",` + msgs + `,"stop":""}`, status: 400, param: "stop", code: "invalid_value"},
 		{name: "n two", body: `{"model":"troupe-omni-sim",` + msgs + `,"n":2}`, status: 400, param: "n", code: "unsupported"},
 		{name: "n zero", body: `{"model":"troupe-omni-sim",` + msgs + `,"n":0}`, status: 400, param: "n", code: "invalid_value"},
-		{name: "unknown modality", body: `{"model":"troupe-omni-sim",` + msgs + `,"modalities":["video"]}`, status: 400, param: "modalities", code: "invalid_value"},
+		{name: "unknown modality", body: `{"model":"troupe-omni-sim",` + msgs + `,"modalities":["video"]}`, status: 400, param: "modalities[0]", code: "invalid_value"},
 		{name: "streamed wav", body: `{"model":"troupe-omni-sim",` + msgs + `,"stream":true,"modalities":["text","audio"],"audio":{"voice":"alloy","format":"wav"}}`, status: 400, param: "audio.format", code: "unsupported"},
 		{name: "audio mp3", body: `{"model":"troupe-omni-sim",` + msgs + `,"modalities":["text","audio"],"audio":{"voice":"alloy","format":"mp3"}}`, status: 400, param: "audio.format", code: "unsupported"},
 		{name: "audio voice number", body: `{"model":"troupe-omni-sim",` + msgs + `,"audio":{"voice":3,"format":"wav"}}`, status: 400, param: "audio.voice", code: "invalid_type"},
@@ -111,6 +113,37 @@ func TestParseErrors(t *testing.T) {
 		{name: "completion batch", completion: true, body: `{"model":"troupe-omni-sim","prompt":["a","b"]}`, status: 400, param: "prompt", code: "unsupported"},
 		{name: "completion token ids", completion: true, body: `{"model":"troupe-omni-sim","prompt":[1,2,3]}`, status: 400, param: "prompt", code: "unsupported"},
 		{name: "completion unknown model", completion: true, body: `{"model":"x","prompt":"a"}`, status: 404, param: "model", code: "model_not_found"},
+		// The exact field, with its index, in JSON's words.
+		{name: "second message role number", body: `{"model":"troupe-omni-sim","messages":[{"role":"user","content":"a"},{"role":7}]}`, status: 400, param: "messages[1].role", code: "invalid_type", msg: `invalid type for "messages[1].role": expected a string, got number`},
+		{name: "message not object", body: `{"model":"troupe-omni-sim","messages":[{"role":"user","content":"a"},"hi"]}`, status: 400, param: "messages[1]", code: "invalid_type"},
+		{name: "content part text number", body: `{"model":"troupe-omni-sim","messages":[{"role":"user","content":[{"type":"text","text":5}]}]}`, status: 400, param: "messages[0].content[0].text", code: "invalid_type", msg: `invalid type for "messages[0].content[0].text": expected a string, got number`},
+		{name: "content part type bool", body: `{"model":"troupe-omni-sim","messages":[{"role":"user","content":[{"type":true}]}]}`, status: 400, param: "messages[0].content[0].type", code: "invalid_type"},
+		{name: "modality number", body: `{"model":"troupe-omni-sim",` + msgs + `,"modalities":["text",5]}`, status: 400, param: "modalities[1]", code: "invalid_type"},
+		{name: "stream_options nested", body: `{"model":"troupe-omni-sim",` + msgs + `,"stream_options":{"include_usage":"yes"}}`, status: 400, param: "stream_options.include_usage", code: "invalid_type"},
+		{name: "audio format number", body: `{"model":"troupe-omni-sim",` + msgs + `,"audio":{"format":1}}`, status: 400, param: "audio.format", code: "invalid_type"},
+		{name: "body array", body: `[{"model":"troupe-omni-sim"}]`, status: 400, code: "invalid_type", msg: "invalid type for the request body: expected an object, got array"},
+		// Parameters troupe cannot honour, refused by name.
+		{name: "logprobs", body: `{"model":"troupe-omni-sim",` + msgs + `,"logprobs":true}`, status: 400, param: "logprobs", code: "unsupported"},
+		{name: "top_logprobs", body: `{"model":"troupe-omni-sim",` + msgs + `,"top_logprobs":3}`, status: 400, param: "top_logprobs", code: "unsupported"},
+		{name: "tool_choice required", body: `{"model":"troupe-omni-sim",` + msgs + `,"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"required"}`, status: 400, param: "tool_choice", code: "unsupported"},
+		{name: "tool_choice named", body: `{"model":"troupe-omni-sim",` + msgs + `,"tool_choice":{"type":"function","function":{"name":"f"}}}`, status: 400, param: "tool_choice", code: "unsupported"},
+		{name: "tool_choice unknown", body: `{"model":"troupe-omni-sim",` + msgs + `,"tool_choice":"sometimes"}`, status: 400, param: "tool_choice", code: "invalid_value"},
+		{name: "function_call named", body: `{"model":"troupe-omni-sim",` + msgs + `,"function_call":{"name":"f"}}`, status: 400, param: "function_call", code: "unsupported"},
+		{name: "response_format json", body: `{"model":"troupe-omni-sim",` + msgs + `,"response_format":{"type":"json_object"}}`, status: 400, param: "response_format", code: "unsupported"},
+		{name: "response_format schema", completion: true, body: `{"model":"troupe-omni-sim","prompt":"a","response_format":{"type":"json_schema","json_schema":{}}}`, status: 400, param: "response_format", code: "unsupported"},
+		{name: "response_format no type", body: `{"model":"troupe-omni-sim",` + msgs + `,"response_format":{}}`, status: 400, param: "response_format.type", code: "missing_field"},
+		{name: "prompt_logprobs", completion: true, body: `{"model":"troupe-omni-sim","prompt":"a","prompt_logprobs":1}`, status: 400, param: "prompt_logprobs", code: "unsupported"},
+		{name: "completion logprobs", completion: true, body: `{"model":"troupe-omni-sim","prompt":"a","logprobs":2}`, status: 400, param: "logprobs", code: "unsupported"},
+		{name: "completion logprobs bool", completion: true, body: `{"model":"troupe-omni-sim","prompt":"a","logprobs":true}`, status: 400, param: "logprobs", code: "invalid_type", msg: `invalid type for "logprobs": expected an integer, got bool`},
+		{name: "completion suffix", completion: true, body: `{"model":"troupe-omni-sim","prompt":"a","suffix":"end"}`, status: 400, param: "suffix", code: "unsupported"},
+		{name: "completion best_of", completion: true, body: `{"model":"troupe-omni-sim","prompt":"a","best_of":3}`, status: 400, param: "best_of", code: "unsupported"},
+		// Prompt forms, worded for what they are.
+		{name: "token ids are one prompt", completion: true, body: `{"model":"troupe-omni-sim","prompt":[1,2,3]}`, status: 400, param: "prompt", code: "unsupported", msg: `"prompt" is one prompt of 3 token ids: token-id prompts are not supported, send the prompt as text`},
+		{name: "one token-id prompt nested", completion: true, body: `{"model":"troupe-omni-sim","prompt":[[1,2]]}`, status: 400, param: "prompt", code: "unsupported", msg: `"prompt" is one prompt of 2 token ids: token-id prompts are not supported, send the prompt as text`},
+		{name: "token-id batch", completion: true, body: `{"model":"troupe-omni-sim","prompt":[[1,2],[3]]}`, status: 400, param: "prompt", code: "unsupported"},
+		{name: "token ids mixed", completion: true, body: `{"model":"troupe-omni-sim","prompt":[1,"a"]}`, status: 400, param: "prompt[1]", code: "invalid_type"},
+		{name: "prompt empty array", completion: true, body: `{"model":"troupe-omni-sim","prompt":[]}`, status: 400, param: "prompt", code: "invalid_value"},
+		{name: "prompt batch of strings", completion: true, body: `{"model":"troupe-omni-sim","prompt":["a","b","c"]}`, status: 400, param: "prompt", code: "unsupported", msg: `"prompt" holds 3 prompts: batched prompts are not supported, send one request per prompt`},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -125,6 +158,10 @@ func TestParseErrors(t *testing.T) {
 			assert.Equal(t, tc.param, e.Param)
 			assert.Equal(t, tc.code, e.Code)
 			assert.NotEmpty(t, e.Message)
+			if tc.msg != "" {
+				assert.Equal(t, tc.msg, e.Message)
+			}
+			assertNoInternals(t, e.Message)
 			if tc.status == http.StatusBadRequest {
 				assert.Equal(t, typeInvalidRequest, e.Type)
 			}
@@ -145,6 +182,9 @@ func TestParseNeverPanics(t *testing.T) {
 				if e.Status < 400 || e.Status > 499 {
 					t.Fatalf("status %d for %q", e.Status, body)
 				}
+				if m := internalsRE.FindString(e.Message); m != "" {
+					t.Fatalf("message %q for %q names %q", e.Message, body, m)
+				}
 				continue
 			}
 			if j.sampling == nil {
@@ -162,4 +202,32 @@ func TestRequestID(t *testing.T) {
 	}
 	assert.NotEqual(t, requestID(""), requestID(""), "generated ids are random")
 	assert.Equal(t, strings.Repeat("a", maxRequestIDLen), requestID(strings.Repeat("a", maxRequestIDLen)))
+}
+
+// internalsRE matches what a client must never read in an error: Go type
+// names, encoding/json's own wording, package prefixes.
+var internalsRE = regexp.MustCompile(`Go (struct|value)|\bstruct\b|json: |samplingFields|chatRequest|chatMessage|contentPart|completionRequest|audioParam|RawMessage|\bu?int(64|32)?\b|float64|\*|orchestrator: |router: |httpapi: |sim: |worker: `)
+
+func assertNoInternals(t *testing.T, msg string) {
+	t.Helper()
+	assert.NotRegexp(t, internalsRE, msg)
+}
+
+// TestIgnoredParams: what is set and not read is listed, sorted; null and
+// honoured values are not.
+func TestIgnoredParams(t *testing.T) {
+	j, e := parseChat([]byte(`{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],
+		"top_p":0.9,"user":"u1","tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"auto",
+		"logprobs":false,"top_logprobs":0,"response_format":{"type":"text"},"frequency_penalty":null,"max_token":5}`), testModel)
+	require.Nil(t, e)
+	assert.Equal(t, []string{"max_token", "tools", "top_p", "user"}, j.ignored)
+
+	j, e = parseCompletion([]byte(`{"model":"troupe-omni-sim","prompt":"a","echo":true,"presence_penalty":1,"suffix":"","best_of":1}`), testModel)
+	require.Nil(t, e)
+	assert.True(t, j.echo)
+	assert.Equal(t, []string{"presence_penalty"}, j.ignored)
+
+	j, e = parseChat([]byte(`{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}]}`), testModel)
+	require.Nil(t, e)
+	assert.Empty(t, j.ignored)
 }

@@ -17,6 +17,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/url"
+	"path"
 	"strings"
 	"time"
 
@@ -234,6 +236,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMu
 
 	sw := &statusWriter{ResponseWriter: w}
 	r = r.WithContext(context.WithValue(r.Context(), requestIDKey{}, id))
+	cleanURLPath(r)
 	switch {
 	case !s.authorized(r):
 		h.Set("WWW-Authenticate", `Bearer realm="troupe"`)
@@ -288,13 +291,39 @@ func dispatch(w http.ResponseWriter, r *http.Request, mux *http.ServeMux) {
 		}
 		writeError(w, &apiError{Status: http.StatusMethodNotAllowed, Type: typeInvalidRequest, Code: "method_not_allowed",
 			Message: "method " + r.Method + " is not allowed on " + r.URL.Path + "; allowed: " + rec.header.Get("Allow")})
-	default: // a redirect to the cleaned path
-		for k, v := range rec.header {
-			w.Header()[k] = v
+	default: // a redirect (serve cleans paths first, so none is expected)
+		loc := rec.header.Get("Location")
+		if loc != "" {
+			w.Header().Set("Location", loc)
 		}
-		w.WriteHeader(rec.statusOr200())
-		_, _ = w.Write(rec.body)
+		writeError(w, &apiError{Status: rec.statusOr200(), Type: typeInvalidRequest, Code: "moved",
+			Message: "no route " + r.Method + " " + r.URL.Path + "; see " + loc})
 	}
+}
+
+// cleanURLPath serves an unclean path (`//v1/chat/completions`, as a base
+// URL with a trailing slash makes it) as its clean form. net/http's mux
+// would answer a redirect instead, which clients do not follow for POST.
+// r must be the middleware's own copy: its URL is replaced, not modified.
+func cleanURLPath(r *http.Request) {
+	escaped := r.URL.EscapedPath()
+	if !strings.HasPrefix(escaped, "/") {
+		return // "*" of OPTIONS, or a CONNECT authority
+	}
+	clean := path.Clean(escaped)
+	if strings.HasSuffix(escaped, "/") && clean != "/" {
+		clean += "/"
+	}
+	if clean == escaped {
+		return
+	}
+	unescaped, err := url.PathUnescape(clean)
+	if err != nil {
+		return // the mux answers 404
+	}
+	u := *r.URL
+	u.Path, u.RawPath = unescaped, clean
+	r.URL = &u
 }
 
 // authorized reports whether r may pass: always when no key is set, and

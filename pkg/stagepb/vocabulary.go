@@ -76,3 +76,16 @@ func (r FinishReason) Name() string {
 	}
 	return "error"
 }
+
+// gRPC message limits between head and replicas. gRPC's own default (4
+// MiB received) is below the head's default HTTP body limit, so both ends
+// set theirs from these.
+const (
+	// MessageHeadroom is what a Generate request needs beyond its prompt
+	// (request id, sampling parameters); a limit derived from an HTTP body
+	// limit adds it.
+	MessageHeadroom = 1 << 20
+	// DefaultMaxMessageBytes is both ends' default: a prompt as large as
+	// the head's default body limit (16 MiB), plus headroom.
+	DefaultMaxMessageBytes = 16<<20 + MessageHeadroom
+)

@@ -41,6 +41,7 @@ const (
 	KeyGenAIUsageInputTokens      = attribute.Key("gen_ai.usage.input_tokens")
 	KeyGenAIUsageOutputTokens     = attribute.Key("gen_ai.usage.output_tokens")
 	KeyGenAIResponseFinishReasons = attribute.Key("gen_ai.response.finish_reasons")
+	KeyGenAIResponseID            = attribute.Key("gen_ai.response.id")
 )
 
 // Values of gen_ai.operation.name used by troupe.

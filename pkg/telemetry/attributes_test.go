@@ -17,6 +17,7 @@ func TestGenAIKeysMatchSemanticConventions(t *testing.T) {
 	assert.Equal(t, semconv.GenAIUsageInputTokensKey, KeyGenAIUsageInputTokens)
 	assert.Equal(t, semconv.GenAIUsageOutputTokensKey, KeyGenAIUsageOutputTokens)
 	assert.Equal(t, semconv.GenAIResponseFinishReasonsKey, KeyGenAIResponseFinishReasons)
+	assert.Equal(t, semconv.GenAIResponseIDKey, KeyGenAIResponseID)
 	assert.Equal(t, semconv.GenAIOperationNameChat.Value.AsString(), GenAIOperationChat)
 	assert.Equal(t, semconv.GenAIOperationNameTextCompletion.Value.AsString(), GenAIOperationTextCompletion)
 }

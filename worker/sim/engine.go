@@ -8,7 +8,6 @@ package sim
 
 import (
 	"context"
-	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -98,6 +97,8 @@ func (e *Engine) Snapshot() Snapshot { return *e.snap.Load() }
 
 var errClosed = status.Error(codes.Unavailable, "sim: engine closed")
 
+// invalidArgument refuses input; msg is shown to the API client as is (see
+// stagepb's rules for refusals), so it has no package prefix.
 func invalidArgument(msg string) error { return status.Error(codes.InvalidArgument, msg) }
 
 // Generate runs one request and calls emit, from the calling goroutine, for
@@ -114,9 +115,8 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 	p := paramsOf(req.GetSampling())
 	n, _ := outputLength(role, prompt, ctxLen, p)
 	if need := len(prompt) + n + e.cfg.NumSpeculativeTokens; need > e.cfg.maxModelLen() {
-		return invalidArgument(fmt.Sprintf(
-			"sim: request needs %d tokens of KV cache (prompt %d + output up to %d + %d draft), more than the %d the cache holds (num-kv-blocks %d x block-size %d)",
-			need, len(prompt), n, e.cfg.NumSpeculativeTokens, e.cfg.maxModelLen(), e.cfg.NumKVBlocks, e.cfg.BlockSize))
+		// The cache (num-kv-blocks x block-size) is the sim's context.
+		return stagepb.ContextLengthError(e.cfg.maxModelLen(), len(prompt), need)
 	}
 	s := newSeq(req.GetRequestId(), role, prompt, buildPlan(role, prompt, ctxLen, p), p.seed)
 	select {
@@ -233,7 +233,7 @@ func (e *Engine) loop(sc *scheduler) {
 		switch ev.kind {
 		case evSubmit:
 			if sleep != stagepb.SleepState_SLEEP_STATE_AWAKE {
-				ev.seq.box.fail(status.Errorf(codes.FailedPrecondition, "sim: engine is asleep (%s); wake it up first", sleep.Name()))
+				ev.seq.box.fail(status.Errorf(codes.FailedPrecondition, "engine is asleep (%s); wake it up first", sleep.Name()))
 				return
 			}
 			sc.add(ev.seq, time.Now())
@@ -241,7 +241,7 @@ func (e *Engine) loop(sc *scheduler) {
 			sc.abort(ev.seq)
 		case evSleep:
 			if n := sc.inFlight(); n > 0 {
-				reply.err = status.Errorf(codes.FailedPrecondition, "sim: cannot sleep with %d requests in flight; drain first", n)
+				reply.err = status.Errorf(codes.FailedPrecondition, "cannot sleep with %d requests in flight; drain first", n)
 				break
 			}
 			sleep, _ = stagepb.SleepStateForLevel(ev.level) // Sleep checked the level

@@ -284,7 +284,12 @@ func TestEngineRejectsRequestsBeyondKVCapacity(t *testing.T) {
 	e := newEngine(t, Config{NumKVBlocks: 4, BlockSize: 4})
 	_, err := generate(context.Background(), e, textRequest("hi", &stagepb.SamplingParams{MaxTokens: 1 << 30, IgnoreEos: true}))
 	assert.Equal(t, codes.InvalidArgument, status.Code(err))
-	assert.ErrorContains(t, err, "more than the 16 the cache holds")
+	assert.Equal(t, stagepb.ReasonContextLengthExceeded, stagepb.ErrorReason(err), "a typed reason, not only text")
+	assert.ErrorContains(t, err, "maximum context length is 16 tokens")
+	// A prompt alone longer than the cache: refused before it is queued.
+	_, err = generate(context.Background(), e, textRequest(strings.Repeat("word ", 20), &stagepb.SamplingParams{MaxTokens: 1}))
+	assert.Equal(t, stagepb.ReasonContextLengthExceeded, stagepb.ErrorReason(err))
+	assert.ErrorContains(t, err, "(21 in the prompt, 1 in the completion)")
 	_, err = generate(context.Background(), e, codesRequest([]uint32{1}))
 	assert.Equal(t, codes.InvalidArgument, status.Code(err))
 }

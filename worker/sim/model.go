@@ -358,7 +358,7 @@ func appendTone(dst []byte, code uint32) []byte {
 func promptOf(role Role, req *stagepb.GenerateRequest) (prompt []uint32, ctxLen int, err error) {
 	if c := req.GetContext(); c != "" {
 		if _, ok := req.GetInput().(*stagepb.GenerateRequest_Text); !ok || role == RoleAudio {
-			return nil, 0, invalidArgument("sim: context is only taken with text input by the text and codes roles")
+			return nil, 0, invalidArgument("context is only taken with text input by the text and codes roles")
 		}
 		prompt = Tokenize(c)
 		ctxLen = len(prompt)
@@ -389,11 +389,11 @@ func promptWithoutContext(role Role, req *stagepb.GenerateRequest) ([]uint32, er
 		}
 		ids := in.TokenIds.GetIds()
 		if len(ids) == 0 {
-			return nil, invalidArgument("sim: empty token_ids")
+			return nil, invalidArgument("empty token_ids")
 		}
 		for _, id := range ids {
 			if id >= VocabSize {
-				return nil, invalidArgument(fmt.Sprintf("sim: token id %d out of range [0, %d)", id, VocabSize))
+				return nil, invalidArgument(fmt.Sprintf("token id %d out of range [0, %d)", id, VocabSize))
 			}
 		}
 		return append([]uint32(nil), ids...), nil
@@ -403,18 +403,18 @@ func promptWithoutContext(role Role, req *stagepb.GenerateRequest) ([]uint32, er
 		}
 		codes := in.Codes.GetCodes()
 		if len(codes) == 0 {
-			return nil, invalidArgument("sim: empty codes")
+			return nil, invalidArgument("empty codes")
 		}
 		for _, c := range codes {
 			if c >= CodebookSize {
-				return nil, invalidArgument(fmt.Sprintf("sim: code %d out of range [0, %d)", c, CodebookSize))
+				return nil, invalidArgument(fmt.Sprintf("code %d out of range [0, %d)", c, CodebookSize))
 			}
 		}
 		return append([]uint32(nil), codes...), nil
 	case nil:
-		return nil, invalidArgument("sim: request has no input")
+		return nil, invalidArgument("request has no input")
 	default:
-		return nil, invalidArgument(fmt.Sprintf("sim: unsupported input %T", in))
+		return nil, invalidArgument(fmt.Sprintf("unsupported input %T", in))
 	}
 }
 
@@ -447,5 +447,5 @@ func invalidInput(role Role, got string) error {
 	if role == RoleAudio {
 		want = "codes"
 	}
-	return invalidArgument(fmt.Sprintf("sim: role %s takes %s input, got %s", role, want, got))
+	return invalidArgument(fmt.Sprintf("role %s takes %s input, got %s", role, want, got))
 }

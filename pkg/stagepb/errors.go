@@ -1,0 +1,67 @@
+package stagepb
+
+import (
+	"errors"
+	"strconv"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// How a replica refuses input, as both ends read it:
+//
+//   - Generate answers InvalidArgument for input the engine will not run,
+//     and FailedPrecondition when the engine cannot run anything now (it
+//     is asleep). These two status messages are written for the API
+//     client, who sees them: no package prefix, no address, no Go type
+//     names. Other codes' messages are for logs only.
+//   - A refusal with a machine-readable cause carries a google.rpc.ErrorInfo
+//     detail with Domain ErrorDomain and one of the Reason constants; the
+//     head maps the reason to an OpenAI error code without reading the text.
+
+// ErrorDomain is the ErrorInfo domain of troupe's error reasons.
+const ErrorDomain = "troupe.stage"
+
+// ReasonContextLengthExceeded: prompt plus the requested output do not fit
+// the engine's context (its max model length). The head answers 400
+// context_length_exceeded. ErrorInfo metadata: "max_model_len",
+// "prompt_tokens", "requested_tokens" (decimal).
+const ReasonContextLengthExceeded = "CONTEXT_LENGTH_EXCEEDED"
+
+// ContextLengthError is the refusal of an input longer than maxModelLen
+// tokens: InvalidArgument with an ErrorInfo of ReasonContextLengthExceeded.
+// requested is the prompt plus the output the request may generate.
+func ContextLengthError(maxModelLen, promptTokens, requested int) error {
+	st := status.Newf(codes.InvalidArgument,
+		"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the prompt, %d in the completion). Please reduce the length of the prompt or of the completion (max_tokens).",
+		maxModelLen, requested, promptTokens, requested-promptTokens)
+	withInfo, err := st.WithDetails(&errdetails.ErrorInfo{
+		Reason: ReasonContextLengthExceeded,
+		Domain: ErrorDomain,
+		Metadata: map[string]string{
+			"max_model_len":    strconv.Itoa(maxModelLen),
+			"prompt_tokens":    strconv.Itoa(promptTokens),
+			"requested_tokens": strconv.Itoa(requested),
+		},
+	})
+	if err != nil { // only for a detail that cannot be marshalled
+		return st.Err()
+	}
+	return withInfo.Err()
+}
+
+// ErrorReason is the troupe reason an error's status carries (an ErrorInfo
+// detail of ErrorDomain), or "" when it carries none.
+func ErrorReason(err error) string {
+	var se interface{ GRPCStatus() *status.Status }
+	if !errors.As(err, &se) {
+		return ""
+	}
+	for _, d := range se.GRPCStatus().Details() {
+		if info, ok := d.(*errdetails.ErrorInfo); ok && info.GetDomain() == ErrorDomain {
+			return info.GetReason()
+		}
+	}
+	return ""
+}
