@@ -182,7 +182,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
-		return nil, fmt.Errorf("worker: listen: %w", err)
+		return nil, fmt.Errorf("worker: %w", err) // "listen tcp ADDR: ..."
 	}
 	s.advertise, err = advertiseAddr(lis.Addr(), cfg.Advertise)
 	if err != nil {

@@ -26,10 +26,6 @@ func runEtcd(ctx context.Context, args []string, stdout io.Writer) error {
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(fs.Output(), "troupe etcd: unexpected arguments %q\n", fs.Args())
-		return errUsage
-	}
 	if strings.TrimSpace(*dataDir) == "" {
 		fmt.Fprintln(fs.Output(), "troupe etcd: --data-dir is required")
 		return errUsage
@@ -68,8 +64,8 @@ func runEtcd(ctx context.Context, args []string, stdout io.Writer) error {
 		return nil
 	case err, ok := <-srv.Err():
 		if !ok || err == nil {
-			return errors.New("etcd: server stopped unexpectedly")
+			return errors.New("the server stopped unexpectedly")
 		}
-		return fmt.Errorf("etcd: %w", err)
+		return err
 	}
 }

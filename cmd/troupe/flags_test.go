@@ -1,6 +1,7 @@
 package main
 
 import (
+	"io"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -37,7 +38,7 @@ func TestEnvName(t *testing.T) {
 }
 
 func TestUnknownCommand(t *testing.T) {
-	assert.Equal(t, 2, run([]string{"frobnicate"}))
-	assert.Equal(t, 2, run(nil))
-	assert.Equal(t, 0, run([]string{"version"}))
+	assert.Equal(t, 2, run([]string{"frobnicate"}, io.Discard, io.Discard))
+	assert.Equal(t, 2, run(nil, io.Discard, io.Discard))
+	assert.Equal(t, 0, run([]string{"version"}, io.Discard, io.Discard))
 }

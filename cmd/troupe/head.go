@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"time"
@@ -22,6 +23,7 @@ import (
 	"github.com/troupe-serving/troupe/internal/httpapi"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 
@@ -58,6 +60,13 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	return f
 }
 
+// grpcMessageLimit is the gRPC message limit that lets a prompt as large
+// as the HTTP body limit through: the body limit plus the request's
+// headroom, capped at what gRPC can take.
+func grpcMessageLimit(maxBody byteSize) int {
+	return int(min(int64(maxBody)+stagepb.MessageHeadroom, math.MaxInt32))
+}
+
 // loadPipeline reads --pipeline, or returns the default pipeline.
 func (f *headFlags) loadPipeline() (orchestrator.Pipeline, error) {
 	if f.builtPipeline != nil {
@@ -88,9 +97,15 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	return serveHead(ctx, cli, hf, log, stdout, nil)
 }
 
+// headAddrs are the bound addresses of a head's listeners.
+type headAddrs struct {
+	api   net.Addr
+	admin net.Addr // nil without --admin-http: the admin routes are on api
+}
+
 // serveHead runs a head until ctx ends. ready, when not nil, receives the
-// bound HTTP address once the listener is open.
-func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *slog.Logger, stdout io.Writer, ready chan<- string) error {
+// bound addresses once the listeners are open.
+func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *slog.Logger, stdout io.Writer, ready chan<- headAddrs) error {
 	pipeline, err := hf.loadPipeline()
 	if err != nil {
 		return err
@@ -125,6 +140,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		LogStats:          hf.logStats,
 		DetachedSeriesTTL: hf.detachedTTL,
 		ReconcileInterval: hf.reconcile,
+		MaxMessageBytes:   grpcMessageLimit(hf.maxBody),
 		Metrics:           metrics,
 		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
 		TracerProvider:    tp.TracerProvider(),
@@ -149,7 +165,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	}
 	lis, err := net.Listen("tcp", hf.http)
 	if err != nil {
-		return fmt.Errorf("listen %s: %w", hf.http, err)
+		return err // "listen tcp ADDR: ..."
 	}
 	servers := []*http.Server{httpapi.NewHTTPServer(hf.http, handler)}
 	listeners := []net.Listener{lis}
@@ -157,7 +173,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		alis, err := net.Listen("tcp", hf.adminHTTP)
 		if err != nil {
 			lis.Close()
-			return fmt.Errorf("listen %s: %w", hf.adminHTTP, err)
+			return err
 		}
 		servers = append(servers, httpapi.NewHTTPServer(hf.adminHTTP, api.AdminHandler()))
 		listeners = append(listeners, alis)
@@ -165,14 +181,18 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	}
 	fmt.Fprintf(stdout, "troupe head: model %s, stages %v, API on http://%s\n", pipeline.Model, pipeline.StageNames(), lis.Addr())
 	if ready != nil {
-		ready <- lis.Addr().String()
+		addrs := headAddrs{api: lis.Addr()}
+		if len(listeners) > 1 {
+			addrs.admin = listeners[1].Addr()
+		}
+		ready <- addrs
 	}
 
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return head.Run(gctx) })
 	for i, srv := range servers {
 		g.Go(func() error {
-			if err := srv.Serve(listeners[i]); !errors.Is(err, http.ErrServerClosed) {
+			if err := srv.Serve(httpapi.NewListener(listeners[i])); !errors.Is(err, http.ErrServerClosed) {
 				return fmt.Errorf("http: %w", err)
 			}
 			return nil

@@ -24,7 +24,7 @@ func runHealthcheck(ctx context.Context, args []string, stdout io.Writer) error 
 		return err
 	}
 	if fs.NArg() != 1 {
-		fmt.Fprintln(fs.Output(), "usage: troupe healthcheck [--timeout D] URL|grpc://HOST:PORT[/SERVICE]")
+		fmt.Fprintf(fs.Output(), "troupe healthcheck: want one URL, got %d arguments; run 'troupe healthcheck --help'\n", fs.NArg())
 		return errUsage
 	}
 	ctx, cancel := context.WithTimeout(ctx, *timeout)
@@ -34,16 +34,16 @@ func runHealthcheck(ctx context.Context, args []string, stdout io.Writer) error 
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, fs.Arg(0), nil)
 	if err != nil {
-		return fmt.Errorf("healthcheck: %w", err)
+		return err
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		return fmt.Errorf("healthcheck: %w", err)
+		return err
 	}
 	defer resp.Body.Close()
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		return fmt.Errorf("healthcheck: %s answered %s", fs.Arg(0), resp.Status)
+		return fmt.Errorf("%s answered %s", fs.Arg(0), resp.Status)
 	}
 	return nil
 }
@@ -54,15 +54,15 @@ func grpcHealthcheck(ctx context.Context, target string) error {
 	addr, service, _ := strings.Cut(target, "/")
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
-		return fmt.Errorf("healthcheck: %w", err)
+		return err
 	}
 	defer conn.Close()
 	resp, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: service})
 	if err != nil {
-		return fmt.Errorf("healthcheck: grpc://%s: %w", target, err)
+		return fmt.Errorf("grpc://%s: %w", target, err)
 	}
 	if resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
-		return fmt.Errorf("healthcheck: grpc://%s is %s", target, resp.GetStatus())
+		return fmt.Errorf("grpc://%s is %s", target, resp.GetStatus())
 	}
 	return nil
 }

@@ -40,10 +40,6 @@ func runMembers(ctx context.Context, args []string, stdout io.Writer) error {
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(fs.Output(), "troupe members: unexpected arguments %q\n", fs.Args())
-		return errUsage
-	}
 	if err := membership.ValidateCluster(*cluster); err != nil {
 		return err
 	}

@@ -24,23 +24,17 @@ func runTrace(ctx context.Context, args []string, stdout io.Writer) error {
 	jaegerURL := fs.String("jaeger", "http://localhost:16686", "base URL of the Jaeger query service (api_v3)")
 	timeout := fs.Duration("timeout", 10*time.Second, "how long to wait for Jaeger")
 	width := fs.Int("width", 40, "width of the timeline bars in characters")
-	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: troupe trace ID [--jaeger URL] [--timeout D] [--width N]")
-		fmt.Fprintln(fs.Output(), "ID is a trace id (hex) or a traceparent header value.")
-		fs.PrintDefaults()
-	}
 	ids, err := parseInterspersed(fs, args)
 	if err != nil {
 		return err
 	}
 	if len(ids) != 1 {
-		fs.Usage()
+		fmt.Fprintf(fs.Output(), "troupe trace: want one TRACE_ID, got %d arguments; run 'troupe trace --help'\n", len(ids))
 		return errUsage
 	}
 	id, err := jaeger.ParseTraceID(ids[0])
 	if err != nil {
-		fmt.Fprintf(fs.Output(), "troupe trace: %v\n", err)
-		fs.Usage()
+		fmt.Fprintf(fs.Output(), "troupe trace: %v; run 'troupe trace --help'\n", err)
 		return errUsage
 	}
 	if *width < 10 || *width > 400 {
@@ -51,10 +45,10 @@ func runTrace(ctx context.Context, args []string, stdout io.Writer) error {
 	defer cancel()
 	t, err := jaeger.FetchTrace(ctx, &http.Client{}, *jaegerURL, id)
 	if errors.Is(err, jaeger.ErrTraceNotFound) {
-		return fmt.Errorf("trace: trace %s not found in %s", id, strings.TrimRight(*jaegerURL, "/"))
+		return fmt.Errorf("trace %s not found in %s", id, strings.TrimRight(*jaegerURL, "/"))
 	}
 	if err != nil {
-		return fmt.Errorf("trace: %w", err)
+		return err
 	}
 	return jaeger.RenderWaterfall(stdout, t, jaeger.WaterfallOptions{BarWidth: *width})
 }
@@ -70,6 +64,10 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 	for rest := fs.Args(); len(rest) > 0; rest = fs.Args() {
 		positional = append(positional, rest[0])
 		if err := fs.Parse(rest[1:]); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return nil, &helpRequested{fs: fs}
+			}
+			fmt.Fprintf(fs.Output(), "Run '%s --help' for usage.\n", fs.Name())
 			return nil, errUsage
 		}
 	}

@@ -66,7 +66,7 @@ func TestTraceNotFound(t *testing.T) {
 	var out bytes.Buffer
 	err := runTrace(traceCtx(t), []string{"abc123", "--jaeger", url}, &out)
 	require.Error(t, err)
-	assert.Equal(t, "trace: trace 00000000000000000000000000abc123 not found in "+url, err.Error())
+	assert.Equal(t, "trace 00000000000000000000000000abc123 not found in "+url, err.Error())
 	assert.Zero(t, out.Len())
 }
 
@@ -94,6 +94,6 @@ func TestTraceJaegerUnreachable(t *testing.T) {
 	err := runTrace(traceCtx(t), []string{recordedTraceID, "--jaeger", url, "--timeout", "5s"}, &bytes.Buffer{})
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, errUsage)
-	assert.True(t, strings.HasPrefix(err.Error(), "trace: "), err.Error())
+	assert.True(t, strings.HasPrefix(err.Error(), "jaeger: query: "), err.Error())
 	assert.NotContains(t, err.Error(), "not found")
 }

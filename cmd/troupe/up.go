@@ -5,11 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sync/errgroup"
@@ -48,7 +50,7 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 	if dir == "" {
 		tmp, err := os.MkdirTemp("", "troupe-up-")
 		if err != nil {
-			return fmt.Errorf("up: %w", err)
+			return err
 		}
 		defer os.RemoveAll(tmp)
 		dir = tmp
@@ -78,8 +80,8 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 	defer cli.Close()
 
 	g, gctx := errgroup.WithContext(ctx)
-	headAddr := make(chan string, 1)
-	g.Go(func() error { return serveHead(gctx, cli, hf, log, io.Discard, headAddr) })
+	headReady := make(chan headAddrs, 1)
+	g.Go(func() error { return serveHead(gctx, cli, hf, log, io.Discard, headReady) })
 	for _, st := range pipeline.Stages {
 		for range *replicas {
 			// A worker's defaults are its flags' defaults; up sets the rest
@@ -87,6 +89,7 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 			wf := addWorkerFlags(newFlagSet("worker"))
 			wf.stage, wf.cluster, wf.model = st.Name, hf.cluster, pipeline.Model
 			wf.decodeLatency = *decodeLatency
+			wf.maxMessage = byteSize(grpcMessageLimit(hf.maxBody)) // the head's prompts fit
 			wf.tls, wf.otel, wf.log = hf.tls, hf.otel, hf.log
 			if *speech != "" && st.Name == speechStage {
 				wf.engine = espeak.EngineName
@@ -95,25 +98,36 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 		}
 	}
 
+	var started atomic.Bool // the banner is out: a stop is worth reporting
 	g.Go(func() error {
-		var addr string
+		var addrs headAddrs
 		select {
-		case addr = <-headAddr:
+		case addrs = <-headReady:
 		case <-gctx.Done():
 			return nil
 		}
-		base := "http://" + addr
-		if err := waitReady(gctx, base+"/readyz", 60*time.Second); err != nil {
+		api := baseURL(addrs.api)
+		if err := waitReady(gctx, api+"/readyz", 60*time.Second); err != nil {
 			if gctx.Err() != nil {
 				return nil
 			}
 			return err
 		}
-		printBanner(stdout, pipeline, base, etcd.ClientURLs(), dir, *dataDir == "", hf.apiKey != "", *speech != "")
+		admin := api
+		if addrs.admin != nil {
+			admin = baseURL(addrs.admin)
+		}
+		printBanner(stdout, banner{
+			pipeline: pipeline, api: api, admin: admin, etcdURLs: etcd.ClientURLs(), cluster: hf.cluster,
+			dataDir: dir, temporary: *dataDir == "", auth: hf.apiKey != "", speech: *speech != "",
+		})
+		started.Store(true)
 		return nil
 	})
 	err = g.Wait()
-	fmt.Fprintln(stdout, "troupe up: stopped")
+	if started.Load() {
+		fmt.Fprintln(stdout, "troupe up: stopped")
+	}
 	if ctx.Err() != nil && (err == nil || errors.Is(err, context.Canceled)) {
 		return nil
 	}
@@ -143,6 +157,22 @@ func upPipeline(hf *headFlags, speech string) (orchestrator.Pipeline, error) {
 	return orchestrator.Pipeline{}, fmt.Errorf("up: unknown --speech %q (supported: espeak)", speech)
 }
 
+// baseURL is the http:// URL of a bound address as a client on this host
+// dials it: an unspecified host (0.0.0.0, ::) becomes loopback.
+func baseURL(a net.Addr) string {
+	host, port, err := net.SplitHostPort(a.String())
+	if err != nil {
+		return "http://" + a.String()
+	}
+	if ip := net.ParseIP(host); ip != nil && ip.IsUnspecified() {
+		host = "127.0.0.1"
+		if ip.To4() == nil {
+			host = "::1"
+		}
+	}
+	return "http://" + net.JoinHostPort(host, port)
+}
+
 // waitReady polls a readiness URL until it answers 200.
 func waitReady(ctx context.Context, url string, limit time.Duration) error {
 	ctx, cancel := context.WithTimeout(ctx, limit)
@@ -167,40 +197,67 @@ func waitReady(ctx context.Context, url string, limit time.Duration) error {
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("up: not ready after %s: %s", limit, last)
+			return fmt.Errorf("not ready after %s: %s", limit, last)
 		case <-tick.C:
 		}
 	}
 }
 
-func printBanner(w io.Writer, p orchestrator.Pipeline, base string, etcdURLs []string, dir string, temporary, auth, speech bool) {
+// banner is what `troupe up` says once it is ready.
+type banner struct {
+	pipeline   orchestrator.Pipeline
+	api, admin string // base URLs; admin == api without --admin-http
+	etcdURLs   []string
+	cluster    string
+	dataDir    string
+	temporary  bool // the data dir is removed at exit
+	auth       bool // --api-key is set
+	speech     bool // --speech: a thinker → speech pipeline
+}
+
+// printBanner writes the banner: every URL in it answers, with the key
+// where --api-key asks for one, and every command in it can be pasted.
+func printBanner(w io.Writer, b banner) {
 	keep := "kept"
-	if temporary {
+	if b.temporary {
 		keep = "removed at exit"
 	}
-	header := ""
-	if auth {
-		header = " \\\n  -H \"Authorization: Bearer $TROUPE_API_KEY\""
+	header, needsKey := "", ""
+	if b.auth {
+		header = " \\\n    -H \"Authorization: Bearer $TROUPE_API_KEY\""
+		needsKey = " (with the API key)"
+	}
+	admin := ""
+	if b.admin != b.api {
+		admin = " (admin listener)"
+	}
+	members := "troupe members --etcd-endpoints " + strings.Join(b.etcdURLs, ",")
+	if b.cluster != membership.DefaultCluster {
+		members += " --cluster " + b.cluster
 	}
 	fmt.Fprintf(w, `troupe is up: model %s, stages %s
   API:      %s/v1
-  replicas: %s/v1/replicas
-  metrics:  %s/metrics
+  replicas: %s/v1/replicas%s%s
+  metrics:  %s/metrics%s
   etcd:     %s (data dir %s, %s)
+
+List the members:
+  %s
 
 Try:
   curl -s %s/v1/chat/completions%s \
     -H 'Content-Type: application/json' \
     -d '{"model":%s,"messages":[{"role":"user","content":"hello"}],"max_tokens":8}'
-`, p.Model, strings.Join(p.StageNames(), " → "), base, base, base, strings.Join(etcdURLs, ","), dir, keep, base, header, strconv.Quote(p.Model))
-	if speech {
+`, b.pipeline.Model, strings.Join(b.pipeline.StageNames(), " → "), b.api, b.admin, admin, needsKey, b.admin, admin,
+		strings.Join(b.etcdURLs, ","), b.dataDir, keep, members, b.api, header, strconv.Quote(b.pipeline.Model))
+	if b.speech {
 		fmt.Fprintf(w, `
 Speech (espeak-ng), saved as hello.wav:
   curl -s %s/v1/chat/completions%s \
     -H 'Content-Type: application/json' \
     -d '{"model":%s,"modalities":["text","audio"],"audio":{"voice":"en","format":"wav"},"messages":[{"role":"user","content":"hello"}],"max_tokens":16}' \
     | jq -r .choices[0].message.audio.data | base64 -d > hello.wav
-`, base, header, strconv.Quote(p.Model))
+`, b.api, header, strconv.Quote(b.pipeline.Model))
 	}
 	fmt.Fprint(w, "\nPress Ctrl-C to stop.\n")
 }

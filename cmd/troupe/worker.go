@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"os"
 	"os/exec"
 	"runtime"
@@ -37,6 +38,7 @@ type workerFlags struct {
 	upstream                                                             upstreamFlags
 	voice, espeakBinary                                                  string
 	espeakConcurrency                                                    int
+	maxMessage                                                           byteSize
 	tls                                                                  *tlsFlags
 	otel                                                                 *otelFlags
 	log                                                                  *logFlags
@@ -53,7 +55,7 @@ type upstreamFlags struct {
 var engineNames = []string{sim.EngineName, openai.EngineName, openai.SpeechEngineName, espeak.EngineName}
 
 func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
-	f := &workerFlags{}
+	f := &workerFlags{maxMessage: stagepb.DefaultMaxMessageBytes}
 	fs.StringVar(&f.stage, "stage", "", "stage name, e.g. thinker, talker, vocoder (required)")
 	fs.StringVar(&f.replicaID, "replica-id", "auto", "replica id: a number, or auto for the smallest free id of the stage")
 	fs.StringVar(&f.listen, "listen", worker.DefaultListen, "gRPC listen address; port 0 picks a free port")
@@ -63,6 +65,7 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.StringVar(&f.model, "model", "", "model name recorded in the member record (informational)")
 	fs.DurationVar(&f.leaseTTL, "lease-ttl", membership.DefaultTTL, "etcd lease TTL of the registration")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", worker.DefaultDrainTimeout, "how long in-flight requests may finish at shutdown")
+	fs.Var(&f.maxMessage, "max-message-bytes", "largest gRPC request accepted, prompt included; at least the head's --max-body-bytes plus 1MiB")
 	fs.IntVar(&f.numSpec, "num-speculative-tokens", 0, "speculative decoding draft positions K (0: off)")
 	fs.StringVar(&f.simRole, "sim-role", "", "sim: text, codes or audio (default: from the stage name)")
 	fs.IntVar(&f.maxNumSeqs, "max-num-seqs", sim.DefaultMaxNumSeqs, "sim: most requests running at once")
@@ -295,19 +298,20 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 	defer func() { stopEngine(); <-engDone }()
 
 	srv, err := worker.New(worker.Config{
-		Stage:        wf.stage,
-		ReplicaID:    id,
-		AutoID:       auto,
-		Listen:       wf.listen,
-		Advertise:    wf.advertise,
-		Cluster:      wf.cluster,
-		LeaseTTL:     wf.leaseTTL,
-		DrainTimeout: wf.drainTimeout,
-		Engine:       eng.Engine,
-		Model:        wf.model,
-		Version:      version,
-		EtcdClient:   cli,
-		Logger:       log,
+		Stage:           wf.stage,
+		ReplicaID:       id,
+		AutoID:          auto,
+		Listen:          wf.listen,
+		Advertise:       wf.advertise,
+		Cluster:         wf.cluster,
+		LeaseTTL:        wf.leaseTTL,
+		DrainTimeout:    wf.drainTimeout,
+		MaxMessageBytes: int(min(int64(wf.maxMessage), math.MaxInt32)),
+		Engine:          eng.Engine,
+		Model:           wf.model,
+		Version:         version,
+		EtcdClient:      cli,
+		Logger:          log,
 		ServerOptions: []grpc.ServerOption{
 			grpc.Creds(creds),
 			grpc.StatsHandler(otelgrpc.NewServerHandler(

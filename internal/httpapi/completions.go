@@ -102,7 +102,8 @@ func (s *Server) readBody(r *http.Request) ([]byte, *apiError) {
 		if errors.As(err, &tooBig) {
 			return nil, tooLarge(s.cfg.MaxBodyBytes)
 		}
-		return nil, badRequest("", "invalid_body", "cannot read the request body: %v", err)
+		s.log.DebugContext(r.Context(), "httpapi: reading the body", "request_id", requestIDFrom(r.Context()), "err", err)
+		return nil, badRequest("", "invalid_body", "cannot read the request body: the upload broke off or its framing is malformed")
 	}
 	return body, nil
 }

@@ -13,7 +13,7 @@ import (
 
 // ErrTraceNotFound is returned by FetchTrace when Jaeger does not
 // know the trace (HTTP 404).
-var ErrTraceNotFound = errors.New("telemetry: trace not found")
+var ErrTraceNotFound = errors.New("jaeger: trace not found")
 
 // maxTraceBytes bounds the answer read from Jaeger.
 const maxTraceBytes = 64 << 20
@@ -26,21 +26,21 @@ func ParseTraceID(s string) (string, error) {
 	s = strings.TrimSpace(s)
 	if parts := strings.Split(s, "-"); len(parts) == 4 {
 		if len(parts[1]) != 32 {
-			return "", fmt.Errorf("telemetry: traceparent %q: the trace id must have 32 hex digits", s)
+			return "", fmt.Errorf("jaeger: traceparent %q: the trace id must have 32 hex digits", s)
 		}
 		s = parts[1]
 	}
 	if s == "" || len(s) > 32 {
-		return "", fmt.Errorf("telemetry: trace id %q: want 1 to 32 hex digits", s)
+		return "", fmt.Errorf("jaeger: trace id %q: want 1 to 32 hex digits", s)
 	}
 	for _, c := range s {
 		if !strings.ContainsRune("0123456789abcdefABCDEF", c) {
-			return "", fmt.Errorf("telemetry: trace id %q: %q is not a hex digit", s, c)
+			return "", fmt.Errorf("jaeger: trace id %q: %q is not a hex digit", s, c)
 		}
 	}
 	id := strings.Repeat("0", 32-len(s)) + strings.ToLower(s)
 	if strings.Trim(id, "0") == "" {
-		return "", fmt.Errorf("telemetry: trace id %q is all zeros", s)
+		return "", fmt.Errorf("jaeger: trace id %q is all zeros", s)
 	}
 	return id, nil
 }
@@ -51,10 +51,10 @@ func ParseTraceID(s string) (string, error) {
 func TraceURL(base, id string) (string, error) {
 	u, err := url.Parse(strings.TrimSpace(base))
 	if err != nil {
-		return "", fmt.Errorf("telemetry: jaeger URL %q: %w", base, err)
+		return "", fmt.Errorf("jaeger: URL %q: %w", base, err)
 	}
 	if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return "", fmt.Errorf("telemetry: jaeger URL %q: want http(s)://host:port", base)
+		return "", fmt.Errorf("jaeger: URL %q: want http(s)://host:port", base)
 	}
 	u.Path = strings.TrimRight(u.Path, "/") + "/api/v3/traces/" + id
 	u.RawPath, u.RawQuery, u.Fragment = "", "", ""
@@ -79,26 +79,26 @@ func FetchTrace(ctx context.Context, client *http.Client, base, id string) (*Tra
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, target, nil)
 	if err != nil {
-		return nil, fmt.Errorf("telemetry: %w", err)
+		return nil, fmt.Errorf("jaeger: %w", err)
 	}
 	req.Header.Set("Accept", "application/json")
 	resp, err := client.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("telemetry: query jaeger: %w", err)
+		return nil, fmt.Errorf("jaeger: query: %w", err)
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, maxTraceBytes+1))
 	if err != nil {
-		return nil, fmt.Errorf("telemetry: read jaeger answer: %w", err)
+		return nil, fmt.Errorf("jaeger: read the answer: %w", err)
 	}
 	if len(body) > maxTraceBytes {
-		return nil, fmt.Errorf("telemetry: jaeger answer exceeds %d MiB", maxTraceBytes>>20)
+		return nil, fmt.Errorf("jaeger: the answer exceeds %d MiB", maxTraceBytes>>20)
 	}
 	switch {
 	case resp.StatusCode == http.StatusNotFound:
 		return nil, fmt.Errorf("%w: %s", ErrTraceNotFound, id)
 	case resp.StatusCode < 200 || resp.StatusCode > 299:
-		return nil, fmt.Errorf("telemetry: jaeger answered %s: %s", resp.Status, jaegerErrorMessage(body))
+		return nil, fmt.Errorf("jaeger: answered %s: %s", resp.Status, jaegerErrorMessage(body))
 	}
 	return ParseOTLPJSON(body)
 }

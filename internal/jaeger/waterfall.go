@@ -57,10 +57,10 @@ func ParseOTLPJSON(data []byte) (*Trace, error) {
 		} `json:"error"`
 	}
 	if err := json.Unmarshal(data, &env); err != nil {
-		return nil, fmt.Errorf("telemetry: decode OTLP JSON: %w", err)
+		return nil, fmt.Errorf("jaeger: decode OTLP JSON: %w", err)
 	}
 	if env.Error != nil {
-		return nil, fmt.Errorf("telemetry: jaeger error %d: %s", env.Error.HTTPCode, env.Error.Message)
+		return nil, fmt.Errorf("jaeger: error %d: %s", env.Error.HTTPCode, env.Error.Message)
 	}
 	rss := env.ResourceSpans
 	if env.Result != nil {
@@ -89,7 +89,7 @@ func ParseOTLPJSON(data []byte) (*Trace, error) {
 		}
 	}
 	if len(t.Spans) == 0 {
-		return nil, errors.New("telemetry: the trace holds no spans")
+		return nil, errors.New("jaeger: the trace holds no spans")
 	}
 	return t, nil
 }
@@ -189,16 +189,16 @@ var spanKinds = []string{"", "internal", "server", "client", "producer", "consum
 func (o otlpSpan) toSpan(service string) (Span, error) {
 	traceID, err := normalizeID(o.TraceID, 16)
 	if err != nil {
-		return Span{}, fmt.Errorf("telemetry: span %q: trace id: %w", o.Name, err)
+		return Span{}, fmt.Errorf("jaeger: span %q: trace id: %w", o.Name, err)
 	}
 	spanID, err := normalizeID(o.SpanID, 8)
 	if err != nil {
-		return Span{}, fmt.Errorf("telemetry: span %q: span id: %w", o.Name, err)
+		return Span{}, fmt.Errorf("jaeger: span %q: span id: %w", o.Name, err)
 	}
 	var parent string
 	if o.ParentSpanID != "" {
 		if parent, err = normalizeID(o.ParentSpanID, 8); err != nil {
-			return Span{}, fmt.Errorf("telemetry: span %q: parent span id: %w", o.Name, err)
+			return Span{}, fmt.Errorf("jaeger: span %q: parent span id: %w", o.Name, err)
 		}
 		if strings.Trim(parent, "0") == "" {
 			parent = ""
@@ -206,11 +206,11 @@ func (o otlpSpan) toSpan(service string) (Span, error) {
 	}
 	start, err := unixNano(o.StartTimeUnixNano)
 	if err != nil {
-		return Span{}, fmt.Errorf("telemetry: span %q: start time: %w", o.Name, err)
+		return Span{}, fmt.Errorf("jaeger: span %q: start time: %w", o.Name, err)
 	}
 	end, err := unixNano(o.EndTimeUnixNano)
 	if err != nil {
-		return Span{}, fmt.Errorf("telemetry: span %q: end time: %w", o.Name, err)
+		return Span{}, fmt.Errorf("jaeger: span %q: end time: %w", o.Name, err)
 	}
 	s := Span{
 		TraceID: traceID, SpanID: spanID, ParentSpanID: parent,
@@ -287,7 +287,7 @@ type WaterfallOptions struct {
 // Spans whose parent is not in the trace are shown at the top level.
 func RenderWaterfall(w io.Writer, t *Trace, opts WaterfallOptions) error {
 	if t == nil || len(t.Spans) == 0 {
-		return errors.New("telemetry: empty trace")
+		return errors.New("jaeger: empty trace")
 	}
 	barWidth := cmp.Or(opts.BarWidth, 40)
 	maxName := cmp.Or(opts.MaxNameWidth, 64)
