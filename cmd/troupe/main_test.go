@@ -72,10 +72,10 @@ func TestBanner(t *testing.T) {
 	var out bytes.Buffer
 	printBanner(&out, banner{
 		pipeline: orchestrator.DefaultPipeline(), api: "http://127.0.0.1:8000", admin: "http://127.0.0.1:8001",
-		etcdURLs: []string{"http://127.0.0.1:2379"}, cluster: "c1", dataDir: "/tmp/d", temporary: true, auth: true,
+		etcdURLs: []string{"http://127.0.0.1:2379"}, cluster: "c1", dataDir: "/tmp/d", temporary: true, auth: true, self: "troupe",
 	})
 	s := out.String()
-	assert.Contains(t, s, "  API:      http://127.0.0.1:8000/v1\n")
+	assert.Contains(t, s, "  API:      http://127.0.0.1:8000/v1 (the base URL for OpenAI clients)\n")
 	assert.Contains(t, s, "  replicas: http://127.0.0.1:8001/v1/replicas (admin listener) (with the API key)\n")
 	assert.Contains(t, s, "  metrics:  http://127.0.0.1:8001/metrics (admin listener)\n")
 	assert.Contains(t, s, "\n  troupe members --etcd-endpoints http://127.0.0.1:2379 --cluster c1\n")

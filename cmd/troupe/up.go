@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -119,7 +120,7 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 		}
 		printBanner(stdout, banner{
 			pipeline: pipeline, api: api, admin: admin, etcdURLs: etcd.ClientURLs(), cluster: hf.cluster,
-			dataDir: dir, temporary: *dataDir == "", auth: hf.apiKey != "", speech: *speech != "",
+			dataDir: dir, temporary: *dataDir == "", auth: hf.apiKey != "", self: selfCommand(), speech: *speech != "",
 		})
 		started.Store(true)
 		return nil
@@ -210,9 +211,32 @@ type banner struct {
 	etcdURLs   []string
 	cluster    string
 	dataDir    string
-	temporary  bool // the data dir is removed at exit
-	auth       bool // --api-key is set
-	speech     bool // --speech: a thinker → speech pipeline
+	temporary  bool   // the data dir is removed at exit
+	auth       bool   // --api-key is set
+	self       string // how to run this binary again (selfCommand)
+	speech     bool   // --speech: a thinker → speech pipeline
+}
+
+// selfCommand is how a user runs this binary again from the shell that
+// started it: "troupe" when that is on PATH, "go run ./cmd/troupe" under
+// go run (whose binary is a temporary file), else the path it was started
+// by.
+func selfCommand() string {
+	exe, err := os.Executable()
+	if err != nil {
+		return "troupe"
+	}
+	if p, err := exec.LookPath("troupe"); err == nil {
+		a, aerr := os.Stat(p)
+		b, berr := os.Stat(exe)
+		if aerr == nil && berr == nil && os.SameFile(a, b) {
+			return "troupe"
+		}
+	}
+	if strings.Contains(exe, string(filepath.Separator)+"go-build") {
+		return "go run ./cmd/troupe"
+	}
+	return os.Args[0]
 }
 
 // printBanner writes the banner: every URL in it answers, with the key
@@ -231,12 +255,12 @@ func printBanner(w io.Writer, b banner) {
 	if b.admin != b.api {
 		admin = " (admin listener)"
 	}
-	members := "troupe members --etcd-endpoints " + strings.Join(b.etcdURLs, ",")
+	members := b.self + " members --etcd-endpoints " + strings.Join(b.etcdURLs, ",")
 	if b.cluster != membership.DefaultCluster {
 		members += " --cluster " + b.cluster
 	}
 	fmt.Fprintf(w, `troupe is up: model %s, stages %s
-  API:      %s/v1
+  API:      %s/v1 (the base URL for OpenAI clients)
   replicas: %s/v1/replicas%s%s
   metrics:  %s/metrics%s
   etcd:     %s (data dir %s, %s)

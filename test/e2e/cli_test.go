@@ -5,6 +5,7 @@ package e2e
 import (
 	"bytes"
 	"debug/buildinfo"
+	"encoding/json"
 	"errors"
 	"io"
 	"net"
@@ -174,7 +175,7 @@ func TestUpPortConflict(t *testing.T) {
 var (
 	upReplicasRE = regexp.MustCompile(`^\s+replicas:\s+(http://\S+)`)
 	upMetricsRE  = regexp.MustCompile(`^\s+metrics:\s+(http://\S+)`)
-	upMembersRE  = regexp.MustCompile(`^\s+(troupe members --etcd-endpoints .*)$`)
+	upMembersRE  = regexp.MustCompile(`^\s+(\S+ members --etcd-endpoints .*)$`)
 )
 
 // TestUpBannerIsTrue: whatever the flags, every URL the banner of `troupe
@@ -215,8 +216,11 @@ func TestUpBannerIsTrue(t *testing.T) {
 			}
 			assert.NotContains(t, api, "0.0.0.0", "a URL a client can dial")
 
+			// Pasted as printed: the binary was started by its path, so
+			// the line names it.
 			fields := strings.Fields(members)
-			out, err := exec.CommandContext(testCtx(t), troupeBin, fields[1:]...).CombinedOutput()
+			require.Equal(t, troupeBin, fields[0])
+			out, err := exec.CommandContext(testCtx(t), fields[0], fields[1:]...).CombinedOutput()
 			require.NoError(t, err, "%s: %s", members, out)
 			for _, stage := range []string{"thinker", "talker", "vocoder"} {
 				assert.Contains(t, string(out), stage, "%s lists the replicas", members)
@@ -227,4 +231,32 @@ func TestUpBannerIsTrue(t *testing.T) {
 			assert.Contains(t, up.stdout.String(), "troupe up: stopped")
 		})
 	}
+}
+
+// TestUpLargePrompt: `troupe up --max-body-bytes` sets the gRPC limits of
+// its head and workers, so a prompt far above gRPC's 4 MiB default reaches
+// the engine; one longer than the engine's context is a 400, not a 5xx.
+func TestUpLargePrompt(t *testing.T) {
+	requireBinary(t)
+	up := startProc(t, "up", nil, "up", "--http", "127.0.0.1:0", "--pipeline", thinkerOnly(t), "--max-body-bytes", "24MiB", "--log-level", "warn")
+	up.waitLine(t, up.stdout, upReadyRE)
+	api := up.waitLine(t, up.stdout, upAPIRE)[1]
+	post := func(prompt string) (int, string) {
+		body, err := json.Marshal(map[string]any{"model": modelName, "prompt": prompt, "max_tokens": 2})
+		require.NoError(t, err)
+		req, err := http.NewRequestWithContext(testCtx(t), http.MethodPost, api+"/v1/completions", bytes.NewReader(body))
+		require.NoError(t, err)
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		answer, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp.StatusCode, string(answer)
+	}
+	code, answer := post(strings.Repeat("x", 20<<20)) // one word: two tokens
+	assert.Equal(t, http.StatusOK, code, "%.300s", answer)
+	code, answer = post(strings.Repeat("a ", 3<<20))
+	assert.Equal(t, http.StatusBadRequest, code, "%.300s", answer)
+	assert.Contains(t, answer, `"code":"context_length_exceeded"`)
 }

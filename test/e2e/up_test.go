@@ -19,7 +19,7 @@ var (
 	// The README's quick-start request: its URL path and its body.
 	readmeCurlRE = regexp.MustCompile(`(?s)curl -s http://127\.0\.0\.1:8000(/v1/\S+) \\.*?-d '([^']*)'`)
 	// The banner `troupe up` prints once it is ready (cmd/troupe/up.go).
-	upAPIRE   = regexp.MustCompile(`^\s+API:\s+(http://\S+)/v1$`)
+	upAPIRE   = regexp.MustCompile(`^\s+API:\s+(http://\S+)/v1 `)
 	upEtcdRE  = regexp.MustCompile(`^\s+etcd:\s+\S+ \(data dir (\S+), removed at exit\)$`)
 	upTryRE   = regexp.MustCompile(`^\s+-d '([^']*)'$`)
 	upReadyRE = regexp.MustCompile(`^Press Ctrl-C to stop\.$`)
