@@ -84,7 +84,7 @@ func background(t *testing.T, name string, run func(context.Context, []string, i
 }
 
 var (
-	apiRE  = regexp.MustCompile(`API:\s+(http://\S+)/v1\n`)
+	apiRE  = regexp.MustCompile(`API:\s+(http://\S+)/v1[\s\n]`)
 	etcdRE = regexp.MustCompile(`etcd:\s+(\S+) \(data dir`)
 	headRE = regexp.MustCompile(`API on (http://\S+)\n`)
 	workRE = regexp.MustCompile(`troupe worker: (stage .*)\n`)

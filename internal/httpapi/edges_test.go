@@ -75,7 +75,7 @@ func TestStageErrorsHideAddresses(t *testing.T) {
 	var log syncBuffer
 	a := startAPI(t, c, Config{Logger: slog.New(slog.NewTextHandler(&log, nil))}, nil, nil)
 	w := c.Workers()[0]
-	_, err := w.Engine.Sleep(1) // behind the head's back: the replica refuses work
+	_, err := w.Engine.Sleep(t.Context(), 1) // behind the head's back: the replica refuses work
 	require.NoError(t, err)
 
 	resp, body := a.post(t, "/v1/completions", `{"model":"troupe-omni-sim","prompt":"hi","max_tokens":4}`)

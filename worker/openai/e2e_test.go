@@ -89,7 +89,7 @@ func TestThroughTwoHeads(t *testing.T) {
 		var apiErr *oa.Error
 		require.ErrorAs(t, err, &apiErr)
 		assert.Equal(t, http.StatusBadRequest, apiErr.StatusCode)
-		assert.Contains(t, apiErr.Message, "sim: request needs", "the upstream's own message")
+		assert.Contains(t, apiErr.Message, "maximum context length", "the upstream's own message")
 	})
 
 	t.Run("client disconnect aborts upstream", func(t *testing.T) {
