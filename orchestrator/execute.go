@@ -226,6 +226,7 @@ type stageOutput struct {
 	finish           string
 	promptTokens     int
 	generationTokens int
+	computedTokens   int // prompt tokens the engine computed (not cache hits)
 }
 
 const maxAttempts = 2
@@ -294,7 +295,9 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.
 	defer rep.Release()
 
 	out := &stageOutput{} // not the named result: returning nil must not hide it from the deferred recorder
-	fin := stats.Finished{Reason: stagepb.FinishReason_FINISH_REASON_ERROR}
+	// troupe runs one sequence per request (the API refuses n != 1), so n
+	// is 1 for every stage request.
+	fin := stats.Finished{Reason: stagepb.FinishReason_FINISH_REASON_ERROR, MaxTokensParam: int(in.GetSampling().GetMaxTokens()), N: 1}
 	if sc := span.SpanContext(); sc.IsSampled() {
 		fin.TraceID = sc.TraceID().String()
 	}
@@ -303,6 +306,7 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.
 	defer func() {
 		fin.E2E = time.Since(start)
 		fin.PromptTokens, fin.GenerationTokens = out.promptTokens, out.generationTokens
+		fin.PrefillComputedTokens = out.computedTokens
 		if rerr := h.stats.RecordFinished(rep.EngineIndex, fin); rerr != nil {
 			h.log.Debug("orchestrator: record finished", "err", rerr)
 		}
@@ -334,6 +338,7 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.
 			rep.SetLoad(int64(s.GetNumRequestsRunning()) + int64(s.GetNumRequestsWaitingCapacity()) + int64(s.GetNumRequestsWaitingDeferred()))
 			out.promptTokens += int(s.GetPromptTokens())
 			out.generationTokens += int(s.GetGenerationTokens())
+			out.computedTokens += int(s.GetPromptTokensLocalCompute())
 		}
 		if hasOutput(chunk) {
 			now := time.Now()

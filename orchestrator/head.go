@@ -122,6 +122,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	st, err := stats.New(cfg.Metrics, cfg.Pipeline.Model, stats.Options{
 		Disabled:          !cfg.LogStats,
 		DetachedSeriesTTL: cfg.DetachedSeriesTTL,
+		StageNames:        cfg.Pipeline.StageNames(),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("orchestrator: stats: %w", err)

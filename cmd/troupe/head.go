@@ -149,10 +149,15 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	if err != nil {
 		return err
 	}
+	httpMetrics, err := httpapi.NewMetrics(metrics)
+	if err != nil {
+		return err
+	}
 	api := httpapi.New(head, httpapi.Config{
 		MaxBodyBytes:    int64(hf.maxBody),
 		APIKey:          hf.apiKey,
 		Gatherer:        metrics,
+		Metrics:         httpMetrics,
 		TracerProvider:  tp.TracerProvider(),
 		Propagator:      tp.Propagator(),
 		UntrustedParent: hf.untrustedParent,

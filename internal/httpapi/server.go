@@ -3,9 +3,10 @@
 // (replicas, sleep, wake_up), /metrics and the health probes.
 //
 // Every request passes, in order: otelhttp (the server span, W3C context
-// extracted from the request), then this package's middleware (X-Request-Id,
-// traceparent, API key, body limit, access log), then the route. docs/api.md
-// describes the endpoints and the errors.
+// extracted from the request), the HTTP metrics (Metrics), then this
+// package's middleware (X-Request-Id, traceparent, API key, body limit,
+// access log), then the route. docs/api.md describes the endpoints and the
+// errors.
 package httpapi
 
 import (
@@ -71,6 +72,9 @@ type Config struct {
 	// Gatherer is served on /metrics (OpenMetrics when the scraper asks for
 	// it). nil: no /metrics route.
 	Gatherer prometheus.Gatherer
+	// Metrics counts and times every request (see Metrics). nil: no HTTP
+	// metrics.
+	Metrics *Metrics
 	// TracerProvider makes the server spans. nil: an SDK provider that never
 	// samples, so responses still carry a real traceparent.
 	TracerProvider trace.TracerProvider
@@ -96,6 +100,7 @@ type Server struct {
 	log     *slog.Logger
 	created int64 // the models' "created": when the server was built
 	keyHash [sha256.Size]byte
+	routes  map[string]string // registered pattern → route label; read-only after New
 
 	all, serving, admin http.Handler
 }
@@ -117,33 +122,35 @@ func New(b Backend, cfg Config) *Server {
 	if cfg.Propagator == nil {
 		cfg.Propagator = propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
 	}
-	s := &Server{b: b, cfg: cfg, log: cfg.Logger, created: time.Now().Unix()}
+	s := &Server{b: b, cfg: cfg, log: cfg.Logger, created: time.Now().Unix(), routes: map[string]string{}}
 	if cfg.APIKey != "" {
 		s.keyHash = sha256.Sum256([]byte(cfg.APIKey))
 	}
 	serving, admin, all := http.NewServeMux(), http.NewServeMux(), http.NewServeMux()
-	for _, m := range []*http.ServeMux{serving, all} {
-		m.HandleFunc("POST /v1/chat/completions", s.chatCompletions)
-		m.HandleFunc("POST /v1/completions", s.completions)
-		m.HandleFunc("GET /v1/models", s.models)
-		m.HandleFunc("GET /v1/models/{model...}", s.model)
-	}
-	for _, m := range []*http.ServeMux{admin, all} {
-		m.HandleFunc("GET /v1/replicas", s.replicas)
-		m.HandleFunc("POST /v1/replicas/{stage}/{replica}/sleep", s.sleep)
-		m.HandleFunc("POST /v1/replicas/{stage}/{replica}/wake_up", s.wakeUp)
-		if cfg.Gatherer != nil {
-			m.Handle("GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{
-				EnableOpenMetrics: true,
-				ErrorHandling:     promhttp.ContinueOnError,
-				ErrorLog:          promLogger{s.log},
-			}))
+	handle := func(muxes []*http.ServeMux, pattern string, h http.Handler) {
+		s.routes[pattern] = routeLabel(pattern)
+		for _, m := range muxes {
+			m.Handle(pattern, h)
 		}
 	}
-	for _, m := range []*http.ServeMux{serving, admin, all} {
-		m.HandleFunc("GET /healthz", s.healthz)
-		m.HandleFunc("GET /readyz", s.readyz)
+	servingMuxes, adminMuxes := []*http.ServeMux{serving, all}, []*http.ServeMux{admin, all}
+	handle(servingMuxes, "POST /v1/chat/completions", http.HandlerFunc(s.chatCompletions))
+	handle(servingMuxes, "POST /v1/completions", http.HandlerFunc(s.completions))
+	handle(servingMuxes, "GET /v1/models", http.HandlerFunc(s.models))
+	handle(servingMuxes, "GET /v1/models/{model...}", http.HandlerFunc(s.model))
+	handle(adminMuxes, "GET /v1/replicas", http.HandlerFunc(s.replicas))
+	handle(adminMuxes, "POST /v1/replicas/{stage}/{replica}/sleep", http.HandlerFunc(s.sleep))
+	handle(adminMuxes, "POST /v1/replicas/{stage}/{replica}/wake_up", http.HandlerFunc(s.wakeUp))
+	if cfg.Gatherer != nil {
+		handle(adminMuxes, "GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{
+			EnableOpenMetrics: true,
+			ErrorHandling:     promhttp.ContinueOnError,
+			ErrorLog:          promLogger{s.log},
+		}))
 	}
+	everyMux := []*http.ServeMux{serving, admin, all}
+	handle(everyMux, "GET /healthz", http.HandlerFunc(s.healthz))
+	handle(everyMux, "GET /readyz", http.HandlerFunc(s.readyz))
 	s.all, s.serving, s.admin = s.wrap(all), s.wrap(serving), s.wrap(admin)
 	return s
 }
@@ -183,9 +190,14 @@ func NewHTTPServer(addr string, h http.Handler) *http.Server {
 	}
 }
 
-// wrap puts mux behind otelhttp and the middleware.
+// wrap puts mux behind otelhttp, the HTTP metrics and the middleware. The
+// metrics sit inside otelhttp so that a sampled span's trace id can be their
+// exemplar, and outside the middleware so that its refusals (401, 413) count.
 func (s *Server) wrap(mux *http.ServeMux) http.Handler {
-	inner := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { s.serve(w, r, mux) })
+	var inner http.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { s.serve(w, r, mux) })
+	if s.cfg.Metrics != nil {
+		inner = s.cfg.Metrics.instrument(inner, func(r *http.Request) string { return s.routeOf(mux, r) })
+	}
 	opts := []otelhttp.Option{
 		otelhttp.WithTracerProvider(s.cfg.TracerProvider),
 		otelhttp.WithPropagators(s.cfg.Propagator),

@@ -52,30 +52,55 @@ func namesOf[E interface{ Name() string }](values []E) []string {
 	return out
 }
 
-// cacheInfoLabels are the labels of troupe_cache_config_info, in order.
+// cacheInfoLabels are the labels of troupe_cache_config_info, in order. The
+// engine kind is "engine_kind": in vLLM, "engine" is the engine index, and a
+// join on it must not meet a kind name.
 var cacheInfoLabels = []string{
 	labelModel, labelStage, labelReplica,
-	"engine", "version",
+	"engine_kind", "version",
 	"block_size", "num_kv_blocks", "enable_prefix_caching", "max_num_seqs",
 }
 
-// Histogram buckets are vLLM's (vllm/v1/metrics/loggers.py), so dashboards
-// built for vLLM read troupe's histograms the same way.
+// Histogram buckets are vLLM's (vllm/v1/metrics/loggers.py) with finer
+// floors below vLLM's lowest bound: the sim and fast stages (a vocoder, a
+// cached prefill) finish in microseconds to milliseconds, which vLLM's
+// buckets put all in the first one. Every vLLM bound is kept, so a
+// dashboard or rule written for vLLM (le="0.3", histogram_quantile) reads
+// troupe's histograms the same way (TestBucketsKeepVLLMBounds).
 var (
-	ttftBuckets = []float64{
+	// vLLM: 0.001 ... 2560 (22 bounds); troupe adds 3 below.
+	ttftBuckets = withFloor([]float64{0.0001, 0.00025, 0.0005}, vllmTTFTBuckets)
+	// vLLM: 0.01 ... 80 (19 bounds), for inter-token latency and time per
+	// output token; troupe adds 6 below.
+	interTokenBuckets = withFloor([]float64{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005}, vllmInterTokenBuckets)
+	// vLLM: 0.3 ... 7680 (21 bounds), for e2e, queue, prefill, decode and
+	// inference time; troupe adds 7 below.
+	requestLatencyBuckets = withFloor([]float64{0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1}, vllmRequestLatencyBuckets)
+	iterationTokenBuckets = []float64{1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}
+	// request_params_n, as vLLM.
+	paramsNBuckets = []float64{1, 2, 5, 10, 20}
+)
+
+// vLLM's own bounds, kept verbatim so the test can hold troupe to them.
+var (
+	vllmTTFTBuckets = []float64{
 		0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
 		0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 	}
-	interTokenBuckets = []float64{
+	vllmInterTokenBuckets = []float64{
 		0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
 		1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 	}
-	requestLatencyBuckets = []float64{
+	vllmRequestLatencyBuckets = []float64{
 		0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
 		40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 	}
-	iterationTokenBuckets = []float64{1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}
 )
+
+// withFloor returns floor followed by vllm (floor must lie below vllm[0]).
+func withFloor(floor, vllm []float64) []float64 {
+	return append(append([]float64{}, floor...), vllm...)
+}
 
 // buckets125 returns 1, 2, 5, 10, 20, 50, ... up to max inclusive, as vLLM's
 // build_1_2_5_buckets(max_model_len).
@@ -103,9 +128,14 @@ type families struct {
 	specDrafts, specDraftTokens, specAccept *prometheus.CounterVec
 	specAcceptPerPos                        *prometheus.CounterVec
 
+	promptCached *prometheus.CounterVec
+
 	ttft, interToken, e2e          *prometheus.HistogramVec
 	queue, prefill, decode         *prometheus.HistogramVec
 	promptHist, genHist, iteration *prometheus.HistogramVec
+	tpot, inference                *prometheus.HistogramVec
+	maxGen, paramsMaxTokens        *prometheus.HistogramVec
+	paramsN, prefillKV             *prometheus.HistogramVec
 
 	stageInfo, cacheInfo *prometheus.GaugeVec
 }
@@ -143,16 +173,23 @@ func newFamilies(maxModelLen int) *families {
 		specDraftTokens:  counter("spec_decode_num_draft_tokens_total", "Number of draft tokens."),
 		specAccept:       counter("spec_decode_num_accepted_tokens_total", "Number of accepted tokens."),
 		specAcceptPerPos: counter("spec_decode_num_accepted_tokens_per_pos_total", "Accepted tokens per draft position.", labelPosition),
+		promptCached:     counter("prompt_tokens_cached_total", "Number of cached prompt tokens (local + external)."),
 
-		ttft:       histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttftBuckets),
-		interToken: histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", interTokenBuckets),
-		e2e:        histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", requestLatencyBuckets),
-		queue:      histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", requestLatencyBuckets),
-		prefill:    histogram("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", requestLatencyBuckets),
-		decode:     histogram("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", requestLatencyBuckets),
-		promptHist: histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokenBuckets),
-		genHist:    histogram("request_generation_tokens", "Number of generation tokens processed.", tokenBuckets),
-		iteration:  histogram("iteration_tokens_total", "Histogram of number of tokens per engine step.", iterationTokenBuckets),
+		ttft:            histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttftBuckets),
+		interToken:      histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", interTokenBuckets),
+		e2e:             histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", requestLatencyBuckets),
+		queue:           histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", requestLatencyBuckets),
+		prefill:         histogram("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", requestLatencyBuckets),
+		decode:          histogram("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", requestLatencyBuckets),
+		promptHist:      histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokenBuckets),
+		genHist:         histogram("request_generation_tokens", "Number of generation tokens processed.", tokenBuckets),
+		iteration:       histogram("iteration_tokens_total", "Histogram of number of tokens per engine step.", iterationTokenBuckets),
+		tpot:            histogram("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", interTokenBuckets),
+		inference:       histogram("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", requestLatencyBuckets),
+		maxGen:          histogram("request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.", tokenBuckets),
+		paramsMaxTokens: histogram("request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokenBuckets),
+		paramsN:         histogram("request_params_n", "Histogram of the n request parameter.", paramsNBuckets),
+		prefillKV:       histogram("request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed during prefill (excluding cached tokens).", tokenBuckets),
 
 		stageInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: namespace, Name: "stage_info",
 			Help: "Information about a pipeline stage; always 1."}, []string{labelStage, labelStageName}),
@@ -167,9 +204,10 @@ func (f *families) collectors() []prometheus.Collector {
 		f.running, f.waiting, f.kvUsage, f.attached, f.waitingByReason, f.sleepState,
 		f.promptTokens, f.generationTokens, f.promptBySource, f.success,
 		f.prefixQueries, f.prefixHits, f.preemptions,
-		f.specDrafts, f.specDraftTokens, f.specAccept, f.specAcceptPerPos,
+		f.specDrafts, f.specDraftTokens, f.specAccept, f.specAcceptPerPos, f.promptCached,
 		f.ttft, f.interToken, f.e2e, f.queue, f.prefill, f.decode,
 		f.promptHist, f.genHist, f.iteration,
+		f.tpot, f.inference, f.maxGen, f.paramsMaxTokens, f.paramsN, f.prefillKV,
 		f.stageInfo, f.cacheInfo,
 	}
 }
@@ -189,11 +227,13 @@ type engine struct {
 	promptBySource                         [3]prometheus.Counter
 	success                                [len(stagepb.FinishReasons)]prometheus.Counter
 	prefixQueries, prefixHits, preemptions prometheus.Counter
+	promptCached                           prometheus.Counter
 	spec                                   atomic.Pointer[specChildren] // nil when K was always 0
 
 	ttft, e2e                                               exemplarHistogram
 	interToken, queue, prefill, decode, promptHist, genHist prometheus.Observer
-	iteration                                               prometheus.Observer
+	iteration, tpot, inference, maxGen                      prometheus.Observer
+	paramsMaxTokens, paramsN, prefillKV                     prometheus.Observer
 
 	// detached is set by Detach before it zeroes the live-load gauges, and
 	// cleared by Register; Record reads it to leave those gauges alone.
@@ -242,6 +282,7 @@ func (f *families) bind(lv [3]string, k int) (*engine, error) {
 	e.prefixQueries = f.prefixQueries.WithLabelValues(m, s, r)
 	e.prefixHits = f.prefixHits.WithLabelValues(m, s, r)
 	e.preemptions = f.preemptions.WithLabelValues(m, s, r)
+	e.promptCached = f.promptCached.WithLabelValues(m, s, r)
 	f.growSpec(e, k)
 
 	var ok1, ok2 bool
@@ -257,6 +298,12 @@ func (f *families) bind(lv [3]string, k int) (*engine, error) {
 	e.promptHist = f.promptHist.WithLabelValues(m, s, r)
 	e.genHist = f.genHist.WithLabelValues(m, s, r)
 	e.iteration = f.iteration.WithLabelValues(m, s, r)
+	e.tpot = f.tpot.WithLabelValues(m, s, r)
+	e.inference = f.inference.WithLabelValues(m, s, r)
+	e.maxGen = f.maxGen.WithLabelValues(m, s, r)
+	e.paramsMaxTokens = f.paramsMaxTokens.WithLabelValues(m, s, r)
+	e.paramsN = f.paramsN.WithLabelValues(m, s, r)
+	e.prefillKV = f.prefillKV.WithLabelValues(m, s, r)
 	return e, nil
 }
 
@@ -297,7 +344,7 @@ func (f *families) unbind(e *engine) {
 	for _, v := range sleepStates {
 		f.sleepState.DeleteLabelValues(m, s, r, v)
 	}
-	for _, v := range []*prometheus.CounterVec{f.promptTokens, f.generationTokens, f.prefixQueries, f.prefixHits, f.preemptions} {
+	for _, v := range []*prometheus.CounterVec{f.promptTokens, f.generationTokens, f.prefixQueries, f.prefixHits, f.preemptions, f.promptCached} {
 		v.DeleteLabelValues(m, s, r)
 	}
 	for _, v := range promptSources {
@@ -314,7 +361,10 @@ func (f *families) unbind(e *engine) {
 			f.specAcceptPerPos.DeleteLabelValues(m, s, r, strconv.Itoa(pos))
 		}
 	}
-	for _, v := range []*prometheus.HistogramVec{f.ttft, f.interToken, f.e2e, f.queue, f.prefill, f.decode, f.promptHist, f.genHist, f.iteration} {
+	for _, v := range []*prometheus.HistogramVec{
+		f.ttft, f.interToken, f.e2e, f.queue, f.prefill, f.decode, f.promptHist, f.genHist, f.iteration,
+		f.tpot, f.inference, f.maxGen, f.paramsMaxTokens, f.paramsN, f.prefillKV,
+	} {
 		v.DeleteLabelValues(m, s, r)
 	}
 	if e.cacheLabels != nil {

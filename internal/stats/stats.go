@@ -69,17 +69,31 @@ type Replica struct {
 // TTFT is observed only when it is > 0 (0 means no token came). Each element
 // of InterTokenLatencies is one sample of inter_token_latency_seconds, as in
 // vLLM. E2E, Queue, Prefill and Decode (the last three from the worker's
-// Timings) and the token counts are observed for every finished request.
+// Timings), their sum Prefill+Decode (request_inference_time_seconds), the
+// token counts, PrefillComputedTokens and GenerationTokens again as
+// request_max_num_generation_tokens (troupe serves n=1, so the maximum over
+// a request's sequences is its one sequence) are observed for every finished
+// request. request_time_per_output_token_seconds is Decode/(GenerationTokens-1),
+// observed only when GenerationTokens > 1 (vLLM also observes a 0 for shorter
+// requests; a 0 is not a time per token). MaxTokensParam and N are observed
+// only when > 0 (not set by the client, or not known).
+//
 // A non-empty TraceID is attached as exemplar {trace_id="..."} to the TTFT
 // and e2e samples. A Finished with an unknown Reason, a negative value or an
 // unusable TraceID is rejected whole.
 type Finished struct {
 	Reason                         stagepb.FinishReason
 	PromptTokens, GenerationTokens int
-	TTFT, E2E                      time.Duration
-	InterTokenLatencies            []time.Duration
-	Queue, Prefill, Decode         time.Duration
-	TraceID                        string
+	// PrefillComputedTokens: prompt tokens whose KV the engine computed
+	// (the request's prompt_tokens_local_compute), not cache hits.
+	PrefillComputedTokens  int
+	TTFT, E2E              time.Duration
+	InterTokenLatencies    []time.Duration
+	Queue, Prefill, Decode time.Duration
+	// MaxTokensParam is the request's max_tokens as sent to the stage (0:
+	// not set); N its n parameter (0: not known).
+	MaxTokensParam, N int
+	TraceID           string
 }
 
 // Options configures a Logger.
@@ -93,10 +107,14 @@ type Options struct {
 	DetachedSeriesTTL time.Duration
 	// Now tells the time of a Detach; default time.Now.
 	Now func() time.Time
-	// MaxModelLen is the largest bucket bound of request_prompt_tokens and
-	// request_generation_tokens (1-2-5 series, as vLLM); default
-	// DefaultMaxModelLen.
+	// MaxModelLen is the largest bucket bound of the token-count histograms
+	// (1-2-5 series, as vLLM); default DefaultMaxModelLen.
 	MaxModelLen int
+	// StageNames are the pipeline's stage names by index. New sets
+	// stage_info for each at once, so a stage that has no replica yet is
+	// visible (the alert on a stage without replicas needs it). Register
+	// refuses another name for one of these indexes.
+	StageNames []string
 }
 
 // Logger owns the stat families of one head. Build it with New.
@@ -151,6 +169,11 @@ func New(reg prometheus.Registerer, model string, opts Options) (*Logger, error)
 		stageNames: make(map[int]string),
 		detached:   make(map[int]struct{}),
 	}
+	for i, name := range opts.StageNames {
+		if name == "" {
+			return nil, fmt.Errorf("stats: empty name for stage %d", i)
+		}
+	}
 	collectors := []prometheus.Collector{l.unregistered}
 	if !opts.Disabled {
 		l.fam = newFamilies(opts.MaxModelLen)
@@ -162,6 +185,12 @@ func New(reg prometheus.Registerer, model string, opts Options) (*Logger, error)
 				reg.Unregister(done)
 			}
 			return nil, fmt.Errorf("stats: register families: %w", err)
+		}
+	}
+	if !opts.Disabled {
+		for i, name := range opts.StageNames {
+			l.fam.stageInfo.WithLabelValues(strconv.Itoa(i), name).Set(1)
+			l.stageNames[i] = name
 		}
 	}
 	return l, nil
@@ -349,7 +378,8 @@ func (l *Logger) notRegistered(what string, index int) error {
 // Record applies one chunk's stats to the replica at index: counter fields
 // are added (they are per-request deltas), snapshot fields overwrite the
 // gauges (not on a detached replica), and each iteration_tokens element is
-// one sample of iteration_tokens_total. Spec-decode fields count only for a
+// one sample of iteration_tokens_total. prompt_tokens_cached_total gets the
+// local cache hits plus the external KV transfers. Spec-decode fields count only for a
 // replica registered with K > 0, and positions >= K are ignored. A nil s is
 // nothing to record.
 //
@@ -375,6 +405,7 @@ func (l *Logger) Record(index int, s *stagepb.EngineStats) error {
 	add(e.prefixQueries, s.PrefixCacheQueries)
 	add(e.prefixHits, s.PrefixCacheHits)
 	add(e.preemptions, s.NumPreemptions)
+	add(e.promptCached, s.PromptTokensLocalCacheHit+s.PromptTokensExternalKvTransfer)
 	if sp := e.spec.Load(); sp != nil {
 		add(sp.drafts, s.SpecDecodeNumDrafts)
 		add(sp.draftTokens, s.SpecDecodeNumDraftTokens)
@@ -414,8 +445,11 @@ func (f *Finished) validate() error {
 	if f.Reason < stagepb.FinishReason_FINISH_REASON_STOP || int(f.Reason) > len(finishedReasons) {
 		return fmt.Errorf("stats: unknown finish reason %d", f.Reason)
 	}
-	if f.PromptTokens < 0 || f.GenerationTokens < 0 {
-		return fmt.Errorf("stats: negative token count (prompt %d, generation %d)", f.PromptTokens, f.GenerationTokens)
+	if f.PromptTokens < 0 || f.GenerationTokens < 0 || f.PrefillComputedTokens < 0 {
+		return fmt.Errorf("stats: negative token count (prompt %d, generation %d, prefill computed %d)", f.PromptTokens, f.GenerationTokens, f.PrefillComputedTokens)
+	}
+	if f.MaxTokensParam < 0 || f.N < 0 {
+		return fmt.Errorf("stats: negative request parameter (max_tokens %d, n %d)", f.MaxTokensParam, f.N)
 	}
 	if f.TTFT < 0 || f.E2E < 0 || f.Queue < 0 || f.Prefill < 0 || f.Decode < 0 {
 		return errors.New("stats: negative duration in finished request")
@@ -463,8 +497,20 @@ func (l *Logger) RecordFinished(index int, f Finished) error {
 	e.queue.Observe(f.Queue.Seconds())
 	e.prefill.Observe(f.Prefill.Seconds())
 	e.decode.Observe(f.Decode.Seconds())
+	e.inference.Observe((f.Prefill + f.Decode).Seconds())
 	e.promptHist.Observe(float64(f.PromptTokens))
 	e.genHist.Observe(float64(f.GenerationTokens))
+	e.maxGen.Observe(float64(f.GenerationTokens))
+	e.prefillKV.Observe(float64(f.PrefillComputedTokens))
+	if f.GenerationTokens > 1 {
+		e.tpot.Observe(f.Decode.Seconds() / float64(f.GenerationTokens-1))
+	}
+	if f.MaxTokensParam > 0 {
+		e.paramsMaxTokens.Observe(float64(f.MaxTokensParam))
+	}
+	if f.N > 0 {
+		e.paramsN.Observe(float64(f.N))
+	}
 	return nil
 }
 

@@ -26,6 +26,9 @@ var statFamilies = []string{
 	"troupe_time_to_first_token_seconds", "troupe_inter_token_latency_seconds", "troupe_e2e_request_latency_seconds",
 	"troupe_request_queue_time_seconds", "troupe_request_prefill_time_seconds", "troupe_request_decode_time_seconds",
 	"troupe_request_prompt_tokens", "troupe_request_generation_tokens", "troupe_iteration_tokens_total",
+	"troupe_prompt_tokens_cached_total", "troupe_request_time_per_output_token_seconds",
+	"troupe_request_inference_time_seconds", "troupe_request_max_num_generation_tokens",
+	"troupe_request_params_max_tokens", "troupe_request_params_n", "troupe_request_prefill_kv_computed_tokens",
 	"troupe_stage_info", "troupe_cache_config_info",
 }
 
@@ -120,6 +123,9 @@ troupe_prefix_cache_hits_total{` + lbl + `} 0
 # HELP troupe_num_preemptions_total Cumulative number of preemptions from the engine.
 # TYPE troupe_num_preemptions_total counter
 troupe_num_preemptions_total{` + lbl + `} 0
+# HELP troupe_prompt_tokens_cached_total Number of cached prompt tokens (local + external).
+# TYPE troupe_prompt_tokens_cached_total counter
+troupe_prompt_tokens_cached_total{` + lbl + `} 0
 # HELP troupe_spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE troupe_spec_decode_num_drafts_total counter
 troupe_spec_decode_num_drafts_total{` + lbl + `} 0
@@ -138,7 +144,7 @@ troupe_spec_decode_num_accepted_tokens_total{` + lbl + `} 0
 troupe_stage_info{stage="0",stage_name="thinker"} 1
 # HELP troupe_cache_config_info Information of a replica's engine and cache config; always 1.
 # TYPE troupe_cache_config_info gauge
-troupe_cache_config_info{block_size="16",enable_prefix_caching="true",engine="sim",max_num_seqs="256",model_name="troupe-omni-sim",num_kv_blocks="4096",replica="3",stage="0",version="v0.1.0"} 1
+troupe_cache_config_info{block_size="16",enable_prefix_caching="true",engine_kind="sim",max_num_seqs="256",model_name="troupe-omni-sim",num_kv_blocks="4096",replica="3",stage="0",version="v0.1.0"} 1
 `
 	var nonHistogram []string
 	for _, name := range statFamilies {
@@ -148,17 +154,24 @@ troupe_cache_config_info{block_size="16",enable_prefix_caching="true",engine="si
 	}
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(expected), nonHistogram...))
 
-	// Histograms: one child each, empty, with vLLM's buckets.
+	// Histograms: one child each, empty, with vLLM's buckets (and troupe's
+	// finer floors).
 	wantBuckets := map[string][]float64{
-		"troupe_time_to_first_token_seconds":  ttftBuckets,
-		"troupe_inter_token_latency_seconds":  interTokenBuckets,
-		"troupe_e2e_request_latency_seconds":  requestLatencyBuckets,
-		"troupe_request_queue_time_seconds":   requestLatencyBuckets,
-		"troupe_request_prefill_time_seconds": requestLatencyBuckets,
-		"troupe_request_decode_time_seconds":  requestLatencyBuckets,
-		"troupe_request_prompt_tokens":        buckets125(DefaultMaxModelLen),
-		"troupe_request_generation_tokens":    buckets125(DefaultMaxModelLen),
-		"troupe_iteration_tokens_total":       iterationTokenBuckets,
+		"troupe_request_time_per_output_token_seconds": interTokenBuckets,
+		"troupe_request_inference_time_seconds":        requestLatencyBuckets,
+		"troupe_request_max_num_generation_tokens":     buckets125(DefaultMaxModelLen),
+		"troupe_request_params_max_tokens":             buckets125(DefaultMaxModelLen),
+		"troupe_request_params_n":                      {1, 2, 5, 10, 20},
+		"troupe_request_prefill_kv_computed_tokens":    buckets125(DefaultMaxModelLen),
+		"troupe_time_to_first_token_seconds":           ttftBuckets,
+		"troupe_inter_token_latency_seconds":           interTokenBuckets,
+		"troupe_e2e_request_latency_seconds":           requestLatencyBuckets,
+		"troupe_request_queue_time_seconds":            requestLatencyBuckets,
+		"troupe_request_prefill_time_seconds":          requestLatencyBuckets,
+		"troupe_request_decode_time_seconds":           requestLatencyBuckets,
+		"troupe_request_prompt_tokens":                 buckets125(DefaultMaxModelLen),
+		"troupe_request_generation_tokens":             buckets125(DefaultMaxModelLen),
+		"troupe_iteration_tokens_total":                iterationTokenBuckets,
 	}
 	for name, buckets := range wantBuckets {
 		mf := familyOf(t, reg, name)
@@ -182,9 +195,9 @@ troupe_cache_config_info{block_size="16",enable_prefix_caching="true",engine="si
 	require.NoError(t, err)
 	const (
 		gauges     = 1 + 1 + 1 + 2 + 3 + 1 // running, waiting, kv, by reason, sleep states, attached
-		counters   = 1 + 1 + 3 + 4 + 1 + 1 + 1
+		counters   = 1 + 1 + 3 + 4 + 1 + 1 + 1 + 1
 		spec       = 1 + 1 + 1 + 2 // K = 2 positions
-		histograms = 9
+		histograms = 15
 		info       = 2
 	)
 	require.Equal(t, gauges+counters+spec+histograms+info, n)
@@ -270,7 +283,7 @@ func TestRepeatRegistration(t *testing.T) {
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
 # HELP troupe_cache_config_info Information of a replica's engine and cache config; always 1.
 # TYPE troupe_cache_config_info gauge
-troupe_cache_config_info{block_size="",enable_prefix_caching="",engine="sim",max_num_seqs="",model_name="troupe-omni-sim",num_kv_blocks="",replica="5",stage="2",version="v0.2.0"} 1
+troupe_cache_config_info{block_size="",enable_prefix_caching="",engine_kind="sim",max_num_seqs="",model_name="troupe-omni-sim",num_kv_blocks="",replica="5",stage="2",version="v0.2.0"} 1
 `), "troupe_cache_config_info"))
 }
 

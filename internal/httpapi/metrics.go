@@ -1,0 +1,124 @@
+package httpapi
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// OtherRoute is the route label of a request that matched no route (404,
+// 405, a redirect to a cleaned path): the raw path never becomes a label
+// value, so a scan of random paths cannot blow up the series count.
+const OtherRoute = "other"
+
+// httpDurationBuckets span a health probe (a millisecond) to a long
+// generation (ten minutes, DefaultRequestTimeout).
+var httpDurationBuckets = []float64{
+	0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+	1, 2.5, 5, 10, 30, 60, 120, 300, 600,
+}
+
+// Metrics are the HTTP metrics of a head's API, with promhttp's conventions
+// (method lowercase, "unknown" for methods outside the standard set; code
+// the status code, 200 when the handler wrote none):
+//
+//   - troupe_http_requests_total{route,method,code}
+//   - troupe_http_request_duration_seconds{route,method}
+//   - troupe_http_requests_in_flight
+//
+// route is the pattern the request matched (/v1/chat/completions,
+// /v1/replicas/{stage}/{replica}/sleep), never the raw path; OtherRoute when
+// none matched. Every answer counts, those that never reach a replica (400,
+// 401, 404, 413, 429, 503) included. The duration of a stream is the whole
+// stream. A sampled request's trace id is the exemplar of its samples.
+//
+// Build one with NewMetrics per registry and pass it to every Server of
+// that head (Config.Metrics); it is safe for concurrent use.
+type Metrics struct {
+	requests *prometheus.CounterVec
+	duration *prometheus.HistogramVec
+	inFlight prometheus.Gauge
+}
+
+// NewMetrics registers the HTTP metrics on reg (never the global registry).
+func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	if reg == nil {
+		return nil, fmt.Errorf("httpapi: nil prometheus registerer")
+	}
+	m := &Metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "troupe_http_requests_total",
+			Help: "HTTP requests answered by the head, by route pattern, method and status code.",
+		}, []string{"route", "method", "code"}),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "troupe_http_request_duration_seconds",
+			Help:    "Time to answer an HTTP request (a stream: until its end), by route pattern and method.",
+			Buckets: httpDurationBuckets,
+		}, []string{"route", "method"}),
+		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "troupe_http_requests_in_flight",
+			Help: "HTTP requests the head is answering now.",
+		}),
+	}
+	cs := []prometheus.Collector{m.requests, m.duration, m.inFlight}
+	for i, c := range cs {
+		if err := reg.Register(c); err != nil {
+			for _, done := range cs[:i] {
+				reg.Unregister(done)
+			}
+			return nil, fmt.Errorf("httpapi: register metrics: %w", err)
+		}
+	}
+	return m, nil
+}
+
+// instrument wraps next in promhttp's middleware; route names the request's
+// route label.
+func (m *Metrics) instrument(next http.Handler, route promhttp.LabelValueFromRequest) http.Handler {
+	opts := []promhttp.Option{
+		promhttp.WithLabelFromRequest("route", route),
+		promhttp.WithExemplarFromContext(traceExemplar),
+	}
+	h := promhttp.InstrumentHandlerDuration(m.duration, next, opts...)
+	h = promhttp.InstrumentHandlerCounter(m.requests, h, opts...)
+	return promhttp.InstrumentHandlerInFlight(m.inFlight, h)
+}
+
+// traceExemplar is {trace_id} of a sampled span, else nil (no exemplar:
+// an unsampled trace id points at nothing in the trace store).
+func traceExemplar(ctx context.Context) prometheus.Labels {
+	sc := trace.SpanContextFromContext(ctx)
+	if !sc.IsSampled() {
+		return nil
+	}
+	return prometheus.Labels{"trace_id": sc.TraceID().String()}
+}
+
+// routeOf returns the route label of r on mux: the path part of the pattern
+// it matches ("POST /v1/completions" → "/v1/completions"), or OtherRoute.
+// Only patterns registered by New are trusted: for a redirect the mux
+// reports the target path as the pattern.
+func (s *Server) routeOf(mux *http.ServeMux, r *http.Request) string {
+	_, pattern := mux.Handler(r)
+	if route, ok := s.routes[pattern]; ok {
+		return route
+	}
+	return OtherRoute
+}
+
+// routeLabel is the route label of a registered pattern: without its
+// method and host.
+func routeLabel(pattern string) string {
+	if _, path, ok := strings.Cut(pattern, " "); ok {
+		pattern = path
+	}
+	if i := strings.IndexByte(pattern, '/'); i > 0 {
+		pattern = pattern[i:] // a host-qualified pattern
+	}
+	return pattern
+}
