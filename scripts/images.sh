@@ -3,15 +3,20 @@
 # binaries are compiled here (static, CGO_ENABLED=0) and copied into images
 # that are FROM scratch, built by the classic builder (DOCKER_BUILDKIT=0).
 #
-#   scripts/images.sh                 # troupe:dev and troupe-jaeger:dev
+#   scripts/images.sh                 # troupe:dev, troupe-jaeger:dev and troupe-prometheus:dev
 #   scripts/images.sh troupe          # only the troupe image
 #   scripts/images.sh jaeger          # only the Jaeger image
+#   scripts/images.sh prometheus      # only the Prometheus image (compose profile monitoring)
 #   TROUPE_TAG=v1 scripts/images.sh   # tag :v1 instead of :dev
 #
 # Environment:
 #   TROUPE_TAG     image tag (default dev)
 #   TROUPE_IMAGE   troupe image name (default troupe:$TROUPE_TAG)
 #   JAEGER_IMAGE   Jaeger image name (default troupe-jaeger:$TROUPE_TAG)
+#   PROMETHEUS_IMAGE  Prometheus image name (default troupe-prometheus:$TROUPE_TAG)
+#   PROMETHEUS_BIN    the Prometheus binary to package (default: `prometheus`
+#                  on PATH, from Debian's prometheus package; installed with
+#                  apt-get when missing and running as root)
 #   NICE           niceness of the Go builds (default 10: shared machines)
 #   JAEGER_BIN     where scripts/build-jaeger.sh puts Jaeger (default bin/jaeger)
 #
@@ -24,13 +29,14 @@ cd "$root"
 tag="${TROUPE_TAG:-dev}"
 troupe_image="${TROUPE_IMAGE:-troupe:$tag}"
 jaeger_image="${JAEGER_IMAGE:-troupe-jaeger:$tag}"
+prometheus_image="${PROMETHEUS_IMAGE:-troupe-prometheus:$tag}"
 nice_level="${NICE:-10}"
 jaeger_bin="${JAEGER_BIN:-$root/bin/jaeger}"
 what="${1:-all}"
 case "$what" in
-  all | troupe | jaeger) ;;
+  all | troupe | jaeger | prometheus) ;;
   *)
-    echo "usage: scripts/images.sh [all|troupe|jaeger]" >&2
+    echo "usage: scripts/images.sh [all|troupe|jaeger|prometheus]" >&2
     exit 2
     ;;
 esac
@@ -46,7 +52,7 @@ command -v go >/dev/null || die "go is not installed"
 
 # Guard: only FROM scratch and no syntax directive, either of which would make
 # the engine reach for a registry.
-for f in deploy/troupe.Dockerfile deploy/jaeger.Dockerfile; do
+for f in deploy/troupe.Dockerfile deploy/jaeger.Dockerfile deploy/prometheus.Dockerfile; do
   if grep -qiE '^#[[:space:]]*syntax[[:space:]]*=' "$f"; then
     die "$f has a syntax directive: the engine would pull the frontend image"
   fi
@@ -116,6 +122,45 @@ docker_build() {
   fi
 }
 
+# prometheus_binary prints the Prometheus binary to package: $PROMETHEUS_BIN,
+# else Debian's (installed when missing and we are root).
+prometheus_binary() {
+  if [ -n "${PROMETHEUS_BIN:-}" ]; then
+    [ -x "$PROMETHEUS_BIN" ] || die "PROMETHEUS_BIN=$PROMETHEUS_BIN is not an executable"
+    echo "$PROMETHEUS_BIN"
+    return
+  fi
+  if ! command -v prometheus >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      log "installing prometheus (Debian package)"
+      apt-get install -y -qq prometheus >/dev/null 2>&1 ||
+        { apt-get update -qq >/dev/null && apt-get install -y -qq prometheus >/dev/null; } ||
+        die "apt-get install prometheus failed"
+    else
+      die "prometheus is not installed: apt-get install -y prometheus, or set PROMETHEUS_BIN"
+    fi
+  fi
+  command -v prometheus
+}
+
+# copy_libs BINARY DIR: copies the shared libraries BINARY loads (ldd's list,
+# the loader included) into DIR under their absolute paths, links resolved.
+# Nothing for a static binary.
+copy_libs() {
+  local bin="$1" dir="$2" out lib
+  mkdir -p "$dir"
+  if ! out="$(ldd "$bin" 2>&1)"; then
+    case "$out" in
+      *"not a dynamic executable"* | *"statically linked"*) return ;;
+      *) die "ldd $bin: $out" ;;
+    esac
+  fi
+  for lib in $(awk '/=> \// { print $3; next } /^[[:space:]]*\// { print $1 }' <<<"$out"); do
+    mkdir -p "$dir$(dirname "$lib")"
+    cp -L "$lib" "$dir$lib"
+  done
+}
+
 start=$SECONDS
 build_troupe_binary
 
@@ -134,6 +179,18 @@ if [ "$what" = all ] || [ "$what" = jaeger ]; then
   place "$stage/troupe.bin" "$ctx/troupe"
   cp tools/jaeger/config.yaml "$ctx/config.yaml"
   docker_build deploy/jaeger.Dockerfile "$jaeger_image" "$ctx"
+fi
+
+if [ "$what" = all ] || [ "$what" = prometheus ]; then
+  prom_bin="$(prometheus_binary)"
+  ctx="$stage/prometheus"
+  new_context "$ctx" prometheus tmp
+  place "$prom_bin" "$ctx/prometheus"
+  copy_libs "$prom_bin" "$ctx/libs"
+  place "$stage/troupe.bin" "$ctx/troupe"
+  cp deploy/prometheus/prometheus.yml deploy/prometheus/rules.yml "$ctx/"
+  log "prometheus: $("$prom_bin" --version 2>&1 | head -n1); libraries: $(cd "$ctx/libs" && find . -type f | sed 's|^\.||' | tr '\n' ' ')"
+  docker_build deploy/prometheus.Dockerfile "$prometheus_image" "$ctx"
 fi
 
 log "done in $((SECONDS - start))s"

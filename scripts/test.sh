@@ -6,12 +6,15 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
-# protoc checks the generated code; espeak-ng is the espeak speech engine,
-# which its tests run for real.
+# Debian packages the checks need, installed only when missing: protoc
+# (generated code), espeak-ng (the espeak speech engine, which its tests run
+# for real), and promtool with the prometheus binary (rules, metrics lint,
+# the compose profile's image).
 missing=()
 command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
 command -v espeak-ng >/dev/null 2>&1 || missing+=(espeak-ng)
-if [ ${#missing[@]} -gt 0 ]; then
+{ command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; } || missing+=(prometheus)
+if [ "${#missing[@]}" -gt 0 ]; then
   step "installing ${missing[*]} (Debian)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
@@ -32,6 +35,11 @@ go tool staticcheck ./...
 
 step "generated code is current"
 scripts/check-proto.sh
+
+step "Prometheus configuration, rules and rule unit tests (promtool)"
+promtool check config deploy/prometheus/prometheus.yml
+promtool check rules deploy/prometheus/rules.yml
+promtool test rules deploy/prometheus/rules_test.yml
 
 step "go test -race (all packages)"
 go test -race -count=1 -timeout 15m ./...
