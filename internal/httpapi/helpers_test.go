@@ -15,6 +15,7 @@ import (
 
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
+	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -63,6 +64,13 @@ func startAPI(t *testing.T, c *orchestratortest.Cluster, cfg Config, handler fun
 	t.Helper()
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Metrics == nil {
+		// As in `troupe head`: every test runs behind the HTTP metrics'
+		// middleware (flush, deadlines and hijack must pass through it).
+		m, err := NewMetrics(prometheus.NewRegistry())
+		require.NoError(t, err)
+		cfg.Metrics = m
 	}
 	s := New(c.Head, cfg)
 	h := s.Handler()
