@@ -37,6 +37,8 @@
 #   E2E_KEEP=1         leave the stack running at the end (prints how to remove it)
 #   TROUPE_LEASE_TTL   workers' lease TTL (default 5s; whole seconds)
 #   E2E_READY_TIMEOUT  seconds to wait for the first /readyz (default 180)
+#   TROUPE_TAG         image tag to build and run (default dev; a tag of its
+#                      own keeps parallel runs on one Docker daemon apart)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -61,6 +63,11 @@ export JAEGER_UI_PUBLISH="127.0.0.1:"
 export PROMETHEUS_PUBLISH="127.0.0.1:"
 export COMPOSE_PROFILES=monitoring
 export TROUPE_LEASE_TTL="$lease_ttl"
+# scripts/images.sh builds, and the compose file runs, these images.
+tag="${TROUPE_TAG:-dev}"
+export TROUPE_IMAGE="${TROUPE_IMAGE:-troupe:$tag}"
+export JAEGER_IMAGE="${JAEGER_IMAGE:-troupe-jaeger:$tag}"
+export PROMETHEUS_IMAGE="${PROMETHEUS_IMAGE:-troupe-prometheus:$tag}"
 
 log() { echo "e2e: $*" >&2; }
 
@@ -600,12 +607,13 @@ npanels="$(jq '[.panels[] | if .type == "row" then (.panels // [])[] else . end]
 ndash="${#q_expr[@]}"
 rules_json="$tmp/rules.json"
 curl -sf --max-time 5 "$prom/api/v1/rules?type=record" >"$rules_json" || fail "GET /api/v1/rules failed"
-while IFS=$'\t' read -r name sel src; do
+while IFS=$'\x1f' read -r name sel src; do
   q_name+=("rule $name$sel")
   q_expr+=("$name$sel")
   q_src+=("$src")
 done < <(jq -r '.data.groups[].rules[] | select(.type == "recording")
-    | "\(.name)\t\(if (.labels // {}) == {} then "" else "{" + ((.labels | to_entries | map("\(.key)=\"\(.value)\"")) | join(",")) + "}" end)\t\(.query | gsub("\\s+"; " "))"' "$rules_json")
+    | [.name, (if (.labels // {}) == {} then "" else "{" + ((.labels | to_entries | map("\(.key)=\"\(.value)\"")) | join(",")) + "}" end),
+       (.query | gsub("\\s+"; " "))] | join("\u001f")' "$rules_json")
 nrules=$((${#q_expr[@]} - ndash))
 [ "$ndash" -ge 20 ] && [ "$nrules" -ge 10 ] || fail "only $ndash dashboard queries and $nrules recording rules found"
 
