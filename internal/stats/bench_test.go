@@ -1,7 +1,7 @@
 package stats
 
 import (
-	"io"
+	"bytes"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -113,16 +113,29 @@ func BenchmarkScrape1000(b *testing.B) {
 	}
 	format := expfmt.NewFormat(expfmt.TypeTextPlain)
 	b.ReportAllocs()
+	var out countWriter
 	for b.Loop() {
+		out = countWriter{}
 		mfs, err := reg.Gather()
 		if err != nil {
 			b.Fatal(err)
 		}
-		enc := expfmt.NewEncoder(io.Discard, format)
+		enc := expfmt.NewEncoder(&out, format)
 		for _, mf := range mfs {
 			if err := enc.Encode(mf); err != nil {
 				b.Fatal(err)
 			}
 		}
 	}
+	b.ReportMetric(float64(out.bytes)/1e6, "text-MB")
+	b.ReportMetric(float64(out.lines)/1000, "lines/replica")
+}
+
+// countWriter counts the bytes and lines of one exposition.
+type countWriter struct{ bytes, lines int }
+
+func (w *countWriter) Write(p []byte) (int, error) {
+	w.bytes += len(p)
+	w.lines += bytes.Count(p, []byte{'\n'})
+	return len(p), nil
 }
