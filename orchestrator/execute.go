@@ -297,7 +297,7 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.
 	out := &stageOutput{} // not the named result: returning nil must not hide it from the deferred recorder
 	// troupe runs one sequence per request (the API refuses n != 1), so n
 	// is 1 for every stage request.
-	fin := stats.Finished{Reason: stagepb.FinishReason_FINISH_REASON_ERROR, MaxTokensParam: int(in.GetSampling().GetMaxTokens()), N: 1}
+	fin := stats.Finished{Reason: stagepb.FinishReason_FINISH_REASON_ERROR, MaxTokensParam: int(sampling.GetMaxTokens()), N: 1}
 	if sc := span.SpanContext(); sc.IsSampled() {
 		fin.TraceID = sc.TraceID().String()
 	}
