@@ -556,6 +556,7 @@ pass "trace $trace_id: $nspans spans, head ($head_host) and thinker/talker/vocod
 # ---- 7. monitoring -----------------------------------------------------------
 
 begin monitoring "Prometheus: every dashboard query and recording rule returns data"
+t_mon="$(now)"
 prom="http://$(compose port prometheus 9090 | tail -n1)"
 # promq EXPR: the result of an instant query (a JSON array; empty on error).
 promq() {
@@ -567,7 +568,12 @@ has_data() {
 }
 prom_ready() { curl -sf --max-time 2 -o /dev/null "$prom/-/ready"; }
 wait_for 30 "Prometheus ready at $prom" prom_ready
-wait_for 30 "Prometheus scraping the head" has_data 'up{job="troupe-head"} == 1'
+# The restarted head may have a new address, which Prometheus learns from
+# DNS within its refresh interval: wait for a scrape of the head container
+# as it is now, so that the traffic below shows as an increase between two
+# scrapes rather than being in a target's first sample.
+head_ip="$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$(containers head)")"
+wait_for 30 "Prometheus scraping the head at $head_ip" has_data "up{job=\"troupe-head\",instance=\"$head_ip:8000\"} == 1"
 
 # Traffic of every kind the panels show: text and audio, a stream, and
 # answers that never reach a replica (400, 404).
@@ -666,12 +672,13 @@ exemplars="$(curl -sf --max-time 5 -G "$prom/api/v1/query_exemplars" \
   --data-urlencode "start=$(($(date +%s) - 600))" --data-urlencode "end=$(date +%s)" |
   jq '[.data[].exemplars[] | select(.labels.trace_id | test("^[0-9a-f]{32}$"))] | length')"
 [ "${exemplars:-0}" -gt 0 ] || fail "Prometheus holds no exemplar with a trace id for troupe_e2e_request_latency_seconds"
+t_mon_total="$(since "$t_mon")"
 skipped="${#q_skip[@]}"
 dash_skipped=0
 for i in "${!q_skip[@]}"; do [ "$i" -lt "$ndash" ] && dash_skipped=$((dash_skipped + 1)); done
 skip_note="none skipped"
 [ "$skipped" = 0 ] || skip_note="$skipped skipped until their family lands (${!pending_why[*]})"
-pass "$((ndash - dash_skipped)) of $ndash queries of $npanels panels and $((nrules - skipped + dash_skipped)) of $nrules recording rules return data ${t_data}s after the traffic ($(since "$t0")s with it); $skip_note; $exemplars exemplars with trace ids"
+pass "$((ndash - dash_skipped)) of $ndash queries of $npanels panels and $((nrules - skipped + dash_skipped)) of $nrules recording rules return data ${t_data}s after the traffic ($(since "$t0")s with it); $skip_note; $exemplars exemplars with trace ids; scenario ${t_mon_total:-}s"
 
 current=""
 log "all scenarios passed"
