@@ -37,6 +37,9 @@ func (h *Head) Sleep(ctx context.Context, stage int, replica uint32, level int) 
 		return 0, replicaError(fmt.Sprintf("sleep of stage %d", stage), replica, rep.Addr, err)
 	}
 	rep.SetSleepState(resp.GetSleepState())
+	if resp.GetSleepState() == stagepb.SleepState_SLEEP_STATE_DISCARD_ALL {
+		h.router.Forget(rep.Key) // its cache is gone
+	}
 	if err := h.stats.SetSleepState(rep.EngineIndex, resp.GetSleepState()); err != nil {
 		h.log.Warn("orchestrator: sleep state not recorded", "err", err)
 	}

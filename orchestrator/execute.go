@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"time"
 
@@ -42,6 +43,10 @@ type Request struct {
 	// OnAudio, when not nil, receives the last stage's PCM16 audio as it is
 	// made (with its sample rate); an error from it aborts the request.
 	OnAudio func(pcm []byte, sampleRate int) error
+	// SessionKey, when not empty, routes the request to its session's
+	// replica on stages with session affinity (X-Session-ID, or the
+	// OpenAI `user` field).
+	SessionKey string
 }
 
 // Result is what a request produced.
@@ -238,19 +243,22 @@ const maxAttempts = 2
 func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb.GenerateRequest, forward forwarder) (*stageOutput, error) {
 	var failed []*router.Replica
 	var lastErr error
+	route := &router.Request{Text: in.GetText(), SessionKey: req.SessionKey}
 	for attempt := 1; attempt <= maxAttempts; attempt++ {
-		rep, err := h.router.Snapshot().Pick(h.policy, stage, failed)
+		d, err := h.router.Pick(stage, route, failed)
 		if err != nil {
 			if lastErr != nil {
 				return nil, lastErr
 			}
 			return nil, newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[stage].Name)
 		}
+		h.countDecision(stage, d)
+		rep := d.Replica
 		open := func(ctx context.Context, _ trace.Span) (chunkStream, func(), error) {
 			stream, err := rep.Client.Generate(ctx, in, h.callOptions()...)
 			return stream, func() {}, err
 		}
-		out, produced, err := h.attempt(ctx, req, stage, rep, attempt, in.GetSampling(), open, forward)
+		out, produced, err := h.attempt(ctx, req, stage, d, attempt, in.GetSampling(), open, forward)
 		if err == nil {
 			return out, nil
 		}
@@ -278,13 +286,27 @@ type opener func(ctx context.Context, span trace.Span) (stream chunkStream, wait
 // which the attempt cannot be retried.
 type forwarder func(c *stagepb.GenerateChunk) (visible bool, err error)
 
-// attempt runs a stage on one replica. produced reports whether any output
-// reached the client through forward, after which a retry would duplicate
-// it. forward may be nil.
-func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.Replica, attempt int, sampling *stagepb.SamplingParams, open opener, forward forwarder) (_ *stageOutput, produced bool, err error) {
+// countDecision counts a pick in troupe_router_decisions_total.
+func (h *Head) countDecision(stage int, d router.Decision) {
+	if int(d.Reason) >= len(router.Reasons) {
+		return
+	}
+	if c := h.decisions[stage][d.Reason]; c != nil {
+		c.Inc()
+		return
+	}
+	h.decisionVec.WithLabelValues(strconv.Itoa(stage), d.Policy, d.Reason.String()).Inc()
+}
+
+// attempt runs a stage on the replica d chose. produced reports whether any
+// output reached the client through forward, after which a retry would
+// duplicate it. forward may be nil.
+func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Decision, attempt int, sampling *stagepb.SamplingParams, open opener, forward forwarder) (_ *stageOutput, produced bool, err error) {
 	name := h.cfg.Pipeline.Stages[stage].Name
+	rep := d.Replica
 	ctx, span := h.tracer.Start(ctx, telemetry.StageSpanName(name), trace.WithSpanKind(trace.SpanKindInternal),
 		trace.WithAttributes(telemetry.StageAttributes(stage, name, uint64(rep.Key.Replica), rep.EngineIndex, attempt)...),
+		trace.WithAttributes(telemetry.RouteAttributes(d.Policy, d.Reason.String(), d.PrefixSource, d.MatchBlocks, d.InputBlocks)...),
 		trace.WithAttributes(requestAttributes(Request{Operation: req.Operation, Sampling: sampling}, h.cfg.Pipeline.Model)...))
 	defer span.End()
 	ctx, cancel := context.WithCancel(ctx)
@@ -330,6 +352,9 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, rep *router.
 		}
 		if rerr != nil {
 			return nil, produced, h.stageError(ctx, name, rep, rerr, &fin)
+		}
+		if ev := chunk.GetKvEvents(); ev != nil {
+			h.router.ApplyKVEvents(rep, ev)
 		}
 		if s := chunk.GetStats(); s != nil {
 			if serr := h.stats.Record(rep.EngineIndex, s); serr != nil {

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -29,7 +30,11 @@ import (
 type Config struct {
 	Cluster           string
 	Pipeline          Pipeline
-	Policy            string        // router policy name; default round_robin
+	Policy            string        // default policy of stages that name none; default round_robin
+	// Tokenizers, by engine name as Health reports it, let prefix_aware
+	// name an engine's blocks as the engine does, so engines that report
+	// their cache (KvEvents) get the engine-reported mode. Optional.
+	Tokenizers map[string]func(text string) []uint32
 	LogStats          bool          // register and record the stat families
 	DetachedSeriesTTL time.Duration // 0: keep a detached replica's series forever
 	ReconcileInterval time.Duration // membership full re-list period
@@ -55,8 +60,12 @@ type Head struct {
 	// pipeline holds the pipeline-level families; nil without LogStats.
 	pipeline *stats.Pipeline
 	router   *router.Router
-	policy   router.Policy
 	tracer   trace.Tracer
+	// decisions[stage][reason] are the pre-bound children of
+	// troupe_router_decisions_total; nil where the stage's configuration
+	// never gives that reason (decisionVec makes them if it ever does).
+	decisions   [][len(router.Reasons)]prometheus.Counter
+	decisionVec *prometheus.CounterVec
 
 	events  *prometheus.CounterVec
 	invalid prometheus.Counter
@@ -115,9 +124,20 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	if cfg.Dial == nil {
 		return nil, errors.New("orchestrator: a dialer is required")
 	}
-	policy, err := router.NewPolicy(cfg.Policy, len(cfg.Pipeline.Stages))
-	if err != nil {
+	if err := cfg.Pipeline.ValidateRouting(cfg.Policy); err != nil {
 		return nil, err
+	}
+	tokenizers := make(map[string]router.Tokenizer, len(cfg.Tokenizers))
+	for name, t := range cfg.Tokenizers {
+		tokenizers[name] = t
+	}
+	routing := make([]router.StageRouting, len(cfg.Pipeline.Stages))
+	for i, st := range cfg.Pipeline.Stages {
+		p, err := router.NewPolicy(st.EffectivePolicy(cfg.Policy), router.PolicyOptions{PrefixSource: st.PrefixSource, Tokenizers: tokenizers})
+		if err != nil {
+			return nil, fmt.Errorf("orchestrator: stage %q: %w", st.Name, err)
+		}
+		routing[i] = router.StageRouting{Policy: p, SessionAffinity: st.Affinity()}
 	}
 	st, err := stats.New(cfg.Metrics, cfg.Pipeline.Model, stats.Options{
 		Disabled:          !cfg.LogStats,
@@ -138,8 +158,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		cfg:      cfg,
 		log:      cfg.Logger,
 		stats:    st,
-		router:   router.New(len(cfg.Pipeline.Stages), cfg.Dial, cfg.Logger),
-		policy:   policy,
+		router:   router.New(routing, cfg.Dial, cfg.Logger),
 		tracer:   cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "troupe_membership_events_total",
@@ -161,7 +180,22 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	for _, s := range []string{"attach", "stats", "dial", "router", "role"} {
 		h.errors.WithLabelValues(s)
 	}
-	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors} {
+	decisions := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "troupe_router_decisions_total",
+		Help: "Replicas chosen for stage attempts, by stage, the stage's policy, and why.",
+	}, []string{"stage", "policy", "reason"})
+	h.decisionVec = decisions
+	h.decisions = make([][len(router.Reasons)]prometheus.Counter, len(routing))
+	for i, st := range routing {
+		reasons := st.Policy.Reasons()
+		if st.SessionAffinity {
+			reasons = append(reasons, router.ReasonAffinity, router.ReasonLoadFallback)
+		}
+		for _, r := range reasons {
+			h.decisions[i][r] = decisions.WithLabelValues(strconv.Itoa(i), st.Policy.Name(), r.String())
+		}
+	}
+	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions} {
 		if err := cfg.Metrics.Register(c); err != nil {
 			return nil, fmt.Errorf("orchestrator: register metrics: %w", err)
 		}
@@ -379,6 +413,8 @@ func (h *Head) attach(pr probeResult) {
 	if g := pr.health.GetGauges(); g != nil {
 		pr.rep.SetLoad(int64(g.GetNumRequestsRunning()) + int64(g.GetNumRequestsWaitingCapacity()) + int64(g.GetNumRequestsWaitingDeferred()))
 	}
+	cache := pr.health.GetCacheConfig()
+	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents()}
 	if err := h.router.Add(pr.rep); err != nil {
 		h.errors.WithLabelValues("router").Inc()
 		h.log.Error("orchestrator: cannot route", "err", err)

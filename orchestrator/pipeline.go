@@ -5,8 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 
 	"gopkg.in/yaml.v3"
+
+	"github.com/troupe-serving/troupe/internal/router"
 )
 
 // Pipeline is the model and its ordered stages, from the pipeline file.
@@ -28,6 +31,48 @@ type Stage struct {
 	// work, when the pipeline streams. 0: the worker's default (8 words,
 	// 10 codes).
 	InputChunk int `yaml:"input_chunk,omitempty"`
+	// Policy routes the stage's requests: round_robin, least_loaded,
+	// power_of_two or prefix_aware. Empty: the head's default (--policy).
+	Policy string `yaml:"policy,omitempty"`
+	// PrefixSource is where prefix_aware learns what each replica caches:
+	// auto (default: what the engine reports, where it does) or head (the
+	// head's own record, for every engine). Only with prefix_aware.
+	PrefixSource string `yaml:"prefix_source,omitempty"`
+	// SessionAffinity sends requests that carry a session key to their
+	// session's replica. Nil means true.
+	SessionAffinity *bool `yaml:"session_affinity,omitempty"`
+}
+
+// Affinity reports whether the stage uses session affinity.
+func (s Stage) Affinity() bool { return s.SessionAffinity == nil || *s.SessionAffinity }
+
+// EffectivePolicy is the stage's policy, or def when it names none.
+func (s Stage) EffectivePolicy(def string) string {
+	if s.Policy != "" {
+		return s.Policy
+	}
+	if def == "" {
+		return router.PolicyRoundRobin
+	}
+	return def
+}
+
+// checkRouting validates the stage's routing keys, given the default policy.
+func (s Stage) checkRouting(i int, def string) error {
+	policy := s.EffectivePolicy(def)
+	if err := router.CheckPolicy(policy); err != nil {
+		return fmt.Errorf("orchestrator: pipeline: stage %d (%s): %w", i, s.Name, err)
+	}
+	if s.PrefixSource == "" {
+		return nil
+	}
+	if !slices.Contains(router.PrefixSources, s.PrefixSource) {
+		return fmt.Errorf("orchestrator: pipeline: stage %d (%s): unknown prefix_source %q (want one of %v)", i, s.Name, s.PrefixSource, router.PrefixSources)
+	}
+	if policy != router.PolicyPrefixAware {
+		return fmt.Errorf("orchestrator: pipeline: stage %d (%s): prefix_source applies to policy prefix_aware only, the stage's policy is %s", i, s.Name, policy)
+	}
+	return nil
 }
 
 // StreamsBetweenStages reports whether stages stream into each other.
@@ -85,6 +130,22 @@ func (p Pipeline) Validate() error {
 			return fmt.Errorf("orchestrator: pipeline: duplicate stage name %q", s.Name)
 		}
 		seen[s.Name] = true
+		// The file alone: a stage without a policy takes the head's
+		// default, which ValidateRouting checks against what it says.
+		if err := s.checkRouting(i, router.PolicyPrefixAware); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ValidateRouting checks every stage's routing with def as the default
+// policy (the head's --policy).
+func (p Pipeline) ValidateRouting(def string) error {
+	for i, s := range p.Stages {
+		if err := s.checkRouting(i, def); err != nil {
+			return err
+		}
 	}
 	return nil
 }

@@ -199,14 +199,22 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 	var lastErr error
 	var delivered outputCursor
 	last := stage == run.n-1
+	// Only stage 0's input is known before the stage starts; later stages
+	// are routed on the session key and load.
+	route := &router.Request{SessionKey: run.req.SessionKey}
+	if stage == 0 {
+		route.Text = run.prompt.GetText()
+	}
 	for attempt := 1; attempt <= maxAttempts; attempt++ {
-		rep, err := h.router.Snapshot().Pick(h.policy, stage, failed)
+		d, err := h.router.Pick(stage, route, failed)
 		if err != nil {
 			if lastErr != nil {
 				return nil, lastErr
 			}
 			return nil, newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[stage].Name)
 		}
+		h.countDecision(stage, d)
+		rep := d.Replica
 		skip := delivered
 		var span trace.Span
 		forward := func(c *stagepb.GenerateChunk) (bool, error) {
@@ -250,7 +258,7 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 			}
 			return h.openStreamed(ctx, run, stage, rep, s)
 		}
-		out, produced, err := h.attempt(ctx, run.req, stage, rep, attempt, run.prompt.GetSampling(), open, forward)
+		out, produced, err := h.attempt(ctx, run.req, stage, d, attempt, run.prompt.GetSampling(), open, forward)
 		if err == nil {
 			return out, nil
 		}

@@ -137,6 +137,9 @@ func TestSpanTreeThreeStages(t *testing.T) {
 		assert.Equal(t, attribute.INT64, attr(s, telemetry.KeyEngineIndex).Type())
 		assert.Equal(t, "troupe-omni-sim", attr(s, telemetry.KeyGenAIRequestModel).AsString())
 		assert.Positive(t, attr(s, telemetry.KeyGenAIUsageOutputTokens).AsInt64())
+		assert.Equal(t, "round_robin", attr(s, telemetry.KeyRoutePolicy).AsString())
+		assert.Equal(t, "rotation", attr(s, telemetry.KeyRouteReason).AsString())
+		assert.Equal(t, attribute.INVALID, attr(s, telemetry.KeyRoutePrefixSource).Type(), "no prefix attributes without prefix_aware")
 		assert.True(t, hasEvent(s, "first_token"), "%s: first token event", name)
 		assert.True(t, hasEvent(s, "finish"), "%s: finish event", name)
 		// The stages stream into each other: every stage after the first

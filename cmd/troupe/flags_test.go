@@ -1,8 +1,12 @@
 package main
 
 import (
+	"context"
 	"io"
+	"os"
+	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -41,4 +45,30 @@ func TestUnknownCommand(t *testing.T) {
 	assert.Equal(t, 2, run([]string{"frobnicate"}, io.Discard, io.Discard))
 	assert.Equal(t, 2, run(nil, io.Discard, io.Discard))
 	assert.Equal(t, 0, run([]string{"version"}, io.Discard, io.Discard))
+}
+
+// TestHeadRefusesBadRoutingBeforeEtcd: a policy typo, in the flag or the
+// pipeline file, fails at once with a clear error (no etcd is contacted:
+// the endpoint below is never listened on).
+func TestHeadRefusesBadRoutingBeforeEtcd(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	etcd := []string{"--etcd-endpoints", "http://127.0.0.1:1"}
+	err := runHead(ctx, append(etcd, "--policy", "fastest"), io.Discard)
+	require.ErrorContains(t, err, `router: unknown policy "fastest"`)
+
+	dir := t.TempDir()
+	write := func(name, body string) string {
+		p := filepath.Join(dir, name)
+		require.NoError(t, os.WriteFile(p, []byte(body), 0o600))
+		return p
+	}
+	bad := write("bad.yaml", "model: m\nstages:\n  - name: thinker\n    policy: cache_aware\n")
+	err = runHead(ctx, append(etcd, "--pipeline", bad), io.Discard)
+	require.ErrorContains(t, err, `stage 0 (thinker): router: unknown policy "cache_aware"`)
+
+	// prefix_source needs prefix_aware, from the file or from --policy.
+	src := write("src.yaml", "model: m\nstages:\n  - name: thinker\n    prefix_source: head\n")
+	err = runHead(ctx, append(etcd, "--pipeline", src, "--policy", "least_loaded"), io.Discard)
+	require.ErrorContains(t, err, "prefix_source applies to policy prefix_aware only")
 }

@@ -10,6 +10,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -21,16 +22,19 @@ import (
 	"google.golang.org/grpc/keepalive"
 
 	"github.com/troupe-serving/troupe/internal/httpapi"
+	"github.com/troupe-serving/troupe/internal/router"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
+	"github.com/troupe-serving/troupe/worker/sim"
 )
 
 // headFlags are the flags of `troupe head`; `troupe up` reuses them.
 type headFlags struct {
 	http, adminHTTP, pipeline, cluster, apiKey, policy string
-	logStats, untrustedParent                          bool
+	sessionHeader                                      string
+	logStats, untrustedParent, sessionUser             bool
 	maxBody                                            byteSize
 	detachedTTL, reconcile                             time.Duration
 	tls                                                *tlsFlags
@@ -48,7 +52,9 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.StringVar(&f.pipeline, "pipeline", "", "pipeline YAML file (default: thinker → talker → vocoder, model troupe-omni-sim)")
 	fs.StringVar(&f.cluster, "cluster", membership.DefaultCluster, "cluster name (etcd key prefix)")
 	fs.StringVar(&f.apiKey, "api-key", "", "require Authorization: Bearer <key> on every route but /metrics, /healthz, /readyz")
-	fs.StringVar(&f.policy, "policy", "round_robin", "routing policy: round_robin, least_loaded or power_of_two")
+	fs.StringVar(&f.policy, "policy", router.PolicyRoundRobin, "routing policy of stages whose pipeline entry names none: "+strings.Join(router.PolicyNames, ", "))
+	fs.StringVar(&f.sessionHeader, "session-header", "X-Session-ID", "header carrying a session key for session affinity (empty: none)")
+	fs.BoolVar(&f.sessionUser, "session-user", true, "use the OpenAI `user` field as the session key when the header is absent")
 	fs.BoolVar(&f.logStats, "log-stats", true, "register and record the per-replica stat families")
 	fs.BoolVar(&f.untrustedParent, "trace-untrusted-parent", false, "link to a client's traceparent instead of parenting under it")
 	fs.Var(&f.maxBody, "max-body-bytes", "largest request body accepted (e.g. 16MiB)")
@@ -86,7 +92,11 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 		return err
 	}
 	log := hf.log.logger()
-	if _, err := hf.loadPipeline(); err != nil { // refuse a bad file before waiting on etcd
+	p, err := hf.loadPipeline() // refuse a bad file or policy before waiting on etcd
+	if err != nil {
+		return err
+	}
+	if err := p.ValidateRouting(hf.policy); err != nil {
 		return err
 	}
 	cli, err := membership.Dial(ctx, ef.config())
@@ -137,6 +147,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		Cluster:           hf.cluster,
 		Pipeline:          pipeline,
 		Policy:            hf.policy,
+		Tokenizers:        map[string]func(string) []uint32{sim.EngineName: sim.Tokenize},
 		LogStats:          hf.logStats,
 		DetachedSeriesTTL: hf.detachedTTL,
 		ReconcileInterval: hf.reconcile,
@@ -162,6 +173,8 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		Propagator:      tp.Propagator(),
 		UntrustedParent: hf.untrustedParent,
 		Logger:          log,
+		SessionHeader:   hf.sessionHeader,
+		SessionFromUser: hf.sessionUser,
 	})
 
 	handler := api.Handler()

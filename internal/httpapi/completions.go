@@ -120,7 +120,7 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
 	defer cancel()
 	id := requestIDFrom(r.Context())
-	req := orchestrator.Request{ID: id, Prompt: j.prompt, Messages: j.messages, Voice: j.voice, Sampling: j.sampling, Stages: 1, Operation: j.operation}
+	req := orchestrator.Request{ID: id, Prompt: j.prompt, Messages: j.messages, Voice: j.voice, Sampling: j.sampling, Stages: 1, Operation: j.operation, SessionKey: s.sessionKey(r, j)}
 	if j.audio {
 		req.Stages = len(s.b.Pipeline().Stages)
 	}
@@ -197,6 +197,20 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 	if err != nil {
 		s.log.DebugContext(r.Context(), "httpapi: stream write failed", "request_id", id, "err", err)
 	}
+}
+
+// sessionKey is the request's session key for session affinity: the
+// configured header, else the body's `user` field if so configured.
+func (s *Server) sessionKey(r *http.Request, j job) string {
+	if s.cfg.SessionHeader != "" {
+		if k := r.Header.Get(s.cfg.SessionHeader); k != "" {
+			return k
+		}
+	}
+	if s.cfg.SessionFromUser {
+		return j.user
+	}
+	return ""
 }
 
 // fail answers an error of the head. A client that is gone gets nothing

@@ -40,6 +40,9 @@ type samplingFields struct {
 	// something (see refuseUnsupported).
 	ResponseFormat *responseFormat `json:"response_format"`
 	PromptLogprobs json.RawMessage `json:"prompt_logprobs"` // vLLM extension
+	// User is the OpenAI user field: a session key for affinity when
+	// --session-user is on.
+	User *string `json:"user"`
 }
 
 type streamOptions struct {
@@ -55,7 +58,7 @@ type responseFormat struct {
 // reported in the X-Troupe-Ignored-Params header.
 var commonFields = []string{
 	"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
-	"seed", "stop", "ignore_eos", "n", "response_format", "prompt_logprobs",
+	"seed", "stop", "ignore_eos", "n", "response_format", "prompt_logprobs", "user",
 }
 
 // chatRequest is the body of POST /v1/chat/completions. Arrays are decoded
@@ -114,6 +117,7 @@ type job struct {
 	echo         bool                   // prepend the prompt to the text (completions only)
 	operation    string                 // gen_ai.operation.name: chat or text_completion
 	ignored      []string               // fields accepted and ignored, sorted
+	user         string                 // the OpenAI `user` field
 }
 
 // decodeBody unmarshals a JSON object into v and turns decoding failures
@@ -603,6 +607,9 @@ func (f *samplingFields) job(model string) (job, *apiError) {
 		return job{}, e
 	}
 	j := job{model: model, sampling: sp}
+	if f.User != nil {
+		j.user = *f.User
+	}
 	if f.Stream != nil {
 		j.stream = *f.Stream
 	}

@@ -90,6 +90,12 @@ type Config struct {
 	// RequestTimeout bounds one generation; <= 0 means 10 minutes. A
 	// request that runs out gets 504 (or an error event on a stream).
 	RequestTimeout time.Duration
+	// SessionHeader names the header whose value is a request's session
+	// key, for session affinity (troupe head: X-Session-ID). Empty: none.
+	SessionHeader string
+	// SessionFromUser takes the session key from the body's OpenAI `user`
+	// field when the header is absent or empty.
+	SessionFromUser bool
 }
 
 // Server serves the API of one head. Its handlers are safe for concurrent

@@ -7,6 +7,10 @@
 // path only reads snapshots, as grpc-go's balancer/base does with pickers.
 // Per-replica live fields (in-flight count, load, sleep state, connection
 // health) are atomics on the Replica and may change between snapshots.
+//
+// Each stage has its own Policy instance (round_robin, least_loaded,
+// power_of_two, prefix_aware) and, optionally, session affinity on top of
+// it; Pick applies them. See docs/routing.md.
 package router
 
 import (
@@ -51,6 +55,9 @@ type Replica struct {
 	Addr        string
 	JoinedAt    time.Time
 	Client      stagepb.StageServiceClient
+	// Engine is what the replica's Health said on join. The head sets it
+	// between Dial and Add; it never changes once added.
+	Engine EngineInfo
 
 	conn      *grpc.ClientConn
 	inFlight  atomic.Int64
@@ -103,6 +110,13 @@ func (r *Replica) close() {
 	})
 }
 
+// EngineInfo describes a replica's engine, from its Health.
+type EngineInfo struct {
+	Name      string // e.g. "sim"
+	BlockSize int    // KV block size in tokens; 0: unknown
+	KVEvents  bool   // the engine reports stagepb.KvEvents on its chunks
+}
+
 // Snapshot is an immutable view of the routable set. Safe for concurrent use.
 type Snapshot struct {
 	stages [][]*Replica // by stage index, sorted by replica id
@@ -135,23 +149,97 @@ func (s *Snapshot) All() []*Replica {
 // Dialer opens a client connection to a replica address.
 type Dialer func(addr string) (*grpc.ClientConn, error)
 
-// Router owns the replicas' connections and their health watchers.
+// Router owns the replicas' connections, their health watchers and the
+// stages' policies.
 type Router struct {
 	numStages int
+	stages    []StageRouting
 	dial      Dialer
 	log       *slog.Logger
 	snap      atomic.Pointer[Snapshot]
 	watchers  sync.WaitGroup
 }
 
-// New returns a router for a pipeline of numStages stages.
-func New(numStages int, dial Dialer, log *slog.Logger) *Router {
+// StageRouting is how one stage routes.
+type StageRouting struct {
+	Policy Policy // nil: round robin
+	// SessionAffinity sends requests that carry a session key to their
+	// session's replica (see Affinity) instead of asking Policy.
+	SessionAffinity bool
+}
+
+// New returns a router for a pipeline with one StageRouting per stage. The
+// router owns the policies from now on.
+func New(stages []StageRouting, dial Dialer, log *slog.Logger) *Router {
 	if log == nil {
 		log = slog.Default()
 	}
-	r := &Router{numStages: numStages, dial: dial, log: log}
-	r.snap.Store(&Snapshot{stages: make([][]*Replica, numStages), byKey: map[Key]*Replica{}})
+	stages = slices.Clone(stages)
+	for i := range stages {
+		if stages[i].Policy == nil {
+			stages[i].Policy = &RoundRobin{}
+		}
+	}
+	r := &Router{numStages: len(stages), stages: stages, dial: dial, log: log}
+	r.snap.Store(&Snapshot{stages: make([][]*Replica, len(stages)), byKey: map[Key]*Replica{}})
 	return r
+}
+
+// Policy returns the policy of a stage.
+func (r *Router) Policy(stage int) Policy { return r.stages[stage].Policy }
+
+// Pick chooses a routable replica of stage for req, skipping the replicas
+// in exclude (those that already failed this request). Safe for concurrent
+// use.
+func (r *Router) Pick(stage int, req *Request, exclude []*Replica) (Decision, error) {
+	s := r.snap.Load()
+	all := s.Stage(stage)
+	candidates := make([]*Replica, 0, len(all))
+	for _, rep := range all {
+		if rep.Routable() && !slices.Contains(exclude, rep) {
+			candidates = append(candidates, rep)
+		}
+	}
+	if len(candidates) == 0 {
+		return Decision{}, s.noReplica(stage)
+	}
+	st := r.stages[stage]
+	if st.SessionAffinity && req.SessionKey != "" {
+		rep, first := Affinity{}.Pick(req.SessionKey, candidates)
+		d := Decision{Replica: rep, Policy: st.Policy.Name(), Reason: ReasonAffinity}
+		if !first {
+			d.Reason = ReasonLoadFallback
+		}
+		return d, nil
+	}
+	return st.Policy.Pick(req, candidates), nil
+}
+
+// ApplyKVEvents hands an engine's cache report to its stage's policy, if
+// that policy uses them and rep is still the replica routed under its key
+// (a late chunk of a replaced replica is dropped). Safe for concurrent use.
+func (r *Router) ApplyKVEvents(rep *Replica, ev *stagepb.KvEvents) {
+	sink, ok := r.stages[rep.Key.Stage].Policy.(interface {
+		ApplyKVEvents(*Replica, *stagepb.KvEvents)
+	})
+	if !ok {
+		return
+	}
+	if cur, ok := r.snap.Load().Lookup(rep.Key); !ok || cur != rep {
+		return
+	}
+	sink.ApplyKVEvents(rep, ev)
+}
+
+// Forget drops what a stage's policy remembers about a replica (its cache
+// was discarded). Remove and a replacing Add do it themselves.
+func (r *Router) Forget(k Key) {
+	if k.Stage < 0 || k.Stage >= r.numStages {
+		return
+	}
+	if f, ok := r.stages[k.Stage].Policy.(interface{ Forget(Key) }); ok {
+		f.Forget(k)
+	}
 }
 
 // Snapshot returns the current routable set.
@@ -210,6 +298,9 @@ func (r *Router) Add(rep *Replica) error {
 		r.watchConn(ctx, rep)
 	}()
 
+	// Whatever was remembered under this key (an earlier process's cache,
+	// a late guess about a removed replica) describes another engine.
+	r.Forget(rep.Key)
 	old := r.snap.Load()
 	next := old.with(rep)
 	r.snap.Store(next)
@@ -228,8 +319,24 @@ func (r *Router) Remove(k Key) (*Replica, bool) {
 		return nil, false
 	}
 	r.snap.Store(old.without(k))
+	r.Forget(k)
 	retire(rep)
 	return rep, true
+}
+
+// CheckRoutable returns nil when a stage has a replica that may take new work,
+// and otherwise the error Pick would return.
+func (s *Snapshot) CheckRoutable(stage int) error {
+	for _, r := range s.Stage(stage) {
+		if r.Routable() {
+			return nil
+		}
+	}
+	return s.noReplica(stage)
+}
+
+func (s *Snapshot) noReplica(stage int) error {
+	return fmt.Errorf("%w for stage %d (%d attached)", ErrNoReplica, stage, len(s.Stage(stage)))
 }
 
 // Close retires every replica and waits for the health watchers to end.

@@ -2,6 +2,7 @@ package router
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"testing"
 	"time"
@@ -44,6 +45,26 @@ func insecureDial(addr string) (*grpc.ClientConn, error) {
 	return grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 }
 
+// stages returns the routing of n stages, each with a new instance of the
+// named policy.
+func stages(t *testing.T, n int, policy string) []StageRouting {
+	t.Helper()
+	out := make([]StageRouting, n)
+	for i := range out {
+		p, err := NewPolicy(policy, PolicyOptions{})
+		require.NoError(t, err)
+		out[i].Policy = p
+	}
+	return out
+}
+
+func pick(t *testing.T, r *Router, stage int, exclude ...*Replica) *Replica {
+	t.Helper()
+	d, err := r.Pick(stage, &Request{}, exclude)
+	require.NoError(t, err)
+	return d.Replica
+}
+
 func addReplica(t *testing.T, r *Router, stage int, id uint32, addr string) *Replica {
 	t.Helper()
 	rep, err := r.Dial(ReplicaSpec{Key: Key{Stage: stage, Replica: id}, StageName: "s", EngineIndex: int(id), Addr: addr})
@@ -54,7 +75,7 @@ func addReplica(t *testing.T, r *Router, stage int, id uint32, addr string) *Rep
 
 func TestSnapshotsAreImmutable(t *testing.T) {
 	addr, _ := serve(t)
-	r := New(2, insecureDial, nil)
+	r := New(stages(t, 2, ""), insecureDial, nil)
 	defer r.Close()
 
 	before := r.Snapshot()
@@ -77,71 +98,80 @@ func TestSnapshotsAreImmutable(t *testing.T) {
 
 func TestRoundRobinSpreadsEvenly(t *testing.T) {
 	addr, _ := serve(t)
-	r := New(1, insecureDial, nil)
+	r := New(stages(t, 1, "round_robin"), insecureDial, nil)
 	defer r.Close()
 	for id := range uint32(3) {
 		addReplica(t, r, 0, id, addr)
 	}
-	p, err := NewPolicy("round_robin", 1)
-	require.NoError(t, err)
 	counts := map[uint32]int{}
 	for range 300 {
-		rep, err := r.Snapshot().Pick(p, 0, nil)
+		d, err := r.Pick(0, &Request{}, nil)
 		require.NoError(t, err)
-		counts[rep.Key.Replica]++
+		assert.Equal(t, ReasonRotation, d.Reason)
+		assert.Equal(t, "round_robin", d.Policy)
+		counts[d.Replica.Key.Replica]++
 	}
 	assert.Equal(t, map[uint32]int{0: 100, 1: 100, 2: 100}, counts)
 }
 
 func TestLeastLoadedAvoidsBusyReplica(t *testing.T) {
 	addr, _ := serve(t)
-	r := New(1, insecureDial, nil)
+	r := New(stages(t, 1, ""), insecureDial, nil)
 	defer r.Close()
 	busy := addReplica(t, r, 0, 0, addr)
 	idle := addReplica(t, r, 0, 1, addr)
+	c := []*Replica{busy, idle}
 	busy.SetLoad(10)
 	for _, name := range []string{"least_loaded", "power_of_two"} {
-		p, err := NewPolicy(name, 1)
+		p, err := NewPolicy(name, PolicyOptions{})
 		require.NoError(t, err)
 		for range 50 {
-			rep, err := r.Snapshot().Pick(p, 0, nil)
-			require.NoError(t, err)
-			assert.Same(t, idle, rep, name)
+			d := p.Pick(&Request{}, c)
+			assert.Same(t, idle, d.Replica, name)
+			assert.Equal(t, ReasonLoad, d.Reason)
 		}
 	}
 	// In-flight work sent by this head counts too.
 	busy.SetLoad(0)
 	busy.Acquire()
 	defer busy.Release()
-	rep, err := r.Snapshot().Pick(LeastLoaded{}, 0, nil)
-	require.NoError(t, err)
-	assert.Same(t, idle, rep)
+	assert.Same(t, idle, LeastLoaded{}.Pick(&Request{}, c).Replica)
 }
 
 func TestPickSkipsSleepingExcludedAndReportsNoReplica(t *testing.T) {
 	addr, _ := serve(t)
-	r := New(1, insecureDial, nil)
+	r := New(stages(t, 1, "round_robin"), insecureDial, nil)
 	defer r.Close()
-	p, _ := NewPolicy("round_robin", 1)
 
-	_, err := r.Snapshot().Pick(p, 0, nil)
+	_, err := r.Pick(0, &Request{}, nil)
 	require.ErrorIs(t, err, ErrNoReplica)
 
 	a := addReplica(t, r, 0, 0, addr)
 	b := addReplica(t, r, 0, 1, addr)
 	a.SetSleepState(stagepb.SleepState_SLEEP_STATE_WEIGHTS_OFFLOADED)
 	for range 10 {
-		rep, err := r.Snapshot().Pick(p, 0, nil)
-		require.NoError(t, err)
-		assert.Same(t, b, rep)
+		assert.Same(t, b, pick(t, r, 0))
 	}
-	_, err = r.Snapshot().Pick(p, 0, []*Replica{b})
+	_, err = r.Pick(0, &Request{}, []*Replica{b})
+	require.ErrorIs(t, err, ErrNoReplica)
+	// Session affinity never picks an unroutable or excluded replica either.
+	r2 := New([]StageRouting{{SessionAffinity: true}}, insecureDial, nil)
+	defer r2.Close()
+	a2 := addReplica(t, r2, 0, 0, addr)
+	b2 := addReplica(t, r2, 0, 1, addr)
+	a2.SetSleepState(stagepb.SleepState_SLEEP_STATE_WEIGHTS_OFFLOADED)
+	for i := range 20 {
+		d, err := r2.Pick(0, &Request{SessionKey: fmt.Sprint("s", i)}, nil)
+		require.NoError(t, err)
+		assert.Same(t, b2, d.Replica)
+	}
+	_, err = r2.Pick(0, &Request{SessionKey: "s"}, []*Replica{b2})
 	require.ErrorIs(t, err, ErrNoReplica)
 }
 
 func TestBrokenConnectionLeavesRotationAndReturns(t *testing.T) {
 	addr, stop := serve(t)
-	r := New(1, insecureDial, nil)
+	r := New(stages(t, 1, ""), insecureDial, nil)
 	defer r.Close()
 	rep := addReplica(t, r, 0, 0, addr)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -166,7 +196,7 @@ func TestBrokenConnectionLeavesRotationAndReturns(t *testing.T) {
 
 func TestRemovedReplicaClosesAfterLastRequest(t *testing.T) {
 	addr, _ := serve(t)
-	r := New(1, insecureDial, nil)
+	r := New(stages(t, 1, ""), insecureDial, nil)
 	defer r.Close()
 	rep := addReplica(t, r, 0, 0, addr)
 	rep.Acquire()
@@ -181,6 +211,14 @@ func TestRemovedReplicaClosesAfterLastRequest(t *testing.T) {
 }
 
 func TestUnknownPolicy(t *testing.T) {
-	_, err := NewPolicy("fastest", 1)
+	_, err := NewPolicy("fastest", PolicyOptions{})
 	require.ErrorContains(t, err, `router: unknown policy "fastest"`)
+	_, err = NewPolicy("prefix_aware", PolicyOptions{PrefixSource: "engine"})
+	require.ErrorContains(t, err, `router: unknown prefix source "engine"`)
+	require.NoError(t, CheckPolicy(""))
+	for _, name := range PolicyNames {
+		p, err := NewPolicy(name, PolicyOptions{})
+		require.NoError(t, err)
+		assert.Equal(t, name, p.Name())
+	}
 }

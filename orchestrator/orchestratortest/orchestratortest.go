@@ -117,6 +117,7 @@ func Start(t testing.TB, opts Options) *Cluster {
 	h, err := orchestrator.New(c.Client, orchestrator.Config{
 		Pipeline:          opts.Pipeline,
 		Policy:            opts.Policy,
+		Tokenizers:        map[string]func(string) []uint32{sim.EngineName: sim.Tokenize},
 		LogStats:          !opts.DisableStats,
 		Metrics:           c.Metrics,
 		ReconcileInterval: 30 * time.Second,

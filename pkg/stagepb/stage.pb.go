@@ -845,6 +845,84 @@ func (x *EngineStats) GetKvCacheUsagePerc() float64 {
 	return 0
 }
 
+// KvEvents reports what an engine's prefix cache stored and evicted since
+// its previous report, so the head can route by what each replica really
+// holds (prefix-aware routing, engine-reported mode). Hashes are block
+// hashes as stagepb.BlockHashes defines them: chained over block_size token
+// ids, so equal hashes mean equal prefixes. A report is global to the
+// engine and rides on the next chunk of any request; reports may reach the
+// head out of order, so each carries seq, increasing per engine process
+// from 1, and the head keeps, per block, the state of the highest seq it
+// has seen. Within one report stored and removed are disjoint (the state at
+// the end of the period).
+type KvEvents struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Seq           uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	Cleared       bool                   `protobuf:"varint,2,opt,name=cleared,proto3" json:"cleared,omitempty"`        // the whole cache was emptied before the events below
+	Stored        []uint64               `protobuf:"varint,3,rep,packed,name=stored,proto3" json:"stored,omitempty"`   // blocks now cached
+	Removed       []uint64               `protobuf:"varint,4,rep,packed,name=removed,proto3" json:"removed,omitempty"` // blocks evicted
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvEvents) Reset() {
+	*x = KvEvents{}
+	mi := &file_stage_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvEvents) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvEvents) ProtoMessage() {}
+
+func (x *KvEvents) ProtoReflect() protoreflect.Message {
+	mi := &file_stage_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvEvents.ProtoReflect.Descriptor instead.
+func (*KvEvents) Descriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *KvEvents) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *KvEvents) GetCleared() bool {
+	if x != nil {
+		return x.Cleared
+	}
+	return false
+}
+
+func (x *KvEvents) GetStored() []uint64 {
+	if x != nil {
+		return x.Stored
+	}
+	return nil
+}
+
+func (x *KvEvents) GetRemoved() []uint64 {
+	if x != nil {
+		return x.Removed
+	}
+	return nil
+}
+
 // Timings are reported once, on the final chunk; they are the engine's own.
 type Timings struct {
 	state          protoimpl.MessageState `protogen:"open.v1"`
@@ -857,7 +935,7 @@ type Timings struct {
 
 func (x *Timings) Reset() {
 	*x = Timings{}
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -869,7 +947,7 @@ func (x *Timings) String() string {
 func (*Timings) ProtoMessage() {}
 
 func (x *Timings) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -882,7 +960,7 @@ func (x *Timings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Timings.ProtoReflect.Descriptor instead.
 func (*Timings) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{8}
+	return file_stage_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Timings) GetQueueSeconds() float64 {
@@ -915,14 +993,15 @@ type GenerateChunk struct {
 	SampleRate    uint32                 `protobuf:"varint,5,opt,name=sample_rate,json=sampleRate,proto3" json:"sample_rate,omitempty"`                                         // set when audio_pcm16 is set
 	FinishReason  FinishReason           `protobuf:"varint,6,opt,name=finish_reason,json=finishReason,proto3,enum=troupe.stage.v1.FinishReason" json:"finish_reason,omitempty"` // set on the final chunk only
 	Stats         *EngineStats           `protobuf:"bytes,7,opt,name=stats,proto3" json:"stats,omitempty"`
-	Timings       *Timings               `protobuf:"bytes,8,opt,name=timings,proto3" json:"timings,omitempty"` // final chunk only
+	Timings       *Timings               `protobuf:"bytes,8,opt,name=timings,proto3" json:"timings,omitempty"`                   // final chunk only
+	KvEvents      *KvEvents              `protobuf:"bytes,9,opt,name=kv_events,json=kvEvents,proto3" json:"kv_events,omitempty"` // engines that report their cache (CacheConfig.kv_events)
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateChunk) Reset() {
 	*x = GenerateChunk{}
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -934,7 +1013,7 @@ func (x *GenerateChunk) String() string {
 func (*GenerateChunk) ProtoMessage() {}
 
 func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -947,7 +1026,7 @@ func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateChunk.ProtoReflect.Descriptor instead.
 func (*GenerateChunk) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{9}
+	return file_stage_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *GenerateChunk) GetText() string {
@@ -1006,6 +1085,13 @@ func (x *GenerateChunk) GetTimings() *Timings {
 	return nil
 }
 
+func (x *GenerateChunk) GetKvEvents() *KvEvents {
+	if x != nil {
+		return x.KvEvents
+	}
+	return nil
+}
+
 type HealthRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1014,7 +1100,7 @@ type HealthRequest struct {
 
 func (x *HealthRequest) Reset() {
 	*x = HealthRequest{}
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1026,7 +1112,7 @@ func (x *HealthRequest) String() string {
 func (*HealthRequest) ProtoMessage() {}
 
 func (x *HealthRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1039,7 +1125,7 @@ func (x *HealthRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthRequest.ProtoReflect.Descriptor instead.
 func (*HealthRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{10}
+	return file_stage_proto_rawDescGZIP(), []int{11}
 }
 
 type CacheConfig struct {
@@ -1048,13 +1134,14 @@ type CacheConfig struct {
 	NumKvBlocks         uint32                 `protobuf:"varint,2,opt,name=num_kv_blocks,json=numKvBlocks,proto3" json:"num_kv_blocks,omitempty"`
 	EnablePrefixCaching bool                   `protobuf:"varint,3,opt,name=enable_prefix_caching,json=enablePrefixCaching,proto3" json:"enable_prefix_caching,omitempty"`
 	MaxNumSeqs          uint32                 `protobuf:"varint,4,opt,name=max_num_seqs,json=maxNumSeqs,proto3" json:"max_num_seqs,omitempty"`
+	KvEvents            bool                   `protobuf:"varint,5,opt,name=kv_events,json=kvEvents,proto3" json:"kv_events,omitempty"` // the engine reports KvEvents on its chunks
 	unknownFields       protoimpl.UnknownFields
 	sizeCache           protoimpl.SizeCache
 }
 
 func (x *CacheConfig) Reset() {
 	*x = CacheConfig{}
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1066,7 +1153,7 @@ func (x *CacheConfig) String() string {
 func (*CacheConfig) ProtoMessage() {}
 
 func (x *CacheConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1079,7 +1166,7 @@ func (x *CacheConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CacheConfig.ProtoReflect.Descriptor instead.
 func (*CacheConfig) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{11}
+	return file_stage_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *CacheConfig) GetBlockSize() uint32 {
@@ -1110,6 +1197,13 @@ func (x *CacheConfig) GetMaxNumSeqs() uint32 {
 	return 0
 }
 
+func (x *CacheConfig) GetKvEvents() bool {
+	if x != nil {
+		return x.KvEvents
+	}
+	return false
+}
+
 type HealthResponse struct {
 	state                protoimpl.MessageState `protogen:"open.v1"`
 	Status               ServingStatus          `protobuf:"varint,1,opt,name=status,proto3,enum=troupe.stage.v1.ServingStatus" json:"status,omitempty"`
@@ -1131,7 +1225,7 @@ type HealthResponse struct {
 
 func (x *HealthResponse) Reset() {
 	*x = HealthResponse{}
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1143,7 +1237,7 @@ func (x *HealthResponse) String() string {
 func (*HealthResponse) ProtoMessage() {}
 
 func (x *HealthResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1156,7 +1250,7 @@ func (x *HealthResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthResponse.ProtoReflect.Descriptor instead.
 func (*HealthResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{12}
+	return file_stage_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *HealthResponse) GetStatus() ServingStatus {
@@ -1231,7 +1325,7 @@ type SleepRequest struct {
 
 func (x *SleepRequest) Reset() {
 	*x = SleepRequest{}
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1243,7 +1337,7 @@ func (x *SleepRequest) String() string {
 func (*SleepRequest) ProtoMessage() {}
 
 func (x *SleepRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1256,7 +1350,7 @@ func (x *SleepRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepRequest.ProtoReflect.Descriptor instead.
 func (*SleepRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{13}
+	return file_stage_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *SleepRequest) GetLevel() uint32 {
@@ -1275,7 +1369,7 @@ type SleepResponse struct {
 
 func (x *SleepResponse) Reset() {
 	*x = SleepResponse{}
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1287,7 +1381,7 @@ func (x *SleepResponse) String() string {
 func (*SleepResponse) ProtoMessage() {}
 
 func (x *SleepResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1300,7 +1394,7 @@ func (x *SleepResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepResponse.ProtoReflect.Descriptor instead.
 func (*SleepResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{14}
+	return file_stage_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *SleepResponse) GetSleepState() SleepState {
@@ -1318,7 +1412,7 @@ type WakeUpRequest struct {
 
 func (x *WakeUpRequest) Reset() {
 	*x = WakeUpRequest{}
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1330,7 +1424,7 @@ func (x *WakeUpRequest) String() string {
 func (*WakeUpRequest) ProtoMessage() {}
 
 func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1343,7 +1437,7 @@ func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpRequest.ProtoReflect.Descriptor instead.
 func (*WakeUpRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{15}
+	return file_stage_proto_rawDescGZIP(), []int{16}
 }
 
 type WakeUpResponse struct {
@@ -1355,7 +1449,7 @@ type WakeUpResponse struct {
 
 func (x *WakeUpResponse) Reset() {
 	*x = WakeUpResponse{}
-	mi := &file_stage_proto_msgTypes[16]
+	mi := &file_stage_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1367,7 +1461,7 @@ func (x *WakeUpResponse) String() string {
 func (*WakeUpResponse) ProtoMessage() {}
 
 func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[16]
+	mi := &file_stage_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1380,7 +1474,7 @@ func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpResponse.ProtoReflect.Descriptor instead.
 func (*WakeUpResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{16}
+	return file_stage_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *WakeUpResponse) GetSleepState() SleepState {
@@ -1398,7 +1492,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_stage_proto_msgTypes[17]
+	mi := &file_stage_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1410,7 +1504,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[17]
+	mi := &file_stage_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1423,7 +1517,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{17}
+	return file_stage_proto_rawDescGZIP(), []int{18}
 }
 
 type DrainResponse struct {
@@ -1435,7 +1529,7 @@ type DrainResponse struct {
 
 func (x *DrainResponse) Reset() {
 	*x = DrainResponse{}
-	mi := &file_stage_proto_msgTypes[18]
+	mi := &file_stage_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1447,7 +1541,7 @@ func (x *DrainResponse) String() string {
 func (*DrainResponse) ProtoMessage() {}
 
 func (x *DrainResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[18]
+	mi := &file_stage_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1460,7 +1554,7 @@ func (x *DrainResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainResponse.ProtoReflect.Descriptor instead.
 func (*DrainResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{18}
+	return file_stage_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *DrainResponse) GetInFlight() uint32 {
@@ -1528,11 +1622,16 @@ const file_stage_proto_rawDesc = "" +
 	"\x14num_requests_running\x18\x14 \x01(\rR\x12numRequestsRunning\x12A\n" +
 	"\x1dnum_requests_waiting_capacity\x18\x15 \x01(\rR\x1anumRequestsWaitingCapacity\x12A\n" +
 	"\x1dnum_requests_waiting_deferred\x18\x16 \x01(\rR\x1anumRequestsWaitingDeferred\x12-\n" +
-	"\x13kv_cache_usage_perc\x18\x17 \x01(\x01R\x10kvCacheUsagePerc\"~\n" +
+	"\x13kv_cache_usage_perc\x18\x17 \x01(\x01R\x10kvCacheUsagePerc\"h\n" +
+	"\bKvEvents\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x18\n" +
+	"\acleared\x18\x02 \x01(\bR\acleared\x12\x16\n" +
+	"\x06stored\x18\x03 \x03(\x04R\x06stored\x12\x18\n" +
+	"\aremoved\x18\x04 \x03(\x04R\aremoved\"~\n" +
 	"\aTimings\x12#\n" +
 	"\rqueue_seconds\x18\x01 \x01(\x01R\fqueueSeconds\x12'\n" +
 	"\x0fprefill_seconds\x18\x02 \x01(\x01R\x0eprefillSeconds\x12%\n" +
-	"\x0edecode_seconds\x18\x03 \x01(\x01R\rdecodeSeconds\"\xc4\x02\n" +
+	"\x0edecode_seconds\x18\x03 \x01(\x01R\rdecodeSeconds\"\xfc\x02\n" +
 	"\rGenerateChunk\x12\x12\n" +
 	"\x04text\x18\x01 \x01(\tR\x04text\x12\x1b\n" +
 	"\ttoken_ids\x18\x02 \x03(\rR\btokenIds\x12\x14\n" +
@@ -1543,15 +1642,17 @@ const file_stage_proto_rawDesc = "" +
 	"sampleRate\x12B\n" +
 	"\rfinish_reason\x18\x06 \x01(\x0e2\x1d.troupe.stage.v1.FinishReasonR\ffinishReason\x122\n" +
 	"\x05stats\x18\a \x01(\v2\x1c.troupe.stage.v1.EngineStatsR\x05stats\x122\n" +
-	"\atimings\x18\b \x01(\v2\x18.troupe.stage.v1.TimingsR\atimings\"\x0f\n" +
-	"\rHealthRequest\"\xa6\x01\n" +
+	"\atimings\x18\b \x01(\v2\x18.troupe.stage.v1.TimingsR\atimings\x126\n" +
+	"\tkv_events\x18\t \x01(\v2\x19.troupe.stage.v1.KvEventsR\bkvEvents\"\x0f\n" +
+	"\rHealthRequest\"\xc3\x01\n" +
 	"\vCacheConfig\x12\x1d\n" +
 	"\n" +
 	"block_size\x18\x01 \x01(\rR\tblockSize\x12\"\n" +
 	"\rnum_kv_blocks\x18\x02 \x01(\rR\vnumKvBlocks\x122\n" +
 	"\x15enable_prefix_caching\x18\x03 \x01(\bR\x13enablePrefixCaching\x12 \n" +
 	"\fmax_num_seqs\x18\x04 \x01(\rR\n" +
-	"maxNumSeqs\"\xa5\x03\n" +
+	"maxNumSeqs\x12\x1b\n" +
+	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xa5\x03\n" +
 	"\x0eHealthResponse\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.troupe.stage.v1.ServingStatusR\x06status\x12<\n" +
 	"\vsleep_state\x18\x02 \x01(\x0e2\x1b.troupe.stage.v1.SleepStateR\n" +
@@ -1613,7 +1714,7 @@ func file_stage_proto_rawDescGZIP() []byte {
 }
 
 var file_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_stage_proto_goTypes = []any{
 	(FinishReason)(0),       // 0: troupe.stage.v1.FinishReason
 	(SleepState)(0),         // 1: troupe.stage.v1.SleepState
@@ -1626,17 +1727,18 @@ var file_stage_proto_goTypes = []any{
 	(*GenerateRequest)(nil), // 8: troupe.stage.v1.GenerateRequest
 	(*StreamInput)(nil),     // 9: troupe.stage.v1.StreamInput
 	(*EngineStats)(nil),     // 10: troupe.stage.v1.EngineStats
-	(*Timings)(nil),         // 11: troupe.stage.v1.Timings
-	(*GenerateChunk)(nil),   // 12: troupe.stage.v1.GenerateChunk
-	(*HealthRequest)(nil),   // 13: troupe.stage.v1.HealthRequest
-	(*CacheConfig)(nil),     // 14: troupe.stage.v1.CacheConfig
-	(*HealthResponse)(nil),  // 15: troupe.stage.v1.HealthResponse
-	(*SleepRequest)(nil),    // 16: troupe.stage.v1.SleepRequest
-	(*SleepResponse)(nil),   // 17: troupe.stage.v1.SleepResponse
-	(*WakeUpRequest)(nil),   // 18: troupe.stage.v1.WakeUpRequest
-	(*WakeUpResponse)(nil),  // 19: troupe.stage.v1.WakeUpResponse
-	(*DrainRequest)(nil),    // 20: troupe.stage.v1.DrainRequest
-	(*DrainResponse)(nil),   // 21: troupe.stage.v1.DrainResponse
+	(*KvEvents)(nil),        // 11: troupe.stage.v1.KvEvents
+	(*Timings)(nil),         // 12: troupe.stage.v1.Timings
+	(*GenerateChunk)(nil),   // 13: troupe.stage.v1.GenerateChunk
+	(*HealthRequest)(nil),   // 14: troupe.stage.v1.HealthRequest
+	(*CacheConfig)(nil),     // 15: troupe.stage.v1.CacheConfig
+	(*HealthResponse)(nil),  // 16: troupe.stage.v1.HealthResponse
+	(*SleepRequest)(nil),    // 17: troupe.stage.v1.SleepRequest
+	(*SleepResponse)(nil),   // 18: troupe.stage.v1.SleepResponse
+	(*WakeUpRequest)(nil),   // 19: troupe.stage.v1.WakeUpRequest
+	(*WakeUpResponse)(nil),  // 20: troupe.stage.v1.WakeUpResponse
+	(*DrainRequest)(nil),    // 21: troupe.stage.v1.DrainRequest
+	(*DrainResponse)(nil),   // 22: troupe.stage.v1.DrainResponse
 }
 var file_stage_proto_depIdxs = []int32{
 	6,  // 0: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
@@ -1647,30 +1749,31 @@ var file_stage_proto_depIdxs = []int32{
 	8,  // 5: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
 	0,  // 6: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
 	10, // 7: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
-	11, // 8: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
-	2,  // 9: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
-	1,  // 10: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	14, // 11: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
-	10, // 12: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
-	1,  // 13: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	1,  // 14: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	8,  // 15: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
-	13, // 16: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
-	16, // 17: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
-	18, // 18: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
-	20, // 19: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
-	9,  // 20: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
-	12, // 21: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
-	15, // 22: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
-	17, // 23: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
-	19, // 24: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
-	21, // 25: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
-	12, // 26: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
-	21, // [21:27] is the sub-list for method output_type
-	15, // [15:21] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	12, // 8: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
+	11, // 9: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
+	2,  // 10: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
+	1,  // 11: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	15, // 12: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
+	10, // 13: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
+	1,  // 14: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	1,  // 15: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	8,  // 16: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
+	14, // 17: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
+	17, // 18: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
+	19, // 19: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
+	21, // 20: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
+	9,  // 21: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
+	13, // 22: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
+	16, // 23: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
+	18, // 24: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
+	20, // 25: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
+	22, // 26: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
+	13, // 27: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
+	22, // [22:28] is the sub-list for method output_type
+	16, // [16:22] is the sub-list for method input_type
+	16, // [16:16] is the sub-list for extension type_name
+	16, // [16:16] is the sub-list for extension extendee
+	0,  // [0:16] is the sub-list for field type_name
 }
 
 func init() { file_stage_proto_init() }
@@ -1691,7 +1794,7 @@ func file_stage_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_stage_proto_rawDesc), len(file_stage_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   19,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -28,6 +28,15 @@ const (
 	KeyEngineIndex = attribute.Key("troupe.engine.index") // int: assigned by the head's registry
 	KeyAttempt     = attribute.Key("troupe.attempt")      // int: 1 for the first try of a stage
 	KeyRequestID   = attribute.Key("troupe.request.id")   // string: the X-Request-Id
+
+	// Routing of a stage attempt (docs/routing.md).
+	KeyRoutePolicy = attribute.Key("troupe.route.policy") // string: the stage's policy
+	KeyRouteReason = attribute.Key("troupe.route.reason") // string: rotation, load, prefix_match, affinity, load_fallback
+	// prefix_aware only: leading blocks of the input the chosen replica
+	// holds, the input's blocks, and who said so (engine or head).
+	KeyRoutePrefixMatchBlocks = attribute.Key("troupe.route.prefix_match_blocks")
+	KeyRoutePrefixInputBlocks = attribute.Key("troupe.route.prefix_input_blocks")
+	KeyRoutePrefixSource      = attribute.Key("troupe.route.prefix_source")
 )
 
 // GenAI semantic convention keys (gen_ai.*). They are declared here because
@@ -59,6 +68,20 @@ func StageAttributes(stageID int, stageName string, replicaID uint64, engineInde
 		KeyEngineIndex.Int(engineIndex),
 		KeyAttempt.Int(attempt),
 	}
+}
+
+// RouteAttributes describe why a stage attempt went to its replica.
+// prefixSource is "" for picks that did not look at prefixes, and then the
+// block counts are left out.
+func RouteAttributes(policy, reason, prefixSource string, matchBlocks, inputBlocks int) []attribute.KeyValue {
+	attrs := []attribute.KeyValue{KeyRoutePolicy.String(policy), KeyRouteReason.String(reason)}
+	if prefixSource != "" {
+		attrs = append(attrs,
+			KeyRoutePrefixSource.String(prefixSource),
+			KeyRoutePrefixMatchBlocks.Int(matchBlocks),
+			KeyRoutePrefixInputBlocks.Int(inputBlocks))
+	}
+	return attrs
 }
 
 // GenAIRequestAttributes describe a request: operation ("chat",

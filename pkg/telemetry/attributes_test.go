@@ -38,6 +38,15 @@ func TestAttributeHelpers(t *testing.T) {
 	assert.Equal(t, int64(2), st["troupe.attempt"].AsInt64())
 	assert.Equal(t, "troupe.stage vocoder", StageSpanName("vocoder"))
 
+	route := set(RouteAttributes("prefix_aware", "prefix_match", "engine", 12, 20))
+	assert.Equal(t, "prefix_aware", route["troupe.route.policy"].AsString())
+	assert.Equal(t, "prefix_match", route["troupe.route.reason"].AsString())
+	assert.Equal(t, "engine", route["troupe.route.prefix_source"].AsString())
+	assert.Equal(t, int64(12), route["troupe.route.prefix_match_blocks"].AsInt64())
+	assert.Equal(t, int64(20), route["troupe.route.prefix_input_blocks"].AsInt64())
+	plain := set(RouteAttributes("round_robin", "rotation", "", 0, 0))
+	assert.Len(t, plain, 2, "no prefix attributes for a pick that did not look at prefixes")
+
 	temp := 0.7
 	req := set(GenAIRequestAttributes(GenAIOperationChat, "troupe-omni-sim", 128, &temp))
 	assert.Equal(t, "chat", req["gen_ai.operation.name"].AsString())

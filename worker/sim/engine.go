@@ -209,6 +209,7 @@ func (e *Engine) Health() *stagepb.HealthResponse {
 			NumKvBlocks:         uint32(e.cfg.NumKVBlocks),
 			EnablePrefixCaching: !e.cfg.DisablePrefixCaching,
 			MaxNumSeqs:          uint32(e.cfg.MaxNumSeqs),
+			KvEvents:            !e.cfg.DisablePrefixCaching,
 		},
 		Gauges: &stagepb.EngineStats{
 			NumRequestsRunning:         uint32(s.Running),

@@ -1,5 +1,11 @@
 package sim
 
+import (
+	"slices"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
 // blockPool is the KV cache: a fixed number of blocks, reference counted,
 // with a prefix cache in the style of vLLM v1. A full block that has been
 // computed is "committed" under the chained hash of its tokens; when its
@@ -12,6 +18,43 @@ type blockPool struct {
 	numFree int
 	used    int // blocks with ref > 0
 	cached  map[uint64]int32
+	events  kvEventLog
+}
+
+// kvEventLog collects what the prefix cache stored and evicted since the
+// last report, coalesced per hash to the state at the end of the period.
+type kvEventLog struct {
+	seq     uint64
+	cleared bool
+	pending map[uint64]bool // hash → stored (true) or removed (false)
+}
+
+func (l *kvEventLog) record(hash uint64, stored bool) {
+	if l.pending == nil {
+		l.pending = map[uint64]bool{}
+	}
+	l.pending[hash] = stored
+}
+
+// take returns the events since the last take, or nil when there are none.
+func (l *kvEventLog) take() *stagepb.KvEvents {
+	if len(l.pending) == 0 && !l.cleared {
+		return nil
+	}
+	l.seq++
+	ev := &stagepb.KvEvents{Seq: l.seq, Cleared: l.cleared}
+	for h, stored := range l.pending {
+		if stored {
+			ev.Stored = append(ev.Stored, h)
+		} else {
+			ev.Removed = append(ev.Removed, h)
+		}
+	}
+	slices.Sort(ev.Stored) // deterministic reports
+	slices.Sort(ev.Removed)
+	clear(l.pending)
+	l.cleared = false
+	return ev
 }
 
 type kvBlock struct {
@@ -100,6 +143,7 @@ func (p *blockPool) allocate(n int) []int32 {
 		if b.hashed {
 			delete(p.cached, b.hash)
 			b.hashed = false
+			p.events.record(b.hash, false)
 		}
 		b.ref = 1
 		p.used++
@@ -130,6 +174,7 @@ func (p *blockPool) commit(id int32, hash uint64) {
 	b := &p.blocks[id]
 	b.hash, b.hashed = hash, true
 	p.cached[hash] = id
+	p.events.record(hash, true)
 }
 
 // reset forgets the prefix cache (sleep level 2).
@@ -138,14 +183,11 @@ func (p *blockPool) reset() {
 		p.blocks[i].hashed = false
 	}
 	clear(p.cached)
+	clear(p.events.pending)
+	p.events.cleared = true
 }
 
-// chainHash is the hash of a full block given its parent's hash, so equal
-// hashes mean equal prefixes, not just equal blocks.
-func chainHash(parent uint64, tokens []uint32) uint64 {
-	h := mix(parent ^ 0x626c6f636b)
-	for _, t := range tokens {
-		h = mix(h ^ uint64(t))
-	}
-	return h
-}
+// chainHash is the hash of a full block given its parent's hash: the
+// protocol's block hash, so the blocks named in KvEvents are the ones the
+// head computes from a prompt.
+func chainHash(parent uint64, tokens []uint32) uint64 { return stagepb.BlockHash(parent, tokens) }

@@ -395,6 +395,9 @@ func (sc *scheduler) complete(b *batch, now time.Time) []output {
 		outs[0].chunk.Stats.IterationTokens = sc.pendingIter
 		sc.pendingIter = nil
 	}
+	if len(outs) > 0 {
+		outs[0].chunk.KvEvents = sc.pool.events.take()
+	}
 	running, capacity, deferred, usage := sc.gauges()
 	for _, o := range outs {
 		st := o.chunk.Stats

@@ -1,6 +1,9 @@
 package sim
 
 import (
+	"cmp"
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -278,4 +281,93 @@ func TestPrefixCachingDisabled(t *testing.T) {
 		assert.Equal(t, uint64(21), st.PromptTokensLocalCompute)
 	}
 	assert.Equal(t, 0, d.sc.snapshot().KVBlocksCached)
+}
+
+// replayKVEvents applies every KvEvents the driver's chunks carried, in seq
+// order, as the head does, and returns the set of blocks they say are cached.
+func replayKVEvents(t *testing.T, d *driver) map[uint64]bool {
+	t.Helper()
+	var evs []*stagepb.KvEvents
+	for _, chunks := range d.chunks {
+		for _, c := range chunks {
+			if ev := c.GetKvEvents(); ev != nil {
+				evs = append(evs, ev)
+			}
+		}
+	}
+	slices.SortFunc(evs, func(a, b *stagepb.KvEvents) int { return cmp.Compare(a.GetSeq(), b.GetSeq()) })
+	held := map[uint64]bool{}
+	for i, ev := range evs {
+		require.Equal(t, uint64(i+1), ev.GetSeq(), "seq counts reports from 1 without gaps")
+		if ev.GetCleared() {
+			clear(held)
+		}
+		for _, h := range ev.GetRemoved() {
+			delete(held, h)
+		}
+		for _, h := range ev.GetStored() {
+			held[h] = true
+		}
+		for _, h := range ev.GetStored() {
+			assert.NotContains(t, ev.GetRemoved(), h, "stored and removed are disjoint")
+		}
+	}
+	return held
+}
+
+func TestKVEventsMirrorThePrefixCache(t *testing.T) {
+	// A pool far too small for the prompts, so blocks are evicted and
+	// re-stored while the events are collected.
+	d := newDriver(t, Config{BlockSize: 4, NumKVBlocks: 24, MaxNumSeqs: 3})
+	var prompts []string
+	for i := range 12 {
+		prompts = append(prompts, strings.Repeat("shared prefix words ", 3)+strings.Repeat(fmt.Sprintf("user%d ", i%5), 4+i%3))
+	}
+	for round := range 3 {
+		for i, p := range prompts {
+			d.add(p, &stagepb.SamplingParams{MaxTokens: uint32(3 + (i+round)%4), IgnoreEos: true})
+		}
+		d.runAll(nil)
+	}
+	evicted := 0
+	for _, chunks := range d.chunks {
+		for _, c := range chunks {
+			evicted += len(c.GetKvEvents().GetRemoved())
+		}
+	}
+	require.Positive(t, evicted, "the workload must evict for the test to mean anything")
+	cached := map[uint64]bool{}
+	for h := range d.sc.pool.cached {
+		cached[h] = true
+	}
+	require.NotEmpty(t, cached)
+	assert.Equal(t, cached, replayKVEvents(t, d), "the reports, replayed in seq order, name exactly the cached blocks")
+
+	// The blocks are named by the protocol's hash over the sim's tokens,
+	// which is what the head computes from the prompt.
+	want := stagepb.BlockHashes(Tokenize(prompts[0]), 4)
+	require.NotEmpty(t, want)
+	d.add(prompts[0], nil)
+	d.runAll(nil)
+	held := replayKVEvents(t, d)
+	for _, h := range want {
+		assert.True(t, held[h], "every full prompt block is reported stored")
+	}
+
+	d.sc.pool.reset()
+	s := d.add(prompts[1], &stagepb.SamplingParams{MaxTokens: 1})
+	d.runAll(nil)
+	ev := d.chunks[s][0].GetKvEvents()
+	require.NotNil(t, ev)
+	assert.True(t, ev.GetCleared(), "a reset is reported before what was stored after it")
+}
+
+func TestKVEventsOffWithoutPrefixCaching(t *testing.T) {
+	d := newDriver(t, Config{BlockSize: 4, DisablePrefixCaching: true})
+	d.add(strings.Repeat("alpha beta gamma delta ", 5), nil)
+	d.runAll(nil)
+	assert.Empty(t, replayKVEvents(t, d))
+	e := newEngine(t, Config{DisablePrefixCaching: true})
+	assert.False(t, e.Health().GetCacheConfig().GetKvEvents())
+	assert.True(t, newEngine(t, Config{}).Health().GetCacheConfig().GetKvEvents())
 }

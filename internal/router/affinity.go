@@ -1,0 +1,83 @@
+package router
+
+import (
+	"hash/fnv"
+	"math"
+	"slices"
+)
+
+// AffinityLoadFactor is c of consistent hashing with bounded loads: no
+// replica takes a session's request while its load is above c times the
+// stage's average (counting the new request).
+const AffinityLoadFactor = 1.25
+
+// Affinity places sessions by rendezvous (highest random weight) hashing
+// with bounded loads (Mirrokni, Thorup, Zadimoghaddam, 2018). Every replica
+// gets a weight from the session key and its own key; the session's replica
+// is the heaviest that is not above the load bound, so a session stays put
+// while its replica is routable and not overloaded, a replica that joins
+// takes only the sessions that now weigh most on it (a fair share), and a
+// replica that leaves gives up only its own. Weights depend on nothing but
+// the two keys: every head agrees, and a restart changes nothing.
+// Affinity is stateless and safe for concurrent use.
+type Affinity struct{}
+
+// Pick returns the session's replica among candidates (not empty), and
+// whether it is the session's first choice (false: the first choice was
+// over the load bound).
+func (Affinity) Pick(session string, c []*Replica) (*Replica, bool) {
+	ranked := Rank(session, c)
+	var total int64
+	for _, r := range c {
+		total += score(r)
+	}
+	bound := int64(math.Ceil(AffinityLoadFactor * float64(total+1) / float64(len(c))))
+	for i, r := range ranked {
+		if score(r)+1 <= bound {
+			return r, i == 0
+		}
+	}
+	return ranked[0], true // unreachable: the least loaded is never above the average
+}
+
+// Rank orders candidates by their weight for session, heaviest first.
+func Rank(session string, c []*Replica) []*Replica {
+	h := fnv.New64a()
+	h.Write([]byte(session))
+	sk := h.Sum64()
+	type weighted struct {
+		r *Replica
+		w uint64
+	}
+	ws := make([]weighted, len(c))
+	for i, r := range c {
+		ws[i] = weighted{r, weight(sk, r.Key)}
+	}
+	slices.SortFunc(ws, func(a, b weighted) int {
+		switch {
+		case a.w > b.w:
+			return -1
+		case a.w < b.w:
+			return 1
+		}
+		return 0
+	})
+	out := make([]*Replica, len(c))
+	for i, w := range ws {
+		out[i] = w.r
+	}
+	return out
+}
+
+// weight is the rendezvous weight of a replica for a session.
+func weight(session uint64, k Key) uint64 {
+	return mix64(session ^ mix64(uint64(k.Stage)<<32|uint64(k.Replica)))
+}
+
+// mix64 is the splitmix64 finalizer.
+func mix64(z uint64) uint64 {
+	z += 0x9e3779b97f4a7c15
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
+	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+	return z ^ (z >> 31)
+}

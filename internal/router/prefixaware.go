@@ -1,0 +1,223 @@
+package router
+
+import (
+	"encoding/binary"
+	"hash/fnv"
+	"math/rand/v2"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+// HeadBlockBytes is the block size of the head's own (approximate) prefix
+// hashes: bytes of the input text, about as many tokens as an engine's
+// 16-token KV block holds.
+const HeadBlockBytes = 64
+
+// Defaults of the balance threshold (see PrefixAware).
+const (
+	DefaultBalanceAbs = 4
+	DefaultBalanceRel = 1.5
+)
+
+// PrefixAware sends a request to the replica holding the longest cached
+// prefix of its input, unless that replica is overloaded relative to the
+// least loaded one, in which case load decides (the balance threshold of
+// SGLang's cache-aware router). Matches are compared as the fraction of the
+// input's blocks held, so replicas named by different hash schemes compare
+// fairly; ties go to the less loaded replica, then at random.
+//
+// What each replica holds comes from one of two sources, per replica:
+//   - engine-reported: the replica's engine reports KvEvents (Health says
+//     so), the head has the engine's tokenizer, and the source is auto: the
+//     index holds exactly what the engine reported, in the engine's own
+//     token blocks;
+//   - head-side (approximate): any other engine. After each pick the head
+//     records the input's 64-byte text blocks as held by the chosen
+//     replica, a guess that needs nothing from the engine.
+//
+// The index is bounded (LRU) and a replica's entries are dropped when it
+// leaves (Forget). Pick is safe for concurrent use.
+type PrefixAware struct {
+	// A replica is overloaded when its score is at least BalanceAbs above
+	// the least loaded replica's and more than BalanceRel times it.
+	BalanceAbs int64
+	BalanceRel float64
+
+	source     string
+	tokenizers map[string]Tokenizer
+	index      *PrefixIndex
+}
+
+// NewPrefixAware returns a prefix_aware policy for one stage.
+func NewPrefixAware(opts PolicyOptions) *PrefixAware {
+	src := opts.PrefixSource
+	if src == "" {
+		src = PrefixSourceAuto
+	}
+	return &PrefixAware{
+		BalanceAbs: DefaultBalanceAbs,
+		BalanceRel: DefaultBalanceRel,
+		source:     src,
+		tokenizers: opts.Tokenizers,
+		index:      NewPrefixIndex(opts.IndexCapacity),
+	}
+}
+
+// Name implements Policy.
+func (*PrefixAware) Name() string { return PolicyPrefixAware }
+
+// Reasons implements Policy.
+func (*PrefixAware) Reasons() []Reason {
+	return []Reason{ReasonLoad, ReasonPrefixMatch, ReasonLoadFallback}
+}
+
+// Index is the policy's prefix index.
+func (p *PrefixAware) Index() *PrefixIndex { return p.index }
+
+// scheme names how a replica's blocks are hashed: the head's text blocks
+// (tokenizer nil), or an engine's token blocks of blockSize.
+type scheme struct {
+	engine    string
+	blockSize int
+}
+
+type schemeHashes struct {
+	scheme scheme
+	hashes []uint64
+}
+
+// schemeOf is the hash scheme the policy uses for r.
+func (p *PrefixAware) schemeOf(r *Replica) scheme {
+	if p.source == PrefixSourceAuto && r.Engine.KVEvents && r.Engine.BlockSize > 0 && p.tokenizers[r.Engine.Name] != nil {
+		return scheme{engine: r.Engine.Name, blockSize: r.Engine.BlockSize}
+	}
+	return scheme{}
+}
+
+// hashesOf returns req's block hashes in scheme s, computing them once.
+func (p *PrefixAware) hashesOf(req *Request, s scheme) []uint64 {
+	for _, sh := range req.hashes {
+		if sh.scheme == s {
+			return sh.hashes
+		}
+	}
+	var hs []uint64
+	if s.engine == "" {
+		hs = HeadBlockHashes(req.Text)
+	} else {
+		hs = stagepb.BlockHashes(p.tokenizers[s.engine](req.Text), s.blockSize)
+	}
+	req.hashes = append(req.hashes, schemeHashes{scheme: s, hashes: hs})
+	return hs
+}
+
+// HeadBlockHashes are the head's approximate block hashes of a text: FNV-1a
+// over each full HeadBlockBytes block, chained through the previous hash.
+func HeadBlockHashes(text string) []uint64 {
+	out := make([]uint64, 0, len(text)/HeadBlockBytes)
+	var parent [8]byte
+	for j := 0; (j+1)*HeadBlockBytes <= len(text); j++ {
+		h := fnv.New64a()
+		h.Write(parent[:])
+		h.Write([]byte(text[j*HeadBlockBytes : (j+1)*HeadBlockBytes]))
+		sum := h.Sum64()
+		out = append(out, sum)
+		binary.LittleEndian.PutUint64(parent[:], sum)
+	}
+	return out
+}
+
+// Pick implements Policy.
+func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
+	type cand struct {
+		r             *Replica
+		s             scheme
+		match, blocks int
+	}
+	cs := make([]cand, len(c))
+	groups := map[scheme][]int{} // replicas that share a scheme are matched in one pass
+	for i, r := range c {
+		cs[i] = cand{r: r, s: p.schemeOf(r)}
+		groups[cs[i].s] = append(groups[cs[i].s], i)
+	}
+	for s, idx := range groups {
+		hs := p.hashesOf(req, s)
+		keys := make([]Key, len(idx))
+		for k, j := range idx {
+			keys[k] = cs[j].r.Key
+		}
+		for k, m := range p.index.Match(hs, keys) {
+			cs[idx[k]].match, cs[idx[k]].blocks = m, len(hs)
+		}
+	}
+	ratio := func(x cand) float64 {
+		if x.blocks <= 0 {
+			return 0
+		}
+		return float64(x.match) / float64(x.blocks)
+	}
+	best, least := -1, -1
+	nBest, nLeast := 0, 0
+	for i, x := range cs {
+		switch {
+		case least < 0 || score(x.r) < score(cs[least].r):
+			least, nLeast = i, 1
+		case score(x.r) == score(cs[least].r):
+			nLeast++ // reservoir sampling: each tie equally likely
+			if rand.IntN(nLeast) == 0 {
+				least = i
+			}
+		}
+		if x.match == 0 {
+			continue
+		}
+		switch {
+		case best < 0 || ratio(x) > ratio(cs[best]) || (ratio(x) == ratio(cs[best]) && score(x.r) < score(cs[best].r)):
+			best, nBest = i, 1
+		case ratio(x) == ratio(cs[best]) && score(x.r) == score(cs[best].r):
+			nBest++
+			if rand.IntN(nBest) == 0 {
+				best = i
+			}
+		}
+	}
+	d := Decision{Policy: PolicyPrefixAware, Reason: ReasonLoad}
+	chosen := least
+	if best >= 0 {
+		if p.overloaded(cs[best].r, cs[least].r) {
+			d.Reason = ReasonLoadFallback
+		} else {
+			chosen, d.Reason = best, ReasonPrefixMatch
+		}
+	}
+	x := cs[chosen]
+	d.Replica = x.r
+	d.MatchBlocks, d.InputBlocks = x.match, x.blocks
+	d.PrefixSource = PrefixHead
+	if x.s.engine != "" {
+		d.PrefixSource = PrefixEngine
+	} else if x.blocks > 0 {
+		// The head's guess: the chosen replica computes, and so caches,
+		// this input.
+		p.index.Insert(x.r.Key, p.hashesOf(req, x.s))
+	}
+	return d
+}
+
+// overloaded reports whether r is too far above the least loaded replica to
+// take more cached work.
+func (p *PrefixAware) overloaded(r, least *Replica) bool {
+	s, m := score(r), score(least)
+	return s >= m+p.BalanceAbs && float64(s) > p.BalanceRel*float64(m)
+}
+
+// Forget drops what the index knows about a replica.
+func (p *PrefixAware) Forget(k Key) { p.index.Forget(k) }
+
+// ApplyKVEvents records an engine's report about its cache, for replicas
+// in the engine-reported mode; reports of other replicas are ignored.
+func (p *PrefixAware) ApplyKVEvents(r *Replica, ev *stagepb.KvEvents) {
+	if p.schemeOf(r).engine != "" {
+		p.index.Apply(r.Key, ev)
+	}
+}
