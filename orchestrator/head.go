@@ -28,13 +28,13 @@ import (
 
 // Config configures a Head.
 type Config struct {
-	Cluster           string
-	Pipeline          Pipeline
-	Policy            string        // default policy of stages that name none; default round_robin
+	Cluster  string
+	Pipeline Pipeline
+	Policy   string // default policy of stages that name none; default round_robin
 	// Tokenizers, by engine name as Health reports it, let prefix_aware
 	// name an engine's blocks as the engine does, so engines that report
 	// their cache (KvEvents) get the engine-reported mode. Optional.
-	Tokenizers map[string]func(text string) []uint32
+	Tokenizers        map[string]func(text string) []uint32
 	LogStats          bool          // register and record the stat families
 	DetachedSeriesTTL time.Duration // 0: keep a detached replica's series forever
 	ReconcileInterval time.Duration // membership full re-list period
