@@ -28,13 +28,9 @@ import (
 
 // Config configures a Head.
 type Config struct {
-	Cluster  string
-	Pipeline Pipeline
-	Policy   string // default policy of stages that name none; default round_robin
-	// Tokenizers, by engine name as Health reports it, let prefix_aware
-	// name an engine's blocks as the engine does, so engines that report
-	// their cache (KvEvents) get the engine-reported mode. Optional.
-	Tokenizers        map[string]func(text string) []uint32
+	Cluster           string
+	Pipeline          Pipeline
+	Policy            string        // default policy of stages that name none; default round_robin
 	LogStats          bool          // register and record the stat families
 	DetachedSeriesTTL time.Duration // 0: keep a detached replica's series forever
 	ReconcileInterval time.Duration // membership full re-list period
@@ -48,6 +44,10 @@ type Config struct {
 	Dial            router.Dialer
 	TracerProvider  trace.TracerProvider
 	Logger          *slog.Logger
+	// Tokenizers, by engine name as Health reports it, let prefix_aware
+	// name an engine's blocks as the engine does, so engines that report
+	// their cache (KvEvents) get the engine-reported mode. Optional.
+	Tokenizers map[string]func(text string) []uint32
 }
 
 // Head is the orchestrator. Run owns its goroutines; Execute, Replicas,

@@ -304,6 +304,27 @@ func TestPrefixAwareConvergesThenSpillsUnderLoad(t *testing.T) {
 	assert.Equal(t, ReasonLoad, d.Reason)
 }
 
+func TestPrefixAwareFallbackKeepsTheBestMatchItCan(t *testing.T) {
+	p := NewPrefixAware(PolicyOptions{})
+	c := replicas(3)
+	system := strings.Repeat("a shared system prompt of some length. ", 20)
+	history := system + strings.Repeat("a long conversation that only one replica has seen. ", 20)
+	p.Index().Insert(c[0].Key, HeadBlockHashes(history))
+	p.Index().Insert(c[1].Key, HeadBlockHashes(system))
+	c[0].SetLoad(DefaultBalanceAbs + 1)
+	c[1].SetLoad(1)
+	d := p.Pick(&Request{Text: history + "user: next"}, c)
+	assert.Equal(t, ReasonLoadFallback, d.Reason)
+	assert.Same(t, c[1], d.Replica, "the system prompt's holder beats an idle replica with nothing")
+	assert.Equal(t, len(system)/HeadBlockBytes, d.MatchBlocks)
+
+	// A replica that is overloaded too is out, match or not.
+	c[1].SetLoad(DefaultBalanceAbs)
+	d = p.Pick(&Request{Text: history + "user: next"}, c)
+	assert.Equal(t, ReasonLoadFallback, d.Reason)
+	assert.Same(t, c[2], d.Replica)
+}
+
 func TestPrefixAwareUsesEngineReports(t *testing.T) {
 	words := func(s string) []uint32 {
 		var ids []uint32

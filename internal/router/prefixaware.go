@@ -15,16 +15,18 @@ const HeadBlockBytes = 64
 
 // Defaults of the balance threshold (see PrefixAware).
 const (
-	DefaultBalanceAbs = 4
+	DefaultBalanceAbs = 8
 	DefaultBalanceRel = 1.5
 )
 
 // PrefixAware sends a request to the replica holding the longest cached
 // prefix of its input, unless that replica is overloaded relative to the
-// least loaded one, in which case load decides (the balance threshold of
-// SGLang's cache-aware router). Matches are compared as the fraction of the
-// input's blocks held, so replicas named by different hash schemes compare
-// fairly; ties go to the less loaded replica, then at random.
+// least loaded one (the balance threshold of SGLang's cache-aware router),
+// in which case load decides: the request goes to the longest match among
+// the replicas that are not overloaded, which is the least loaded one when
+// none of them matches. Matches are compared as the fraction of the input's
+// blocks held, so replicas named by different hash schemes compare fairly;
+// ties go to the less loaded replica, then at random.
 //
 // What each replica holds comes from one of two sources, per replica:
 //   - engine-reported: the replica's engine reports KvEvents (Health says
@@ -156,38 +158,58 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		}
 		return float64(x.match) / float64(x.blocks)
 	}
-	best, least := -1, -1
-	nBest, nLeast := 0, 0
-	for i, x := range cs {
-		switch {
-		case least < 0 || score(x.r) < score(cs[least].r):
-			least, nLeast = i, 1
-		case score(x.r) == score(cs[least].r):
-			nLeast++ // reservoir sampling: each tie equally likely
-			if rand.IntN(nLeast) == 0 {
+	least, n := 0, 1
+	for i := 1; i < len(cs); i++ {
+		switch a, b := score(cs[i].r), score(cs[least].r); {
+		case a < b:
+			least, n = i, 1
+		case a == b:
+			n++ // reservoir sampling: each tie equally likely
+			if rand.IntN(n) == 0 {
 				least = i
 			}
 		}
-		if x.match == 0 {
-			continue
-		}
-		switch {
-		case best < 0 || ratio(x) > ratio(cs[best]) || (ratio(x) == ratio(cs[best]) && score(x.r) < score(cs[best].r)):
-			best, nBest = i, 1
-		case ratio(x) == ratio(cs[best]) && score(x.r) == score(cs[best].r):
-			nBest++
-			if rand.IntN(nBest) == 0 {
-				best = i
+	}
+	// longest is the candidate with the longest match among those ok
+	// accepts, ties to the less loaded, then at random; -1 when none
+	// matches at all.
+	longest := func(ok func(*Replica) bool) int {
+		best, n := -1, 0
+		for i, x := range cs {
+			if x.match == 0 || !ok(x.r) {
+				continue
+			}
+			if best < 0 {
+				best, n = i, 1
+				continue
+			}
+			rx, rb := ratio(x), ratio(cs[best])
+			sx, sb := score(x.r), score(cs[best].r)
+			switch {
+			case rx > rb || (rx == rb && sx < sb):
+				best, n = i, 1
+			case rx == rb && sx == sb:
+				n++
+				if rand.IntN(n) == 0 {
+					best = i
+				}
 			}
 		}
+		return best
 	}
 	d := Decision{Policy: PolicyPrefixAware, Reason: ReasonLoad}
 	chosen := least
-	if best >= 0 {
-		if p.overloaded(cs[best].r, cs[least].r) {
-			d.Reason = ReasonLoadFallback
-		} else {
+	if best := longest(func(*Replica) bool { return true }); best >= 0 {
+		if !p.overloaded(cs[best].r, cs[least].r) {
 			chosen, d.Reason = best, ReasonPrefixMatch
+		} else {
+			// Load rules the preferred replica out, and every other one
+			// as loaded; among the rest the cache still decides (a shorter
+			// match, such as a shared system prompt, beats none).
+			d.Reason = ReasonLoadFallback
+			if alt := longest(func(r *Replica) bool { return !p.overloaded(r, cs[least].r) }); alt >= 0 {
+				chosen = alt
+			}
 		}
 	}
 	x := cs[chosen]

@@ -1,0 +1,245 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"math"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/worker/sim"
+)
+
+// routingCase is one column of the routing comparison.
+type routingCase struct {
+	name     string
+	stage    orchestrator.Stage
+	sessions bool // send each conversation's id as its session key
+}
+
+var routingCases = []routingCase{
+	{name: "round_robin", stage: orchestrator.Stage{Policy: "round_robin"}},
+	{name: "least_loaded", stage: orchestrator.Stage{Policy: "least_loaded"}},
+	{name: "power_of_two", stage: orchestrator.Stage{Policy: "power_of_two"}},
+	{name: "prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto"}},
+	{name: "prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head"}},
+	{name: "session_affinity", stage: orchestrator.Stage{Policy: "power_of_two"}, sessions: true},
+}
+
+// The routing workload: 4 thinker replicas whose KV pools hold a quarter
+// of the working set, prefill expensive enough that recomputing a prompt
+// costs real time, and chat traffic at a fixed arrival rate.
+const (
+	routingReplicas = 4
+	routingRate     = 40.0 // requests per second, all users together
+	routingDuration = 12 * time.Second
+	routingMaxTok   = 48
+)
+
+var (
+	routingSim = sim.Config{
+		NumKVBlocks:         1024, // 16384 tokens per replica
+		PrefillTokensPerSec: 16000,
+		DecodeTokenLatency:  4 * time.Millisecond,
+		Logger:              slog.New(slog.DiscardHandler),
+	}
+	routingChat = ChatConfig{
+		Seed:          1,
+		SystemPrompts: 3,
+		SystemWords:   256,
+		Conversations: 40,
+		MinTurns:      8,
+		MaxTurns:      16,
+		UserWords:     160,
+	}
+)
+
+type routingResult struct {
+	name                  string
+	requests              int
+	reqPerSec, tokPerSec  float64
+	hitRate               float64
+	ttftP50, ttftP99, e2e time.Duration
+	busiest, idlest       float64
+	skipped               int
+	reasons               map[string]float64 // troupe_router_decisions_total by reason
+}
+
+// BenchmarkRouting compares the routing policies on one chat workload (see
+// docs/benchmarks.md): prefix-cache hit rate (the sim's own counters,
+// through the head's metrics), TTFT p50/p99 seen by the client, throughput,
+// and load balance (busiest replica's requests over the idlest's). One op
+// is one whole run of the workload; run it once:
+//
+//	go test -run '^$' -bench BenchmarkRouting -benchtime 1x ./test/bench
+func BenchmarkRouting(b *testing.B) {
+	var results []routingResult
+	for _, rc := range routingCases {
+		b.Run(rc.name, func(b *testing.B) {
+			var r routingResult
+			for range b.N {
+				r = runRouting(b, rc)
+			}
+			b.ReportMetric(r.hitRate, "hit-rate")
+			b.ReportMetric(ms(r.ttftP50), "ttft-p50-ms")
+			b.ReportMetric(ms(r.ttftP99), "ttft-p99-ms")
+			b.ReportMetric(r.reqPerSec, "req/s")
+			b.ReportMetric(r.busiest/r.idlest, "busiest/idlest")
+			b.Logf("decisions by reason: %v; arrivals that found every conversation busy: %d", r.reasons, r.skipped)
+			results = append(results, r)
+		})
+	}
+	if len(results) > 0 {
+		// Printed, not logged: a parent benchmark's log is not shown.
+		fmt.Println(routingTable(results))
+	}
+}
+
+func runRouting(b *testing.B, rc routingCase) routingResult {
+	stage := rc.stage
+	stage.Name = "thinker"
+	c := orchestratortest.Start(b, orchestratortest.Options{
+		Pipeline:         orchestrator.Pipeline{Model: "troupe-omni-sim", Stages: []orchestrator.Stage{stage}},
+		ReplicasPerStage: routingReplicas,
+		Sim:              routingSim,
+	})
+	c.WaitReady(b)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+
+	w := NewChatWorkload(routingChat)
+	var (
+		mu         sync.Mutex
+		ttfts, e2e []time.Duration
+		tokens     int
+		firstErr   error
+		wg         sync.WaitGroup
+	)
+	res := routingResult{name: rc.name}
+	tick := time.NewTicker(time.Duration(float64(time.Second) / routingRate))
+	defer tick.Stop()
+	start := time.Now()
+	for i := 0; time.Since(start) < routingDuration; i++ {
+		<-tick.C
+		turn, ok := w.Next()
+		if !ok {
+			res.skipped++
+			continue
+		}
+		req := orchestrator.Request{
+			ID:       fmt.Sprint("r", i),
+			Prompt:   turn.Prompt,
+			Sampling: &stagepb.SamplingParams{MaxTokens: routingMaxTok, IgnoreEos: true},
+		}
+		if rc.sessions {
+			req.SessionKey = turn.Session
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t0 := time.Now()
+			var first time.Duration
+			out, err := c.Head.Execute(ctx, req, func(string) error {
+				if first == 0 {
+					first = time.Since(t0)
+				}
+				return nil
+			})
+			total := time.Since(t0)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				if firstErr == nil {
+					firstErr = err
+				}
+				return
+			}
+			ttfts, e2e = append(ttfts, first), append(e2e, total)
+			tokens += out.CompletionTokens
+			w.Reply(turn, out.Text)
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	require.NoError(b, firstErr)
+
+	slices.Sort(ttfts)
+	slices.Sort(e2e)
+	res.requests = len(ttfts)
+	res.reqPerSec = float64(len(ttfts)) / elapsed.Seconds()
+	res.tokPerSec = float64(tokens) / elapsed.Seconds()
+	res.ttftP50, res.ttftP99 = percentile(ttfts, 0.50), percentile(ttfts, 0.99)
+	res.e2e = percentile(e2e, 0.50)
+
+	mfs, err := c.Metrics.Gather()
+	require.NoError(b, err)
+	var hits, queries float64
+	perReplica := map[string]float64{}
+	res.reasons = map[string]float64{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			var replica string
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "replica" {
+					replica = l.GetValue()
+				}
+			}
+			switch mf.GetName() {
+			case "troupe_prefix_cache_hits_total":
+				hits += m.GetCounter().GetValue()
+			case "troupe_prefix_cache_queries_total":
+				queries += m.GetCounter().GetValue()
+			case "troupe_request_success_total":
+				perReplica[replica] += m.GetCounter().GetValue()
+			case "troupe_router_decisions_total":
+				for _, l := range m.GetLabel() {
+					if l.GetName() == "reason" && m.GetCounter().GetValue() > 0 {
+						res.reasons[l.GetValue()] += m.GetCounter().GetValue()
+					}
+				}
+			}
+		}
+	}
+	require.Len(b, perReplica, routingReplicas)
+	if queries > 0 {
+		res.hitRate = hits / queries
+	}
+	res.idlest = -1
+	for _, n := range perReplica {
+		res.busiest = max(res.busiest, n)
+		if res.idlest < 0 || n < res.idlest {
+			res.idlest = n
+		}
+	}
+	return res
+}
+
+// routingTable renders the results as the markdown table of
+// docs/benchmarks.md, with the ratios to round robin (NaN when round robin
+// did not run).
+func routingTable(rs []routingResult) string {
+	base := routingResult{hitRate: math.NaN(), ttftP50: -1}
+	for _, r := range rs {
+		if r.name == "round_robin" {
+			base = r
+		}
+	}
+	var sb strings.Builder
+	sb.WriteString("| policy | requests | req/s | tokens/s | hit rate | hit rate ÷ RR | TTFT p50 (ms) | RR ÷ TTFT p50 | TTFT p99 (ms) | e2e p50 (ms) | busiest ÷ idlest |\n")
+	sb.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, r := range rs {
+		fmt.Fprintf(&sb, "| %s | %d | %.1f | %.0f | %.1f%% | %.2f× | %.1f | %.2f× | %.1f | %.1f | %.2f |\n",
+			r.name, r.requests, r.reqPerSec, r.tokPerSec, 100*r.hitRate, r.hitRate/base.hitRate,
+			ms(r.ttftP50), ms(base.ttftP50)/ms(r.ttftP50), ms(r.ttftP99), ms(r.e2e), r.busiest/r.idlest)
+	}
+	return sb.String()
+}
