@@ -139,7 +139,7 @@ func TestSpanTreeThreeStages(t *testing.T) {
 		assert.Positive(t, attr(s, telemetry.KeyGenAIUsageOutputTokens).AsInt64())
 		assert.Equal(t, "round_robin", attr(s, telemetry.KeyRoutePolicy).AsString())
 		assert.Equal(t, "rotation", attr(s, telemetry.KeyRouteReason).AsString())
-		assert.Equal(t, attribute.INVALID, attr(s, telemetry.KeyRoutePrefixSource).Type(), "no prefix attributes without prefix_aware")
+		assert.Equal(t, attribute.EMPTY, attr(s, telemetry.KeyRoutePrefixSource).Type(), "no prefix attributes without prefix_aware")
 		assert.True(t, hasEvent(s, "first_token"), "%s: first token event", name)
 		assert.True(t, hasEvent(s, "finish"), "%s: finish event", name)
 		// The stages stream into each other: every stage after the first

@@ -35,9 +35,10 @@ var routingCases = []routingCase{
 	{name: "session_affinity", stage: orchestrator.Stage{Policy: "power_of_two"}, sessions: true},
 }
 
-// The routing workload: 4 thinker replicas whose KV pools hold a quarter
-// of the working set, prefill expensive enough that recomputing a prompt
-// costs real time, and chat traffic at a fixed arrival rate.
+// The routing workload: 4 thinker replicas whose KV pools each hold about
+// a fifth of the conversations' working set, prefill expensive enough that
+// recomputing a prompt costs real time, and chat traffic at a fixed
+// arrival rate.
 const (
 	routingReplicas = 4
 	routingRate     = 40.0 // requests per second, all users together
