@@ -137,3 +137,26 @@ func TestPrefixAwareConvergesAndSpreadsUnderOverload(t *testing.T) {
 		})
 	}
 }
+
+// TestPrefixAwareInAStreamedPipeline: in a streamed audio request stage 0
+// is routed on its prompt, and the later stages, whose input does not
+// exist yet when they are routed, by load.
+func TestPrefixAwareInAStreamedPipeline(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Policy: "prefix_aware", ReplicasPerStage: 2})
+	require.True(t, c.Head.Pipeline().StreamsBetweenStages())
+	prompt := "system: " + strings.Repeat("speak every answer clearly and slowly for the listener ", 8) + "\nuser: hello"
+	reason := func(stage, r string) float64 {
+		v, _ := value(t, c.Metrics, "troupe_router_decisions_total", map[string]string{"stage": stage, "policy": "prefix_aware", "reason": r})
+		return v
+	}
+	for i := range 2 {
+		res, err := c.Head.Execute(ctxT(t), orchestrator.Request{ID: fmt.Sprint("a", i), Prompt: prompt, Sampling: sampling(8, 1), Stages: 3}, nil)
+		require.NoError(t, err)
+		require.NotEmpty(t, res.PCM)
+	}
+	assert.Equal(t, 1.0, reason("0", "prefix_match"), "the second request finds its prompt")
+	for _, stage := range []string{"1", "2"} {
+		assert.Equal(t, 2.0, reason(stage, "load"), "stage %s", stage)
+		assert.Zero(t, reason(stage, "prefix_match"), "stage %s", stage)
+	}
+}
