@@ -185,9 +185,6 @@ func New(stages []StageRouting, dial Dialer, log *slog.Logger) *Router {
 	return r
 }
 
-// Policy returns the policy of a stage.
-func (r *Router) Policy(stage int) Policy { return r.stages[stage].Policy }
-
 // Pick chooses a routable replica of stage for req, skipping the replicas
 // in exclude (those that already failed this request). Safe for concurrent
 // use.
