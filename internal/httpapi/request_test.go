@@ -220,7 +220,7 @@ func TestIgnoredParams(t *testing.T) {
 		"top_p":0.9,"user":"u1","tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"auto",
 		"logprobs":false,"top_logprobs":0,"response_format":{"type":"text"},"frequency_penalty":null,"max_token":5}`), testModel)
 	require.Nil(t, e)
-	assert.Equal(t, []string{"max_token", "tools", "top_p", "user"}, j.ignored)
+	assert.Equal(t, []string{"max_token", "tools", "top_p"}, j.ignored, "user is a session key, not ignored")
 
 	j, e = parseCompletion([]byte(`{"model":"troupe-omni-sim","prompt":"a","echo":true,"presence_penalty":1,"suffix":"","best_of":1}`), testModel)
 	require.Nil(t, e)
