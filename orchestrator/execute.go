@@ -254,11 +254,11 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 		}
 		h.countDecision(stage, d)
 		rep := d.Replica
-		open := func(ctx context.Context, _ trace.Span) (chunkStream, func(), error) {
+		open := func(ctx context.Context, _ trace.Span, _ func()) (chunkStream, func(), error) {
 			stream, err := rep.Client.Generate(ctx, in, h.callOptions()...)
 			return stream, func() {}, err
 		}
-		out, produced, err := h.attempt(ctx, req, stage, d, attempt, in.GetSampling(), open, forward)
+		out, produced, err := h.attempt(ctx, req, stage, d, attempt, in.GetSampling(), open, forward, false)
 		if err == nil {
 			return out, nil
 		}
@@ -278,8 +278,18 @@ type chunkStream interface {
 }
 
 // opener starts a stage attempt's RPC under ctx. wait, called after ctx is
-// cancelled, waits for whatever goroutine the opener started.
-type opener func(ctx context.Context, span trace.Span) (stream chunkStream, wait func(), err error)
+// cancelled, waits for whatever goroutine the opener started. An opener
+// that feeds the stage its input calls progress after each piece it sends.
+type opener func(ctx context.Context, span trace.Span, progress func()) (stream chunkStream, wait func(), err error)
+
+// Causes of a stage attempt cancelled by the head, not by the client: both
+// are stage failures, retried under the usual rule.
+var (
+	errStalled = errors.New("orchestrator: no progress within the stall timeout")
+	// errReplicaGone: the replica's record went away and it does not
+	// answer Health.
+	errReplicaGone = errors.New("orchestrator: replica left and does not answer")
+)
 
 // forwarder passes an output chunk on (to the client, or to the next
 // stage). visible reports whether the output reached the client, after
@@ -301,7 +311,11 @@ func (h *Head) countDecision(stage int, d router.Decision) {
 // attempt runs a stage on the replica d chose. produced reports whether any
 // output reached the client through forward, after which a retry would
 // duplicate it. forward may be nil.
-func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Decision, attempt int, sampling *stagepb.SamplingParams, open opener, forward forwarder) (_ *stageOutput, produced bool, err error) {
+//
+// The attempt fails with errStalled when it makes no progress for the
+// stall timeout: no chunk received, and no input sent (a streamed stage's
+// clock starts with its first input, as it cannot work before).
+func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Decision, attempt int, sampling *stagepb.SamplingParams, open opener, forward forwarder, streamedInput bool) (_ *stageOutput, produced bool, err error) {
 	name := h.cfg.Pipeline.Stages[stage].Name
 	rep := d.Replica
 	ctx, span := h.tracer.Start(ctx, telemetry.StageSpanName(name), trace.WithSpanKind(trace.SpanKindInternal),
@@ -309,12 +323,19 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 		trace.WithAttributes(telemetry.RouteAttributes(d.Policy, d.Reason.String(), d.PrefixSource, d.MatchBlocks, d.InputBlocks)...),
 		trace.WithAttributes(requestAttributes(Request{Operation: req.Operation, Sampling: sampling}, h.cfg.Pipeline.Model)...))
 	defer span.End()
-	ctx, cancel := context.WithCancel(ctx)
+	ctx, cancel := context.WithCancelCause(ctx)
 	wait := func() {}
-	defer func() { cancel(); wait() }()
+	defer func() { cancel(context.Canceled); wait() }()
+	stall := time.AfterFunc(h.cfg.StallTimeout, func() { cancel(errStalled) })
+	defer stall.Stop()
+	if streamedInput {
+		stall.Stop()
+	}
+	progress := func() { stall.Reset(h.cfg.StallTimeout) }
 
 	rep.Acquire()
 	defer rep.Release()
+	defer rep.Track(cancel)()
 
 	out := &stageOutput{} // not the named result: returning nil must not hide it from the deferred recorder
 	// troupe runs one sequence per request (the API refuses n != 1), so n
@@ -340,7 +361,7 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 		}
 	}()
 
-	stream, w, err := open(ctx, span)
+	stream, w, err := open(ctx, span, progress)
 	wait = w
 	if err != nil {
 		return nil, false, h.stageError(ctx, name, rep, err, &fin)
@@ -353,6 +374,7 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 		if rerr != nil {
 			return nil, produced, h.stageError(ctx, name, rep, rerr, &fin)
 		}
+		progress()
 		if ev := chunk.GetKvEvents(); ev != nil {
 			h.router.ApplyKVEvents(rep, ev)
 		}
@@ -415,6 +437,10 @@ func (h *Head) stageError(ctx context.Context, stage string, rep *router.Replica
 	// gRPC enforces the request's deadline with its own timer (and the
 	// worker sees it too), so DeadlineExceeded can arrive a moment before
 	// ctx reports it: both mean the client's time ran out, not a failure.
+	if cause := context.Cause(ctx); errors.Is(cause, errStalled) || errors.Is(cause, errReplicaGone) {
+		fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
+		return fmt.Errorf("%w: stage %q replica %d (%s): %w", ErrStageFailed, stage, rep.Key.Replica, rep.Addr, cause)
+	}
 	_, hasDeadline := ctx.Deadline()
 	if ctx.Err() != nil || (hasDeadline && status.Code(err) == grpccodes.DeadlineExceeded) {
 		fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT

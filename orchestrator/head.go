@@ -35,6 +35,16 @@ type Config struct {
 	DetachedSeriesTTL time.Duration // 0: keep a detached replica's series forever
 	ReconcileInterval time.Duration // membership full re-list period
 	ProbeTimeout      time.Duration // per Health call on join; default 3s
+	// LeaseLossGrace is how long a replica whose record vanished but that
+	// still answers Health as serving (its lease was lost, for example when
+	// etcd froze past the TTL) stays routable while it re-registers.
+	// Default 15s.
+	LeaseLossGrace time.Duration
+	// StallTimeout fails a stage attempt that makes no progress (no chunk,
+	// and for a streamed stage no input sent) for this long, so a frozen
+	// replica's requests are retried elsewhere before its lease runs out.
+	// Default 5s.
+	StallTimeout time.Duration
 	// MaxMessageBytes caps each gRPC message to and from a replica (the
 	// client side of the replicas' own limit); default
 	// stagepb.DefaultMaxMessageBytes. A prompt whose request would exceed
@@ -92,6 +102,8 @@ type tracked struct {
 	detached   bool
 	detachedAt time.Time
 	probeGen   uint64             // generation of the pending probe; 0 when none
+	leaveGen   uint64             // generation of the pending leave probe; 0 when none
+	graceUntil time.Time          // non-zero: record gone, replica alive, still routed until then
 	cancel     context.CancelFunc // cancels the pending probe
 	io         stageIO            // what its engine takes and gives, from the probe
 	routed     bool               // attached: its series are bound and the router has it
@@ -111,6 +123,12 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	}
 	if cfg.MaxMessageBytes <= 0 {
 		cfg.MaxMessageBytes = stagepb.DefaultMaxMessageBytes
+	}
+	if cfg.LeaseLossGrace <= 0 {
+		cfg.LeaseLossGrace = 15 * time.Second
+	}
+	if cfg.StallTimeout <= 0 {
+		cfg.StallTimeout = 5 * time.Second
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -233,6 +251,7 @@ type probeResult struct {
 func (h *Head) Run(ctx context.Context) error {
 	events := make(chan membership.Event)
 	probes := make(chan probeResult)
+	departures := make(chan departure)
 	var probing sync.WaitGroup
 	defer h.router.Close()
 	defer probing.Wait()
@@ -242,6 +261,8 @@ func (h *Head) Run(ctx context.Context) error {
 	g.Go(func() error {
 		sweep := time.NewTicker(sweepInterval(h.cfg.DetachedSeriesTTL))
 		defer sweep.Stop()
+		graceTick := time.NewTicker(graceCheckInterval)
+		defer graceTick.Stop()
 		for {
 			select {
 			case <-gctx.Done():
@@ -252,9 +273,13 @@ func (h *Head) Run(ctx context.Context) error {
 				}
 				return gctx.Err()
 			case ev := <-events:
-				h.apply(gctx, ev, probes, &probing)
+				h.apply(gctx, ev, probes, departures, &probing)
 			case pr := <-probes:
 				h.attach(pr)
+			case d := <-departures:
+				h.departed(d)
+			case now := <-graceTick.C:
+				h.endGraces(now)
 			case now := <-sweep.C:
 				if n := h.stats.Sweep(now); n > 0 {
 					h.log.Info("orchestrator: deleted series of long-detached replicas", "replicas", n)
@@ -277,7 +302,7 @@ func sweepInterval(ttl time.Duration) time.Duration {
 }
 
 // apply handles one membership event on the loop goroutine.
-func (h *Head) apply(ctx context.Context, ev membership.Event, probes chan<- probeResult, probing *sync.WaitGroup) {
+func (h *Head) apply(ctx context.Context, ev membership.Event, probes chan<- probeResult, departures chan<- departure, probing *sync.WaitGroup) {
 	stage := h.cfg.Pipeline.StageIndex(ev.Member.Stage)
 	if stage < 0 {
 		// The watcher already filters unknown stages; this guards the head
@@ -292,7 +317,7 @@ func (h *Head) apply(ctx context.Context, ev membership.Event, probes chan<- pro
 	case membership.Join:
 		h.join(ctx, key, ev.Member, probes, probing)
 	case membership.Leave:
-		h.leave(key)
+		h.leave(ctx, key, departures, probing)
 	}
 	h.publish()
 }
@@ -316,6 +341,7 @@ func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, pr
 	}
 	t.member, t.detached = m, false
 	t.routed, t.refused = false, ""
+	t.graceUntil, t.leaveGen = time.Time{}, 0
 	index := t.index
 	if t.joinedAt.IsZero() || t.detachedAt.After(t.joinedAt) {
 		t.joinedAt = time.Now()
@@ -426,8 +452,37 @@ func (h *Head) attach(pr probeResult) {
 	h.publish()
 }
 
-// leave stops routing first, then detaches the series.
-func (h *Head) leave(key router.Key) {
+// Verdicts of the leave probe: why a replica's record went away.
+type leaveVerdict uint8
+
+const (
+	verdictDraining leaveVerdict = iota // it says so: stop routing, let in-flight work finish
+	verdictAlive                        // it still serves: its lease was lost, keep routing a while
+	verdictGone                         // no answer: stop routing and retry its in-flight work
+)
+
+func (v leaveVerdict) String() string {
+	return [...]string{"draining", "alive", "gone"}[v]
+}
+
+// departure is what a leave probe sends back to the loop.
+type departure struct {
+	key     router.Key
+	gen     uint64
+	verdict leaveVerdict
+}
+
+// leaveProbeTimeout bounds the Health call that tells a drain, a lost
+// lease and a dead replica apart.
+const leaveProbeTimeout = time.Second
+
+// graceCheckInterval is how often the loop ends expired lease-loss graces.
+const graceCheckInterval = 250 * time.Millisecond
+
+// leave handles a vanished record. A replica that was never routed is
+// detached at once; a routed one is asked for its Health off the loop, and
+// departed acts on the answer.
+func (h *Head) leave(ctx context.Context, key router.Key, departures chan<- departure, probing *sync.WaitGroup) {
 	t := h.known[key]
 	if t == nil {
 		return
@@ -436,7 +491,75 @@ func (h *Head) leave(key router.Key) {
 		t.cancel()
 		t.cancel, t.probeGen = nil, 0
 	}
-	h.router.Remove(key)
+	rep, routed := h.router.Snapshot().Lookup(key)
+	if !routed || t.detached {
+		h.detach(t, "left before it was routed")
+		return
+	}
+	h.gen++
+	t.leaveGen = h.gen
+	probing.Add(1)
+	go func(gen uint64) {
+		defer probing.Done()
+		pctx, cancel := context.WithTimeout(ctx, leaveProbeTimeout)
+		defer cancel()
+		verdict := verdictGone
+		if health, err := rep.Client.Health(pctx, &stagepb.HealthRequest{}); err == nil {
+			switch health.GetStatus() {
+			case stagepb.ServingStatus_SERVING_STATUS_SERVING:
+				verdict = verdictAlive
+			case stagepb.ServingStatus_SERVING_STATUS_DRAINING:
+				verdict = verdictDraining
+			}
+		}
+		select {
+		case departures <- departure{key: key, gen: gen, verdict: verdict}:
+		case <-ctx.Done():
+		}
+	}(t.leaveGen)
+}
+
+// departed finishes a leave on the loop goroutine, unless a newer record
+// arrived meanwhile.
+func (h *Head) departed(d departure) {
+	t := h.known[d.key]
+	if t == nil || t.leaveGen != d.gen || t.detached {
+		return
+	}
+	t.leaveGen = 0
+	switch d.verdict {
+	case verdictAlive:
+		t.graceUntil = time.Now().Add(h.cfg.LeaseLossGrace)
+		h.log.Warn("orchestrator: replica's record is gone but it still serves; routing to it while it re-registers",
+			"stage", t.member.Stage, "replica", d.key.Replica, "grace", h.cfg.LeaseLossGrace)
+		h.publish()
+	case verdictGone:
+		if rep, ok := h.router.Snapshot().Lookup(d.key); ok {
+			if n := rep.Abort(errReplicaGone); n > 0 {
+				h.log.Warn("orchestrator: replica left and does not answer; retrying its requests elsewhere",
+					"stage", t.member.Stage, "replica", d.key.Replica, "requests", n)
+			}
+		}
+		h.detach(t, "left and does not answer")
+	default:
+		h.detach(t, "drained")
+	}
+}
+
+// endGraces detaches the replicas whose lease-loss grace ran out without a
+// new record.
+func (h *Head) endGraces(now time.Time) {
+	for _, t := range h.known {
+		if !t.graceUntil.IsZero() && !t.detached && now.After(t.graceUntil) {
+			h.detach(t, "did not re-register within its grace")
+		}
+	}
+}
+
+// detach stops routing first, then detaches the series.
+func (h *Head) detach(t *tracked, why string) {
+	t.graceUntil, t.leaveGen = time.Time{}, 0
+	h.router.Remove(t.key)
 	if !t.detached {
 		if err := h.stats.Detach(t.index); err != nil {
 			h.log.Debug("orchestrator: detach", "err", err) // a replica whose probe never answered was never bound
@@ -444,7 +567,8 @@ func (h *Head) leave(key router.Key) {
 	}
 	t.detached, t.detachedAt = true, time.Now()
 	t.routed, t.refused = false, ""
-	h.log.Info("orchestrator: replica detached", "stage", t.member.Stage, "replica", key.Replica, "engine_index", t.index)
+	h.log.Info("orchestrator: replica detached", "stage", t.member.Stage, "replica", t.key.Replica, "engine_index", t.index, "reason", why)
+	h.publish()
 }
 
 // publish copies the loop's view for readers.
@@ -496,6 +620,10 @@ type ReplicaStatus struct {
 	Reason      string       `json:"reason,omitempty"` // why it is unhealthy, when the head knows
 	JoinedAt    time.Time    `json:"joined_at"`
 	InFlight    int64        `json:"in_flight"`
+	// LeaseLostUntil is set while the replica's record is gone but it still
+	// serves (its lease was lost): it stays routed until then, waiting for
+	// it to re-register.
+	LeaseLostUntil *time.Time `json:"lease_lost_until,omitempty"`
 }
 
 // Replicas lists every replica the head knows, detached ones included.
@@ -507,6 +635,10 @@ func (h *Head) Replicas() []ReplicaStatus {
 		s := ReplicaStatus{
 			Stage: t.key.Stage, StageName: t.member.Stage, Replica: t.key.Replica,
 			EngineIndex: t.index, Addr: t.member.Addr, JoinedAt: t.joinedAt.UTC().Truncate(time.Second),
+		}
+		if !t.graceUntil.IsZero() {
+			until := t.graceUntil.UTC().Truncate(time.Second)
+			s.LeaseLostUntil = &until
 		}
 		rep, ok := snap.Lookup(t.key)
 		switch {

@@ -250,15 +250,15 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 			}
 			return visible, nil
 		}
-		open := func(ctx context.Context, s trace.Span) (chunkStream, func(), error) {
+		open := func(ctx context.Context, s trace.Span, progress func()) (chunkStream, func(), error) {
 			span = s
 			if stage == 0 {
 				stream, err := rep.Client.Generate(ctx, run.prompt, h.callOptions()...)
 				return stream, func() {}, err
 			}
-			return h.openStreamed(ctx, run, stage, rep, s)
+			return h.openStreamed(ctx, run, stage, rep, s, progress)
 		}
-		out, produced, err := h.attempt(ctx, run.req, stage, d, attempt, run.prompt.GetSampling(), open, forward)
+		out, produced, err := h.attempt(ctx, run.req, stage, d, attempt, run.prompt.GetSampling(), open, forward, stage > 0)
 		if err == nil {
 			return out, nil
 		}
@@ -277,7 +277,7 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 // The request header goes out with the first piece. The input's kind (text
 // or codes) is what the stage before gives, as the sequential path decides
 // it (see nextInput).
-func (h *Head) openStreamed(ctx context.Context, run *streamedRun, stage int, rep *router.Replica, span trace.Span) (chunkStream, func(), error) {
+func (h *Head) openStreamed(ctx context.Context, run *streamedRun, stage int, rep *router.Replica, span trace.Span, progress func()) (chunkStream, func(), error) {
 	stream, err := rep.Client.GenerateStream(ctx, h.callOptions()...)
 	if err != nil {
 		return nil, func() {}, err
@@ -322,6 +322,7 @@ func (h *Head) openStreamed(ctx context.Context, run *streamedRun, stage int, re
 			}
 			h.pipeline.Handoff(stage-1, time.Since(p.at))
 			in.markSent(i)
+			progress()
 		}
 	}()
 	return stream, func() { <-done }, nil

@@ -37,6 +37,7 @@ type headFlags struct {
 	logStats, untrustedParent, sessionUser             bool
 	maxBody                                            byteSize
 	detachedTTL, reconcile                             time.Duration
+	stallTimeout, leaseLossGrace                       time.Duration
 	tls                                                *tlsFlags
 	otel                                               *otelFlags
 	log                                                *logFlags
@@ -60,6 +61,8 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.Var(&f.maxBody, "max-body-bytes", "largest request body accepted (e.g. 16MiB)")
 	fs.DurationVar(&f.detachedTTL, "detached-series-ttl", 0, "delete the series of replicas detached longer than this (0: keep forever)")
 	fs.DurationVar(&f.reconcile, "reconcile-interval", 30*time.Second, "period of the full membership re-list that repairs drift")
+	fs.DurationVar(&f.stallTimeout, "stall-timeout", 5*time.Second, "fail and retry a stage attempt that makes no progress for this long")
+	fs.DurationVar(&f.leaseLossGrace, "lease-loss-grace", 15*time.Second, "keep routing to a replica whose record vanished but that still serves, while it re-registers")
 	f.tls = addTLSFlags(fs, "gRPC to workers")
 	f.otel = addOtelFlags(fs)
 	f.log = addLogFlags(fs)
@@ -152,6 +155,8 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		DetachedSeriesTTL: hf.detachedTTL,
 		ReconcileInterval: hf.reconcile,
 		MaxMessageBytes:   grpcMessageLimit(hf.maxBody),
+		StallTimeout:      hf.stallTimeout,
+		LeaseLossGrace:    hf.leaseLossGrace,
 		Metrics:           metrics,
 		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
 		TracerProvider:    tp.TracerProvider(),

@@ -67,6 +67,39 @@ type Replica struct {
 	removed   atomic.Bool
 	closeOnce sync.Once
 	stopWatch context.CancelFunc
+
+	mu       sync.Mutex // guards attempts
+	attempts map[*context.CancelCauseFunc]struct{}
+}
+
+// Track registers the cancel function of a request running on the replica,
+// so that Abort can end it; call the returned func when the request ends.
+// Safe for concurrent use.
+func (r *Replica) Track(cancel context.CancelCauseFunc) (untrack func()) {
+	key := &cancel
+	r.mu.Lock()
+	if r.attempts == nil {
+		r.attempts = map[*context.CancelCauseFunc]struct{}{}
+	}
+	r.attempts[key] = struct{}{}
+	r.mu.Unlock()
+	return func() {
+		r.mu.Lock()
+		delete(r.attempts, key)
+		r.mu.Unlock()
+	}
+}
+
+// Abort cancels, with cause, every tracked request on the replica (one
+// that stopped answering: they are retried elsewhere) and returns how many.
+// Safe for concurrent use.
+func (r *Replica) Abort(cause error) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for c := range r.attempts {
+		(*c)(cause)
+	}
+	return len(r.attempts)
 }
 
 // InFlight is the number of requests currently on the replica.

@@ -36,12 +36,20 @@ var (
 // data dir and returns its client URL.
 func startEtcd(t *testing.T) string {
 	t.Helper()
+	_, url := startEtcdProc(t)
+	return url
+}
+
+// startEtcdProc is startEtcd that also returns the process, for tests
+// that freeze or kill it.
+func startEtcdProc(t *testing.T) (*proc, string) {
+	t.Helper()
 	p := startProc(t, "etcd", nil, "etcd",
 		"--data-dir", filepath.Join(t.TempDir(), "etcd"),
 		"--listen-client-urls", "http://127.0.0.1:0",
 		"--listen-peer-urls", "http://127.0.0.1:0",
 		"--log-level", "error")
-	return p.waitLine(t, p.stdout, etcdServingRE)[1]
+	return p, p.waitLine(t, p.stdout, etcdServingRE)[1]
 }
 
 // thinkerOnly writes a one-stage pipeline file and returns its path.
@@ -281,6 +289,8 @@ type replicaRow struct {
 	State       string `json:"state"`
 	JoinedAt    string `json:"joined_at"`
 	InFlight    int64  `json:"in_flight"`
+	// LeaseLostUntil is set while the record is gone but the replica serves.
+	LeaseLostUntil *string `json:"lease_lost_until,omitempty"`
 }
 
 func (h *head) replicas(ctx context.Context) ([]replicaRow, error) {
