@@ -4,6 +4,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/troupe-serving/troupe/membership"
@@ -98,4 +99,21 @@ func TestEventTypeStrings(t *testing.T) {
 	require.Equal(t, "lease-lost", membership.LeaseLost.String())
 	require.Equal(t, "reregistered", membership.Reregistered.String())
 	require.Equal(t, "reregister-blocked", membership.ReregisterBlocked.String())
+}
+
+// TestMemberAddrMustBeHostPort: the head dials addr over TCP, so anything
+// else is refused when the record is decoded.
+func TestMemberAddrMustBeHostPort(t *testing.T) {
+	for addr, ok := range map[string]bool{
+		"127.0.0.1:7000": true, "thinker-0:7000": true, "[::1]:7000": true, "gpu-3.internal:443": true,
+		"unix:/tmp/sock": false, "[bad": false, "127.0.0.1": false, "127.0.0.1:0": false, "127.0.0.1:70000": false,
+		":7000": false, "dns:///x:1": false, "a b:1": false, "host:port": false,
+	} {
+		err := membership.Member{Stage: "thinker", Addr: addr}.Validate()
+		if ok {
+			assert.NoError(t, err, addr)
+		} else {
+			assert.Error(t, err, addr)
+		}
+	}
 }

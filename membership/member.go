@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"strconv"
 	"strings"
 	"time"
@@ -39,10 +40,37 @@ func (m Member) Validate() error {
 		return fmt.Errorf("membership: invalid stage name %q", m.Stage)
 	case m.Addr == "":
 		return errors.New("membership: empty addr")
+	}
+	if err := validAddr(m.Addr); err != nil {
+		return err
+	}
+	switch {
 	case m.NumSpeculativeTokens < 0 || m.NumSpeculativeTokens > stagepb.MaxSpeculativeTokens:
 		return fmt.Errorf("membership: num_speculative_tokens %d out of range 0..%d", m.NumSpeculativeTokens, stagepb.MaxSpeculativeTokens)
 	}
 	return nil
+}
+
+// validAddr accepts host:port with a non-empty host and a port in
+// 1..65535: the form the head dials over TCP. Schemes (unix:, dns:///)
+// would make the head dial something else than a replica's TCP address.
+func validAddr(addr string) error {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("membership: addr %q is not host:port: %w", addr, err)
+	}
+	if host == "" || strings.ContainsAny(host, "/:@ ") && !isIPv6(host) {
+		return fmt.Errorf("membership: addr %q: invalid host %q", addr, host)
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+		return fmt.Errorf("membership: addr %q: port must be 1..65535", addr)
+	}
+	return nil
+}
+
+func isIPv6(host string) bool {
+	ip := net.ParseIP(host)
+	return ip != nil && ip.To4() == nil
 }
 
 // validName accepts names that are safe as one etcd key segment.

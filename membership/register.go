@@ -63,6 +63,9 @@ const (
 	Reregistered
 	// ReregisterBlocked: another holder owns the id; retrying with backoff.
 	ReregisterBlocked
+	// Restored: someone else deleted or overwrote the record while the
+	// lease lived; it is written back under the same lease.
+	Restored
 )
 
 func (t RegistrationEventType) String() string {
@@ -73,6 +76,8 @@ func (t RegistrationEventType) String() string {
 		return "reregistered"
 	case ReregisterBlocked:
 		return "reregister-blocked"
+	case Restored:
+		return "restored"
 	}
 	return "unknown"
 }
@@ -365,11 +370,17 @@ func (r *Registration) run(ctx context.Context, lease clientv3.LeaseID) {
 }
 
 // keepAlive returns when the lease is no longer refreshed or ctx ends.
+// Meanwhile it watches the record: one deleted or overwritten by someone
+// else (an operator's etcdctl, a stray script) is written back at once,
+// since the head stops routing to a replica whose record is gone.
 func (r *Registration) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 	kac, err := r.cli.KeepAlive(ctx, lease)
 	if err != nil {
 		return
 	}
+	wctx, stopWatch := context.WithCancel(ctx)
+	defer stopWatch()
+	wch := r.cli.Watch(clientv3.WithRequireLeader(wctx), r.key)
 	// Drain: the client closes kac when the lease expires, is revoked, or
 	// no answer came within the TTL. It may miss closing kac when the
 	// client is closed while KeepAlive runs (clientv3 v3.7), hence the
@@ -380,10 +391,45 @@ func (r *Registration) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 			if !ok {
 				return
 			}
+		case wr, ok := <-wch:
+			if !ok {
+				wch = nil // ended with its context; the keepalive still runs
+				continue
+			}
+			r.guard(ctx, lease, wr.Events)
 		case <-ctx.Done():
 			return
 		case <-r.cli.Ctx().Done():
 			return
+		}
+	}
+}
+
+// guard writes the record back when an event shows it deleted, or holding
+// anything but this registration's value under its lease. A deletion by
+// the lease's own expiry fails to restore (the lease is gone), and the
+// keepalive then ends as usual.
+func (r *Registration) guard(ctx context.Context, lease clientv3.LeaseID, events []*clientv3.Event) {
+	for _, ev := range events {
+		var cond clientv3.Cmp
+		switch {
+		case ev.Type == clientv3.EventTypeDelete:
+			cond = clientv3.Compare(clientv3.CreateRevision(r.key), "=", 0)
+		case string(ev.Kv.Value) != r.value || clientv3.LeaseID(ev.Kv.Lease) != lease:
+			cond = clientv3.Compare(clientv3.ModRevision(r.key), "=", ev.Kv.ModRevision)
+		default:
+			continue // our own write
+		}
+		what := map[bool]string{true: "deleted", false: "overwritten"}[ev.Type == clientv3.EventTypeDelete]
+		actx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		resp, err := r.cli.Txn(actx).If(cond).Then(clientv3.OpPut(r.key, r.value, clientv3.WithLease(lease))).Commit()
+		cancel()
+		switch {
+		case err != nil:
+			r.lg.Debug("membership: could not restore record", "key", r.key, "err", err)
+		case resp.Succeeded:
+			r.lg.Warn("membership: record "+what+" by someone else while the lease lived; restored", "key", r.key)
+			r.emit(RegistrationEvent{Type: Restored, Lease: lease})
 		}
 	}
 }
@@ -393,7 +439,9 @@ func (r *Registration) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 // old lease still holds it (for example after etcd restarted and restored
 // the lease); it never overwrites another holder.
 func (r *Registration) reregister(ctx context.Context, old clientv3.LeaseID) (clientv3.LeaseID, bool) {
-	wait := newBackoff(100*time.Millisecond, 5*time.Second)
+	// The first try is at once and the backoff stays short: while the
+	// record is gone, heads keep routing to this replica only for a grace.
+	wait := newBackoff(100*time.Millisecond, time.Second)
 	var lastWarn time.Time
 	warn := func(msg string, args ...any) {
 		if time.Since(lastWarn) < 30*time.Second {

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -207,7 +208,7 @@ func TestReregisterWaitsForAnotherHolder(t *testing.T) {
 	// a split brain), then the registration's lease goes.
 	other, err := cli.Grant(ctx, 30)
 	require.NoError(t, err)
-	foreign := `{"stage":"thinker","replica_id":5,"addr":"10.9.9.9:1","engine":"sim","version":"x","started_at":"2024-01-01T00:00:00Z"}`
+	foreign := `{"stage":"thinker","replica_id":5,"addr":"127.0.0.1:1","engine":"sim","version":"x","started_at":"2024-01-01T00:00:00Z"}`
 	_, err = cli.Put(ctx, r.Key(), foreign, clientv3.WithLease(other.ID))
 	require.NoError(t, err)
 	_, err = cli.Revoke(ctx, r.Lease())
@@ -367,4 +368,41 @@ func drained[T any](ch <-chan T) <-chan struct{} {
 		}
 	}()
 	return done
+}
+
+// TestRecordDeletedOrOverwrittenIsRestored: an operator deleting a live
+// worker's key, or writing over it, does not take the replica out for
+// good: the registration writes its record back under its lease, and says
+// so.
+func TestRecordDeletedOrOverwrittenIsRestored(t *testing.T) {
+	e := membershiptest.Start(t)
+	cli := dial(t, e.Endpoints())
+	ctx := testCtx(t)
+	r := register(t, cli, membership.RegisterConfig{Member: member("thinker", 0, "127.0.0.1:7000")})
+	restoredWithin := func(what string) {
+		t.Helper()
+		require.Eventually(t, func() bool {
+			resp, err := cli.Get(ctx, r.Key())
+			if err != nil || len(resp.Kvs) != 1 {
+				return false
+			}
+			kv := resp.Kvs[0]
+			m, err := membership.DecodeMember(membership.DefaultCluster, r.Key(), kv.Value)
+			return err == nil && m.Addr == "127.0.0.1:7000" && clientv3.LeaseID(kv.Lease) == r.Lease()
+		}, 10*time.Second, 10*time.Millisecond, "record restored after it was %s", what)
+		select {
+		case ev := <-r.Events():
+			assert.Equal(t, membership.Restored, ev.Type)
+		case <-ctx.Done():
+			t.Fatal("no Restored event")
+		}
+	}
+
+	_, err := cli.Delete(ctx, r.Key())
+	require.NoError(t, err)
+	restoredWithin("deleted")
+
+	_, err = cli.Put(ctx, r.Key(), `{"stage":"thinker","replica_id":0,"addr":"127.0.0.1:1"}`)
+	require.NoError(t, err)
+	restoredWithin("overwritten")
 }

@@ -192,7 +192,7 @@ func (w *Watcher) resync(ctx context.Context, out chan<- Event) (int64, error) {
 	for _, kv := range resp.Kvs {
 		key := string(kv.Key)
 		seen[key] = true
-		m, err := w.decode(key, kv.Value)
+		m, err := w.decode(key, kv.Value, kv.Lease)
 		if err != nil {
 			w.reportInvalid(key, kv.ModRevision, err)
 			if old, ok := w.known[key]; ok {
@@ -290,7 +290,7 @@ func (w *Watcher) apply(ctx context.Context, out chan<- Event, ev *clientv3.Even
 		}
 		return w.send(ctx, out, Event{Type: Leave, Key: key, Member: old.member, Revision: rev})
 	}
-	m, err := w.decode(key, ev.Kv.Value)
+	m, err := w.decode(key, ev.Kv.Value, ev.Kv.Lease)
 	if err != nil {
 		w.reportInvalid(key, rev, err)
 		if !known {
@@ -322,10 +322,15 @@ func (w *Watcher) send(ctx context.Context, out chan<- Event, ev Event) bool {
 	return true
 }
 
-func (w *Watcher) decode(key string, value []byte) (Member, error) {
+// decode checks a record: its JSON, its key, its stage, and that it lives
+// under a lease (one written without would never leave).
+func (w *Watcher) decode(key string, value []byte, lease int64) (Member, error) {
 	m, err := DecodeMember(w.cluster, key, value)
 	if err != nil {
 		return Member{}, err
+	}
+	if lease == 0 {
+		return Member{}, fmt.Errorf("membership: record at %q has no lease: it would never expire, so it is not routed", key)
 	}
 	if w.stages != nil && !w.stages[m.Stage] {
 		return Member{}, fmt.Errorf("membership: record at %q: unknown stage %q", key, m.Stage)

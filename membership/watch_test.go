@@ -156,7 +156,9 @@ func TestWatchNoGapNoDoubleApply(t *testing.T) {
 	ctx := testCtx(t)
 	key := membership.MemberKey(membership.DefaultCluster, "thinker", 3)
 	m := member("thinker", 3, "127.0.0.1:9999")
-	_, err := cli.Put(ctx, key, mustJSON(t, m))
+	lease, err := cli.Grant(ctx, 30)
+	require.NoError(t, err)
+	_, err = cli.Put(ctx, key, mustJSON(t, m), clientv3.WithLease(lease.ID))
 	require.NoError(t, err)
 	ev := wa.next(t)
 	require.Equal(t, membership.Join, ev.Type)
@@ -197,6 +199,9 @@ func TestWatchSkipsMalformedRecords(t *testing.T) {
 		prefix + "talker/0":       mustJSON(t, member("talker", 0, "")),     // no addr
 		prefix + "talker/1/extra": mustJSON(t, member("talker", 1, "a:1")),  // too deep
 		prefix + "thinker/10":     `{"stage":"thinker","replica_id":"ten"}`, // wrong type
+		prefix + "thinker/11":     mustJSON(t, member("thinker", 11, "127.0.0.1:7111")), // valid, but no lease
+		prefix + "thinker/12":     mustJSON(t, member("thinker", 12, "unix:/tmp/sock")), // not host:port
+		prefix + "thinker/13":     mustJSON(t, member("thinker", 13, "[bad")),
 	}
 	for k, v := range bad {
 		_, err := cli.Put(ctx, k, v)

@@ -369,6 +369,7 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 		return
 	}
 	backoff := 100 * time.Millisecond
+	started := time.Now()
 	for attempt := 1; ; attempt++ {
 		pctx, cancel := context.WithTimeout(ctx, h.cfg.ProbeTimeout)
 		health, err := rep.Client.Health(pctx, &stagepb.HealthRequest{})
@@ -381,8 +382,12 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 			}
 			return
 		}
-		if attempt == 1 || attempt%10 == 0 {
-			h.log.Warn("orchestrator: replica not serving yet", "stage", spec.StageName, "replica", spec.Key.Replica, "addr", spec.Addr, "status", health.GetStatus().String(), "err", err)
+		// Log the 1st, 10th, 100th, ... failure: a replica that never
+		// answers (a wrong --advertise) is visible as unhealthy in
+		// /v1/replicas without filling the log.
+		if attempt == 1 || isPowerOf10(attempt) {
+			h.log.Warn("orchestrator: replica not serving yet", "stage", spec.StageName, "replica", spec.Key.Replica, "addr", spec.Addr,
+				"attempts", attempt, "status", health.GetStatus().String(), "err", err)
 		}
 		timer := time.NewTimer(backoff)
 		select {
@@ -392,7 +397,12 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 			return
 		case <-timer.C:
 		}
-		backoff = min(2*backoff, 2*time.Second)
+		// Quick retries while a replica starts; after a minute, slow ones.
+		limit := 2 * time.Second
+		if time.Since(started) > time.Minute {
+			limit = 30 * time.Second
+		}
+		backoff = min(2*backoff, limit)
 	}
 }
 
@@ -673,4 +683,11 @@ func (h *Head) Ready() (bool, string) {
 		}
 	}
 	return true, ""
+}
+
+func isPowerOf10(n int) bool {
+	for n >= 10 && n%10 == 0 {
+		n /= 10
+	}
+	return n == 1
 }

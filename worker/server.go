@@ -283,8 +283,11 @@ func (s *Server) Run(ctx context.Context) error {
 		<-served
 		return err
 	}
-	s.deregister(reg)
+	// Draining first: a head that sees the record vanish asks Health, and
+	// must hear DRAINING (stop routing, let in-flight work finish), not
+	// SERVING (a lost lease, keep routing).
 	n := s.Drain()
+	s.deregister(reg)
 	s.log.Info("worker: draining", "in_flight", n, "timeout", s.cfg.DrainTimeout)
 	deadline := time.NewTimer(s.cfg.DrainTimeout)
 	defer deadline.Stop()
