@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
@@ -370,17 +371,18 @@ func (r *Registration) run(ctx context.Context, lease clientv3.LeaseID) {
 }
 
 // keepAlive returns when the lease is no longer refreshed or ctx ends.
-// Meanwhile it watches the record: one deleted or overwritten by someone
-// else (an operator's etcdctl, a stray script) is written back at once,
-// since the head stops routing to a replica whose record is gone.
+// Meanwhile it checks the record every third of the TTL: one deleted or
+// overwritten by someone else (an operator's etcdctl, a stray script) is
+// written back, since the head stops routing to a replica whose record is
+// gone. (A watch on the key would notice sooner, but a watch stream on the
+// same client was seen to hold back the lease's keepalive answers.)
 func (r *Registration) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 	kac, err := r.cli.KeepAlive(ctx, lease)
 	if err != nil {
 		return
 	}
-	wctx, stopWatch := context.WithCancel(ctx)
-	defer stopWatch()
-	wch := r.cli.Watch(clientv3.WithRequireLeader(wctx), r.key)
+	check := time.NewTicker(max(time.Duration(r.ttlSecs)*time.Second/3, 500*time.Millisecond))
+	defer check.Stop()
 	// Drain: the client closes kac when the lease expires, is revoked, or
 	// no answer came within the TTL. It may miss closing kac when the
 	// client is closed while KeepAlive runs (clientv3 v3.7), hence the
@@ -391,12 +393,8 @@ func (r *Registration) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 			if !ok {
 				return
 			}
-		case wr, ok := <-wch:
-			if !ok {
-				wch = nil // ended with its context; the keepalive still runs
-				continue
-			}
-			r.guard(ctx, lease, wr.Events)
+		case <-check.C:
+			r.checkRecord(ctx, lease)
 		case <-ctx.Done():
 			return
 		case <-r.cli.Ctx().Done():
@@ -405,8 +403,25 @@ func (r *Registration) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 	}
 }
 
-// guard writes the record back when an event shows it deleted, or holding
-// anything but this registration's value under its lease. A deletion by
+// checkRecord reads the record and guards it.
+func (r *Registration) checkRecord(ctx context.Context, lease clientv3.LeaseID) {
+	gctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	got, err := r.cli.Get(gctx, r.key)
+	cancel()
+	switch {
+	case err != nil:
+		return // etcd unreachable: the keepalive tells
+	case len(got.Kvs) == 0:
+		r.guard(ctx, lease, []*clientv3.Event{{Type: clientv3.EventTypeDelete, Kv: &mvccpb.KeyValue{Key: []byte(r.key)}}})
+	default:
+		r.guard(ctx, lease, []*clientv3.Event{{Type: clientv3.EventTypePut, Kv: got.Kvs[0]}})
+	}
+}
+
+// guard writes the record back when an event shows it deleted, or
+// overwritten without a lease or under this registration's lease (by an
+// operator, say). A record under another live lease is another holder's
+// and is left alone, as Register leaves it. A deletion by
 // the lease's own expiry fails to restore (the lease is gone), and the
 // keepalive then ends as usual.
 func (r *Registration) guard(ctx context.Context, lease clientv3.LeaseID, events []*clientv3.Event) {
@@ -415,6 +430,11 @@ func (r *Registration) guard(ctx context.Context, lease clientv3.LeaseID, events
 		switch {
 		case ev.Type == clientv3.EventTypeDelete:
 			cond = clientv3.Compare(clientv3.CreateRevision(r.key), "=", 0)
+		case ev.Kv.Lease != 0 && clientv3.LeaseID(ev.Kv.Lease) != lease:
+			// Another holder under its own lease: never overwritten (see
+			// Register); if our lease goes, re-registration waits for it.
+			r.lg.Error("membership: record taken over by another lease while ours lives; not overwriting it", "key", r.key, "holder_lease", fmt.Sprintf("%x", ev.Kv.Lease))
+			continue
 		case string(ev.Kv.Value) != r.value || clientv3.LeaseID(ev.Kv.Lease) != lease:
 			cond = clientv3.Compare(clientv3.ModRevision(r.key), "=", ev.Kv.ModRevision)
 		default:

@@ -216,7 +216,7 @@ func TestReregisterWaitsForAnotherHolder(t *testing.T) {
 
 	regEvent(t, r, membership.LeaseLost)
 	blocked := regEvent(t, r, membership.ReregisterBlocked)
-	require.Equal(t, "10.9.9.9:1", blocked.Holder)
+	require.Equal(t, "127.0.0.1:1", blocked.Holder)
 	got, err := cli.Get(ctx, r.Key())
 	require.NoError(t, err)
 	require.Equal(t, foreign, string(got.Kvs[0].Value), "never overwrites another holder")

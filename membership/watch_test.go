@@ -193,12 +193,12 @@ func TestWatchSkipsMalformedRecords(t *testing.T) {
 
 	// Arriving through the watch.
 	bad := map[string]string{
-		prefix + "thinker/8":      mustJSON(t, member("thinker", 9, "a:1")), // id mismatch
-		prefix + "painter/0":      mustJSON(t, member("painter", 0, "a:1")), // unknown stage
-		prefix + "thinker/x":      mustJSON(t, member("thinker", 0, "a:1")), // bad id in key
-		prefix + "talker/0":       mustJSON(t, member("talker", 0, "")),     // no addr
-		prefix + "talker/1/extra": mustJSON(t, member("talker", 1, "a:1")),  // too deep
-		prefix + "thinker/10":     `{"stage":"thinker","replica_id":"ten"}`, // wrong type
+		prefix + "thinker/8":      mustJSON(t, member("thinker", 9, "a:1")),             // id mismatch
+		prefix + "painter/0":      mustJSON(t, member("painter", 0, "a:1")),             // unknown stage
+		prefix + "thinker/x":      mustJSON(t, member("thinker", 0, "a:1")),             // bad id in key
+		prefix + "talker/0":       mustJSON(t, member("talker", 0, "")),                 // no addr
+		prefix + "talker/1/extra": mustJSON(t, member("talker", 1, "a:1")),              // too deep
+		prefix + "thinker/10":     `{"stage":"thinker","replica_id":"ten"}`,             // wrong type
 		prefix + "thinker/11":     mustJSON(t, member("thinker", 11, "127.0.0.1:7111")), // valid, but no lease
 		prefix + "thinker/12":     mustJSON(t, member("thinker", 12, "unix:/tmp/sock")), // not host:port
 		prefix + "thinker/13":     mustJSON(t, member("thinker", 13, "[bad")),
@@ -218,6 +218,10 @@ func TestWatchSkipsMalformedRecords(t *testing.T) {
 	ev = wa.next(t)
 	require.Equal(t, membership.Leave, ev.Type)
 	require.Equal(t, good.Key(), ev.Key)
+	require.Equal(t, "127.0.0.1:7102", ev.Member.Addr)
+	// ... and the live registration writes its record back: a join again.
+	ev = wa.next(t)
+	require.True(t, is(membership.Join, good.Key())(ev), "%+v", ev)
 	require.Equal(t, "127.0.0.1:7102", ev.Member.Addr)
 
 	// Re-lists find the same bad records again but count them once.
