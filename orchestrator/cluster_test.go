@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sync/errgroup"
@@ -433,4 +435,47 @@ func TestMalformedRecordsAreCountedNotFatal(t *testing.T) {
 	assert.Len(t, c.Head.Replicas(), 1, "no replica made of garbage")
 	_, err := c.Head.Execute(ctx, orchestrator.Request{ID: "ok", Prompt: "still fine"}, nil)
 	require.NoError(t, err)
+}
+
+// TestRecordPointingAtAnotherStageIsRefused: a thinker record whose addr is
+// the talker's worker would route text requests to a talker (a silent
+// wrong answer); the join probe sees the worker's own stage and refuses it,
+// visibly, and the real thinker keeps serving.
+func TestRecordPointingAtAnotherStageIsRefused(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{})
+	ctx := ctxT(t)
+	c.WaitReady(t)
+	var talkerAddr string
+	for _, w := range c.Workers() {
+		if w.Stage == "talker" {
+			talkerAddr = w.Addr()
+		}
+	}
+	require.NotEmpty(t, talkerAddr)
+	lease, err := c.Client.Grant(ctx, 30)
+	require.NoError(t, err)
+	rec := fmt.Sprintf(`{"stage":"thinker","replica_id":7,"addr":%q,"engine":"sim","version":"x","started_at":"2026-01-01T00:00:00Z"}`, talkerAddr)
+	_, err = c.Client.Put(ctx, "/troupe/default/members/thinker/7", rec, clientv3.WithLease(lease.ID))
+	require.NoError(t, err)
+
+	var row orchestrator.ReplicaStatus
+	require.Eventually(t, func() bool {
+		for _, r := range c.Head.Replicas() {
+			if r.StageName == "thinker" && r.Replica == 7 {
+				row = r
+				return strings.HasPrefix(r.Reason, "refused")
+			}
+		}
+		return false
+	}, 30*time.Second, 5*time.Millisecond, "the bad record is listed with a reason")
+	assert.Equal(t, orchestrator.StateUnhealthy, row.State)
+	assert.Contains(t, row.Reason, "serves stage talker")
+	refused, _ := value(t, c.Metrics, "troupe_head_attach_errors_total", map[string]string{"step": "role"})
+	assert.Equal(t, 1.0, refused)
+	for i := range 8 {
+		res, err := c.Head.Execute(ctx, orchestrator.Request{ID: fmt.Sprint(i), Prompt: "hello", Sampling: sampling(6, int64(i))}, nil)
+		require.NoError(t, err)
+		want, _, _ := sim.ExpectedText("hello", int64(i), 6)
+		assert.Equal(t, want, res.Text, "never answered by the talker")
+	}
 }

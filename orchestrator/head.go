@@ -415,10 +415,14 @@ func (h *Head) attach(pr probeResult) {
 	}
 	t.probeGen, t.cancel = 0, nil
 	t.io = ioOf(pr.health)
-	if why := h.checkRoles(pr.key, t.io); why != "" {
+	why := h.checkRoles(pr.key, t.io)
+	if s := pr.health.GetStage(); s != "" && s != t.member.Stage {
+		why = fmt.Sprintf("the record is for stage %s, but the worker at %s serves stage %s", t.member.Stage, t.member.Addr, s)
+	}
+	if why != "" {
 		t.refused = why
 		h.errors.WithLabelValues("role").Inc()
-		h.log.Error("orchestrator: refusing replica: its roles do not fit the pipeline", "stage", t.member.Stage, "replica", pr.key.Replica, "addr", t.member.Addr, "roles", t.io.String(), "reason", why)
+		h.log.Error("orchestrator: refusing replica: it does not fit the pipeline", "stage", t.member.Stage, "replica", pr.key.Replica, "addr", t.member.Addr, "roles", t.io.String(), "reason", why)
 		h.router.Discard(pr.rep)
 		h.publish()
 		return

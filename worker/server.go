@@ -599,6 +599,7 @@ func recordPhases(ctx context.Context, start time.Time, t *stagepb.Timings) {
 func (svc *service) Health(context.Context, *stagepb.HealthRequest) (*stagepb.HealthResponse, error) {
 	s := svc.s
 	h := s.cfg.Engine.Health()
+	h.Stage = s.cfg.Stage
 	if s.isDraining() {
 		h.Status = stagepb.ServingStatus_SERVING_STATUS_DRAINING
 	} else if h.GetStatus() == stagepb.ServingStatus_SERVING_STATUS_UNSPECIFIED {

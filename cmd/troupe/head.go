@@ -36,6 +36,7 @@ type headFlags struct {
 	sessionHeader                                      string
 	logStats, untrustedParent, sessionUser             bool
 	maxBody                                            byteSize
+	maxInFlight                                        int
 	detachedTTL, reconcile                             time.Duration
 	stallTimeout, leaseLossGrace                       time.Duration
 	tls                                                *tlsFlags
@@ -59,6 +60,7 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.BoolVar(&f.logStats, "log-stats", true, "register and record the per-replica stat families")
 	fs.BoolVar(&f.untrustedParent, "trace-untrusted-parent", false, "link to a client's traceparent instead of parenting under it")
 	fs.Var(&f.maxBody, "max-body-bytes", "largest request body accepted (e.g. 16MiB)")
+	fs.IntVar(&f.maxInFlight, "max-in-flight", 1024, "completions the head runs at once; beyond it 429 with Retry-After (0: no limit)")
 	fs.DurationVar(&f.detachedTTL, "detached-series-ttl", 0, "delete the series of replicas detached longer than this (0: keep forever)")
 	fs.DurationVar(&f.reconcile, "reconcile-interval", 30*time.Second, "period of the full membership re-list that repairs drift")
 	fs.DurationVar(&f.stallTimeout, "stall-timeout", 5*time.Second, "fail and retry a stage attempt that makes no progress for this long")
@@ -180,6 +182,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		Logger:          log,
 		SessionHeader:   hf.sessionHeader,
 		SessionFromUser: hf.sessionUser,
+		MaxInFlight:     hf.maxInFlight,
 	})
 
 	handler := api.Handler()

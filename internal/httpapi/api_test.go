@@ -14,6 +14,8 @@ import (
 
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -594,4 +596,46 @@ func TestAdmin(t *testing.T) {
 			assert.Equal(t, http.StatusOK, resp.StatusCode)
 		}
 	})
+}
+
+// TestAdmissionLimit: beyond MaxInFlight the head answers 429 at once, in
+// OpenAI's shape with Retry-After, counted in the HTTP metrics; a slot that
+// frees admits the next request.
+func TestAdmissionLimit(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Pipeline: orchestrator.Pipeline{Model: model, Stages: []orchestrator.Stage{{Name: "thinker"}}},
+		Sim: sim.Config{DecodeTokenLatency: 20 * time.Millisecond}})
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	require.NoError(t, err)
+	a := startAPI(t, c, Config{MaxInFlight: 2, Metrics: m}, nil, nil)
+	slow := `{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":30,"ignore_eos":true,"stream":true}`
+
+	// Two streams hold both slots: each has sent its first event.
+	var streams []*http.Response
+	for range 2 {
+		req, err := http.NewRequestWithContext(t.Context(), "POST", a.base+"/v1/chat/completions", strings.NewReader(slow))
+		require.NoError(t, err)
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := a.client.Do(req)
+		require.NoError(t, err)
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+		_, err = bufio.NewReader(resp.Body).ReadString('\n')
+		require.NoError(t, err)
+		streams = append(streams, resp)
+	}
+	resp, body := a.post(t, "/v1/chat/completions", `{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`)
+	d := wantError(t, resp, body, http.StatusTooManyRequests, typeRateLimit, "too_many_requests")
+	assert.Equal(t, "1", resp.Header.Get("Retry-After"))
+	assert.Contains(t, d.Message, "limit of 2 requests in flight")
+	assert.Equal(t, 1.0, testutil.ToFloat64(m.requests.WithLabelValues("/v1/chat/completions", "post", "429")))
+
+	for _, s := range streams {
+		_, err := io.Copy(io.Discard, s.Body)
+		require.NoError(t, err)
+		s.Body.Close()
+	}
+	require.Eventually(t, func() bool {
+		resp, _ := a.post(t, "/v1/chat/completions", `{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`)
+		return resp.StatusCode == http.StatusOK
+	}, 10*time.Second, 20*time.Millisecond, "a freed slot admits the next request")
 }

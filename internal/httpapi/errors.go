@@ -18,6 +18,7 @@ const (
 	typeAuthentication = "authentication_error"
 	typeNotFound       = "not_found_error"
 	typeServer         = "server_error"
+	typeRateLimit      = "rate_limit_error"
 )
 
 // apiError is an error answered to the client in OpenAI's error shape:

@@ -21,6 +21,7 @@ import (
 	"net/url"
 	"path"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -96,6 +97,10 @@ type Config struct {
 	// SessionFromUser takes the session key from the body's OpenAI `user`
 	// field when the header is absent or empty.
 	SessionFromUser bool
+	// MaxInFlight bounds the completions the head runs at once; beyond it
+	// a request is answered 429 with Retry-After at once, so latency stays
+	// bounded instead of growing with the queue. <= 0: no limit.
+	MaxInFlight int
 }
 
 // Server serves the API of one head. Its handlers are safe for concurrent
@@ -107,6 +112,7 @@ type Server struct {
 	created int64 // the models' "created": when the server was built
 	keyHash [sha256.Size]byte
 	routes  map[string]string // registered pattern → route label; read-only after New
+	running atomic.Int64      // completions admitted and not finished (MaxInFlight)
 
 	all, serving, admin http.Handler
 }
@@ -140,8 +146,8 @@ func New(b Backend, cfg Config) *Server {
 		}
 	}
 	servingMuxes, adminMuxes := []*http.ServeMux{serving, all}, []*http.ServeMux{admin, all}
-	handle(servingMuxes, "POST /v1/chat/completions", http.HandlerFunc(s.chatCompletions))
-	handle(servingMuxes, "POST /v1/completions", http.HandlerFunc(s.completions))
+	handle(servingMuxes, "POST /v1/chat/completions", s.admitted(s.chatCompletions))
+	handle(servingMuxes, "POST /v1/completions", s.admitted(s.completions))
 	handle(servingMuxes, "GET /v1/models", http.HandlerFunc(s.models))
 	handle(servingMuxes, "GET /v1/models/{model...}", http.HandlerFunc(s.model))
 	handle(adminMuxes, "GET /v1/replicas", http.HandlerFunc(s.replicas))
@@ -159,6 +165,25 @@ func New(b Backend, cfg Config) *Server {
 	handle(everyMux, "GET /readyz", http.HandlerFunc(s.readyz))
 	s.all, s.serving, s.admin = s.wrap(all), s.wrap(serving), s.wrap(admin)
 	return s
+}
+
+// admitted runs h within the MaxInFlight limit, or answers 429 (OpenAI's
+// rate-limit shape, Retry-After 1) without reading the body.
+func (s *Server) admitted(h http.HandlerFunc) http.Handler {
+	if s.cfg.MaxInFlight <= 0 {
+		return h
+	}
+	limit := int64(s.cfg.MaxInFlight)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if s.running.Add(1) > limit {
+			s.running.Add(-1)
+			s.reject(w, r, &apiError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: "too_many_requests", RetryAfter: "1",
+				Message: fmt.Sprintf("the server is at its limit of %d requests in flight; retry shortly", limit)})
+			return
+		}
+		defer s.running.Add(-1)
+		h(w, r)
+	})
 }
 
 // Handler serves every route: serving, admin, metrics and health.

@@ -1219,6 +1219,10 @@ type HealthResponse struct {
 	// status_message says why the status is not SERVING, e.g. the upstream
 	// engine's last health check error.
 	StatusMessage string `protobuf:"bytes,9,opt,name=status_message,json=statusMessage,proto3" json:"status_message,omitempty"`
+	// stage is the stage the worker serves (its --stage). The head refuses a
+	// membership record whose stage differs: the record points at another
+	// stage's worker. Empty (older workers): not checked.
+	Stage         string `protobuf:"bytes,10,opt,name=stage,proto3" json:"stage,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1312,6 +1316,13 @@ func (x *HealthResponse) GetInputRole() string {
 func (x *HealthResponse) GetStatusMessage() string {
 	if x != nil {
 		return x.StatusMessage
+	}
+	return ""
+}
+
+func (x *HealthResponse) GetStage() string {
+	if x != nil {
+		return x.Stage
 	}
 	return ""
 }
@@ -1652,7 +1663,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x15enable_prefix_caching\x18\x03 \x01(\bR\x13enablePrefixCaching\x12 \n" +
 	"\fmax_num_seqs\x18\x04 \x01(\rR\n" +
 	"maxNumSeqs\x12\x1b\n" +
-	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xa5\x03\n" +
+	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xbb\x03\n" +
 	"\x0eHealthResponse\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.troupe.stage.v1.ServingStatusR\x06status\x12<\n" +
 	"\vsleep_state\x18\x02 \x01(\x0e2\x1b.troupe.stage.v1.SleepStateR\n" +
@@ -1664,7 +1675,9 @@ const file_stage_proto_rawDesc = "" +
 	"\x06gauges\x18\a \x01(\v2\x1c.troupe.stage.v1.EngineStatsR\x06gauges\x12\x1d\n" +
 	"\n" +
 	"input_role\x18\b \x01(\tR\tinputRole\x12%\n" +
-	"\x0estatus_message\x18\t \x01(\tR\rstatusMessage\"$\n" +
+	"\x0estatus_message\x18\t \x01(\tR\rstatusMessage\x12\x14\n" +
+	"\x05stage\x18\n" +
+	" \x01(\tR\x05stage\"$\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\"M\n" +
 	"\rSleepResponse\x12<\n" +
