@@ -24,6 +24,18 @@ type Continuer interface {
 	ContinuesInput() bool
 }
 
+// SentenceSegmenter is an optional interface of a Continuer whose text
+// segments should end at sentence ends only (a speech engine: a segment cut
+// mid-sentence would be spoken with a break there). Its segments end after
+// a sentence, or after maxSentenceWords words without one.
+type SentenceSegmenter interface {
+	SegmentsBySentence() bool
+}
+
+// maxSentenceWords bounds a segment of a SentenceSegmenter that meets no
+// sentence end.
+const maxSentenceWords = 48
+
 // Default segment sizes of GenerateStream, when the head sends none: a
 // talker starts after a few words, a vocoder after 400 ms of codes.
 const (
@@ -101,6 +113,7 @@ type segmenter struct {
 	codes     bool // codes input; otherwise text
 	units     int  // words or codes per segment
 	continues bool
+	sentences bool // text segments end at sentence ends (SentenceSegmenter)
 	ranAny    bool // a segment ran
 
 	text     strings.Builder // text not yet run
@@ -120,6 +133,9 @@ func newSegmenter(req *stagepb.GenerateRequest, first *stagepb.StreamInput, eng 
 	_, g.codes = req.GetInput().(*stagepb.GenerateRequest_Codes)
 	if c, ok := eng.(Continuer); ok {
 		g.continues = c.ContinuesInput()
+	}
+	if s, ok := eng.(SentenceSegmenter); ok {
+		g.sentences = s.SegmentsBySentence()
 	}
 	g.units = int(first.GetSegmentUnits())
 	if g.units <= 0 {
@@ -159,7 +175,11 @@ func (g *segmenter) next() (text string, codes []uint32, ok bool) {
 	pending := g.text.String()
 	cut := len(pending)
 	if !g.ended {
-		cut = textCut(pending, g.units)
+		units := g.units
+		if g.sentences {
+			units = maxSentenceWords
+		}
+		cut = textCut(pending, units)
 	}
 	if cut <= 0 || (g.ranAny && strings.TrimSpace(pending[:cut]) == "") {
 		return "", nil, false // nothing, or only the whitespace after the last word

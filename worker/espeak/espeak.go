@@ -144,6 +144,17 @@ func (e *Engine) Voice(v string) (string, error) {
 // makes it; the final chunk carries finish stop and the timings (prefill:
 // until the first audio; decode: the rest). Cancelling ctx kills the
 // process.
+// ContinuesInput: in a streaming pipeline espeak speaks each sentence as
+// soon as the stage before has written it, instead of waiting for the whole
+// text (worker.Continuer). The audio of the whole is the sentences' audio
+// one after the other, as a streaming pipeline makes it for streamed and
+// whole answers alike.
+func (e *Engine) ContinuesInput() bool { return true }
+
+// SegmentsBySentence: segments end at sentence ends, so no sentence is
+// spoken with a break in it (worker.SentenceSegmenter).
+func (e *Engine) SegmentsBySentence() bool { return true }
+
 func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
 	text, ok := req.SpeechText()
 	if !ok {

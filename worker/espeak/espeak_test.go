@@ -249,3 +249,60 @@ func TestMissingBinary(t *testing.T) {
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "apt-get install espeak-ng")
 }
+
+// TestStreamedSpeechStartsOnTheFirstSentence: fed through GenerateStream,
+// as a streaming pipeline feeds it, espeak speaks the first sentence while
+// the rest of the text has not arrived, and the whole answer is the
+// sentences' audio one after the other.
+func TestStreamedSpeechStartsOnTheFirstSentence(t *testing.T) {
+	e := newEngine(t, espeak.Config{})
+	srv, err := worker.New(worker.Config{Stage: "speech", Engine: e, Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Run(ctx) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	<-srv.Registered()
+	conn, err := grpc.NewClient(srv.Advertise(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	cli := stagepb.NewStageServiceClient(conn)
+
+	stream, err := cli.GenerateStream(testCtx(t))
+	require.NoError(t, err)
+	require.NoError(t, stream.Send(&stagepb.StreamInput{Request: &stagepb.GenerateRequest{
+		Input: &stagepb.GenerateRequest_Text{Text: "The first sentence is here. And the second"}, Voice: "en-us"}}))
+	var first []*stagepb.GenerateChunk
+	for {
+		c, err := stream.Recv() // the input is still open: only the first sentence is complete
+		require.NoError(t, err)
+		first = append(first, c)
+		if len(c.GetAudioPcm16()) > 0 {
+			break
+		}
+	}
+	require.NoError(t, stream.Send(&stagepb.StreamInput{Text: " one ends later."}))
+	require.NoError(t, stream.CloseSend())
+	rest := first
+	for {
+		c, err := stream.Recv()
+		if err == io.EOF {
+			break
+		}
+		require.NoError(t, err)
+		rest = append(rest, c)
+	}
+	assert.Equal(t, stagepb.FinishReason_FINISH_REASON_STOP, rest[len(rest)-1].GetFinishReason())
+	got, rate := audio(t, rest)
+	one, _ := audio(t, mustSpeak(t, e, "The first sentence is here. "))
+	two, _ := audio(t, mustSpeak(t, e, "And the second one ends later."))
+	assert.Equal(t, len(one)+len(two), len(got), "the two sentences' audio, one after the other (rate %d)", rate)
+	assert.Greater(t, rms(got), 500.0)
+}
+
+func mustSpeak(t *testing.T, e *espeak.Engine, text string) []*stagepb.GenerateChunk {
+	t.Helper()
+	chunks, err := speak(testCtx(t), e, text, "en-us")
+	require.NoError(t, err)
+	return chunks
+}

@@ -53,6 +53,15 @@ type speechRequest struct {
 // all leaves the choice to the upstream) and streams the audio as it
 // arrives (stream_format audio). Empty text gives no audio. A response
 // cut short is an Unavailable error.
+// ContinuesInput: in a streaming pipeline the speech stage asks the TTS
+// server for each sentence as soon as the stage before has written it,
+// instead of waiting for the whole text (worker.Continuer).
+func (e *SpeechEngine) ContinuesInput() bool { return true }
+
+// SegmentsBySentence: segments end at sentence ends, so no sentence is
+// spoken with a break in it (worker.SentenceSegmenter).
+func (e *SpeechEngine) SegmentsBySentence() bool { return true }
+
 func (e *SpeechEngine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
 	if err := e.admit(); err != nil {
 		return err
