@@ -111,7 +111,7 @@ func TestDialWithAuth(t *testing.T) {
 		require.NoError(t, cli.Close())
 	}
 
-	cli, err := membership.Dial(ctx, membership.ClientConfig{Endpoints: e.Endpoints(), Username: "root", Password: "wrong", DialTimeout: 3 * time.Second})
+	cli, err := membership.Dial(ctx, membership.ClientConfig{Endpoints: e.Endpoints(), Username: "root", Password: "wrong", DialTimeout: 15 * time.Second})
 	if cli != nil {
 		cli.Close()
 	}

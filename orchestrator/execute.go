@@ -258,7 +258,7 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 			stream, err := rep.Client.Generate(ctx, in, h.callOptions()...)
 			return stream, func() {}, err
 		}
-		out, produced, err := h.attempt(ctx, req, stage, d, attempt, in.GetSampling(), open, forward, false)
+		out, produced, err := h.attempt(ctx, req, stage, d, attempt, in.GetSampling(), open, forward)
 		if err == nil {
 			return out, nil
 		}
@@ -312,10 +312,10 @@ func (h *Head) countDecision(stage int, d router.Decision) {
 // output reached the client through forward, after which a retry would
 // duplicate it. forward may be nil.
 //
-// The attempt fails with errStalled when it makes no progress for the
-// stall timeout: no chunk received, and no input sent (a streamed stage's
-// clock starts with its first input, as it cannot work before).
-func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Decision, attempt int, sampling *stagepb.SamplingParams, open opener, forward forwarder, streamedInput bool) (_ *stageOutput, produced bool, err error) {
+// The attempt fails with errStalled when, once it has started to work, it
+// makes no progress for the stall timeout: no chunk received, and no input
+// sent.
+func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Decision, attempt int, sampling *stagepb.SamplingParams, open opener, forward forwarder) (_ *stageOutput, produced bool, err error) {
 	name := h.cfg.Pipeline.Stages[stage].Name
 	rep := d.Replica
 	ctx, span := h.tracer.Start(ctx, telemetry.StageSpanName(name), trace.WithSpanKind(trace.SpanKindInternal),
@@ -326,11 +326,14 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 	ctx, cancel := context.WithCancelCause(ctx)
 	wait := func() {}
 	defer func() { cancel(context.Canceled); wait() }()
+	// The stall clock starts with the first sign of work (a chunk, or input
+	// sent to a streamed stage): before it a replica may rightly be busy for
+	// long (a queue, the prefill of a huge prompt). A replica that dies or
+	// freezes before its first chunk is caught by its lease instead: the
+	// leave probe finds it does not answer and aborts its attempts.
 	stall := time.AfterFunc(h.cfg.StallTimeout, func() { cancel(errStalled) })
+	stall.Stop()
 	defer stall.Stop()
-	if streamedInput {
-		stall.Stop()
-	}
 	progress := func() { stall.Reset(h.cfg.StallTimeout) }
 
 	rep.Acquire()
@@ -439,7 +442,12 @@ func (h *Head) stageError(ctx context.Context, stage string, rep *router.Replica
 	// ctx reports it: both mean the client's time ran out, not a failure.
 	if cause := context.Cause(ctx); errors.Is(cause, errStalled) || errors.Is(cause, errReplicaGone) {
 		fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
-		return fmt.Errorf("%w: stage %q replica %d (%s): %w", ErrStageFailed, stage, rep.Key.Replica, rep.Addr, cause)
+		what := "stopped making progress"
+		if errors.Is(cause, errReplicaGone) {
+			what = "left the membership and does not answer"
+		}
+		return newError(ErrStageFailed, fmt.Errorf("replica %d (%s): %w", rep.Key.Replica, rep.Addr, cause),
+			"stage %q failed on replica %d: it %s", stage, rep.Key.Replica, what)
 	}
 	_, hasDeadline := ctx.Deadline()
 	if ctx.Err() != nil || (hasDeadline && status.Code(err) == grpccodes.DeadlineExceeded) {

@@ -258,7 +258,7 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 			}
 			return h.openStreamed(ctx, run, stage, rep, s, progress)
 		}
-		out, produced, err := h.attempt(ctx, run.req, stage, d, attempt, run.prompt.GetSampling(), open, forward, stage > 0)
+		out, produced, err := h.attempt(ctx, run.req, stage, d, attempt, run.prompt.GetSampling(), open, forward)
 		if err == nil {
 			return out, nil
 		}

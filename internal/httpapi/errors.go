@@ -107,7 +107,7 @@ func fromBackend(err error, requestID string) *apiError {
 	if errors.As(err, &ae) {
 		return ae
 	}
-	msg := "internal error; the head's log has the details (request id " + requestID + ")"
+	msg := "internal error; the head's log has the details"
 	var oe *orchestrator.Error
 	if errors.As(err, &oe) {
 		msg = oe.Message
@@ -133,6 +133,6 @@ func fromBackend(err error, requestID string) *apiError {
 		return &apiError{Status: http.StatusGatewayTimeout, Type: typeServer, Code: "timeout",
 			Message: "the request did not finish within the head's request timeout"}
 	default:
-		return &apiError{Status: http.StatusInternalServerError, Type: typeServer, Code: "internal_error", Message: msg}
+		return &apiError{Status: http.StatusInternalServerError, Type: typeServer, Code: "internal_error", Message: msg + " (request id " + requestID + ")"}
 	}
 }
