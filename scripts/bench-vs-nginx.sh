@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The head's cost per request against nginx (docs/benchmarks.md, "Against
+# nginx"). One run, on loopback only:
+#
+#   - nginx (Debian's package; installed here if missing) as a reverse proxy
+#     (keep-alive upstream, no buffering, no access log) in front of a minimal
+#     OpenAI-compatible backend (test/bench/vsnginx backend: a fixed 16-token
+#     answer, streamed one SSE event per token, or whole);
+#   - troupe's processes: troupe etcd, troupe head with a one-stage pipeline,
+#     one sim worker at zero delay;
+#
+# and the same client (test/bench/vsnginx load: C concurrent keep-alive
+# clients, 16 tokens with ignore_eos) loads each in turn, alternating,
+# ROUNDS times per mode (non-stream, stream). It prints req/s, p50/p99 and
+# the proxy's CPU per request (utime+stime from /proc: nginx's workers
+# summed, the head process), and the troupe/nginx ratios.
+#
+#   scripts/bench-vs-nginx.sh                # about 2 minutes
+#   DURATION=4s ROUNDS=1 scripts/bench-vs-nginx.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+C=${C:-32}
+DURATION=${DURATION:-8s}
+ROUNDS=${ROUNDS:-2}
+MODES=${MODES:-"non-stream stream"}
+PORT=${PORT:-18400} # PORT..PORT+4 on 127.0.0.1
+
+if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
+	echo "installing nginx (Debian package)..." >&2
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null
+fi
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+
+tmp=$(mktemp -d)
+pids=()
+cleanup() {
+	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+	wait 2>/dev/null || true
+	rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+go build -o "$tmp/troupe" ./cmd/troupe
+go build -o "$tmp/vsnginx" ./test/bench/vsnginx
+
+backend=127.0.0.1:$PORT
+nginx_addr=127.0.0.1:$((PORT + 1))
+etcd=http://127.0.0.1:$((PORT + 2)) # its peer port is PORT+3
+head=127.0.0.1:$((PORT + 4))
+
+wait_http() { # URL: until it answers 200, at most 30 s
+	for _ in $(seq 300); do
+		if [ "$(curl -s -o /dev/null -w '%{http_code}' "$1" || true)" = 200 ]; then return 0; fi
+		sleep 0.1
+	done
+	echo "no answer from $1" >&2
+	return 1
+}
+
+"$tmp/vsnginx" backend -listen "$backend" &
+pids+=($!)
+
+mkdir -p "$tmp/nginx"
+cat >"$tmp/nginx/nginx.conf" <<CONF
+worker_processes auto;
+pid $tmp/nginx/nginx.pid;
+error_log $tmp/nginx/error.log warn;
+events { worker_connections 1024; }
+http {
+	access_log off;
+	client_body_temp_path $tmp/nginx/body;
+	proxy_temp_path $tmp/nginx/proxy;
+	fastcgi_temp_path $tmp/nginx/fastcgi;
+	uwsgi_temp_path $tmp/nginx/uwsgi;
+	scgi_temp_path $tmp/nginx/scgi;
+	upstream backend { server $backend; keepalive 64; }
+	server {
+		listen $nginx_addr;
+		location / {
+			proxy_pass http://backend;
+			proxy_http_version 1.1;
+			proxy_set_header Connection "";
+			proxy_buffering off;
+		}
+	}
+}
+CONF
+"$NGINX" -p "$tmp/nginx" -c "$tmp/nginx/nginx.conf" -g 'daemon off;' 2>"$tmp/nginx/stderr" &
+nginx_master=$!
+pids+=("$nginx_master")
+
+"$tmp/troupe" etcd --data-dir "$tmp/etcd" --listen-client-urls "$etcd" >"$tmp/etcd.log" 2>&1 &
+pids+=($!)
+printf 'model: troupe-omni-sim\nstages:\n  - name: thinker\n' >"$tmp/pipeline.yaml"
+"$tmp/troupe" worker --etcd-endpoints "$etcd" --stage thinker --listen 127.0.0.1:0 >"$tmp/worker.log" 2>&1 &
+pids+=($!)
+"$tmp/troupe" head --etcd-endpoints "$etcd" --pipeline "$tmp/pipeline.yaml" --http "$head" >"$tmp/head.log" 2>&1 &
+head_pid=$!
+pids+=("$head_pid")
+
+wait_http "http://$head/readyz"
+for _ in $(seq 100); do # nginx's workers
+	workers=$(pgrep -P "$nginx_master" | paste -sd, -)
+	[ -n "$workers" ] && break
+	sleep 0.1
+done
+
+echo "nginx workers: $workers; troupe head: $head_pid; $C clients, $DURATION per run, $ROUNDS rounds" >&2
+: >"$tmp/runs.jsonl"
+for mode in $MODES; do
+	flag=""
+	[ "$mode" = stream ] && flag=-stream
+	for r in $(seq "$ROUNDS"); do
+		"$tmp/vsnginx" load -target nginx -url "http://$nginx_addr" -c "$C" -d "$DURATION" -pids "$workers" $flag | tee -a "$tmp/runs.jsonl" >&2
+		"$tmp/vsnginx" load -target troupe -url "http://$head" -c "$C" -d "$DURATION" -pids "$head_pid" $flag | tee -a "$tmp/runs.jsonl" >&2
+	done
+done
+"$tmp/vsnginx" report <"$tmp/runs.jsonl"

@@ -1,0 +1,83 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+)
+
+// report reads load's JSON lines and prints, per mode, one row per target
+// (means over its runs) and the troupe/nginx ratios, as a Markdown table.
+func report(r io.Reader, w io.Writer) error {
+	type key struct {
+		stream bool
+		target string
+	}
+	runs := map[key][]result{}
+	var order []key
+	sc := bufio.NewScanner(r)
+	for sc.Scan() {
+		var res result
+		if err := json.Unmarshal(sc.Bytes(), &res); err != nil {
+			return fmt.Errorf("vsnginx: report: %w", err)
+		}
+		k := key{res.Stream, res.Target}
+		if _, ok := runs[k]; !ok {
+			order = append(order, k)
+		}
+		runs[k] = append(runs[k], res)
+	}
+	if err := sc.Err(); err != nil {
+		return err
+	}
+	mean := func(rs []result) result {
+		var m result
+		for _, r := range rs {
+			m.Requests += r.Requests
+			m.Errors += r.Errors
+			m.ReqPerSec += r.ReqPerSec / float64(len(rs))
+			m.P50Ms += r.P50Ms / float64(len(rs))
+			m.P99Ms += r.P99Ms / float64(len(rs))
+			m.CPUUsPerReq += r.CPUUsPerReq / float64(len(rs))
+		}
+		return m
+	}
+	fmt.Fprintln(w, "| mode | proxy | runs | requests | errors | req/s | p50 (ms) | p99 (ms) | proxy CPU/req (µs) |")
+	fmt.Fprintln(w, "|---|---|---:|---:|---:|---:|---:|---:|---:|")
+	for _, k := range order {
+		m := mean(runs[k])
+		fmt.Fprintf(w, "| %s | %s | %d | %d | %d | %.0f | %.2f | %.2f | %.1f |\n", mode(k.stream), k.target,
+			len(runs[k]), m.Requests, m.Errors, m.ReqPerSec, m.P50Ms, m.P99Ms, m.CPUUsPerReq)
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "| mode | troupe/nginx req/s | p50 | p99 | CPU/req |")
+	fmt.Fprintln(w, "|---|---:|---:|---:|---:|")
+	modes := []bool{}
+	for _, k := range order {
+		if !slices.Contains(modes, k.stream) {
+			modes = append(modes, k.stream)
+		}
+	}
+	for _, s := range modes {
+		n, t := runs[key{s, "nginx"}], runs[key{s, "troupe"}]
+		if len(n) == 0 || len(t) == 0 {
+			continue
+		}
+		a, b := mean(n), mean(t)
+		fmt.Fprintf(w, "| %s | %.2f | %.2f | %.2f | %.2f |\n", mode(s),
+			b.ReqPerSec/a.ReqPerSec, b.P50Ms/a.P50Ms, b.P99Ms/a.P99Ms, b.CPUUsPerReq/a.CPUUsPerReq)
+	}
+	return nil
+}
+
+func mode(stream bool) string {
+	if stream {
+		return "stream"
+	}
+	return "non-stream"
+}
+
+func runReport() error { return report(os.Stdin, os.Stdout) }
