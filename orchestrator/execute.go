@@ -92,13 +92,15 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		}
 		h.pipeline.Finish(r)
 	}()
-	ctx, span := h.tracer.Start(ctx, telemetry.SpanRequest, trace.WithSpanKind(trace.SpanKindInternal),
-		trace.WithAttributes(
-			telemetry.KeyRequestID.String(req.ID),
-			attribute.Int("troupe.request.stages", n),
-		),
-		trace.WithAttributes(requestAttributes(req, h.cfg.Pipeline.Model)...))
+	// Attributes are set after the start, only on a recording span: an
+	// unsampled request pays nothing for them (no sampler reads them).
+	ctx, span := h.tracer.Start(ctx, telemetry.SpanRequest, trace.WithSpanKind(trace.SpanKindInternal))
 	defer span.End()
+	recording := span.IsRecording()
+	if recording {
+		span.SetAttributes(telemetry.KeyRequestID.String(req.ID), attribute.Int("troupe.request.stages", n))
+		span.SetAttributes(requestAttributes(req, h.cfg.Pipeline.Model)...)
+	}
 
 	// Fail fast: every needed stage must have a replica before any work.
 	snap := h.router.Snapshot()
@@ -131,7 +133,9 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		span.SetStatus(codes.Error, err.Error())
 		return nil, err
 	}
-	span.SetAttributes(telemetry.GenAIUsageAttributes(int64(res.PromptTokens), int64(res.CompletionTokens), res.FinishReason)...)
+	if recording {
+		span.SetAttributes(telemetry.GenAIUsageAttributes(int64(res.PromptTokens), int64(res.CompletionTokens), res.FinishReason)...)
+	}
 	return res, nil
 }
 
@@ -318,11 +322,14 @@ func (h *Head) countDecision(stage int, d router.Decision) {
 func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Decision, attempt int, sampling *stagepb.SamplingParams, open opener, forward forwarder) (_ *stageOutput, produced bool, err error) {
 	name := h.cfg.Pipeline.Stages[stage].Name
 	rep := d.Replica
-	ctx, span := h.tracer.Start(ctx, telemetry.StageSpanName(name), trace.WithSpanKind(trace.SpanKindInternal),
-		trace.WithAttributes(telemetry.StageAttributes(stage, name, uint64(rep.Key.Replica), rep.EngineIndex, attempt)...),
-		trace.WithAttributes(telemetry.RouteAttributes(d.Policy, d.Reason.String(), d.PrefixSource, d.MatchBlocks, d.InputBlocks)...),
-		trace.WithAttributes(requestAttributes(Request{Operation: req.Operation, Sampling: sampling}, h.cfg.Pipeline.Model)...))
+	ctx, span := h.tracer.Start(ctx, telemetry.StageSpanName(name), trace.WithSpanKind(trace.SpanKindInternal))
 	defer span.End()
+	recording := span.IsRecording() // as in Execute: no attribute work when unsampled
+	if recording {
+		span.SetAttributes(telemetry.StageAttributes(stage, name, uint64(rep.Key.Replica), rep.EngineIndex, attempt)...)
+		span.SetAttributes(telemetry.RouteAttributes(d.Policy, d.Reason.String(), d.PrefixSource, d.MatchBlocks, d.InputBlocks)...)
+		span.SetAttributes(requestAttributes(Request{Operation: req.Operation, Sampling: sampling}, h.cfg.Pipeline.Model)...)
+	}
 	ctx, cancel := context.WithCancelCause(ctx)
 	wait := func() {}
 	defer func() { cancel(context.Canceled); wait() }()
@@ -356,8 +363,10 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 		if rerr := h.stats.RecordFinished(rep.EngineIndex, fin); rerr != nil {
 			h.log.Debug("orchestrator: record finished", "err", rerr)
 		}
-		span.SetAttributes(telemetry.GenAIUsageAttributes(int64(out.promptTokens), int64(out.generationTokens), fin.Reason.Name())...)
-		span.AddEvent("finish", trace.WithAttributes(attribute.String("finish_reason", fin.Reason.Name())))
+		if recording {
+			span.SetAttributes(telemetry.GenAIUsageAttributes(int64(out.promptTokens), int64(out.generationTokens), fin.Reason.Name())...)
+			span.AddEvent("finish", trace.WithAttributes(attribute.String("finish_reason", fin.Reason.Name())))
+		}
 		if err != nil {
 			span.RecordError(err)
 			span.SetStatus(codes.Error, err.Error())

@@ -17,6 +17,13 @@
 #
 #   scripts/bench-vs-nginx.sh                # about 2 minutes
 #   DURATION=4s ROUNDS=1 scripts/bench-vs-nginx.sh
+#   BASELINE=main scripts/bench-vs-nginx.sh  # also a head built from a git rev
+#
+# BASELINE (a git revision) adds a second head, built from that revision,
+# on the same etcd and worker, loaded in the same alternation (target
+# "baseline"): before/after figures of one run on one machine.
+# Both proxies log every request (nginx's default access log to a file,
+# the head's request log to stderr, redirected to a file).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,7 +31,8 @@ C=${C:-32}
 DURATION=${DURATION:-8s}
 ROUNDS=${ROUNDS:-2}
 MODES=${MODES:-"non-stream stream"}
-PORT=${PORT:-18400} # PORT..PORT+4 on 127.0.0.1
+PORT=${PORT:-18400} # PORT..PORT+5 on 127.0.0.1
+BASELINE=${BASELINE:-}
 
 if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
 	echo "installing nginx (Debian package)..." >&2
@@ -43,11 +51,17 @@ trap cleanup EXIT
 
 go build -o "$tmp/troupe" ./cmd/troupe
 go build -o "$tmp/vsnginx" ./test/bench/vsnginx
+if [ -n "$BASELINE" ]; then
+	git worktree add -q --detach "$tmp/baseline-src" "$BASELINE"
+	(cd "$tmp/baseline-src" && go build -o "$tmp/troupe-baseline" ./cmd/troupe)
+	git worktree remove --force "$tmp/baseline-src"
+fi
 
 backend=127.0.0.1:$PORT
 nginx_addr=127.0.0.1:$((PORT + 1))
 etcd=http://127.0.0.1:$((PORT + 2)) # its peer port is PORT+3
 head=127.0.0.1:$((PORT + 4))
+baseline_head=127.0.0.1:$((PORT + 5))
 
 wait_http() { # URL: until it answers 200, at most 30 s
 	for _ in $(seq 300); do
@@ -68,7 +82,7 @@ pid $tmp/nginx/nginx.pid;
 error_log $tmp/nginx/error.log warn;
 events { worker_connections 1024; }
 http {
-	access_log off;
+	access_log $tmp/nginx/access.log;
 	client_body_temp_path $tmp/nginx/body;
 	proxy_temp_path $tmp/nginx/proxy;
 	fastcgi_temp_path $tmp/nginx/fastcgi;
@@ -100,6 +114,12 @@ head_pid=$!
 pids+=("$head_pid")
 
 wait_http "http://$head/readyz"
+if [ -n "$BASELINE" ]; then
+	"$tmp/troupe-baseline" head --etcd-endpoints "$etcd" --pipeline "$tmp/pipeline.yaml" --http "$baseline_head" >"$tmp/baseline-head.log" 2>&1 &
+	baseline_pid=$!
+	pids+=("$baseline_pid")
+	wait_http "http://$baseline_head/readyz"
+fi
 for _ in $(seq 100); do # nginx's workers
 	workers=$(pgrep -P "$nginx_master" | paste -sd, -)
 	[ -n "$workers" ] && break
@@ -114,6 +134,9 @@ for mode in $MODES; do
 	for r in $(seq "$ROUNDS"); do
 		"$tmp/vsnginx" load -target nginx -url "http://$nginx_addr" -c "$C" -d "$DURATION" -pids "$workers" $flag | tee -a "$tmp/runs.jsonl" >&2
 		"$tmp/vsnginx" load -target troupe -url "http://$head" -c "$C" -d "$DURATION" -pids "$head_pid" $flag | tee -a "$tmp/runs.jsonl" >&2
+		if [ -n "$BASELINE" ]; then
+			"$tmp/vsnginx" load -target baseline -url "http://$baseline_head" -c "$C" -d "$DURATION" -pids "$baseline_pid" $flag | tee -a "$tmp/runs.jsonl" >&2
+		fi
 	done
 done
 "$tmp/vsnginx" report <"$tmp/runs.jsonl"

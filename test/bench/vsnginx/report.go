@@ -53,22 +53,27 @@ func report(r io.Reader, w io.Writer) error {
 			len(runs[k]), m.Requests, m.Errors, m.ReqPerSec, m.P50Ms, m.P99Ms, m.CPUUsPerReq)
 	}
 	fmt.Fprintln(w)
-	fmt.Fprintln(w, "| mode | troupe/nginx req/s | p50 | p99 | CPU/req |")
-	fmt.Fprintln(w, "|---|---:|---:|---:|---:|")
+	fmt.Fprintln(w, "| mode | ratio | req/s | p50 | p99 | CPU/req |")
+	fmt.Fprintln(w, "|---|---|---:|---:|---:|---:|")
 	modes := []bool{}
 	for _, k := range order {
 		if !slices.Contains(modes, k.stream) {
 			modes = append(modes, k.stream)
 		}
 	}
-	for _, s := range modes {
-		n, t := runs[key{s, "nginx"}], runs[key{s, "troupe"}]
-		if len(n) == 0 || len(t) == 0 {
-			continue
+	ratio := func(s bool, num, den string) {
+		n, d := runs[key{s, num}], runs[key{s, den}]
+		if len(n) == 0 || len(d) == 0 {
+			return
 		}
-		a, b := mean(n), mean(t)
-		fmt.Fprintf(w, "| %s | %.2f | %.2f | %.2f | %.2f |\n", mode(s),
+		a, b := mean(d), mean(n)
+		fmt.Fprintf(w, "| %s | %s/%s | %.2f | %.2f | %.2f | %.2f |\n", mode(s), num, den,
 			b.ReqPerSec/a.ReqPerSec, b.P50Ms/a.P50Ms, b.P99Ms/a.P99Ms, b.CPUUsPerReq/a.CPUUsPerReq)
+	}
+	for _, s := range modes {
+		ratio(s, "troupe", "nginx")
+		ratio(s, "baseline", "nginx")
+		ratio(s, "troupe", "baseline")
 	}
 	return nil
 }
