@@ -510,6 +510,12 @@ func (h *Head) leave(ctx context.Context, key router.Key, departures chan<- depa
 		h.detach(t, "left before it was routed")
 		return
 	}
+	if !rep.Healthy() {
+		// Its connection already failed (the process is gone): no probe
+		// needed, and one would only wait for its timeout.
+		h.abortAndDetach(t, rep)
+		return
+	}
 	h.gen++
 	t.leaveGen = h.gen
 	probing.Add(1)
@@ -548,16 +554,24 @@ func (h *Head) departed(d departure) {
 			"stage", t.member.Stage, "replica", d.key.Replica, "grace", h.cfg.LeaseLossGrace)
 		h.publish()
 	case verdictGone:
-		if rep, ok := h.router.Snapshot().Lookup(d.key); ok {
-			if n := rep.Abort(errReplicaGone); n > 0 {
-				h.log.Warn("orchestrator: replica left and does not answer; retrying its requests elsewhere",
-					"stage", t.member.Stage, "replica", d.key.Replica, "requests", n)
-			}
-		}
-		h.detach(t, "left and does not answer")
+		rep, _ := h.router.Snapshot().Lookup(d.key)
+		h.abortAndDetach(t, rep)
 	default:
 		h.detach(t, "drained")
 	}
+}
+
+// abortAndDetach detaches a replica that left and does not answer, and
+// cancels its in-flight attempts so they are retried elsewhere at once. rep
+// may be nil.
+func (h *Head) abortAndDetach(t *tracked, rep *router.Replica) {
+	if rep != nil {
+		if n := rep.Abort(errReplicaGone); n > 0 {
+			h.log.Warn("orchestrator: replica left and does not answer; retrying its requests elsewhere",
+				"stage", t.member.Stage, "replica", t.key.Replica, "requests", n)
+		}
+	}
+	h.detach(t, "left and does not answer")
 }
 
 // endGraces detaches the replicas whose lease-loss grace ran out without a
