@@ -346,6 +346,10 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 	rep.Acquire()
 	defer rep.Release()
 	defer rep.Track(cancel)()
+	// fault: the attempt failed through the replica (not the client, the
+	// input or the next stage); it feeds the circuit breaker.
+	var fault bool
+	defer func() { h.recordOutcome(stage, rep, err, fault) }()
 
 	out := &stageOutput{} // not the named result: returning nil must not hide it from the deferred recorder
 	// troupe runs one sequence per request (the API refuses n != 1), so n
@@ -376,7 +380,7 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 	stream, w, err := open(ctx, span, progress)
 	wait = w
 	if err != nil {
-		return nil, false, h.stageError(ctx, name, rep, err, &fin)
+		return nil, false, h.stageError(ctx, name, rep, err, &fin, &fault)
 	}
 	for {
 		chunk, rerr := stream.Recv()
@@ -384,7 +388,7 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 			break
 		}
 		if rerr != nil {
-			return nil, produced, h.stageError(ctx, name, rep, rerr, &fin)
+			return nil, produced, h.stageError(ctx, name, rep, rerr, &fin, &fault)
 		}
 		progress()
 		if ev := chunk.GetKvEvents(); ev != nil {
@@ -437,20 +441,24 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 	case stagepb.FinishReason_FINISH_REASON_STOP, stagepb.FinishReason_FINISH_REASON_LENGTH:
 		return out, produced, nil
 	case stagepb.FinishReason_FINISH_REASON_ABORT:
+		fault = ctx.Err() == nil
 		return nil, produced, newError(ErrStageFailed, nil, "stage %q failed on replica %d: it aborted the request", name, rep.Key.Replica)
 	default:
 		fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
+		fault = ctx.Err() == nil
 		return nil, produced, newError(ErrStageFailed, nil, "stage %q failed on replica %d: it ended its stream without finishing", name, rep.Key.Replica)
 	}
 }
 
 // stageError classifies a gRPC failure and sets the finish reason.
-func (h *Head) stageError(ctx context.Context, stage string, rep *router.Replica, err error, fin *stats.Finished) error {
+// fault is set when the replica is to blame (see recordOutcome).
+func (h *Head) stageError(ctx context.Context, stage string, rep *router.Replica, err error, fin *stats.Finished, fault *bool) error {
 	// gRPC enforces the request's deadline with its own timer (and the
 	// worker sees it too), so DeadlineExceeded can arrive a moment before
 	// ctx reports it: both mean the client's time ran out, not a failure.
 	if cause := context.Cause(ctx); errors.Is(cause, errStalled) || errors.Is(cause, errReplicaGone) {
 		fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
+		*fault = true
 		what := "stopped making progress"
 		if errors.Is(cause, errReplicaGone) {
 			what = "left the membership and does not answer"
@@ -468,7 +476,37 @@ func (h *Head) stageError(ctx context.Context, stage string, rep *router.Replica
 		return fmt.Errorf("orchestrator: stage %q: %w", stage, cause)
 	}
 	fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
-	return replicaError(fmt.Sprintf("stage %q", stage), rep.Key.Replica, rep.Addr, err)
+	e := replicaError(fmt.Sprintf("stage %q", stage), rep.Key.Replica, rep.Addr, err)
+	*fault = errors.Is(e, ErrStageFailed)
+	return e
+}
+
+// recordOutcome feeds an attempt's outcome to rep's circuit breaker: a
+// success closes it, a fault of the replica counts towards an ejection.
+// Other failures (the client left, its input was refused, the next stage
+// failed) say nothing about rep and leave the breaker alone.
+func (h *Head) recordOutcome(stage int, rep *router.Replica, err error, fault bool) {
+	if err == nil {
+		if h.router.RecordSuccess(rep) {
+			h.log.Info("orchestrator: ejected replica answers again; routing to it",
+				"stage", rep.StageName, "replica", rep.Key.Replica, "addr", rep.Addr)
+		}
+		return
+	}
+	if !fault {
+		return
+	}
+	e := h.router.RecordFailure(rep)
+	switch {
+	case e.Ejected:
+		h.ejections[stage].Inc()
+		h.log.Warn("orchestrator: replica fails repeatedly; ejected from routing",
+			"stage", rep.StageName, "replica", rep.Key.Replica, "addr", rep.Addr,
+			"consecutive_failures", e.Failures, "backoff", e.Backoff, "err", err)
+	case e.Spared && e.Failures == h.router.BreakerFailures():
+		h.log.Warn("orchestrator: replica fails repeatedly but is its stage's only routable one; kept in routing",
+			"stage", rep.StageName, "replica", rep.Key.Replica, "addr", rep.Addr, "err", err)
+	}
 }
 
 // callOptions set the gRPC message limits of a call to a replica (gRPC's

@@ -45,6 +45,10 @@ type Config struct {
 	// replica's requests are retried elsewhere before its lease runs out.
 	// Default 5s.
 	StallTimeout time.Duration
+	// Breaker ejects a replica whose attempts fail repeatedly from routing
+	// for a back-off (see router.Breaker; the zero value: 3 failures in a
+	// row, 1s doubling to 30s).
+	Breaker router.Breaker
 	// MaxMessageBytes caps each gRPC message to and from a replica (the
 	// client side of the replicas' own limit); default
 	// stagepb.DefaultMaxMessageBytes. A prompt whose request would exceed
@@ -75,6 +79,7 @@ type Head struct {
 	// troupe_router_decisions_total; nil where the stage's configuration
 	// never gives that reason (decisionVec makes them if it ever does).
 	decisions   [][len(router.Reasons)]prometheus.Counter
+	ejections   []prometheus.Counter // by stage
 	decisionVec *prometheus.CounterVec
 
 	events  *prometheus.CounterVec
@@ -176,7 +181,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		cfg:      cfg,
 		log:      cfg.Logger,
 		stats:    st,
-		router:   router.New(routing, cfg.Dial, cfg.Logger),
+		router:   router.NewWithBreaker(routing, cfg.Dial, cfg.Logger, cfg.Breaker),
 		tracer:   cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "troupe_membership_events_total",
@@ -203,6 +208,14 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		Help: "Replicas chosen for stage attempts, by stage, the stage's policy, and why.",
 	}, []string{"stage", "policy", "reason"})
 	h.decisionVec = decisions
+	ejections := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "troupe_router_ejections_total",
+		Help: "Replicas ejected from routing by the circuit breaker (repeated failed attempts), by stage.",
+	}, []string{"stage"})
+	h.ejections = make([]prometheus.Counter, len(routing))
+	for i := range routing {
+		h.ejections[i] = ejections.WithLabelValues(strconv.Itoa(i))
+	}
 	h.decisions = make([][len(router.Reasons)]prometheus.Counter, len(routing))
 	for i, st := range routing {
 		reasons := st.Policy.Reasons()
@@ -213,7 +226,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 			h.decisions[i][r] = decisions.WithLabelValues(strconv.Itoa(i), st.Policy.Name(), r.String())
 		}
 	}
-	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions} {
+	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections} {
 		if err := cfg.Metrics.Register(c); err != nil {
 			return nil, fmt.Errorf("orchestrator: register metrics: %w", err)
 		}
@@ -678,6 +691,10 @@ func (h *Head) Replicas() []ReplicaStatus {
 			s.State, s.Reason = StateUnhealthy, "joined; its Health probe has not answered SERVING yet"
 		case !rep.Healthy():
 			s.State, s.Reason = StateUnhealthy, "connection to the replica is failing"
+			s.InFlight = rep.InFlight()
+		case rep.Ejected():
+			s.State = StateUnhealthy
+			s.Reason = "ejected after repeated failed requests; routed again from " + rep.EjectedUntil().UTC().Format(time.RFC3339Nano)
 			s.InFlight = rep.InFlight()
 		case rep.SleepState() != stagepb.SleepState_SLEEP_STATE_AWAKE:
 			s.State = StateSleeping

@@ -40,7 +40,7 @@ func testCtx(t *testing.T) context.Context {
 
 // startCluster runs a real head and sim workers (orchestratortest), with
 // the engines' logs discarded.
-func startCluster(t *testing.T, opts orchestratortest.Options) *orchestratortest.Cluster {
+func startCluster(t testing.TB, opts orchestratortest.Options) *orchestratortest.Cluster {
 	t.Helper()
 	if opts.Sim.Logger == nil {
 		opts.Sim.Logger = slog.New(slog.DiscardHandler)

@@ -65,7 +65,13 @@ type Replica struct {
 	sleep     atomic.Int32 // stagepb.SleepState
 	healthy   atomic.Bool  // connection not in TRANSIENT_FAILURE/SHUTDOWN
 	removed   atomic.Bool
-	closeOnce sync.Once
+	// The circuit breaker (see Breaker): consecutive failed attempts, how
+	// many ejections in a row, and until when (unix nanoseconds, 0: not
+	// ejected) the replica is out of rotation.
+	failures     atomic.Int32
+	ejections    atomic.Int32
+	ejectedUntil atomic.Int64
+	closeOnce    sync.Once
 	stopWatch context.CancelFunc
 
 	mu       sync.Mutex // guards attempts
@@ -122,7 +128,25 @@ func (r *Replica) Healthy() bool { return r.healthy.Load() }
 
 // Routable reports whether new work may go to the replica.
 func (r *Replica) Routable() bool {
-	return !r.removed.Load() && r.healthy.Load() && r.SleepState() == stagepb.SleepState_SLEEP_STATE_AWAKE
+	return !r.removed.Load() && r.healthy.Load() && r.SleepState() == stagepb.SleepState_SLEEP_STATE_AWAKE && !r.Ejected()
+}
+
+// Ejected reports whether the circuit breaker holds the replica out of
+// rotation now. Once its back-off ends the replica is routed again
+// ("half-open"): the next attempt's outcome closes the breaker or ejects
+// it anew for twice as long.
+func (r *Replica) Ejected() bool {
+	until := r.ejectedUntil.Load()
+	return until != 0 && time.Now().UnixNano() < until
+}
+
+// EjectedUntil is when the current ejection ends; zero when not ejected.
+func (r *Replica) EjectedUntil() time.Time {
+	until := r.ejectedUntil.Load()
+	if until == 0 || time.Now().UnixNano() >= until {
+		return time.Time{}
+	}
+	return time.Unix(0, until)
 }
 
 // Acquire counts a request on the replica; the caller must call Release.
@@ -179,6 +203,92 @@ func (s *Snapshot) All() []*Replica {
 	return out
 }
 
+// Breaker configures the circuit breaker: a replica whose attempts fail
+// Failures times in a row is ejected from routing for Backoff, doubling
+// with each ejection in a row up to MaxBackoff. A success closes the
+// breaker and resets the back-off. The zero value means the defaults.
+type Breaker struct {
+	Failures   int           // default 3
+	Backoff    time.Duration // default 1s
+	MaxBackoff time.Duration // default 30s
+}
+
+func (b Breaker) withDefaults() Breaker {
+	if b.Failures <= 0 {
+		b.Failures = 3
+	}
+	if b.Backoff <= 0 {
+		b.Backoff = time.Second
+	}
+	if b.MaxBackoff < b.Backoff {
+		b.MaxBackoff = max(30*time.Second, b.Backoff)
+	}
+	return b
+}
+
+// Ejection is what RecordFailure did: Ejected reports a new ejection
+// lasting Backoff; Spared reports that the breaker tripped but the replica
+// was kept because no other replica of its stage is routable (ejecting the
+// last one would turn failures into a stage outage).
+type Ejection struct {
+	Ejected  bool
+	Spared   bool
+	Failures int
+	Backoff  time.Duration
+}
+
+// BreakerFailures is the number of failures in a row that ejects a replica.
+func (r *Router) BreakerFailures() int { return r.breaker.Failures }
+
+// RecordSuccess closes rep's breaker; it reports whether rep had been
+// ejected (it is back). Safe for concurrent use, lock-free.
+func (r *Router) RecordSuccess(rep *Replica) (recovered bool) {
+	if rep.failures.Load() != 0 {
+		rep.failures.Store(0)
+	}
+	if rep.ejections.Load() == 0 {
+		return false
+	}
+	rep.ejectedUntil.Store(0)
+	return rep.ejections.Swap(0) != 0
+}
+
+// RecordFailure counts a failed attempt on rep (a failure of the replica,
+// not a refused input or a client that went away) and ejects it when its
+// breaker trips. Safe for concurrent use, lock-free: of concurrent failures
+// while ejected, none extends the ejection.
+func (r *Router) RecordFailure(rep *Replica) Ejection {
+	n := int(rep.failures.Add(1))
+	e := Ejection{Failures: n}
+	if n < r.breaker.Failures || rep.Ejected() {
+		return e
+	}
+	if !r.snap.Load().otherRoutable(rep) {
+		e.Spared = true
+		return e
+	}
+	k := int(rep.ejections.Add(1))
+	e.Backoff = r.breaker.Backoff
+	for i := 1; i < k && e.Backoff < r.breaker.MaxBackoff; i++ {
+		e.Backoff *= 2
+	}
+	e.Backoff = min(e.Backoff, r.breaker.MaxBackoff)
+	rep.ejectedUntil.Store(time.Now().Add(e.Backoff).UnixNano())
+	e.Ejected = true
+	return e
+}
+
+// otherRoutable reports whether a replica of rep's stage other than rep
+// may take work.
+func (s *Snapshot) otherRoutable(rep *Replica) bool {
+	for _, o := range s.Stage(rep.Key.Stage) {
+		if o != rep && o.Routable() {
+			return true
+		}
+	}
+	return false
+}
+
 // Dialer opens a client connection to a replica address.
 type Dialer func(addr string) (*grpc.ClientConn, error)
 
@@ -189,6 +299,7 @@ type Router struct {
 	stages    []StageRouting
 	dial      Dialer
 	log       *slog.Logger
+	breaker   Breaker
 	snap      atomic.Pointer[Snapshot]
 	watchers  sync.WaitGroup
 }
@@ -204,6 +315,11 @@ type StageRouting struct {
 // New returns a router for a pipeline with one StageRouting per stage. The
 // router owns the policies from now on.
 func New(stages []StageRouting, dial Dialer, log *slog.Logger) *Router {
+	return NewWithBreaker(stages, dial, log, Breaker{})
+}
+
+// NewWithBreaker is New with a circuit breaker configuration.
+func NewWithBreaker(stages []StageRouting, dial Dialer, log *slog.Logger, b Breaker) *Router {
 	if log == nil {
 		log = slog.Default()
 	}
@@ -213,7 +329,7 @@ func New(stages []StageRouting, dial Dialer, log *slog.Logger) *Router {
 			stages[i].Policy = &RoundRobin{}
 		}
 	}
-	r := &Router{numStages: len(stages), stages: stages, dial: dial, log: log}
+	r := &Router{numStages: len(stages), stages: stages, dial: dial, log: log, breaker: b.withDefaults()}
 	r.snap.Store(&Snapshot{stages: make([][]*Replica, len(stages)), byKey: map[Key]*Replica{}})
 	return r
 }

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/troupe-serving/troupe/internal/router"
 	"github.com/troupe-serving/troupe/membership/membershiptest"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/worker"
@@ -40,6 +41,8 @@ type Options struct {
 	// HeadDialOptions are added to the head's dialer (after insecure creds).
 	HeadDialOptions []grpc.DialOption
 	Logger          *slog.Logger
+	// Breaker is the head's circuit breaker (zero: the defaults).
+	Breaker router.Breaker
 }
 
 // Cluster is a running troupe. Its goroutines are stopped by t.Cleanup.
@@ -124,6 +127,7 @@ func Start(t testing.TB, opts Options) *Cluster {
 		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
 		TracerProvider:    opts.HeadTracer,
 		Logger:            opts.Logger,
+		Breaker:           opts.Breaker,
 	})
 	require.NoError(t, err)
 	c.Head = h
