@@ -59,12 +59,12 @@ type Replica struct {
 	// between Dial and Add; it never changes once added.
 	Engine EngineInfo
 
-	conn      *grpc.ClientConn
-	inFlight  atomic.Int64
-	load      atomic.Int64 // running + waiting, from the replica's latest stats
-	sleep     atomic.Int32 // stagepb.SleepState
-	healthy   atomic.Bool  // connection not in TRANSIENT_FAILURE/SHUTDOWN
-	removed   atomic.Bool
+	conn     *grpc.ClientConn
+	inFlight atomic.Int64
+	load     atomic.Int64 // running + waiting, from the replica's latest stats
+	sleep    atomic.Int32 // stagepb.SleepState
+	healthy  atomic.Bool  // connection not in TRANSIENT_FAILURE/SHUTDOWN
+	removed  atomic.Bool
 	// The circuit breaker (see Breaker): consecutive failed attempts, how
 	// many ejections in a row, and until when (unix nanoseconds, 0: not
 	// ejected) the replica is out of rotation.
@@ -72,7 +72,7 @@ type Replica struct {
 	ejections    atomic.Int32
 	ejectedUntil atomic.Int64
 	closeOnce    sync.Once
-	stopWatch context.CancelFunc
+	stopWatch    context.CancelFunc
 
 	mu       sync.Mutex // guards attempts
 	attempts map[*context.CancelCauseFunc]struct{}
