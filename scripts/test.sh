@@ -44,6 +44,21 @@ promtool test rules deploy/prometheus/rules_test.yml
 step "go test -race (all packages)"
 go test -race -count=1 -timeout 15m ./...
 
+# Each fuzz target for a bounded time (go test -fuzz takes one target per
+# run); the checked-in corpora (testdata/fuzz/) already ran as plain tests
+# above. FUZZTIME overrides the time per target.
+for target in \
+  "FuzzParseChat ./internal/httpapi" \
+  "FuzzParseCompletion ./internal/httpapi" \
+  "FuzzAdminPath ./internal/httpapi" \
+  "FuzzEncodeWAV ./internal/httpapi" \
+  "FuzzDecodeMember ./membership" \
+  "FuzzParsePipeline ./orchestrator"; do
+  set -- $target
+  step "fuzz $1 (${FUZZTIME:-10s})"
+  go test -run '^$' -fuzz "^$1\$" -fuzztime "${FUZZTIME:-10s}" "$2"
+done
+
 step "end-to-end tracing through a real Jaeger"
 scripts/e2e-tracing.sh
 

@@ -2,6 +2,7 @@ package router
 
 import (
 	"log/slog"
+	"sync"
 	"testing"
 	"time"
 
@@ -66,4 +67,37 @@ func TestBreakerBacksOffExponentially(t *testing.T) {
 	}
 	e = r.RecordFailure(a)
 	assert.Equal(t, time.Hour, e.Backoff, "the back-off starts over after a success")
+}
+
+// TestBreakerConcurrentFailuresEjectOnce: a replica that fails all its
+// in-flight attempts at once is ejected once, for the first back-off.
+func TestBreakerConcurrentFailuresEjectOnce(t *testing.T) {
+	addr, _ := serve(t)
+	r := NewWithBreaker(stages(t, 1, PolicyRoundRobin), insecureDial, slog.New(slog.DiscardHandler),
+		Breaker{Failures: 3, Backoff: time.Hour})
+	defer r.Close()
+	var reps []*Replica
+	for id := range uint32(2) {
+		rep, err := r.Dial(ReplicaSpec{Key: Key{Stage: 0, Replica: id}, StageName: "s", Addr: addr})
+		require.NoError(t, err)
+		require.NoError(t, r.Add(rep))
+		reps = append(reps, rep)
+	}
+	results := make(chan Ejection, 64)
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Add(1)
+		go func() { defer wg.Done(); results <- r.RecordFailure(reps[0]) }()
+	}
+	wg.Wait()
+	close(results)
+	ejected := 0
+	for e := range results {
+		if e.Ejected {
+			ejected++
+			assert.Equal(t, time.Hour, e.Backoff)
+		}
+	}
+	assert.Equal(t, 1, ejected)
+	assert.Equal(t, int32(1), reps[0].ejections.Load())
 }

@@ -260,20 +260,27 @@ func (r *Router) RecordSuccess(rep *Replica) (recovered bool) {
 func (r *Router) RecordFailure(rep *Replica) Ejection {
 	n := int(rep.failures.Add(1))
 	e := Ejection{Failures: n}
-	if n < r.breaker.Failures || rep.Ejected() {
+	now := time.Now()
+	until := rep.ejectedUntil.Load()
+	if n < r.breaker.Failures || until > now.UnixNano() {
 		return e
 	}
 	if !r.snap.Load().otherRoutable(rep) {
 		e.Spared = true
 		return e
 	}
-	k := int(rep.ejections.Add(1))
+	k := int(rep.ejections.Load()) + 1
 	e.Backoff = r.breaker.Backoff
 	for i := 1; i < k && e.Backoff < r.breaker.MaxBackoff; i++ {
 		e.Backoff *= 2
 	}
 	e.Backoff = min(e.Backoff, r.breaker.MaxBackoff)
-	rep.ejectedUntil.Store(time.Now().Add(e.Backoff).UnixNano())
+	// Of concurrent failures (a dead replica fails all its attempts at
+	// once), only the one that swaps the deadline ejects.
+	if !rep.ejectedUntil.CompareAndSwap(until, now.Add(e.Backoff).UnixNano()) {
+		return e
+	}
+	rep.ejections.Add(1)
 	e.Ejected = true
 	return e
 }

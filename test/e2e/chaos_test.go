@@ -294,6 +294,7 @@ type chaosRow struct {
 	failedInFlight               int // failed requests that had started before the fault
 	failedDuring                 int // failed requests started while the fault lasted
 	window, detection, recovery  time.Duration
+	slowest                      time.Duration // the longest successful request
 	detectedOK, recoveredOK, met bool
 	notes                        string
 }
@@ -514,6 +515,7 @@ func runChaos(t *testing.T, sc chaosScenario) chaosRow {
 	for _, o := range outs {
 		row.sent++
 		if o.err == nil {
+			row.slowest = max(row.slowest, o.end.Sub(o.start))
 			continue
 		}
 		row.failed++
@@ -573,8 +575,8 @@ func TestChaos(t *testing.T) {
 		})
 	}
 	var b strings.Builder
-	b.WriteString("| scenario | sent | failed | failure window | detection | recovery | goal | met | notes |\n")
-	b.WriteString("|---|---:|---|---:|---:|---:|---|---|---|\n")
+	b.WriteString("| scenario | sent | failed | failure window | detection | recovery | slowest ok | goal | met | notes |\n")
+	b.WriteString("|---|---:|---|---:|---:|---:|---:|---|---|---|\n")
 	for _, r := range rows {
 		failed := fmt.Sprint(r.failed)
 		if r.failed > 0 {
@@ -584,8 +586,9 @@ func TestChaos(t *testing.T) {
 		if !r.met {
 			met = "**no**"
 		}
-		fmt.Fprintf(&b, "| %s | %d | %s | %s | %s | %s | %s | %s | %s |\n", r.name, r.sent, failed,
-			fmtDur(r.window, r.failed > 0), fmtDur(r.detection, r.detectedOK), fmtDur(r.recovery, r.recoveredOK), r.goal, met, r.notes)
+		fmt.Fprintf(&b, "| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.name, r.sent, failed,
+			fmtDur(r.window, r.failed > 0), fmtDur(r.detection, r.detectedOK), fmtDur(r.recovery, r.recoveredOK),
+			fmtDur(r.slowest, true), r.goal, met, r.notes)
 	}
 	table := b.String()
 	fmt.Println("\nchaos: figures (times from the fault's start)\n" + table)
