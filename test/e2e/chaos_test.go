@@ -12,8 +12,10 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -373,6 +375,7 @@ var chaosScenarios = []chaosScenario{
 		name: "churn: 30 thinker joins and leaves", goal: "0 failed",
 		inject: func(ctx context.Context, c *chaosCluster) string {
 			var wg sync.WaitGroup
+			var attached atomic.Int32
 			for lane := range 3 {
 				wg.Add(1)
 				go func() {
@@ -386,6 +389,7 @@ var chaosScenarios = []chaosScenario{
 						qctx, cancel := context.WithTimeout(ctx, wait)
 						for qctx.Err() == nil {
 							if r, ok, _ := c.head.replica(qctx, "thinker", uint32(10+lane*10+i)); ok && r.State == "attached" {
+								attached.Add(1)
 								break
 							}
 							sleepCtx(qctx, 20*time.Millisecond)
@@ -400,12 +404,12 @@ var chaosScenarios = []chaosScenario{
 				}()
 			}
 			wg.Wait()
-			return "3 lanes of 10 sequential start, attach, SIGTERM"
+			return fmt.Sprintf("3 lanes of 10 sequential start, attach, SIGTERM; %d of 30 attached", attached.Load())
 		},
 		recovered: settled,
 	},
 	{
-		name: "bad membership records (4, for 5 s)", goal: "0 failed",
+		name: "bad membership records (5, for 5 s)", goal: "0 failed",
 		inject: func(ctx context.Context, c *chaosCluster) string {
 			cli, err := clientv3.New(clientv3.Config{Endpoints: []string{c.etcdURL}, DialTimeout: 5 * time.Second})
 			if err != nil {
@@ -413,28 +417,60 @@ var chaosScenarios = []chaosScenario{
 			}
 			defer cli.Close()
 			talker := c.workers["talker"][0].addr
+			lease, err := cli.Grant(ctx, 60)
+			if err != nil {
+				return "grant: " + err.Error()
+			}
+			leased := clientv3.WithLease(lease.ID)
 			bad := map[string]string{
 				"/troupe/default/members/thinker/10": `{not json`,
 				"/troupe/default/members/thinker/11": `{"stage":"thinker","replica_id":11,"addr":"unix:/tmp/x","engine":"sim"}`,
 				"/troupe/default/members/thinker/12": `{"stage":"thinker","replica_id":12,"addr":"127.0.0.1:1","engine":"sim"}`,
 				"/troupe/default/members/thinker/13": `{"stage":"thinker","replica_id":13,"addr":"` + talker + `","engine":"sim"}`,
+				"/troupe/default/members/thinker/14": `{"stage":"thinker","replica_id":14,"addr":"127.0.0.1:2","engine":"sim"}`,
 			}
 			for k, v := range bad {
-				if _, err := cli.Put(ctx, k, v); err != nil {
+				opts := []clientv3.OpOption{leased}
+				if strings.HasSuffix(k, "/14") {
+					opts = nil // a record without a lease
+				}
+				if _, err := cli.Put(ctx, k, v, opts...); err != nil {
 					return "put: " + err.Error()
 				}
 			}
-			sleepCtx(ctx, 5*time.Second)
+			// What the head makes of them, polled while they exist.
+			seen := map[uint32]map[string]bool{}
+			end := time.Now().Add(5 * time.Second)
+			for time.Now().Before(end) && ctx.Err() == nil {
+				rows, _ := c.head.replicas(ctx)
+				for _, r := range rows {
+					if r.StageName == "thinker" && r.Replica >= 10 {
+						if seen[r.Replica] == nil {
+							seen[r.Replica] = map[string]bool{}
+						}
+						seen[r.Replica][r.State] = true
+					}
+				}
+				sleepCtx(ctx, 50*time.Millisecond)
+			}
+			var states []string
+			for id := range uint32(5) {
+				var st []string
+				for s := range seen[10+id] {
+					st = append(st, s)
+				}
+				slices.Sort(st)
+				if len(st) == 0 {
+					st = []string{"not listed"}
+				}
+				states = append(states, fmt.Sprintf("%d: %s", 10+id, strings.Join(st, "/")))
+			}
 			for k := range bad {
 				if _, err := cli.Delete(ctx, k); err != nil {
 					return "delete: " + err.Error()
 				}
 			}
-			return "bad JSON, unix: addr, dead addr without lease, a talker's addr as a thinker"
-		},
-		detected: func(rows []replicaRow) bool {
-			r, ok := rowOf(rows, "thinker", 13)
-			return ok && r.State == "unhealthy"
+			return "10 bad JSON, 11 unix: addr, 12 dead addr, 13 the talker's addr as a thinker, 14 no lease; states seen " + strings.Join(states, ", ")
 		},
 		recovered: settled,
 	},
