@@ -168,19 +168,22 @@ func (l *chaosLoad) finish() []outcome {
 // monitor polls /v1/replicas and remembers when cond first held at or
 // after a given time.
 type monitor struct {
-	mu    sync.Mutex
-	views []view
-	stop  chan struct{}
-	done  chan struct{}
+	scrape bool
+	mu     sync.Mutex
+	views  []view
+	stop   chan struct{}
+	done   chan struct{}
 }
 
 type view struct {
-	at   time.Time
-	rows []replicaRow
+	at     time.Time
+	rows   []replicaRow
+	leaves float64 // troupe_membership_events_total{type="leave"}, when scraped
 }
 
-func startMonitor(ctx context.Context, h *head) *monitor {
-	m := &monitor{stop: make(chan struct{}), done: make(chan struct{})}
+// startMonitor polls h; with scrape it also reads the head's leave count.
+func startMonitor(ctx context.Context, h *head, scrape bool) *monitor {
+	m := &monitor{stop: make(chan struct{}), done: make(chan struct{}), scrape: scrape}
 	go func() {
 		defer close(m.done)
 		tick := time.NewTicker(50 * time.Millisecond)
@@ -188,10 +191,16 @@ func startMonitor(ctx context.Context, h *head) *monitor {
 		for {
 			qctx, cancel := context.WithTimeout(ctx, time.Second)
 			rows, err := h.replicas(qctx)
+			var leaves float64
+			if err == nil && m.scrape {
+				if ms, serr := h.scrape(qctx); serr == nil {
+					leaves = ms.sum("troupe_membership_events_total", map[string]string{"type": "leave"})
+				}
+			}
 			cancel()
 			if err == nil {
 				m.mu.Lock()
-				m.views = append(m.views, view{at: time.Now(), rows: rows})
+				m.views = append(m.views, view{at: time.Now(), rows: rows, leaves: leaves})
 				m.mu.Unlock()
 			}
 			select {
@@ -208,14 +217,31 @@ func startMonitor(ctx context.Context, h *head) *monitor {
 
 // first is when cond first held at or after from; zero if never.
 func (m *monitor) first(from time.Time, cond func([]replicaRow) bool) time.Time {
+	return m.firstView(from, func(v view) bool { return cond(v.rows) })
+}
+
+func (m *monitor) firstView(from time.Time, cond func(view) bool) time.Time {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, v := range m.views {
-		if !v.at.Before(from) && cond(v.rows) {
+		if !v.at.Before(from) && cond(v) {
 			return v.at
 		}
 	}
 	return time.Time{}
+}
+
+// leavesBefore is the leave count of the last view before t.
+func (m *monitor) leavesBefore(t time.Time) float64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var n float64
+	for _, v := range m.views {
+		if v.at.Before(t) {
+			n = v.leaves
+		}
+	}
+	return n
 }
 
 // waitFor waits, bounded, until cond holds in a view taken at or after
@@ -269,23 +295,17 @@ func victimIs(state string) func([]replicaRow) bool {
 	return func(rows []replicaRow) bool { r, ok := rowOf(rows, "thinker", 0); return ok && r.State == state }
 }
 
-func anyLeaseLost(rows []replicaRow) bool {
-	for _, r := range rows {
-		if r.LeaseLostUntil != nil || r.State == "detached" {
-			return true
-		}
-	}
-	return false
-}
-
 // chaosScenario is one fault. inject starts it at the given time and
 // returns when the fault is over (the process resumed, restarted or
 // gone); detected and recovered are the head's view of it.
 type chaosScenario struct {
-	name      string
-	goal      string // the promise, for the table
-	inject    func(ctx context.Context, c *chaosCluster) (notes string)
-	detected  func([]replicaRow) bool // nil: not observable in /v1/replicas
+	name     string
+	goal     string // the promise, for the table
+	inject   func(ctx context.Context, c *chaosCluster) (notes string)
+	detected func([]replicaRow) bool // nil: not observable in /v1/replicas
+	// leaves: detection is the head's first membership leave (an expired
+	// lease), read from its metrics.
+	leaves    bool
 	recovered func([]replicaRow) bool
 }
 
@@ -316,9 +336,9 @@ var chaosScenarios = []chaosScenario{
 			c.t.Cleanup(func() { _ = c.etcd.cmd.Process.Signal(syscall.SIGCONT) })
 			sleepCtx(ctx, 5*time.Second)
 			c.etcd.signal(c.t, syscall.SIGCONT)
-			return "detection: a replica routed through the lease-loss grace"
+			return "detection: the head's first leave (expired leases, after SIGCONT)"
 		},
-		detected: anyLeaseLost, recovered: settled,
+		leaves: true, recovered: settled,
 	},
 	{
 		name: "etcd kill -9, restarted after 3 s", goal: "0 failed",
@@ -327,9 +347,9 @@ var chaosScenarios = []chaosScenario{
 			c.etcd.exitCode(c.t, wait)
 			sleepCtx(ctx, 3*time.Second)
 			c.startEtcd()
-			return "same data dir and ports"
+			return "same data dir and ports; detection: a leave, if leases expired"
 		},
-		detected: anyLeaseLost, recovered: settled,
+		leaves: true, recovered: settled,
 	},
 	{
 		name: "worker kill -9 (thinker 0)", goal: "0 failed (non-streamed)",
@@ -525,7 +545,7 @@ func runChaos(t *testing.T, sc chaosScenario) chaosRow {
 	defer cancel()
 	c := startChaosCluster(t)
 	load := startLoad(ctx, c.head)
-	mon := startMonitor(ctx, c.head)
+	mon := startMonitor(ctx, c.head, sc.leaves)
 	sleepCtx(ctx, 2*time.Second) // steady state
 	faultAt := time.Now()
 	row := chaosRow{name: sc.name, goal: sc.goal}
@@ -538,6 +558,12 @@ func runChaos(t *testing.T, sc chaosScenario) chaosRow {
 	}
 	if at := mon.waitFor(ctx, over, chaosSettle, sc.recovered); !at.IsZero() {
 		row.recovery, row.recoveredOK = at.Sub(faultAt), true
+	}
+	if sc.leaves {
+		base := mon.leavesBefore(faultAt)
+		if at := mon.firstView(faultAt, func(v view) bool { return v.leaves > base }); !at.IsZero() {
+			row.detection, row.detectedOK = at.Sub(faultAt), true
+		}
 	}
 	if sc.detected != nil && !row.detectedOK {
 		if at := mon.first(faultAt, sc.detected); !at.IsZero() {
