@@ -267,13 +267,20 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 			return out, nil
 		}
 		lastErr = err
-		if produced || ctx.Err() != nil || errors.Is(err, ErrBadRequest) ||
-			errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+		if !retryable(ctx, err, produced) {
 			return nil, err
 		}
 		failed = append(failed, rep)
 	}
 	return nil, lastErr
+}
+
+// retryable is the retry rule of every stage attempt: a failure is tried
+// once more on another replica unless output already reached the client,
+// the client's own context ended, or the input was refused.
+func retryable(ctx context.Context, err error, produced bool) bool {
+	return !produced && ctx.Err() == nil && !errors.Is(err, ErrBadRequest) &&
+		!errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled)
 }
 
 // chunkStream is the receiving side of Generate and GenerateStream.

@@ -2,7 +2,6 @@ package orchestrator
 
 import (
 	"context"
-	"errors"
 	"sync"
 	"time"
 
@@ -263,8 +262,7 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 			return out, nil
 		}
 		lastErr = err
-		if produced || ctx.Err() != nil || errors.Is(err, ErrBadRequest) ||
-			errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+		if !retryable(ctx, err, produced) {
 			return nil, err
 		}
 		failed = append(failed, rep)
