@@ -28,7 +28,7 @@ func BenchmarkRegisterTxn(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	r := &Registration{cli: cli, member: benchMember()}
+	r := &Registration{leased: &leased{cli: cli}, member: benchMember()}
 	durs := make([]time.Duration, 0, max(b.N, 1))
 	id := uint32(0)
 	for b.Loop() {
@@ -70,7 +70,7 @@ func BenchmarkJoinLatency(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	r := &Registration{cli: workerCli, member: benchMember()}
+	r := &Registration{leased: &leased{cli: workerCli}, member: benchMember()}
 	durs := make([]time.Duration, 0, max(b.N, 1))
 	e2e := make([]time.Duration, 0, max(b.N, 1))
 	id := uint32(0)

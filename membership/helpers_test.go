@@ -162,7 +162,9 @@ func succeeded(err error) bool { return err == nil }
 func failed(err error) bool    { return err != nil }
 
 // regEvent waits for a registration event of the given type.
-func regEvent(t *testing.T, r *membership.Registration, typ membership.RegistrationEventType) membership.RegistrationEvent {
+func regEvent(t *testing.T, r interface {
+	Events() <-chan membership.RegistrationEvent
+}, typ membership.RegistrationEventType) membership.RegistrationEvent {
 	t.Helper()
 	timeout := time.After(wait)
 	for {

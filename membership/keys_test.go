@@ -79,6 +79,13 @@ func TestDecodeMember(t *testing.T) {
 		{name: "no addr", key: key, value: `{"stage":"thinker","replica_id":3}`, wantErr: "empty addr"},
 		{name: "spec tokens", key: key, value: `{"stage":"thinker","replica_id":3,"addr":"h:1","num_speculative_tokens":65}`, wantErr: "out of range"},
 		{name: "bad key", key: "/troupe/default/members/thinker/x", value: `{}`, wantErr: "malformed replica id"},
+		{
+			name:  "sleep state",
+			key:   key,
+			value: `{"stage":"thinker","replica_id":3,"addr":"h:1","sleep_state":"discard_all"}`,
+			want:  membership.Member{Stage: "thinker", ReplicaID: 3, Addr: "h:1", SleepState: "discard_all"},
+		},
+		{name: "unknown sleep state", key: key, value: `{"stage":"thinker","replica_id":3,"addr":"h:1","sleep_state":"dozing"}`, wantErr: `unknown sleep state "dozing"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			m, err := membership.DecodeMember("default", tc.key, []byte(tc.value))
@@ -115,5 +122,39 @@ func TestMemberAddrMustBeHostPort(t *testing.T) {
 		} else {
 			assert.Error(t, err, addr)
 		}
+	}
+}
+
+func TestDecodeHead(t *testing.T) {
+	const key = "/troupe/default/heads/h-1"
+	started := time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC)
+	require.Equal(t, key, membership.HeadKey("default", "h-1"))
+	for _, tc := range []struct {
+		name, key, value string
+		want             membership.Head
+		wantErr          string
+	}{
+		{
+			name:  "full",
+			key:   key,
+			value: `{"id":"h-1","addr":"10.0.0.1:8000","version":"v1","started_at":"2025-01-02T03:04:05Z","future":1}`,
+			want:  membership.Head{ID: "h-1", Addr: "10.0.0.1:8000", Version: "v1", StartedAt: started},
+		},
+		{name: "bad json", key: key, value: `{`, wantErr: "bad head record"},
+		{name: "id mismatch", key: key, value: `{"id":"h-2","addr":"h:1"}`, wantErr: `names "h-2"`},
+		{name: "no addr", key: key, value: `{"id":"h-1"}`, wantErr: "empty addr"},
+		{name: "bad key", key: "/troupe/default/heads/a/b", value: `{"id":"a/b","addr":"h:1"}`, wantErr: "malformed head key"},
+		{name: "other prefix", key: "/troupe/default/members/thinker/0", value: `{}`, wantErr: "malformed head key"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h, err := membership.DecodeHead("default", tc.key, []byte(tc.value))
+			if tc.wantErr != "" {
+				require.ErrorContains(t, err, tc.wantErr)
+				require.Equal(t, membership.Head{}, h)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.want, h)
+		})
 	}
 }

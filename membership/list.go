@@ -40,30 +40,17 @@ func List(ctx context.Context, cli *clientv3.Client, cluster string) ([]Listed, 
 		return nil, fmt.Errorf("membership: list %s: %w", prefix, err)
 	}
 	out := make([]Listed, 0, len(resp.Kvs))
-	ttls := map[clientv3.LeaseID]time.Duration{}
+	ttls := leaseTTLs{cli: cli, known: map[clientv3.LeaseID]time.Duration{}}
 	for _, kv := range resp.Kvs {
 		l := Listed{
 			Key:            string(kv.Key),
 			Lease:          clientv3.LeaseID(kv.Lease),
-			TTLLeft:        -1,
 			CreateRevision: kv.CreateRevision,
 			ModRevision:    kv.ModRevision,
 		}
 		l.Member, l.Invalid = DecodeMember(cluster, l.Key, kv.Value)
-		if l.Lease != clientv3.NoLease {
-			ttl, ok := ttls[l.Lease]
-			if !ok {
-				ttl = -1
-				tr, err := cli.TimeToLive(ctx, l.Lease)
-				if err != nil && ctx.Err() != nil {
-					return nil, fmt.Errorf("membership: lease TTL: %w", err)
-				}
-				if err == nil && tr.TTL >= 0 {
-					ttl = time.Duration(tr.TTL) * time.Second
-				}
-				ttls[l.Lease] = ttl
-			}
-			l.TTLLeft = ttl
+		if l.TTLLeft, err = ttls.left(ctx, l.Lease); err != nil {
+			return nil, err
 		}
 		out = append(out, l)
 	}
@@ -80,4 +67,31 @@ func List(ctx context.Context, cli *clientv3.Client, cluster string) ([]Listed, 
 		return cmp.Or(cmp.Compare(a.Member.Stage, b.Member.Stage), cmp.Compare(a.Member.ReplicaID, b.Member.ReplicaID))
 	})
 	return out, nil
+}
+
+// leaseTTLs asks each lease's remaining time once per listing.
+type leaseTTLs struct {
+	cli   *clientv3.Client
+	known map[clientv3.LeaseID]time.Duration
+}
+
+// left is the lease's remaining time, -1 for no lease or a lease that is
+// gone. It fails only when ctx ended.
+func (t leaseTTLs) left(ctx context.Context, lease clientv3.LeaseID) (time.Duration, error) {
+	if lease == clientv3.NoLease {
+		return -1, nil
+	}
+	if ttl, ok := t.known[lease]; ok {
+		return ttl, nil
+	}
+	ttl := time.Duration(-1)
+	tr, err := t.cli.TimeToLive(ctx, lease)
+	if err != nil && ctx.Err() != nil {
+		return 0, fmt.Errorf("membership: lease TTL: %w", err)
+	}
+	if err == nil && tr.TTL >= 0 {
+		ttl = time.Duration(tr.TTL) * time.Second
+	}
+	t.known[lease] = ttl
+	return ttl, nil
 }

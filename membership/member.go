@@ -31,6 +31,11 @@ type Member struct {
 	StartedAt            time.Time         `json:"started_at"`
 	Model                string            `json:"model,omitempty"`
 	Labels               map[string]string `json:"labels,omitempty"`
+	// SleepState is the engine's sleep state as the worker last set it
+	// (a stagepb sleep state name: awake, weights_offloaded, discard_all;
+	// empty: not reported). The worker updates it on every sleep and wake
+	// up, so every head learns it from the same record.
+	SleepState string `json:"sleep_state,omitempty"`
 }
 
 // Validate reports what is wrong with a record, if anything.
@@ -47,6 +52,11 @@ func (m Member) Validate() error {
 	switch {
 	case m.NumSpeculativeTokens < 0 || m.NumSpeculativeTokens > stagepb.MaxSpeculativeTokens:
 		return fmt.Errorf("membership: num_speculative_tokens %d out of range 0..%d", m.NumSpeculativeTokens, stagepb.MaxSpeculativeTokens)
+	}
+	if m.SleepState != "" {
+		if _, err := stagepb.ParseSleepState(m.SleepState); err != nil {
+			return fmt.Errorf("membership: sleep_state: %w", err)
+		}
 	}
 	return nil
 }

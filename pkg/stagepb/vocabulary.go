@@ -33,6 +33,17 @@ func (s SleepState) Name() string {
 	return "unknown"
 }
 
+// ParseSleepState is the inverse of Name: the state named awake,
+// weights_offloaded or discard_all.
+func ParseSleepState(name string) (SleepState, error) {
+	for _, s := range SleepStates {
+		if s.Name() == name {
+			return s, nil
+		}
+	}
+	return 0, fmt.Errorf("stagepb: unknown sleep state %q (want awake, weights_offloaded or discard_all)", name)
+}
+
 // Sleep levels, as vLLM's sleep mode numbers them.
 const (
 	// SleepLevelOffload offloads the weights and keeps the prefix cache.
