@@ -134,7 +134,16 @@ type Server struct {
 	ran        atomic.Bool
 	registered chan struct{} // closed once registered (or serving, without etcd)
 	member     atomic.Pointer[membership.Member]
+	reg        atomic.Pointer[membership.Registration] // nil without etcd or before registering
+
+	// sleepMu serializes sleep state changes with their record updates, so
+	// the record always ends with the engine's latest state.
+	sleepMu sync.Mutex
 }
+
+// recordUpdateTimeout bounds how long a Sleep or WakeUp waits for etcd to
+// hold the changed record before answering anyway.
+const recordUpdateTimeout = 5 * time.Second
 
 // New checks cfg and binds the listener, so Addr and Advertise are known
 // before Run. Nothing is served until Run; if Run is never called, Close
@@ -219,6 +228,7 @@ func (s *Server) record(addr string) membership.Member {
 		StartedAt:            time.Now().UTC(),
 		Model:                s.model(),
 		Labels:               s.cfg.Labels,
+		SleepState:           sleepStateName(s.cfg.Engine.Health().GetSleepState()),
 	}
 }
 
@@ -232,6 +242,15 @@ func (s *Server) model() string {
 		return n.Model()
 	}
 	return ""
+}
+
+// sleepStateName is the record's name of a state; empty for a value the
+// vocabulary does not know, which the record leaves out.
+func sleepStateName(st stagepb.SleepState) string {
+	if _, err := stagepb.ParseSleepState(st.Name()); err != nil {
+		return ""
+	}
+	return st.Name()
 }
 
 // Addr is the bound listen address.
@@ -332,12 +351,16 @@ func (s *Server) maintain(ctx context.Context, served chan error) (reg *membersh
 		ok, changed := s.available()
 		s.setServing(ok)
 		switch {
-		case ok && !inRotation && retry == nil:
+		case ok && !inRotation && retry == nil && !s.isDraining():
 			r, rerr := s.register(ctx)
 			first := s.member.Load() == nil
 			switch {
 			case rerr == nil:
 				reg, inRotation, backoff = r, true, reregisterMinBackoff
+				s.reg.Store(r)
+				if s.isDraining() { // the Drain RPC came while registering
+					s.deregister(r)
+				}
 				m := s.record(s.advertise)
 				if r != nil {
 					m = r.Member()
@@ -361,6 +384,7 @@ func (s *Server) maintain(ctx context.Context, served chan error) (reg *membersh
 		case !ok && inRotation:
 			s.log.Warn("worker: engine unavailable; leaving rotation", "reason", s.cfg.Engine.Health().GetStatusMessage())
 			s.deregister(reg)
+			s.reg.Store(nil)
 			reg, inRotation = nil, false
 		}
 		var retryC <-chan time.Time
@@ -451,9 +475,17 @@ func (s *Server) stop(served <-chan error, grace time.Duration) {
 	<-served
 }
 
-// Drain makes the replica refuse new work while in-flight requests go on.
-// It returns how many are in flight; calling it again is harmless.
+// Drain makes the replica refuse new work while in-flight requests go on,
+// and deregisters it, so every head stops routing here. It returns how
+// many are in flight; calling it again is harmless.
 func (s *Server) Drain() int {
+	n := s.refuseNew()
+	s.deregister(s.reg.Load())
+	return n
+}
+
+// refuseNew is Drain without deregistering.
+func (s *Server) refuseNew() int {
 	s.mu.Lock()
 	first := !s.draining
 	s.draining = true
@@ -614,7 +646,7 @@ func (svc *service) Sleep(ctx context.Context, req *stagepb.SleepRequest) (*stag
 	if _, err := stagepb.SleepStateForLevel(int(req.GetLevel())); err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "worker: %v", err)
 	}
-	st, err := s.cfg.Engine.Sleep(ctx, int(req.GetLevel()))
+	st, err := s.changeSleep(ctx, func() (stagepb.SleepState, error) { return s.cfg.Engine.Sleep(ctx, int(req.GetLevel())) })
 	if err != nil {
 		return nil, toStatus(err)
 	}
@@ -624,11 +656,36 @@ func (svc *service) Sleep(ctx context.Context, req *stagepb.SleepRequest) (*stag
 
 // WakeUp implements StageService.
 func (svc *service) WakeUp(ctx context.Context, _ *stagepb.WakeUpRequest) (*stagepb.WakeUpResponse, error) {
-	st, err := svc.s.cfg.Engine.WakeUp(ctx)
+	st, err := svc.s.changeSleep(ctx, func() (stagepb.SleepState, error) { return svc.s.cfg.Engine.WakeUp(ctx) })
 	if err != nil {
 		return nil, toStatus(err)
 	}
 	return &stagepb.WakeUpResponse{SleepState: st}, nil
+}
+
+// changeSleep runs change (the engine's Sleep or WakeUp) and writes the
+// state it ends in into the member record: the record is what every head
+// routes by, so a sleep asked through one head is respected by all. It
+// answers once etcd holds the record, or after recordUpdateTimeout (the
+// record is then written when etcd answers).
+func (s *Server) changeSleep(ctx context.Context, change func() (stagepb.SleepState, error)) (stagepb.SleepState, error) {
+	s.sleepMu.Lock()
+	defer s.sleepMu.Unlock()
+	st, err := change()
+	if err != nil {
+		return st, err
+	}
+	reg := s.reg.Load()
+	name := sleepStateName(st)
+	if reg == nil || name == "" {
+		return st, nil
+	}
+	uctx, cancel := context.WithTimeout(ctx, recordUpdateTimeout)
+	defer cancel()
+	if err := reg.Update(uctx, func(m *membership.Member) { m.SleepState = name }); err != nil {
+		s.log.Warn("worker: sleep state not in the member record yet; heads learn it once etcd answers", "sleep_state", name, "err", err)
+	}
+	return st, nil
 }
 
 // Drain implements StageService: see Server.Drain.
