@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/troupe-serving/troupe/internal/router"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
@@ -22,43 +23,64 @@ func (h *Head) ResolveStage(s string) (int, error) {
 	return i, nil
 }
 
-// Sleep puts an attached replica to sleep (level 1 or 2). It leaves
-// rotation, and its engine_sleep_state follows what the worker reports.
+// recordWait bounds how long Sleep and WakeUp wait for the loop to apply
+// the worker's changed record.
+const recordWait = 5 * time.Second
+
+// Sleep puts an attached replica to sleep (level 1 or 2). The worker
+// writes its new state into its member record, and every head, this one
+// included, takes the replica out of rotation when its loop applies that
+// record; Sleep waits for that here (bounded), so the state the API shows
+// next is the one it answers.
 func (h *Head) Sleep(ctx context.Context, stage int, replica uint32, level int) (stagepb.SleepState, error) {
 	if _, err := stagepb.SleepStateForLevel(level); err != nil {
 		return 0, newError(ErrBadRequest, nil, "level must be 1 (offload weights) or 2 (discard all), got %d", level)
 	}
-	rep, ok := h.router.Snapshot().Lookup(router.Key{Stage: stage, Replica: replica})
-	if !ok {
-		return 0, newError(ErrUnknownReplica, nil, "stage %d replica %d is not attached", stage, replica)
-	}
-	resp, err := rep.Client.Sleep(ctx, &stagepb.SleepRequest{Level: uint32(level)})
-	if err != nil {
-		return 0, replicaError(fmt.Sprintf("sleep of stage %d", stage), replica, rep.Addr, err)
-	}
-	rep.SetSleepState(resp.GetSleepState())
-	if resp.GetSleepState() == stagepb.SleepState_SLEEP_STATE_DISCARD_ALL {
-		h.router.Forget(rep.Key) // its cache is gone
-	}
-	if err := h.stats.SetSleepState(rep.EngineIndex, resp.GetSleepState()); err != nil {
-		h.log.Warn("orchestrator: sleep state not recorded", "err", err)
-	}
-	return resp.GetSleepState(), nil
+	return h.changeSleep(ctx, router.Key{Stage: stage, Replica: replica}, "sleep", func(c stagepb.StageServiceClient) (stagepb.SleepState, error) {
+		resp, err := c.Sleep(ctx, &stagepb.SleepRequest{Level: uint32(level)})
+		return resp.GetSleepState(), err
+	})
 }
 
-// WakeUp wakes a sleeping replica; it rejoins rotation.
+// WakeUp wakes a sleeping replica; it rejoins rotation on every head once
+// they apply its record (see Sleep).
 func (h *Head) WakeUp(ctx context.Context, stage int, replica uint32) (stagepb.SleepState, error) {
-	rep, ok := h.router.Snapshot().Lookup(router.Key{Stage: stage, Replica: replica})
+	return h.changeSleep(ctx, router.Key{Stage: stage, Replica: replica}, "wake_up", func(c stagepb.StageServiceClient) (stagepb.SleepState, error) {
+		resp, err := c.WakeUp(ctx, &stagepb.WakeUpRequest{})
+		return resp.GetSleepState(), err
+	})
+}
+
+// changeSleep calls the worker, then waits until the loop has applied a
+// record of the replica newer than the one before the call, or the
+// replica's state already is the answer (a sleep of a sleeping replica
+// changes no record). It never sets the state itself: the record is the
+// one source every head follows.
+func (h *Head) changeSleep(ctx context.Context, key router.Key, verb string, call func(stagepb.StageServiceClient) (stagepb.SleepState, error)) (stagepb.SleepState, error) {
+	rep, ok := h.router.Snapshot().Lookup(key)
 	if !ok {
-		return 0, newError(ErrUnknownReplica, nil, "stage %d replica %d is not attached", stage, replica)
+		return 0, newError(ErrUnknownReplica, nil, "stage %d replica %d is not attached", key.Stage, key.Replica)
 	}
-	resp, err := rep.Client.WakeUp(ctx, &stagepb.WakeUpRequest{})
+	before, _ := h.lookup(key)
+	st, err := call(rep.Client)
 	if err != nil {
-		return 0, replicaError(fmt.Sprintf("wake_up of stage %d", stage), replica, rep.Addr, err)
+		return 0, replicaError(fmt.Sprintf("%s of stage %d", verb, key.Stage), key.Replica, rep.Addr, err)
 	}
-	if err := h.stats.SetSleepState(rep.EngineIndex, resp.GetSleepState()); err != nil {
-		h.log.Warn("orchestrator: sleep state not recorded", "err", err)
+	wctx, cancel := context.WithTimeout(ctx, recordWait)
+	defer cancel()
+	for {
+		changed := *h.changed.Load()
+		now, _ := h.lookup(key)
+		cur, ok := h.router.Snapshot().Lookup(key)
+		if now.modRev > before.modRev || (ok && cur.SleepState() == st) {
+			return st, nil
+		}
+		select {
+		case <-changed:
+		case <-wctx.Done():
+			h.log.Warn("orchestrator: the replica's record has not shown its new sleep state yet; heads route by the record once it arrives",
+				"stage", key.Stage, "replica", key.Replica, "sleep_state", st.Name(), "waited", recordWait)
+			return st, nil
+		}
 	}
-	rep.SetSleepState(resp.GetSleepState())
-	return resp.GetSleepState(), nil
 }

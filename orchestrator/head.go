@@ -88,6 +88,9 @@ type Head struct {
 
 	view    atomic.Pointer[[]tracked] // every replica the head knows, for the API
 	outputs atomic.Pointer[[]string]  // by stage: the role its routed replicas give (see stageOutputs)
+	// changed is closed and replaced by every publish, so admin calls can
+	// wait for the loop to apply a record.
+	changed atomic.Pointer[chan struct{}]
 
 	// Owned by Run's loop goroutine only. known is the one owner of the
 	// mapping from replica key to engine index: an index is handed out on a
@@ -102,6 +105,7 @@ type Head struct {
 type tracked struct {
 	key        router.Key
 	member     membership.Member
+	modRev     int64 // mod revision of member, the record applied last
 	index      int
 	joinedAt   time.Time
 	detached   bool
@@ -242,6 +246,8 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	h.view.Store(&empty)
 	outputs := make([]string, len(cfg.Pipeline.Stages))
 	h.outputs.Store(&outputs)
+	ch := make(chan struct{})
+	h.changed.Store(&ch)
 	return h, nil
 }
 
@@ -328,16 +334,62 @@ func (h *Head) apply(ctx context.Context, ev membership.Event, probes chan<- pro
 	h.events.WithLabelValues(ev.Type.String()).Inc()
 	switch ev.Type {
 	case membership.Join:
-		h.join(ctx, key, ev.Member, probes, probing)
+		if h.update(key, ev.Member, ev.Revision) {
+			break
+		}
+		h.join(ctx, key, ev.Member, ev.Revision, probes, probing)
 	case membership.Leave:
 		h.leave(ctx, key, departures, probing)
 	}
 	h.publish()
 }
 
+// update applies a changed record of a routed replica whose process is the
+// same (same addr and start time): the worker changed its sleep state, or
+// re-registered under a new lease (which also ends a lease-loss grace). The
+// connection, the engine index and every counter stay; only the record's
+// state is applied. It reports false when the record needs a full join (a
+// new process, or a replica not routed yet), which then probes it.
+func (h *Head) update(key router.Key, m membership.Member, rev int64) bool {
+	t := h.known[key]
+	if t == nil || t.detached || !t.routed || t.refused != "" || t.probeGen != 0 ||
+		t.member.Addr != m.Addr || !t.member.StartedAt.Equal(m.StartedAt) {
+		return false
+	}
+	rep, ok := h.router.Snapshot().Lookup(key)
+	if !ok {
+		return false
+	}
+	if !t.graceUntil.IsZero() || t.leaveGen != 0 {
+		h.log.Info("orchestrator: replica re-registered; its lease-loss grace ends", "stage", m.Stage, "replica", key.Replica)
+	}
+	t.graceUntil, t.leaveGen = time.Time{}, 0 // a pending leave probe's answer is now stale
+	t.member, t.modRev = m, rev
+	if m.SleepState != "" {
+		// Validated by the watcher: a known state name.
+		if st, err := stagepb.ParseSleepState(m.SleepState); err == nil && st != rep.SleepState() {
+			h.setSleepState(rep, st)
+			h.log.Info("orchestrator: replica sleep state changed", "stage", m.Stage, "replica", key.Replica, "sleep_state", st.Name())
+		}
+	}
+	return true
+}
+
+// setSleepState applies a replica's sleep state to routing and to its
+// engine_sleep_state series. Only the loop calls it.
+func (h *Head) setSleepState(rep *router.Replica, st stagepb.SleepState) {
+	rep.SetSleepState(st)
+	if st == stagepb.SleepState_SLEEP_STATE_DISCARD_ALL {
+		h.router.Forget(rep.Key) // its cache is gone
+	}
+	if err := h.stats.SetSleepState(rep.EngineIndex, st); err != nil {
+		h.log.Warn("orchestrator: sleep state not recorded", "err", err)
+	}
+}
+
 // join assigns the engine index, then probes the replica off the loop; the
 // loop binds its series and routes to it when the probe answers (attach).
-func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, probes chan<- probeResult, probing *sync.WaitGroup) {
+func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, rev int64, probes chan<- probeResult, probing *sync.WaitGroup) {
 	t := h.known[key]
 	if t == nil {
 		if h.nextIndex > stats.MaxEngineIndex {
@@ -352,7 +404,7 @@ func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, pr
 	if t.cancel != nil {
 		t.cancel()
 	}
-	t.member, t.detached = m, false
+	t.member, t.modRev, t.detached = m, rev, false
 	t.routed, t.refused = false, ""
 	t.graceUntil, t.leaveGen = time.Time{}, 0
 	index := t.index
@@ -629,6 +681,18 @@ func (h *Head) publish() {
 	h.view.Store(&out)
 	outputs := h.stageOutputs()
 	h.outputs.Store(&outputs)
+	next := make(chan struct{})
+	close(*h.changed.Swap(&next))
+}
+
+// lookup returns the published record of a replica.
+func (h *Head) lookup(key router.Key) (tracked, bool) {
+	for _, t := range *h.view.Load() {
+		if t.key == key {
+			return t, true
+		}
+	}
+	return tracked{}, false
 }
 
 // ReplicaState is a replica's state as the head sees it: the "state" of a

@@ -26,11 +26,13 @@ import (
 // configurable sleep state and an optional gate that holds the answer.
 type probeServer struct {
 	stagepb.UnimplementedStageServiceServer
-	sleep stagepb.SleepState
-	gate  chan struct{}
+	sleep  stagepb.SleepState
+	gate   chan struct{}
+	probes atomic.Int64 // Health calls answered or held
 }
 
 func (p *probeServer) Health(ctx context.Context, _ *stagepb.HealthRequest) (*stagepb.HealthResponse, error) {
+	p.probes.Add(1)
 	if p.gate != nil {
 		select {
 		case <-p.gate:
@@ -232,3 +234,58 @@ func TestLeaveDetachesAndKeepsSeries(t *testing.T) {
 }
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// TestRecordChangeIsAppliedInPlace: a changed record of the same process
+// (the worker wrote its new sleep state) moves the replica in and out of
+// rotation on the head without a new connection, probe or engine index;
+// a record of a new process (another start time) is probed again.
+func TestRecordChangeIsAppliedInPlace(t *testing.T) {
+	e := membershiptest.Start(t)
+	cli := e.Client(t)
+	h := startHead(t, cli, Pipeline{Model: "m", Stages: []Stage{{Name: "thinker"}}})
+	ps := &probeServer{}
+	// A long lease: a lease lost on a loaded machine would add a leave probe.
+	reg, err := membership.Register(context.Background(), cli, membership.RegisterConfig{
+		Member: membership.Member{Stage: "thinker", ReplicaID: 2, Addr: startProbeServer(t, ps), Engine: "probe", Version: "test", StartedAt: time.Now()},
+		TTL:    60 * time.Second,
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = reg.Close(context.Background()) })
+	waitFor(t, "replica attached", func() bool { return len(h.router.Snapshot().Stage(0)) == 1 })
+	rep := h.router.Snapshot().Stage(0)[0]
+	probes := ps.probes.Load()
+	index := h.Replicas()[0].EngineIndex
+	sleepSeries := func(state string) float64 {
+		v, _ := series(t, h.metrics, "troupe_engine_sleep_state", map[string]string{"replica": "2", "sleep_state": state})
+		return v
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, reg.Update(ctx, func(m *membership.Member) { m.SleepState = "weights_offloaded" }))
+	waitFor(t, "sleeping", func() bool { return h.Replicas()[0].State == StateSleeping })
+	assert.Same(t, rep, h.router.Snapshot().Stage(0)[0], "the same connection")
+	assert.False(t, rep.Routable())
+	assert.Equal(t, 1.0, sleepSeries("weights_offloaded"))
+	assert.Equal(t, 0.0, sleepSeries("awake"))
+	ok, _ := h.Ready()
+	assert.False(t, ok, "no routable thinker while it sleeps")
+
+	require.NoError(t, reg.Update(ctx, func(m *membership.Member) { m.SleepState = "awake" }))
+	waitFor(t, "awake", func() bool { return h.Replicas()[0].State == StateAttached })
+	assert.Same(t, rep, h.router.Snapshot().Stage(0)[0])
+	assert.Equal(t, 1.0, sleepSeries("awake"))
+	assert.Equal(t, probes, ps.probes.Load(), "no probe for a changed record of the same process")
+	assert.Equal(t, index, h.Replicas()[0].EngineIndex)
+	joins, _ := series(t, h.metrics, "troupe_membership_events_total", map[string]string{"type": "join"})
+	assert.Equal(t, 3.0, joins, "each change is a join event")
+
+	// A new process under the same key (another start time) is probed.
+	require.NoError(t, reg.Update(ctx, func(m *membership.Member) { m.StartedAt = m.StartedAt.Add(time.Second) }))
+	waitFor(t, "re-probed", func() bool { return ps.probes.Load() > probes })
+	waitFor(t, "a new connection", func() bool {
+		reps := h.router.Snapshot().Stage(0)
+		return len(reps) == 1 && reps[0] != rep
+	})
+	assert.Equal(t, index, h.Replicas()[0].EngineIndex, "the key keeps its engine index")
+}

@@ -116,33 +116,13 @@ func Start(t testing.TB, opts Options) *Cluster {
 	}
 	e := membershiptest.Start(t)
 	c := &Cluster{Etcd: e, Client: e.Client(t), Metrics: prometheus.NewRegistry(), opts: opts}
-	dialOpts := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, opts.HeadDialOptions...)
-	h, err := orchestrator.New(c.Client, orchestrator.Config{
-		Pipeline:          opts.Pipeline,
-		Policy:            opts.Policy,
-		Tokenizers:        map[string]func(string) []uint32{sim.EngineName: sim.Tokenize},
-		LogStats:          !opts.DisableStats,
-		Metrics:           c.Metrics,
-		ReconcileInterval: 30 * time.Second,
-		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
-		TracerProvider:    opts.HeadTracer,
-		Logger:            opts.Logger,
-		Breaker:           opts.Breaker,
-	})
-	require.NoError(t, err)
-	c.Head = h
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- h.Run(ctx) }()
-	t.Cleanup(func() {
+	c.Head = c.startHead(t, c.Metrics, func() {
 		c.mu.Lock()
 		ws := c.workers
 		c.mu.Unlock()
 		for _, w := range ws {
 			w.Stop(t)
 		}
-		cancel()
-		require.NoError(t, <-done)
 	})
 	if opts.ReplicasPerStage > 0 {
 		for _, st := range opts.Pipeline.Stages {
@@ -153,6 +133,46 @@ func Start(t testing.TB, opts Options) *Cluster {
 		}
 	}
 	return c
+}
+
+// startHead runs a head on the cluster's membership until cleanup, which
+// calls before first.
+func (c *Cluster) startHead(t testing.TB, metrics *prometheus.Registry, before func()) *orchestrator.Head {
+	t.Helper()
+	dialOpts := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, c.opts.HeadDialOptions...)
+	h, err := orchestrator.New(c.Client, orchestrator.Config{
+		Pipeline:          c.opts.Pipeline,
+		Policy:            c.opts.Policy,
+		Tokenizers:        map[string]func(string) []uint32{sim.EngineName: sim.Tokenize},
+		LogStats:          !c.opts.DisableStats,
+		Metrics:           metrics,
+		ReconcileInterval: 30 * time.Second,
+		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
+		TracerProvider:    c.opts.HeadTracer,
+		Logger:            c.opts.Logger,
+		Breaker:           c.opts.Breaker,
+	})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- h.Run(ctx) }()
+	t.Cleanup(func() {
+		if before != nil {
+			before()
+		}
+		cancel()
+		require.NoError(t, <-done)
+	})
+	return h
+}
+
+// AddHead runs one more head on the same membership, with its own metrics
+// registry, as a second `troupe head` process would. It is stopped at
+// cleanup, before the cluster's workers.
+func (c *Cluster) AddHead(t testing.TB) (*orchestrator.Head, *prometheus.Registry) {
+	t.Helper()
+	metrics := prometheus.NewRegistry()
+	return c.startHead(t, metrics, nil), metrics
 }
 
 // WorkerOptions configure one worker.
