@@ -32,9 +32,14 @@ func (s *Server) healthz(w http.ResponseWriter, _ *http.Request) {
 	writeText(w, http.StatusOK, "ok")
 }
 
-// readyz serves GET /readyz: 200 "ok" when every stage has a routable
-// replica, else 503 with an error naming the stage that has none.
+// readyz serves GET /readyz: 200 when every stage has a routable replica,
+// else 503 naming the stage that has none; 503 "shutting down" once the
+// head drains (Drain).
 func (s *Server) readyz(w http.ResponseWriter, _ *http.Request) {
+	if s.draining.Load() {
+		writeError(w, &apiError{Status: http.StatusServiceUnavailable, Type: typeServer, Code: "shutting_down", Message: "not ready: shutting down"})
+		return
+	}
 	if ok, reason := s.b.Ready(); !ok {
 		writeError(w, &apiError{Status: http.StatusServiceUnavailable, Type: typeServer, Code: "not_ready", Message: "not ready: " + reason})
 		return

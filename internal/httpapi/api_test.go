@@ -403,6 +403,24 @@ func TestNoReplica(t *testing.T) {
 	assert.Contains(t, string(body), "talker")
 }
 
+// TestDrainTurnsReadyzUnready: once the head drains, /readyz is 503 (a
+// load balancer stops sending) while requests are still served.
+func TestDrainTurnsReadyzUnready(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Pipeline: orchestrator.Pipeline{Model: model, Stages: []orchestrator.Stage{{Name: "thinker"}}}})
+	a := startAPI(t, c, Config{}, nil, nil)
+	resp, _ := a.do(t, "GET", "/readyz", nil, nil)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+
+	a.Drain()
+	resp, body := a.do(t, "GET", "/readyz", nil, nil)
+	d := wantError(t, resp, body, http.StatusServiceUnavailable, typeServer, "shutting_down")
+	assert.Equal(t, "not ready: shutting down", d.Message)
+	resp, _ = a.do(t, "GET", "/healthz", nil, nil)
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "alive while draining")
+	resp, body = a.post(t, "/v1/chat/completions", `{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":4}`)
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "still serving: %s", body)
+}
+
 // TestStageFailure: a replica that fails the request (here: its engine was
 // put to sleep behind the head's back, so it refuses work) is 502.
 func TestStageFailure(t *testing.T) {

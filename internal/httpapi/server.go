@@ -113,6 +113,8 @@ type Server struct {
 	keyHash [sha256.Size]byte
 	routes  map[string]string // registered pattern → route label; read-only after New
 	running atomic.Int64      // completions admitted and not finished (MaxInFlight)
+	// draining: the process is stopping; /readyz says so (see Drain).
+	draining atomic.Bool
 
 	all, serving, admin http.Handler
 }
@@ -185,6 +187,13 @@ func (s *Server) admitted(h http.HandlerFunc) http.Handler {
 		h(w, r)
 	})
 }
+
+// Drain makes /readyz answer 503 "not ready: shutting down" from now on, so
+// load balancers stop sending new requests while this head finishes the
+// ones it has; every other route is served as before. The process calls it
+// first on SIGTERM (see `troupe head --shutdown-delay`). It may be called
+// from any goroutine; it cannot be undone.
+func (s *Server) Drain() { s.draining.Store(true) }
 
 // Handler serves every route: serving, admin, metrics and health.
 func (s *Server) Handler() http.Handler { return s.all }
