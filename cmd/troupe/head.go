@@ -8,11 +8,14 @@ import (
 	"io"
 	"log/slog"
 	"math"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"runtime/debug"
+	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -35,12 +38,13 @@ import (
 // headFlags are the flags of `troupe head`; `troupe up` reuses them.
 type headFlags struct {
 	http, adminHTTP, pipeline, cluster, apiKey, policy string
-	sessionHeader                                      string
+	sessionHeader, headID, advertise                   string
 	logStats, untrustedParent, sessionUser             bool
 	maxBody                                            byteSize
 	maxInFlight                                        int
 	detachedTTL, reconcile                             time.Duration
 	stallTimeout, leaseLossGrace                       time.Duration
+	leaseTTL, shutdownDelay, drainTimeout              time.Duration
 	tls                                                *tlsFlags
 	otel                                               *otelFlags
 	log                                                *logFlags
@@ -67,6 +71,11 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.DurationVar(&f.reconcile, "reconcile-interval", 30*time.Second, "period of the full membership re-list that repairs drift")
 	fs.DurationVar(&f.stallTimeout, "stall-timeout", 5*time.Second, "fail and retry a stage attempt that makes no progress for this long")
 	fs.DurationVar(&f.leaseLossGrace, "lease-loss-grace", 15*time.Second, "keep routing to a replica whose record vanished but that still serves, while it re-registers")
+	fs.StringVar(&f.headID, "head-id", "", "id of this head's record in etcd (/troupe/<cluster>/heads/<id>; default: <hostname>-<pid>-<4 random hex digits>)")
+	fs.StringVar(&f.advertise, "advertise", "", "API address recorded in the head's etcd record (default: the bound address; the hostname when listening on all interfaces)")
+	fs.DurationVar(&f.leaseTTL, "lease-ttl", membership.DefaultTTL, "etcd lease TTL of the head's record")
+	fs.DurationVar(&f.shutdownDelay, "shutdown-delay", 0, "on SIGTERM, answer /readyz 503 and keep serving this long before draining, so a load balancer stops sending first")
+	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests may finish before they are cut")
 	f.tls = addTLSFlags(fs, "gRPC to workers")
 	f.otel = addOtelFlags(fs)
 	f.log = addLogFlags(fs)
@@ -222,7 +231,15 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		listeners = append(listeners, alis)
 		fmt.Fprintf(stdout, "troupe head: admin and metrics on http://%s\n", alis.Addr())
 	}
-	fmt.Fprintf(stdout, "troupe head: model %s, stages %v, API on http://%s\n", pipeline.Model, pipeline.StageNames(), lis.Addr())
+	reg, err := registerHead(ctx, cli, hf, lis.Addr(), log)
+	if err != nil {
+		for _, l := range listeners {
+			l.Close()
+		}
+		return err
+	}
+	defer deregisterHead(reg, log)
+	fmt.Fprintf(stdout, "troupe head: id %s, model %s, stages %v, API on http://%s\n", reg.Head().ID, pipeline.Model, pipeline.StageNames(), lis.Addr())
 	if ready != nil {
 		addrs := headAddrs{api: lis.Addr()}
 		if len(listeners) > 1 {
@@ -231,7 +248,11 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		ready <- addrs
 	}
 
-	g, gctx := errgroup.WithContext(ctx)
+	// The head's loop outlives ctx: requests in flight at SIGTERM still
+	// need its routes, so it stops only after the HTTP servers drained.
+	runCtx, stopRun := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopRun()
+	g, gctx := errgroup.WithContext(runCtx)
 	g.Go(func() error { return head.Run(gctx) })
 	for i, srv := range servers {
 		g.Go(func() error {
@@ -242,11 +263,14 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		})
 	}
 	g.Go(func() error {
-		<-gctx.Done()
-		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		for _, srv := range servers {
-			_ = srv.Shutdown(sctx)
+		defer stopRun()
+		select {
+		case <-ctx.Done():
+			stopGracefully(api, reg, servers, hf, log)
+		case <-gctx.Done(): // a server or the loop failed: stop at once
+			for _, srv := range servers {
+				_ = srv.Close()
+			}
 		}
 		return nil
 	})
@@ -254,4 +278,119 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		return err
 	}
 	return nil
+}
+
+// stopGracefully is the head's SIGTERM: /readyz turns unready and the
+// head's record leaves etcd at once; the head keeps serving for
+// --shutdown-delay, so a load balancer's health check takes it out of
+// rotation before anything is refused; then the listeners close and
+// in-flight requests get --drain-timeout to finish before they are cut.
+func stopGracefully(api *httpapi.Server, reg *membership.HeadRegistration, servers []*http.Server, hf *headFlags, log *slog.Logger) {
+	api.Drain()
+	for _, srv := range servers {
+		srv.SetKeepAlivesEnabled(false) // clients reconnect, through the balancer, elsewhere
+	}
+	deregisterHead(reg, log)
+	log.Info("troupe head: shutting down: /readyz unready", "shutdown_delay", hf.shutdownDelay, "drain_timeout", hf.drainTimeout)
+	if hf.shutdownDelay > 0 {
+		time.Sleep(hf.shutdownDelay)
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), hf.drainTimeout)
+	defer cancel()
+	var wg sync.WaitGroup
+	for _, srv := range servers {
+		wg.Go(func() {
+			if err := srv.Shutdown(sctx); err != nil {
+				log.Warn("troupe head: drain timeout; cutting the requests still in flight", "addr", srv.Addr, "drain_timeout", hf.drainTimeout)
+				_ = srv.Close()
+			}
+		})
+	}
+	wg.Wait()
+	log.Info("troupe head: drained")
+}
+
+// registerHead writes the head's record (/troupe/<cluster>/heads/<id>)
+// under its own lease. An --head-id that another live head holds is an
+// error, as a duplicate replica id is for a worker.
+func registerHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, bound net.Addr, log *slog.Logger) (*membership.HeadRegistration, error) {
+	id := hf.headID
+	if id == "" {
+		id = defaultHeadID()
+	}
+	addr, err := apiAddr(bound, hf.advertise)
+	if err != nil {
+		return nil, err
+	}
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	return membership.RegisterHead(rctx, cli, membership.HeadConfig{
+		Cluster: hf.cluster,
+		Head:    membership.Head{ID: id, Addr: addr, Version: version, StartedAt: time.Now().UTC()},
+		TTL:     hf.leaseTTL,
+		Logger:  log,
+	})
+}
+
+// deregisterHead revokes the head's lease, bounded; calling it again does
+// nothing.
+func deregisterHead(reg *membership.HeadRegistration, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	if err := reg.Close(ctx); err != nil {
+		log.Warn("troupe head: deregister", "err", err)
+	}
+}
+
+// defaultHeadID is <hostname>-<pid>-<4 hex digits>: the host and process
+// name the head for an operator, and the random part keeps a restarted
+// container (same hostname, often pid 1) from meeting its predecessor's
+// record, which lives until its lease expires.
+func defaultHeadID() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "head"
+	}
+	host = strings.Map(func(r rune) rune {
+		if r == '-' || r == '_' || r == '.' || (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z') || (r >= '0' && r <= '9') {
+			return r
+		}
+		return '-'
+	}, host)
+	if len(host) > 100 {
+		host = host[:100]
+	}
+	return fmt.Sprintf("%s-%d-%04x", host, os.Getpid(), rand.N(0x10000))
+}
+
+// apiAddr is the API address recorded for the head: --advertise (a host
+// alone takes the bound port), else the bound address, with the hostname
+// when it is bound to every interface.
+func apiAddr(bound net.Addr, advertise string) (string, error) {
+	_, port, err := net.SplitHostPort(bound.String())
+	if err != nil {
+		return "", fmt.Errorf("bound address %q: %w", bound, err)
+	}
+	if advertise != "" {
+		h, p, err := net.SplitHostPort(advertise)
+		if err != nil {
+			h, p = strings.TrimSuffix(strings.TrimPrefix(advertise, "["), "]"), ""
+		}
+		if _, perr := strconv.ParseUint(p, 10, 16); h == "" || strings.ContainsAny(h, "/ ") || (p != "" && perr != nil) {
+			return "", fmt.Errorf("invalid --advertise %q: want host or host:port", advertise)
+		}
+		if p != "" && p != "0" {
+			port = p
+		}
+		return net.JoinHostPort(h, port), nil
+	}
+	host, _, _ := net.SplitHostPort(bound.String())
+	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
+		name, err := os.Hostname()
+		if err != nil {
+			return "", fmt.Errorf("listening on all interfaces and no --advertise: %w", err)
+		}
+		host = name
+	}
+	return net.JoinHostPort(host, port), nil
 }

@@ -25,10 +25,20 @@ type invalidJSON struct {
 	Error string `json:"error"`
 }
 
+// headJSON is one head of `troupe members --json`.
+type headJSON struct {
+	Key string `json:"key"`
+	membership.Head
+	Lease      string  `json:"lease,omitempty"`
+	TTLSeconds int64   `json:"lease_ttl_seconds"`
+	AgeSeconds float64 `json:"age_seconds,omitempty"`
+}
+
 type membersJSON struct {
 	Cluster string        `json:"cluster"`
 	Members []memberJSON  `json:"members"`
-	Invalid []invalidJSON `json:"invalid"`
+	Heads   []headJSON    `json:"heads"`
+	Invalid []invalidJSON `json:"invalid"` // member and head records alike
 }
 
 // runMembers lists the members of a cluster as a table or JSON.
@@ -54,15 +64,22 @@ func runMembers(ctx context.Context, args []string, stdout io.Writer) error {
 	if err != nil {
 		return err
 	}
+	heads, err := membership.ListHeads(listCtx, cli, *cluster)
+	if err != nil {
+		return err
+	}
 	now := time.Now()
 	if *asJSON {
-		return writeMembersJSON(stdout, *cluster, list, now)
+		return writeMembersJSON(stdout, *cluster, list, heads, now)
 	}
-	return writeMembersTable(stdout, list, now)
+	if err := writeMembersTable(stdout, list, now); err != nil {
+		return err
+	}
+	return writeHeadsTable(stdout, heads, now)
 }
 
-func writeMembersJSON(w io.Writer, cluster string, list []membership.Listed, now time.Time) error {
-	out := membersJSON{Cluster: cluster, Members: []memberJSON{}, Invalid: []invalidJSON{}}
+func writeMembersJSON(w io.Writer, cluster string, list []membership.Listed, heads []membership.ListedHead, now time.Time) error {
+	out := membersJSON{Cluster: cluster, Members: []memberJSON{}, Heads: []headJSON{}, Invalid: []invalidJSON{}}
 	for _, l := range list {
 		if l.Invalid != nil {
 			out.Invalid = append(out.Invalid, invalidJSON{Key: l.Key, Error: l.Invalid.Error()})
@@ -79,6 +96,23 @@ func writeMembersJSON(w io.Writer, cluster string, list []membership.Listed, now
 			row.AgeSeconds = now.Sub(l.Member.StartedAt).Round(time.Millisecond).Seconds()
 		}
 		out.Members = append(out.Members, row)
+	}
+	for _, l := range heads {
+		if l.Invalid != nil {
+			out.Invalid = append(out.Invalid, invalidJSON{Key: l.Key, Error: l.Invalid.Error()})
+			continue
+		}
+		row := headJSON{Key: l.Key, Head: l.Head, TTLSeconds: -1}
+		if l.Lease != 0 {
+			row.Lease = fmt.Sprintf("%x", int64(l.Lease))
+		}
+		if l.TTLLeft >= 0 {
+			row.TTLSeconds = int64(l.TTLLeft / time.Second)
+		}
+		if !l.Head.StartedAt.IsZero() {
+			row.AgeSeconds = now.Sub(l.Head.StartedAt).Round(time.Millisecond).Seconds()
+		}
+		out.Heads = append(out.Heads, row)
 	}
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
@@ -113,6 +147,40 @@ func writeMembersTable(w io.Writer, list []membership.Listed, now time.Time) err
 	for _, l := range invalid {
 		if _, err := fmt.Fprintf(w, "invalid record at %s: %v\n", l.Key, l.Invalid); err != nil {
 			return err
+		}
+	}
+	return nil
+}
+
+// writeHeadsTable prints the heads after the members, one table.
+func writeHeadsTable(w io.Writer, heads []membership.ListedHead, now time.Time) error {
+	var valid []membership.ListedHead
+	for _, l := range heads {
+		if l.Invalid == nil {
+			valid = append(valid, l)
+		}
+	}
+	if len(valid) == 0 {
+		if _, err := fmt.Fprintln(w, "\n(no heads)"); err != nil {
+			return err
+		}
+	} else {
+		fmt.Fprintln(w)
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "HEAD\tAPI ADDR\tVERSION\tLEASE TTL\tAGE")
+		for _, l := range valid {
+			h := l.Head
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", h.ID, h.Addr, orDash(h.Version), ttlText(l.TTLLeft), ageText(h.StartedAt, now))
+		}
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+	}
+	for _, l := range heads {
+		if l.Invalid != nil {
+			if _, err := fmt.Fprintf(w, "invalid record at %s: %v\n", l.Key, l.Invalid); err != nil {
+				return err
+			}
 		}
 	}
 	return nil

@@ -1,0 +1,89 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"net"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/membership"
+)
+
+func TestAPIAddr(t *testing.T) {
+	host, err := os.Hostname()
+	require.NoError(t, err)
+	bound := func(s string) net.Addr {
+		a, err := net.ResolveTCPAddr("tcp", s)
+		require.NoError(t, err)
+		return a
+	}
+	for _, tc := range []struct{ bound, advertise, want, err string }{
+		{bound: "127.0.0.1:8000", want: "127.0.0.1:8000"},
+		{bound: "0.0.0.0:8000", want: net.JoinHostPort(host, "8000")},
+		{bound: "[::]:8001", want: net.JoinHostPort(host, "8001")},
+		{bound: "0.0.0.0:8000", advertise: "head-a", want: "head-a:8000"},
+		{bound: "0.0.0.0:8000", advertise: "head-a:0", want: "head-a:8000"},
+		{bound: "0.0.0.0:8000", advertise: "lb.example:443", want: "lb.example:443"},
+		{bound: "0.0.0.0:8000", advertise: "[fd00::1]", want: "[fd00::1]:8000"},
+		{bound: "0.0.0.0:8000", advertise: "http://x/", err: `invalid --advertise "http://x/"`},
+	} {
+		got, err := apiAddr(bound(tc.bound), tc.advertise)
+		if tc.err != "" {
+			assert.ErrorContains(t, err, tc.err, "%+v", tc)
+			continue
+		}
+		require.NoError(t, err, "%+v", tc)
+		assert.Equal(t, tc.want, got, "%+v", tc)
+	}
+}
+
+func TestDefaultHeadID(t *testing.T) {
+	a, b := defaultHeadID(), defaultHeadID()
+	require.NoError(t, membership.Head{ID: a, Addr: "h:1"}.Validate(), "usable as a key segment")
+	assert.Regexp(t, regexp.MustCompile(`-\d+-[0-9a-f]{4}$`), a)
+	host, _ := os.Hostname()
+	assert.True(t, strings.HasPrefix(a, host), "%q starts with the hostname %q", a, host)
+	// Two heads started alike rarely collide (1 in 65536 per pair).
+	if a == b {
+		b = defaultHeadID()
+	}
+	assert.NotEqual(t, a, b)
+}
+
+func TestHeadsTable(t *testing.T) {
+	now := time.Date(2025, 1, 1, 0, 1, 0, 0, time.UTC)
+	var out bytes.Buffer
+	require.NoError(t, writeHeadsTable(&out, nil, now))
+	assert.Equal(t, "\n(no heads)\n", out.String())
+
+	out.Reset()
+	require.NoError(t, writeHeadsTable(&out, []membership.ListedHead{
+		{Key: "/troupe/default/heads/a", Head: membership.Head{ID: "a", Addr: "10.0.0.1:8000", Version: "v1", StartedAt: now.Add(-time.Minute)}, TTLLeft: 9 * time.Second},
+		{Key: "/troupe/default/heads/b", Head: membership.Head{ID: "b", Addr: "10.0.0.2:8000"}, TTLLeft: -1},
+		{Key: "/troupe/default/heads/x", Invalid: errors.New("bad")},
+	}, now))
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	require.Len(t, lines, 4, out.String())
+	assert.Regexp(t, `^HEAD +API ADDR +VERSION +LEASE TTL +AGE$`, lines[0])
+	assert.Regexp(t, `^a +10\.0\.0\.1:8000 +v1 +9s +1m0s$`, lines[1])
+	assert.Regexp(t, `^b +10\.0\.0\.2:8000 +- +- +-$`, lines[2])
+	assert.Equal(t, "invalid record at /troupe/default/heads/x: bad", lines[3])
+}
+
+func TestHeadShutdownFlags(t *testing.T) {
+	t.Setenv("TROUPE_SHUTDOWN_DELAY", "3s")
+	fs := newFlagSet("head")
+	hf := addHeadFlags(fs)
+	require.NoError(t, parseFlags(fs, []string{"--drain-timeout", "45s", "--head-id", "head-a"}))
+	assert.Equal(t, 3*time.Second, hf.shutdownDelay)
+	assert.Equal(t, 45*time.Second, hf.drainTimeout)
+	assert.Equal(t, "head-a", hf.headID)
+	assert.Equal(t, membership.DefaultTTL, hf.leaseTTL)
+}
