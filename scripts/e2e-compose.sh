@@ -23,6 +23,15 @@
 #                 healthy, and exemplars carry trace ids. Queries on a family
 #                 of deploy/prometheus/pending-metrics.txt are skipped (with
 #                 the reason) while the head does not expose it.
+#   8. ha-sleep   profile ha: a second head and HAProxy in front of both;
+#                 a sleep asked through head A is respected by head B, a
+#                 wake through B is seen by A
+#   9. ha-sigterm under load through the balancer, a rolling restart of
+#                 both heads (SIGTERM, start, wait until the balancer has
+#                 it back): no request fails
+#  10. ha-kill    under load, kill -9 one head: only requests that head
+#                 had in flight may fail, and they fail fast; measured:
+#                 failures and the time until the balancer marks it down
 #
 # It prints a summary table, shows container logs when a check fails, and
 # always removes what it created (down -v --remove-orphans). Every wait is
@@ -62,12 +71,16 @@ export TROUPE_ETCD_PUBLISH="127.0.0.1:"
 export JAEGER_UI_PUBLISH="127.0.0.1:"
 export PROMETHEUS_PUBLISH="127.0.0.1:"
 export COMPOSE_PROFILES=monitoring
+export TROUPE_HEAD_B_PUBLISH="127.0.0.1:"
+export TROUPE_LB_PUBLISH="127.0.0.1:"
+export TROUPE_LB_STATS_PUBLISH="127.0.0.1:"
 export TROUPE_LEASE_TTL="$lease_ttl"
 # scripts/images.sh builds, and the compose file runs, these images.
 tag="${TROUPE_TAG:-dev}"
 export TROUPE_IMAGE="${TROUPE_IMAGE:-troupe:$tag}"
 export JAEGER_IMAGE="${JAEGER_IMAGE:-troupe-jaeger:$tag}"
 export PROMETHEUS_IMAGE="${PROMETHEUS_IMAGE:-troupe-prometheus:$tag}"
+export HAPROXY_IMAGE="${HAPROXY_IMAGE:-troupe-haproxy:$tag}"
 
 log() { echo "e2e: $*" >&2; }
 
@@ -103,6 +116,8 @@ else
   exit 1
 fi
 compose() { "${compose_cmd[@]}" -p "$project" -f "$root/docker-compose.yml" "$@"; }
+# compose_ha: compose with the profile ha active as well (head-b, lb).
+compose_ha() { COMPOSE_PROFILES="$COMPOSE_PROFILES,ha" compose "$@"; }
 
 now() { echo "${EPOCHREALTIME:-$(date +%s.%N)}"; }
 # since T: seconds from T to now, one decimal.
@@ -139,7 +154,7 @@ wait_for_quiet() {
 
 # ---- summary and cleanup -----------------------------------------------------
 
-names=(setup chat late-join crash partition head-restart tracing monitoring)
+names=(setup chat late-join crash partition head-restart tracing monitoring ha-sleep ha-sigterm ha-kill)
 declare -A result=() measured=()
 current=""
 failed=0
@@ -177,6 +192,8 @@ cleanup() {
   trap - EXIT INT TERM
   set +e
   [ -n "${load_pid:-}" ] && kill "$load_pid" 2>/dev/null && wait "$load_pid" 2>/dev/null
+  stop_ha_load
+  [ -n "${slow_thinker:-}" ] && docker rm -f "$slow_thinker" >/dev/null 2>&1
   rm -rf "$tmp"
   if [ "$rc" != 0 ] && [ -n "$current" ] && [ -z "${result[$current]:-}" ]; then
     result[$current]=FAIL
@@ -184,15 +201,15 @@ cleanup() {
   fi
   if [ "$rc" != 0 ] || [ "$failed" = 1 ]; then
     log "failure: container logs (last 80 lines each)"
-    compose ps >&2
-    compose logs --no-color --tail=80 >&2
+    compose_ha ps >&2
+    compose_ha logs --no-color --tail=80 >&2
   fi
   summary
   if [ "${E2E_KEEP:-0}" = 1 ]; then
-    log "E2E_KEEP=1: stack left running; remove it with: ${compose_cmd[*]} -p $project down -v --remove-orphans"
+    log "E2E_KEEP=1: stack left running; remove it with: COMPOSE_PROFILES=$COMPOSE_PROFILES,ha ${compose_cmd[*]} -p $project down -v --remove-orphans"
   else
     log "removing project $project"
-    compose down -v --remove-orphans --timeout 10 >/dev/null 2>&1
+    compose_ha down -v --remove-orphans --timeout 10 >/dev/null 2>&1
     local left
     left="$(docker ps -aq --filter "label=com.docker.compose.project=$project")$(docker network ls -q --filter "label=com.docker.compose.project=$project")$(docker volume ls -q --filter "label=com.docker.compose.project=$project")"
     if [ -n "$left" ]; then
@@ -201,6 +218,15 @@ cleanup() {
     fi
   fi
   exit "$rc"
+}
+
+# ha_pids: the load loops of the ha scenarios (stop_ha_load ends them).
+ha_pids=()
+stop_ha_load() {
+  local p
+  for p in "${ha_pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${ha_pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  ha_pids=()
 }
 
 t_start="$(now)"
@@ -679,6 +705,188 @@ for i in "${!q_skip[@]}"; do [ "$i" -lt "$ndash" ] && dash_skipped=$((dash_skipp
 skip_note="none skipped"
 [ "$skipped" = 0 ] || skip_note="$skipped skipped until their family lands (${!pending_why[*]})"
 pass "$((ndash - dash_skipped)) of $ndash queries of $npanels panels and $((nrules - skipped + dash_skipped)) of $nrules recording rules return data ${t_data}s after the traffic ($(since "$t0")s with it); $skip_note; $exemplars exemplars with trace ids; scenario ${t_mon_total:-}s"
+
+# ---- 8. ha-sleep -------------------------------------------------------------
+
+begin ha-sleep "profile ha: head-b and the balancer; a sleep through A is respected by B"
+t0="$(now)"
+compose_ha up -d head-b lb >/dev/null 2>&1 || fail "compose_ha up head-b lb failed"
+api_a="$api"
+api_b="http://$(compose_ha port head-b 8000 | tail -n1)"
+lb="http://$(compose_ha port lb 8000 | tail -n1)"
+lb_stats="http://$(compose_ha port lb 8404 | tail -n1)"
+# lb_status SERVER: the balancer's view of one head (UP, DOWN, MAINT, ...).
+lb_status() {
+  curl -sf --max-time 2 "$lb_stats/stats;csv" | awk -F, -v s="$1" '$1 == "heads" && $2 == s { print $18 }'
+}
+lb_is() { [ "$(lb_status "$1")" = "$2" ]; }
+# lb_dropped SERVER: the balancer no longer sends to SERVER (DOWN or MAINT;
+# "UP 1/2", a first failed check, still receives requests).
+lb_dropped() {
+  case "$(lb_status "$1")" in DOWN* | MAINT*) return 0 ;; esac
+  return 1
+}
+# on URL CMD...: runs a helper against another API base.
+on() {
+  local api="$1"
+  shift
+  "$@"
+}
+wait_for 60 "head-b ready" on "$api_b" ready
+wait_for 30 "the balancer sees head up" lb_is head UP
+wait_for 30 "the balancer sees head-b up" lb_is head-b UP
+t_ha_up="$(since "$t0")"
+lb_chat() {
+  curl -s -o /dev/null -w '%{http_code} %{time_total}\n' --max-time 20 "$lb/v1/chat/completions" \
+    -H 'Content-Type: application/json' \
+    -d "{\"model\":\"$model\",\"messages\":[{\"role\":\"user\",\"content\":\"ha $RANDOM\"}],\"max_tokens\":8,\"modalities\":[\"text\",\"audio\"]}" || true
+}
+[ "$(lb_chat | cut -d' ' -f1)" = 200 ] || fail "a request through the balancer failed"
+same_view() { [ "$(on "$api_a" attached_set)" = "$(on "$api_b" attached_set)" ]; }
+wait_for 15 "both heads list the same attached replicas" same_view
+victim_id="$(on "$api_a" replicas | jq -r '[.data[] | select(.stage_name == "thinker" and .state == "attached") | .replica][0] // empty')"
+[ -n "$victim_id" ] || fail "no attached thinker"
+on "$api_b" scrape
+before_b="$(on "$api_b" metric troupe_request_success_total 'stage="0"' "replica=\"$victim_id\"")"
+code="$(curl -s -o "$tmp/sleep.json" -w '%{http_code}' --max-time 30 -X POST "$api_a/v1/replicas/thinker/$victim_id/sleep?level=1")"
+[ "$code" = 200 ] || fail "sleep through head A answered $code: $(cat "$tmp/sleep.json")"
+t0="$(now)"
+wait_for 10 "head B to show thinker/$victim_id sleeping" on "$api_b" is_state thinker "$victim_id" sleeping
+t_seen_b="$(since "$t0")"
+for _ in $(seq 1 10); do on "$api_b" chat_ok text; done
+on "$api_b" scrape
+after_b="$(on "$api_b" metric troupe_request_success_total 'stage="0"' "replica=\"$victim_id\"")"
+[ "$before_b" = "$after_b" ] || fail "head B sent requests to the sleeping thinker/$victim_id: $before_b -> $after_b"
+[ "$(on "$api_b" metric troupe_engine_sleep_state 'stage="0"' "replica=\"$victim_id\"" 'sleep_state="weights_offloaded"')" = 1 ] ||
+  fail "head B's engine_sleep_state of thinker/$victim_id is not weights_offloaded"
+code="$(curl -s -o /dev/null -w '%{http_code}' --max-time 30 -X POST "$api_b/v1/replicas/thinker/$victim_id/wake_up")"
+[ "$code" = 200 ] || fail "wake_up through head B answered $code"
+t0="$(now)"
+wait_for 10 "head A to show thinker/$victim_id attached" on "$api_a" is_state thinker "$victim_id" attached
+t_seen_a="$(since "$t0")"
+pass "ha layout up in ${t_ha_up}s; sleep through A seen by B after ${t_seen_b}s, 10 requests through B skipped it; wake through B seen by A after ${t_seen_a}s"
+
+# ---- 9. ha-sigterm -----------------------------------------------------------
+
+# start_ha_load OUT: 4 request loops through the balancer, one line per
+# request: "code seconds".
+start_ha_load() {
+  : >"$1"
+  local i
+  for i in 1 2 3 4; do
+    (
+      trap 'exit 0' TERM
+      while :; do lb_chat >>"$1"; done
+    ) &
+    ha_pids+=($!)
+  done
+}
+# load_report FILE: "ok/total, failed N (slowest failure S s)".
+load_report() {
+  awk '{ n++ } $1 == 200 { ok++ } $1 != 200 { bad++; if ($2 > slow) slow = $2 }
+    END { printf "%d/%d ok, %d failed (slowest failure %.2fs)", ok, n, bad, slow }' "$1"
+}
+failures() { awk '$1 != 200 { n++ } END { print n + 0 }' "$1"; }
+
+# restart_head SERVICE: SIGTERM (docker stop), then start; sets
+# restarted to "dropped D, exited E, back B": seconds from the signal to
+# the balancer dropping it, to its exit, to the balancer having it back.
+restarted=""
+restart_head() {
+  local svc="$1" c t0 t_down t_exit stop_pid
+  c="$(containers "$svc")"
+  t0="$(now)"
+  docker stop -t 40 "$c" >/dev/null 2>&1 &
+  stop_pid=$!
+  wait_for 15 "the balancer to drop $svc after SIGTERM" lb_dropped "$svc"
+  t_down="$(since "$t0")"
+  wait "$stop_pid" || fail "docker stop $svc failed"
+  t_exit="$(since "$t0")"
+  [ "$(docker inspect -f '{{.State.ExitCode}}' "$c")" = 0 ] || fail "$svc exited $(docker inspect -f '{{.State.ExitCode}}' "$c") after SIGTERM, want 0"
+  docker start "$c" >/dev/null || fail "docker start $svc failed"
+  wait_for 60 "the balancer to see $svc up again" lb_is "$svc" UP
+  restarted="dropped ${t_down}s, exited ${t_exit}s, back $(since "$t0")s"
+}
+
+begin ha-sigterm "rolling restart of both heads under load through the balancer"
+load_log="$tmp/ha-sigterm.txt"
+start_ha_load "$load_log"
+wait_for 10 "the load to start" test -s "$load_log"
+restart_head head-b
+r_b="$restarted"
+restart_head head
+r_a="$restarted"
+sleep 1
+stop_ha_load
+[ "$(failures "$load_log")" = 0 ] || fail "requests failed during the rolling restart: $(load_report "$load_log"); codes: $(awk '{print $1}' "$load_log" | sort | uniq -c | tr '\n' ' ')"
+pass "$(load_report "$load_log"); head-b: $r_b; head: $r_a (shutdown delay ${TROUPE_SHUTDOWN_DELAY:-3s})"
+# The restarted heads publish new host ports.
+refresh_api || fail "the head publishes no port"
+api_a="$api"
+api_b="http://$(compose_ha port head-b 8000 | tail -n1)"
+
+# ---- 10. ha-kill -------------------------------------------------------------
+
+begin ha-kill "kill -9 head-b under load through the balancer"
+wait_for 30 "both heads up in the balancer" eval 'lb_is head UP && lb_is head-b UP'
+# A request certainly in flight on head-b at the kill: a text stream on a
+# slow thinker (20 ms a token), started while the other thinkers sleep, and
+# pinned to head-b by the balancer's X-Troupe-Head.
+slow_thinker="$(compose run -d --no-deps thinker worker --etcd-endpoints=http://etcd:2379 --stage=thinker \
+  --replica-id=auto --listen=0.0.0.0:7000 --lease-ttl="$lease_ttl" --decode-latency=20ms 2>/dev/null | tail -n1)"
+[ -n "$slow_thinker" ] || fail "could not start a slow thinker"
+slow_host="$(hostname_of "$slow_thinker")"
+slow_id=""
+find_slow() {
+  slow_id="$(on "$api_b" replicas | jq -r --arg h "$slow_host" '.data[] | select(.stage_name == "thinker" and .state == "attached" and (.addr | startswith($h + ":"))) | .replica')"
+  [ -n "$slow_id" ]
+}
+wait_for 30 "the slow thinker attached on head-b" find_slow
+others="$(on "$api_a" replicas | jq -r --argjson s "$slow_id" '.data[] | select(.stage_name == "thinker" and .state == "attached" and .replica != $s) | .replica')"
+for r in $others; do
+  [ "$(curl -s -o /dev/null -w '%{http_code}' --max-time 30 -X POST "$api_a/v1/replicas/thinker/$r/sleep?level=1")" = 200 ] || fail "sleep thinker/$r failed"
+done
+for r in $others; do wait_for 10 "head-b to see thinker/$r asleep" on "$api_b" is_state thinker "$r" sleeping; done
+slow_sse="$tmp/slow.sse"
+: >"$slow_sse"
+curl -sN --max-time 60 -o "$slow_sse" -D "$tmp/slow-headers.txt" -H 'X-Troupe-Head: head-b' -H 'Content-Type: application/json' \
+  "$lb/v1/chat/completions" \
+  -d "{\"model\":\"$model\",\"messages\":[{\"role\":\"user\",\"content\":\"a long answer\"}],\"max_tokens\":500,\"ignore_eos\":true,\"stream\":true}" &
+slow_pid=$!
+ha_pids+=("$slow_pid")
+wait_for 10 "the stream's first words" grep -q '"content":"[^"]' "$slow_sse"
+grep -qi '^x-troupe-head: head-b' "$tmp/slow-headers.txt" || fail "the stream is not on head-b: $(tr -d '\r' <"$tmp/slow-headers.txt" | tr '\n' ' ')"
+for r in $others; do
+  [ "$(curl -s -o /dev/null -w '%{http_code}' --max-time 30 -X POST "$api_a/v1/replicas/thinker/$r/wake_up")" = 200 ] || fail "wake thinker/$r failed"
+done
+load_log="$tmp/ha-kill.txt"
+start_ha_load "$load_log"
+wait_for 10 "the load to start" test -s "$load_log"
+sleep 1
+kill -0 "$slow_pid" 2>/dev/null || fail "the stream ended before the kill"
+victim="$(containers head-b)"
+t0="$(now)"
+docker kill -s KILL "$victim" >/dev/null
+wait_for 15 "the balancer to drop head-b after kill -9" lb_dropped head-b
+t_down="$(since "$t0")"
+stream_ended() { ! kill -0 "$slow_pid" 2>/dev/null; }
+wait_for 20 "the stream in flight on head-b to end" stream_ended
+t_slow="$(since "$t0")"
+slow_rc=0
+wait "$slow_pid" || slow_rc=$?
+grep -q '^data: \[DONE\]' "$slow_sse" && fail "the stream in flight on the killed head completed"
+slow_bytes="$(wc -c <"$slow_sse")"
+sleep 2
+stop_ha_load
+docker rm -f "$slow_thinker" >/dev/null 2>&1 || true
+n_failed="$(failures "$load_log")"
+slowest="$(awk '$1 != 200 && $2 > s { s = $2 } END { print s + 0 }' "$load_log")"
+# At most one request per load loop can be in flight on the killed head.
+[ "$n_failed" -le 4 ] || fail "$n_failed requests failed, more than were in flight: $(load_report "$load_log")"
+le "$slowest" 5 || fail "a failed request took ${slowest}s: failures must be fast, not hang"
+[ "$(cut -d' ' -f1 "$load_log" | tail -n 20 | sort -u)" = 200 ] || fail "requests still fail after the balancer dropped head-b: $(load_report "$load_log")"
+le "$t_slow" 2 || fail "the stream in flight on the killed head ended ${t_slow}s after the kill: it must fail fast"
+pass "$(load_report "$load_log"); the balancer marked head-b $(lb_status head-b) ${t_down}s after kill -9; the stream in flight on it ended ${t_slow}s after the kill, cut (curl exit $slow_rc, $slow_bytes bytes, no [DONE])"
 
 current=""
 log "all scenarios passed"

@@ -3,10 +3,11 @@
 # binaries are compiled here (static, CGO_ENABLED=0) and copied into images
 # that are FROM scratch, built by the classic builder (DOCKER_BUILDKIT=0).
 #
-#   scripts/images.sh                 # troupe:dev, troupe-jaeger:dev and troupe-prometheus:dev
+#   scripts/images.sh                 # troupe:dev, troupe-jaeger:dev, troupe-prometheus:dev and troupe-haproxy:dev
 #   scripts/images.sh troupe          # only the troupe image
 #   scripts/images.sh jaeger          # only the Jaeger image
 #   scripts/images.sh prometheus      # only the Prometheus image (compose profile monitoring)
+#   scripts/images.sh haproxy         # only the HAProxy image (compose profile ha)
 #   TROUPE_TAG=v1 scripts/images.sh   # tag :v1 instead of :dev
 #
 # Environment:
@@ -17,6 +18,10 @@
 #   PROMETHEUS_BIN    the Prometheus binary to package (default: `prometheus`
 #                  on PATH, from Debian's prometheus package; installed with
 #                  apt-get when missing and running as root)
+#   HAPROXY_IMAGE  HAProxy image name (default troupe-haproxy:$TROUPE_TAG)
+#   HAPROXY_BIN    the HAProxy binary to package (default: /usr/sbin/haproxy
+#                  from Debian's haproxy package, installed with apt-get
+#                  when missing and running as root)
 #   NICE           niceness of the Go builds (default 10: shared machines)
 #   JAEGER_BIN     where scripts/build-jaeger.sh puts Jaeger (default bin/jaeger)
 #
@@ -30,13 +35,14 @@ tag="${TROUPE_TAG:-dev}"
 troupe_image="${TROUPE_IMAGE:-troupe:$tag}"
 jaeger_image="${JAEGER_IMAGE:-troupe-jaeger:$tag}"
 prometheus_image="${PROMETHEUS_IMAGE:-troupe-prometheus:$tag}"
+haproxy_image="${HAPROXY_IMAGE:-troupe-haproxy:$tag}"
 nice_level="${NICE:-10}"
 jaeger_bin="${JAEGER_BIN:-$root/bin/jaeger}"
 what="${1:-all}"
 case "$what" in
-  all | troupe | jaeger | prometheus) ;;
+  all | troupe | jaeger | prometheus | haproxy) ;;
   *)
-    echo "usage: scripts/images.sh [all|troupe|jaeger|prometheus]" >&2
+    echo "usage: scripts/images.sh [all|troupe|jaeger|prometheus|haproxy]" >&2
     exit 2
     ;;
 esac
@@ -52,7 +58,7 @@ command -v go >/dev/null || die "go is not installed"
 
 # Guard: only FROM scratch and no syntax directive, either of which would make
 # the engine reach for a registry.
-for f in deploy/troupe.Dockerfile deploy/jaeger.Dockerfile deploy/prometheus.Dockerfile; do
+for f in deploy/troupe.Dockerfile deploy/jaeger.Dockerfile deploy/prometheus.Dockerfile deploy/haproxy.Dockerfile; do
   if grep -qiE '^#[[:space:]]*syntax[[:space:]]*=' "$f"; then
     die "$f has a syntax directive: the engine would pull the frontend image"
   fi
@@ -143,6 +149,27 @@ prometheus_binary() {
   command -v prometheus
 }
 
+# haproxy_binary prints the HAProxy binary to package: $HAPROXY_BIN, else
+# Debian's (installed when missing and we are root).
+haproxy_binary() {
+  if [ -n "${HAPROXY_BIN:-}" ]; then
+    [ -x "$HAPROXY_BIN" ] || die "HAPROXY_BIN=$HAPROXY_BIN is not an executable"
+    echo "$HAPROXY_BIN"
+    return
+  fi
+  if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      log "installing haproxy (Debian package)"
+      apt-get install -y -qq haproxy >/dev/null 2>&1 ||
+        { apt-get update -qq >/dev/null && apt-get install -y -qq haproxy >/dev/null; } ||
+        die "apt-get install haproxy failed"
+    else
+      die "haproxy is not installed: apt-get install -y haproxy, or set HAPROXY_BIN"
+    fi
+  fi
+  if [ -x /usr/sbin/haproxy ]; then echo /usr/sbin/haproxy; else command -v haproxy; fi
+}
+
 # copy_libs BINARY DIR: copies the shared libraries BINARY loads (ldd's list,
 # the loader included) into DIR under their absolute paths, links resolved.
 # Nothing for a static binary.
@@ -191,6 +218,18 @@ if [ "$what" = all ] || [ "$what" = prometheus ]; then
   cp deploy/prometheus/prometheus.yml deploy/prometheus/rules.yml "$ctx/"
   log "prometheus: $("$prom_bin" --version 2>&1 | head -n1); libraries: $(cd "$ctx/libs" && find . -type f | sed 's|^\.||' | tr '\n' ' ')"
   docker_build deploy/prometheus.Dockerfile "$prometheus_image" "$ctx"
+fi
+
+if [ "$what" = all ] || [ "$what" = haproxy ]; then
+  haproxy_bin="$(haproxy_binary)"
+  ctx="$stage/haproxy"
+  new_context "$ctx" tmp
+  place "$haproxy_bin" "$ctx/haproxy"
+  copy_libs "$haproxy_bin" "$ctx/libs"
+  place "$stage/troupe.bin" "$ctx/troupe"
+  cp deploy/haproxy/haproxy.cfg "$ctx/haproxy.cfg"
+  log "haproxy: $("$haproxy_bin" -v 2>&1 | head -n1)"
+  docker_build deploy/haproxy.Dockerfile "$haproxy_image" "$ctx"
 fi
 
 log "done in $((SECONDS - start))s"

@@ -8,12 +8,14 @@ step() { printf '\n==> %s\n' "$*"; }
 
 # Debian packages the checks need, installed only when missing: protoc
 # (generated code), espeak-ng (the espeak speech engine, which its tests run
-# for real), and promtool with the prometheus binary (rules, metrics lint,
-# the compose profile's image).
+# for real), promtool with the prometheus binary (rules, metrics lint, the
+# compose profile monitoring's image), and haproxy (the compose profile ha's
+# balancer image).
 missing=()
 command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
 command -v espeak-ng >/dev/null 2>&1 || missing+=(espeak-ng)
 { command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; } || missing+=(prometheus)
+[ -x /usr/sbin/haproxy ] || command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
 if [ "${#missing[@]}" -gt 0 ]; then
   step "installing ${missing[*]} (Debian)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
