@@ -43,6 +43,10 @@ promtool check config deploy/prometheus/prometheus.yml
 promtool check rules deploy/prometheus/rules.yml
 promtool test rules deploy/prometheus/rules_test.yml
 
+step "HAProxy configuration of the compose profile ha (haproxy -c)"
+haproxy="$(command -v haproxy || echo /usr/sbin/haproxy)"
+"$haproxy" -c -q -f deploy/haproxy/haproxy.cfg
+
 step "go test -race (all packages)"
 go test -race -count=1 -timeout 15m ./...
 
