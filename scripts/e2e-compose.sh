@@ -25,7 +25,7 @@
 #                 the reason) while the head does not expose it.
 #   8. ha-sleep   profile ha: a second head and HAProxy in front of both;
 #                 a sleep asked through head A is respected by head B, a
-#                 wake through B is seen by A
+#                 wake through B is seen by A; Prometheus scrapes head-b
 #   9. ha-sigterm under load through the balancer, a rolling restart of
 #                 both heads (SIGTERM, start, wait until the balancer has
 #                 it back): no request fails
@@ -764,7 +764,11 @@ code="$(curl -s -o /dev/null -w '%{http_code}' --max-time 30 -X POST "$api_b/v1/
 t0="$(now)"
 wait_for 10 "head A to show thinker/$victim_id attached" on "$api_a" is_state thinker "$victim_id" attached
 t_seen_a="$(since "$t0")"
-pass "ha layout up in ${t_ha_up}s; sleep through A seen by B after ${t_seen_b}s, 10 requests through B skipped it; wake through B seen by A after ${t_seen_a}s"
+# Prometheus (profile monitoring) finds head-b by the name "head" too.
+headb_ip="$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$(containers head-b)")"
+t0="$(now)"
+wait_for 30 "Prometheus scraping head-b at $headb_ip" has_data "up{job=\"troupe-head\",instance=\"$headb_ip:8000\"} == 1"
+pass "ha layout up in ${t_ha_up}s; sleep through A seen by B after ${t_seen_b}s, 10 requests through B skipped it; wake through B seen by A after ${t_seen_a}s; Prometheus scraped head-b $(since "$t0")s later"
 
 # ---- 9. ha-sigterm -----------------------------------------------------------
 
