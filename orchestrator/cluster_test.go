@@ -479,3 +479,38 @@ func TestRecordPointingAtAnotherStageIsRefused(t *testing.T) {
 		assert.Equal(t, want, res.Text, "never answered by the talker")
 	}
 }
+
+// TestStreamingFailureAfterOutputMigrates: with a migration allowed, a
+// thinker that dies after text reached the client does not end the answer:
+// it continues on another replica from the prompt and the text delivered,
+// and the client sees one uninterrupted answer, marked on the span.
+func TestStreamingFailureAfterOutputMigrates(t *testing.T) {
+	slow := sim.Config{DecodeTokenLatency: 30 * time.Millisecond}
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, Sim: slow, MaxMigrations: 1})
+	victim := c.Workers()[0]
+	c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
+	c.WaitState(t, "thinker", 1, "attached")
+	var mu sync.Mutex
+	var seen strings.Builder
+	deltas := 0
+	killed := make(chan struct{})
+	res, err := c.Head.Execute(ctxT(t), orchestrator.Request{ID: "mig", Prompt: "x", Sampling: &stagepb.SamplingParams{MaxTokens: 40, IgnoreEos: true}}, func(d string) error {
+		mu.Lock()
+		defer mu.Unlock()
+		seen.WriteString(d)
+		deltas++
+		if deltas == 5 {
+			go func() { victim.Kill(t); close(killed) }()
+		}
+		return nil
+	})
+	<-killed
+	require.NoError(t, err, "the answer continued on the other replica")
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, seen.String(), res.Text, "the client saw the whole answer, once")
+	assert.Equal(t, 40, res.CompletionTokens, "max_tokens counts the delivered part too")
+	assert.Equal(t, 40, len(strings.Fields(res.Text)))
+	served, _ := value(t, c.Metrics, "troupe_request_success_total", map[string]string{"replica": "1", "finished_reason": "length"})
+	assert.Equal(t, 1.0, served, "the continuation ran on the other replica")
+}

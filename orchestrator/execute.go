@@ -247,8 +247,9 @@ const maxAttempts = 2
 func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb.GenerateRequest, forward forwarder) (*stageOutput, error) {
 	var failed []*router.Replica
 	var lastErr error
+	var moved migrated // what failed attempts delivered before a migration
 	route := &router.Request{Text: in.GetText(), SessionKey: req.SessionKey}
-	for attempt := 1; attempt <= maxAttempts; attempt++ {
+	for attempt := 1; attempt <= maxAttempts+moved.count; attempt++ {
 		d, err := h.router.Pick(stage, route, failed)
 		if err != nil {
 			if lastErr != nil {
@@ -258,21 +259,87 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 		}
 		h.countDecision(stage, d)
 		rep := d.Replica
-		open := func(ctx context.Context, _ trace.Span, _ func()) (chunkStream, func(), error) {
-			stream, err := rep.Client.Generate(ctx, in, h.callOptions()...)
+		cur := in
+		open := func(ctx context.Context, span trace.Span, _ func()) (chunkStream, func(), error) {
+			if moved.count > 0 {
+				span.SetAttributes(attribute.Bool("troupe.migration", true), attribute.Int("troupe.migration.delivered_chars", len(moved.text)))
+			}
+			stream, err := rep.Client.Generate(ctx, cur, h.callOptions()...)
 			return stream, func() {}, err
 		}
-		out, produced, err := h.attempt(ctx, req, stage, d, attempt, in.GetSampling(), open, forward)
+		var delivered migrated
+		fwd := forward
+		if forward != nil {
+			fwd = func(c *stagepb.GenerateChunk) (bool, error) {
+				visible, err := forward(c)
+				if visible {
+					delivered.text += c.GetText()
+					delivered.tokens += int(c.GetStats().GetGenerationTokens())
+				}
+				return visible, err
+			}
+		}
+		out, produced, err := h.attempt(ctx, req, stage, d, attempt, cur.GetSampling(), open, fwd)
 		if err == nil {
-			return out, nil
+			return moved.prepend(out), nil
 		}
 		lastErr = err
+		if stage == 0 && produced && moved.count < h.cfg.MaxMigrations && ctx.Err() == nil && errors.Is(err, ErrStageFailed) {
+			moved.count++
+			moved.text += delivered.text
+			moved.tokens += delivered.tokens
+			next, done := moved.continuation(in)
+			if done { // the answer reached its max_tokens with what was delivered
+				return moved.prepend(&stageOutput{finish: stagepb.FinishReason_FINISH_REASON_LENGTH.Name()}), nil
+			}
+			h.log.Warn("orchestrator: replica failed after text reached the client; continuing the answer on another replica",
+				"stage", h.cfg.Pipeline.Stages[stage].Name, "replica", rep.Key.Replica, "delivered_chars", len(moved.text), "err", err)
+			in = next
+			failed = append(failed, rep)
+			continue
+		}
 		if !retryable(ctx, err, produced) {
 			return nil, err
 		}
 		failed = append(failed, rep)
 	}
 	return nil, lastErr
+}
+
+// migrated is the part of an answer that replicas which then failed had
+// already delivered to the client.
+type migrated struct {
+	count  int // migrations so far
+	text   string
+	tokens int
+}
+
+// continuation is the request that continues the answer after what was
+// delivered: the same input, the delivered text as the continuation, and
+// what is left of max_tokens. done reports that nothing is left.
+func (m migrated) continuation(in *stagepb.GenerateRequest) (next *stagepb.GenerateRequest, done bool) {
+	next = proto.Clone(in).(*stagepb.GenerateRequest)
+	next.Continuation = m.text
+	if sp := next.GetSampling(); sp != nil && sp.GetMaxTokens() > 0 {
+		if int(sp.GetMaxTokens()) <= m.tokens {
+			return nil, true
+		}
+		sp.MaxTokens -= uint32(m.tokens)
+	}
+	return next, false
+}
+
+// prepend puts the delivered part in front of the continuation's output,
+// so the result is the whole answer the client saw.
+func (m migrated) prepend(out *stageOutput) *stageOutput {
+	if m.count == 0 {
+		return out
+	}
+	whole := m.text + out.text.String()
+	out.text.Reset()
+	out.text.WriteString(whole)
+	out.generationTokens += m.tokens
+	return out
 }
 
 // retryable is the retry rule of every stage attempt: a failure is tried

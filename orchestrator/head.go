@@ -45,6 +45,11 @@ type Config struct {
 	// replica's requests are retried elsewhere before its lease runs out.
 	// Default 5s.
 	StallTimeout time.Duration
+	// MaxMigrations is how many times a stage-0 answer whose replica failed
+	// after text reached the client is continued on another replica, from
+	// the prompt and the text already delivered (troupe head: 1). 0: such a
+	// request ends with an error.
+	MaxMigrations int
 	// Breaker ejects a replica whose attempts fail repeatedly from routing
 	// for a back-off (see router.Breaker; the zero value: 3 failures in a
 	// row, 1s doubling to 30s).

@@ -44,6 +44,7 @@ type headFlags struct {
 	maxInFlight                                        int
 	detachedTTL, reconcile                             time.Duration
 	stallTimeout, leaseLossGrace                       time.Duration
+	maxMigrations                                      int
 	leaseTTL, shutdownDelay, drainTimeout              time.Duration
 	tls                                                *tlsFlags
 	otel                                               *otelFlags
@@ -71,6 +72,7 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.DurationVar(&f.reconcile, "reconcile-interval", 30*time.Second, "period of the full membership re-list that repairs drift")
 	fs.DurationVar(&f.stallTimeout, "stall-timeout", 5*time.Second, "fail and retry a stage attempt that makes no progress for this long")
 	fs.DurationVar(&f.leaseLossGrace, "lease-loss-grace", 15*time.Second, "keep routing to a replica whose record vanished but that still serves, while it re-registers")
+	fs.IntVar(&f.maxMigrations, "max-migrations", 1, "times an answer whose thinker failed after text reached the client is continued on another replica (0: it ends with an error)")
 	fs.StringVar(&f.headID, "head-id", "", "id of this head's record in etcd (/troupe/<cluster>/heads/<id>; default: <hostname>-<pid>-<4 random hex digits>)")
 	fs.StringVar(&f.advertise, "advertise", "", "API address recorded in the head's etcd record (default: the bound address; the hostname when listening on all interfaces)")
 	fs.DurationVar(&f.leaseTTL, "lease-ttl", membership.DefaultTTL, "etcd lease TTL of the head's record")
@@ -185,6 +187,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		MaxMessageBytes:   grpcMessageLimit(hf.maxBody),
 		StallTimeout:      hf.stallTimeout,
 		LeaseLossGrace:    hf.leaseLossGrace,
+		MaxMigrations:     hf.maxMigrations,
 		Metrics:           metrics,
 		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
 		TracerProvider:    tp.TracerProvider(),

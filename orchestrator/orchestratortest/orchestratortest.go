@@ -31,6 +31,7 @@ type Options struct {
 	Pipeline         orchestrator.Pipeline // default orchestrator.DefaultPipeline()
 	ReplicasPerStage int                   // default 1; 0 replicas: use -1
 	Policy           string
+	MaxMigrations    int // orchestrator.Config.MaxMigrations
 	DisableStats     bool
 	Sim              sim.Config // base engine config; Role comes from the stage
 	LeaseTTL         time.Duration
@@ -143,6 +144,7 @@ func (c *Cluster) startHead(t testing.TB, metrics *prometheus.Registry, before f
 	h, err := orchestrator.New(c.Client, orchestrator.Config{
 		Pipeline:          c.opts.Pipeline,
 		Policy:            c.opts.Policy,
+		MaxMigrations:     c.opts.MaxMigrations,
 		Tokenizers:        map[string]func(string) []uint32{sim.EngineName: sim.Tokenize},
 		LogStats:          !c.opts.DisableStats,
 		Metrics:           metrics,

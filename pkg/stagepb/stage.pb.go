@@ -466,7 +466,12 @@ type GenerateRequest struct {
 	Context string `protobuf:"bytes,6,opt,name=context,proto3" json:"context,omitempty"`
 	// voice is the client's audio.voice, for stages that make speech; "" is
 	// the engine's default voice.
-	Voice         string `protobuf:"bytes,7,opt,name=voice,proto3" json:"voice,omitempty"`
+	Voice string `protobuf:"bytes,7,opt,name=voice,proto3" json:"voice,omitempty"`
+	// continuation is text the answer already holds: another replica made it
+	// and the client has it, then that replica failed. The engine continues
+	// the answer after it (a text stage: as the assistant's unfinished turn)
+	// and outputs only what follows.
+	Continuation  string `protobuf:"bytes,9,opt,name=continuation,proto3" json:"continuation,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -568,6 +573,13 @@ func (x *GenerateRequest) GetContext() string {
 func (x *GenerateRequest) GetVoice() string {
 	if x != nil {
 		return x.Voice
+	}
+	return ""
+}
+
+func (x *GenerateRequest) GetContinuation() string {
+	if x != nil {
+		return x.Continuation
 	}
 	return ""
 }
@@ -1598,7 +1610,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\tR\acontent\"@\n" +
 	"\x04Chat\x128\n" +
-	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xd3\x02\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xf7\x02\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -1608,7 +1620,8 @@ const file_stage_proto_rawDesc = "" +
 	"\x04chat\x18\b \x01(\v2\x15.troupe.stage.v1.ChatH\x00R\x04chat\x12;\n" +
 	"\bsampling\x18\x05 \x01(\v2\x1f.troupe.stage.v1.SamplingParamsR\bsampling\x12\x18\n" +
 	"\acontext\x18\x06 \x01(\tR\acontext\x12\x14\n" +
-	"\x05voice\x18\a \x01(\tR\x05voiceB\a\n" +
+	"\x05voice\x18\a \x01(\tR\x05voice\x12\"\n" +
+	"\fcontinuation\x18\t \x01(\tR\fcontinuationB\a\n" +
 	"\x05input\"\x98\x01\n" +
 	"\vStreamInput\x12:\n" +
 	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +

@@ -51,6 +51,11 @@ type chatRequest struct {
 	Seed          *int64         `json:"seed,omitempty"`
 	Stop          []string       `json:"stop,omitempty"`
 	IgnoreEOS     bool           `json:"ignore_eos,omitempty"` // vLLM, SGLang, llama.cpp; sent only when true
+	// A continuation: the last message is the assistant's unfinished turn,
+	// continued rather than answered (vLLM's chat template options; other
+	// servers continue the text prompt below).
+	ContinueFinalMessage bool  `json:"continue_final_message,omitempty"`
+	AddGenerationPrompt  *bool `json:"add_generation_prompt,omitempty"`
 }
 
 type chatMessage struct {
@@ -113,9 +118,14 @@ func (e *Engine) body(req *stagepb.GenerateRequest) (path string, body chatReque
 		for i, m := range msgs {
 			body.Messages[i] = chatMessage{Role: m.GetRole(), Content: m.GetContent()}
 		}
+		if c := req.GetContinuation(); c != "" {
+			no := false
+			body.Messages = append(body.Messages, chatMessage{Role: "assistant", Content: c})
+			body.ContinueFinalMessage, body.AddGenerationPrompt = true, &no
+		}
 		return "/chat/completions", body, nil
 	case *stagepb.GenerateRequest_Text:
-		body.Prompt = in.Text
+		body.Prompt = in.Text + req.GetContinuation()
 		return "/completions", body, nil
 	case *stagepb.GenerateRequest_TokenIds:
 		body.Prompt = in.TokenIds.GetIds()

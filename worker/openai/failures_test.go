@@ -50,9 +50,20 @@ func TestRequestBody(t *testing.T) {
 	_, err = collect(testCtx(t), e, chatReq(nil, msg("user", "hello")))
 	require.NoError(t, err)
 	b = f.lastBody()
-	for _, k := range []string{"max_tokens", "temperature", "seed", "stop", "ignore_eos", "prompt"} {
+	for _, k := range []string{"max_tokens", "temperature", "seed", "stop", "ignore_eos", "prompt", "continue_final_message", "add_generation_prompt"} {
 		assert.NotContains(t, b, k)
 	}
+
+	// A migrated answer: the delivered text is the assistant's unfinished
+	// turn, continued rather than answered.
+	cont := chatReq(nil, msg("user", "hello"))
+	cont.Continuation = "Hello there,"
+	_, err = collect(testCtx(t), e, cont)
+	require.NoError(t, err)
+	b = f.lastBody()
+	assert.Equal(t, []any{map[string]any{"role": "user", "content": "hello"}, map[string]any{"role": "assistant", "content": "Hello there,"}}, b["messages"])
+	assert.Equal(t, true, b["continue_final_message"])
+	assert.Equal(t, false, b["add_generation_prompt"])
 }
 
 // TestUsageAndFinish: usage is taken as the upstream reports it, cached

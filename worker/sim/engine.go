@@ -113,6 +113,7 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 		return err
 	}
 	p := paramsOf(req.GetSampling())
+	p.continues = req.GetContinuation() != ""
 	n, _ := outputLength(role, prompt, ctxLen, p)
 	if need := len(prompt) + n + e.cfg.NumSpeculativeTokens; need > e.cfg.maxModelLen() {
 		// The cache (num-kv-blocks x block-size) is the sim's context.

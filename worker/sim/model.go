@@ -134,6 +134,7 @@ type params struct {
 	seed      int64
 	stop      []string
 	ignoreEOS bool
+	continues bool // the output continues an answer (GenerateRequest.continuation): its first word is spaced off too
 }
 
 func paramsOf(sp *stagepb.SamplingParams) params {
@@ -231,7 +232,7 @@ func textPlan(key uint64, p params, n int, finish stagepb.FinishReason) plan {
 	for i := 0; i < n && cut < 0; i++ {
 		w := vocabulary[draw(key, p.seed, i, saltToken)%uint64(len(vocabulary))]
 		before := full.Len()
-		if i > 0 {
+		if i > 0 || p.continues {
 			full.WriteByte(' ')
 		}
 		full.WriteString(w)
@@ -283,7 +284,9 @@ func Expect(role Role, req *stagepb.GenerateRequest) (Output, error) {
 	if err != nil {
 		return Output{}, err
 	}
-	pl := buildPlan(role, prompt, ctxLen, paramsOf(req.GetSampling()))
+	p := paramsOf(req.GetSampling())
+	p.continues = req.GetContinuation() != ""
+	pl := buildPlan(role, prompt, ctxLen, p)
 	return pl.output(role), nil
 }
 
@@ -368,6 +371,12 @@ func promptOf(role Role, req *stagepb.GenerateRequest) (prompt []uint32, ctxLen 
 		return prompt, ctxLen, nil
 	}
 	prompt, err = promptWithoutContext(role, req)
+	if c := req.GetContinuation(); c != "" && err == nil && role == RoleText {
+		// The answer so far is part of the prompt: the output continues it.
+		for _, w := range strings.Fields(c) {
+			prompt = append(prompt, WordID(w))
+		}
+	}
 	return prompt, 0, err
 }
 
