@@ -2,9 +2,11 @@ package orchestrator
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/errgroup"
 
@@ -197,6 +199,9 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 	var failed []*router.Replica
 	var lastErr error
 	var delivered outputCursor
+	var moved migrated       // stage 0: what a failed replica gave the client before a migration
+	var movedAt outputCursor // delivered at the migration: the continuation's output comes after it
+	prompt := run.prompt     // stage 0's request; a migration continues it
 	last := stage == run.n-1
 	// Only stage 0's input is known before the stage starts; later stages
 	// are routed on the session key and load.
@@ -204,7 +209,7 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 	if stage == 0 {
 		route.Text = run.prompt.GetText()
 	}
-	for attempt := 1; attempt <= maxAttempts; attempt++ {
+	for attempt := 1; attempt <= maxAttempts+moved.count; attempt++ {
 		d, err := h.router.Pick(stage, route, failed)
 		if err != nil {
 			if lastErr != nil {
@@ -214,7 +219,10 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 		}
 		h.countDecision(stage, d)
 		rep := d.Replica
-		skip := delivered
+		// A retry skips what an earlier attempt forwarded; a continuation
+		// makes only what follows, so it skips nothing of its own.
+		skip := outputCursor{text: delivered.text - movedAt.text, codes: delivered.codes - movedAt.codes, pcm: delivered.pcm - movedAt.pcm}
+		var clientText migrated // what this attempt gave the client
 		var span trace.Span
 		forward := func(c *stagepb.GenerateChunk) (bool, error) {
 			text, codes, pcm := skip.cut(c)
@@ -230,6 +238,8 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 			visible := false
 			if stage == 0 && run.onText != nil && text != "" {
 				visible = true
+				clientText.text += text
+				clientText.tokens += int(c.GetStats().GetGenerationTokens())
 				if err := run.onText(text); err != nil {
 					return true, err
 				}
@@ -252,16 +262,33 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 		open := func(ctx context.Context, s trace.Span, progress func()) (chunkStream, func(), error) {
 			span = s
 			if stage == 0 {
-				stream, err := rep.Client.Generate(ctx, run.prompt, h.callOptions()...)
+				if moved.count > 0 {
+					s.SetAttributes(attribute.Bool("troupe.migration", true), attribute.Int("troupe.migration.delivered_chars", len(moved.text)))
+				}
+				stream, err := rep.Client.Generate(ctx, prompt, h.callOptions()...)
 				return stream, func() {}, err
 			}
 			return h.openStreamed(ctx, run, stage, rep, s, progress)
 		}
-		out, produced, err := h.attempt(ctx, run.req, stage, d, attempt, run.prompt.GetSampling(), open, forward)
+		out, produced, err := h.attempt(ctx, run.req, stage, d, attempt, prompt.GetSampling(), open, forward)
 		if err == nil {
-			return out, nil
+			return moved.prepend(out), nil
 		}
 		lastErr = err
+		if stage == 0 && produced && moved.count < h.cfg.MaxMigrations && ctx.Err() == nil && errors.Is(err, ErrStageFailed) {
+			moved.count++
+			moved.text += clientText.text
+			moved.tokens += clientText.tokens
+			next, done := moved.continuation(run.prompt)
+			if done {
+				return moved.prepend(&stageOutput{finish: stagepb.FinishReason_FINISH_REASON_LENGTH.Name()}), nil
+			}
+			h.log.Warn("orchestrator: replica failed after text reached the client; continuing the answer on another replica",
+				"stage", h.cfg.Pipeline.Stages[stage].Name, "replica", rep.Key.Replica, "delivered_chars", len(moved.text), "err", err)
+			prompt, movedAt = next, delivered
+			failed = append(failed, rep)
+			continue
+		}
 		if !retryable(ctx, err, produced) {
 			return nil, err
 		}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -214,4 +215,64 @@ func samePCM(t *testing.T, want, got []byte, what string) {
 		i++
 	}
 	t.Errorf("%s: %d bytes, want %d; first difference at byte %d", what, len(got), len(want), i)
+}
+
+// TestStreamedThinkerMigrates: in an audio request whose text streams to
+// the client, a thinker killed mid-answer is continued on another replica;
+// the talker and the vocoder go on from the text as the client saw it, and
+// the audio is that whole text's, every sample once.
+func TestStreamedThinkerMigrates(t *testing.T) {
+	slow := sim.Config{DecodeTokenLatency: 20 * time.Millisecond}
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: omni(true, 2), ReplicasPerStage: -1, Sim: slow, MaxMigrations: 1})
+	thinkers := []*orchestratortest.Worker{
+		c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{}),
+		c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{}),
+	}
+	c.AddWorker(t, "talker", orchestratortest.WorkerOptions{})
+	c.AddWorker(t, "vocoder", orchestratortest.WorkerOptions{})
+	c.WaitReady(t)
+	for _, w := range thinkers {
+		c.WaitState(t, "thinker", w.ReplicaID(), orchestrator.StateAttached)
+	}
+	var mu sync.Mutex
+	var seen strings.Builder
+	var pcm []byte
+	deltas, killed := 0, false
+	req := orchestrator.Request{ID: "mig-audio", Prompt: "tell a story", Sampling: longAnswer(30, 3), Stages: 3,
+		OnAudio: func(b []byte, _ int) error {
+			mu.Lock()
+			defer mu.Unlock()
+			pcm = append(pcm, b...)
+			return nil
+		}}
+	res, err := c.Head.Execute(ctxT(t), req, func(d string) error {
+		mu.Lock()
+		defer mu.Unlock()
+		seen.WriteString(d)
+		deltas++
+		if deltas == 5 && !killed {
+			killed = true
+			for _, r := range c.Head.Replicas() {
+				if r.StageName == "thinker" && r.InFlight > 0 {
+					for _, w := range thinkers {
+						if w.ReplicaID() == r.Replica {
+							go w.Kill(t)
+						}
+					}
+				}
+			}
+		}
+		return nil
+	})
+	require.NoError(t, err, "the answer continued on the other thinker")
+	mu.Lock()
+	defer mu.Unlock()
+	require.True(t, killed)
+	assert.Equal(t, seen.String(), res.Text, "one answer, each word once")
+	assert.Equal(t, 30, len(strings.Fields(res.Text)), "max_tokens across both parts")
+	codes, _ := sim.ExpectedCodes(res.Text, 3, 0)
+	samePCM(t, sim.ExpectedAudio(codes), res.PCM, "the audio of the whole text")
+	samePCM(t, res.PCM, pcm, "every sample once")
+	failedThere, _ := orchestrator.GatheredValue(t, c.Metrics, "troupe_request_success_total", map[string]string{"stage": "0", "finished_reason": "error"})
+	assert.Equal(t, 1.0, failedThere, "the first thinker's attempt failed mid-answer")
 }
