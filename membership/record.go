@@ -312,13 +312,23 @@ func (r *leased) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 	// Drain: the client closes kac when the lease expires, is revoked, or
 	// no answer came within the TTL. It may miss closing kac when the
 	// client is closed while KeepAlive runs (clientv3 v3.7), hence the
-	// other two cases.
+	// other two cases; and it was seen not to close it, once, while a
+	// write of the record was pending with etcd down, hence our own
+	// deadline: no answer for twice the TTL (and a second) is a lost lease.
+	// A lease that in fact lived is taken over by the re-registration.
+	silence := 2*time.Duration(r.ttlSecs)*time.Second + time.Second
+	deadline := time.NewTimer(silence)
+	defer deadline.Stop()
 	for {
 		select {
 		case _, ok := <-kac:
 			if !ok {
 				return
 			}
+			deadline.Reset(silence)
+		case <-deadline.C:
+			r.lg.Warn("membership: no keepalive answer for twice the TTL; treating the lease as lost", "key", r.key)
+			return
 		case <-r.dirty:
 			write()
 		case <-retry.C:
