@@ -248,6 +248,7 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 	var failed []*router.Replica
 	var lastErr error
 	var moved migrated // what failed attempts delivered before a migration
+	base := in         // the request a migration continues
 	route := &router.Request{Text: in.GetText(), SessionKey: req.SessionKey}
 	for attempt := 1; attempt <= maxAttempts+moved.count; attempt++ {
 		d, err := h.router.Pick(stage, route, failed)
@@ -284,16 +285,10 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 			return moved.prepend(out), nil
 		}
 		lastErr = err
-		if stage == 0 && produced && moved.count < h.cfg.MaxMigrations && ctx.Err() == nil && errors.Is(err, ErrStageFailed) {
-			moved.count++
-			moved.text += delivered.text
-			moved.tokens += delivered.tokens
-			next, done := moved.continuation(in)
-			if done { // the answer reached its max_tokens with what was delivered
-				return moved.prepend(&stageOutput{finish: stagepb.FinishReason_FINISH_REASON_LENGTH.Name()}), nil
+		if next, finished, ok := h.migrate(ctx, stage, rep, err, produced, &moved, delivered, base); ok {
+			if finished != nil {
+				return finished, nil
 			}
-			h.log.Warn("orchestrator: replica failed after text reached the client; continuing the answer on another replica",
-				"stage", h.cfg.Pipeline.Stages[stage].Name, "replica", rep.Key.Replica, "delivered_chars", len(moved.text), "err", err)
 			in = next
 			failed = append(failed, rep)
 			continue
@@ -304,6 +299,29 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 		failed = append(failed, rep)
 	}
 	return nil, lastErr
+}
+
+// migrate decides whether a stage attempt's failure continues the answer
+// on another replica: a stage-0 failure of the replica after text reached
+// the client, within the migration limit. It adds what the attempt gave
+// the client (got) to m and returns the request that continues base after
+// all of it; finished is the whole answer instead when what was delivered
+// already reached max_tokens. ok is false when the failure does not
+// migrate.
+func (h *Head) migrate(ctx context.Context, stage int, rep *router.Replica, err error, produced bool, m *migrated, got migrated, base *stagepb.GenerateRequest) (next *stagepb.GenerateRequest, finished *stageOutput, ok bool) {
+	if stage != 0 || !produced || m.count >= h.cfg.MaxMigrations || ctx.Err() != nil || !errors.Is(err, ErrStageFailed) {
+		return nil, nil, false
+	}
+	m.count++
+	m.text += got.text
+	m.tokens += got.tokens
+	next, done := m.continuation(base)
+	if done {
+		return nil, m.prepend(&stageOutput{finish: stagepb.FinishReason_FINISH_REASON_LENGTH.Name()}), true
+	}
+	h.log.Warn("orchestrator: replica failed after text reached the client; continuing the answer on another replica",
+		"stage", h.cfg.Pipeline.Stages[stage].Name, "replica", rep.Key.Replica, "delivered_chars", len(m.text), "err", err)
+	return next, nil, true
 }
 
 // migrated is the part of an answer that replicas which then failed had

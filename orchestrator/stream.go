@@ -2,7 +2,6 @@ package orchestrator
 
 import (
 	"context"
-	"errors"
 	"sync"
 	"time"
 
@@ -275,16 +274,10 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 			return moved.prepend(out), nil
 		}
 		lastErr = err
-		if stage == 0 && produced && moved.count < h.cfg.MaxMigrations && ctx.Err() == nil && errors.Is(err, ErrStageFailed) {
-			moved.count++
-			moved.text += clientText.text
-			moved.tokens += clientText.tokens
-			next, done := moved.continuation(run.prompt)
-			if done {
-				return moved.prepend(&stageOutput{finish: stagepb.FinishReason_FINISH_REASON_LENGTH.Name()}), nil
+		if next, finished, ok := h.migrate(ctx, stage, rep, err, produced, &moved, clientText, run.prompt); ok {
+			if finished != nil {
+				return finished, nil
 			}
-			h.log.Warn("orchestrator: replica failed after text reached the client; continuing the answer on another replica",
-				"stage", h.cfg.Pipeline.Stages[stage].Name, "replica", rep.Key.Replica, "delivered_chars", len(moved.text), "err", err)
 			prompt, movedAt = next, delivered
 			failed = append(failed, rep)
 			continue
