@@ -206,7 +206,7 @@ func TestRequestID(t *testing.T) {
 
 // internalsRE matches what a client must never read in an error: Go type
 // names, encoding/json's own wording, package prefixes.
-var internalsRE = regexp.MustCompile(`Go (struct|value)|\bstruct\b|json: |samplingFields|chatRequest|chatMessage|contentPart|completionRequest|audioParam|RawMessage|\bu?int(64|32)?\b|float64|\*|orchestrator: |router: |httpapi: |sim: |worker: `)
+var internalsRE = regexp.MustCompile(`Go (struct|value)|\bstruct\b|json: |samplingFields|chatRequest|chatMessage|contentPart|completionRequest|audioParam|RawMessage|\bu?int(64|32)?\b|float64|\*[a-zA-Z]|orchestrator: |router: |httpapi: |sim: |worker: `)
 
 func assertNoInternals(t *testing.T, msg string) {
 	t.Helper()
