@@ -204,18 +204,7 @@ func TestCancel(t *testing.T) {
 // worker before the engine sees it.
 func TestOverGRPC(t *testing.T) {
 	e := newEngine(t, espeak.Config{})
-	srv, err := worker.New(worker.Config{Stage: "speech", Engine: e, Logger: slog.New(slog.DiscardHandler)})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Run(ctx) }()
-	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	<-srv.Registered()
-
-	conn, err := grpc.NewClient(srv.Advertise(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	defer conn.Close()
-	cli := stagepb.NewStageServiceClient(conn)
+	srv, cli := serve(t, e)
 	h, err := cli.Health(testCtx(t), &stagepb.HealthRequest{})
 	require.NoError(t, err)
 	assert.Equal(t, "espeak", h.GetEngine())
@@ -256,17 +245,7 @@ func TestMissingBinary(t *testing.T) {
 // sentences' audio one after the other.
 func TestStreamedSpeechStartsOnTheFirstSentence(t *testing.T) {
 	e := newEngine(t, espeak.Config{})
-	srv, err := worker.New(worker.Config{Stage: "speech", Engine: e, Logger: slog.New(slog.DiscardHandler)})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Run(ctx) }()
-	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	<-srv.Registered()
-	conn, err := grpc.NewClient(srv.Advertise(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	defer conn.Close()
-	cli := stagepb.NewStageServiceClient(conn)
+	_, cli := serve(t, e)
 
 	stream, err := cli.GenerateStream(testCtx(t))
 	require.NoError(t, err)
@@ -305,4 +284,21 @@ func mustSpeak(t *testing.T, e *espeak.Engine, text string) []*stagepb.GenerateC
 	chunks, err := speak(testCtx(t), e, text, "en-us")
 	require.NoError(t, err)
 	return chunks
+}
+
+// serve runs e behind a real worker server on loopback until the test ends
+// and returns the server and a gRPC client of it.
+func serve(t *testing.T, e *espeak.Engine) (*worker.Server, stagepb.StageServiceClient) {
+	t.Helper()
+	srv, err := worker.New(worker.Config{Stage: "speech", Engine: e, Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Run(ctx) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	<-srv.Registered()
+	conn, err := grpc.NewClient(srv.Advertise(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { conn.Close() }) // runs first: the connection closes before the server stops
+	return srv, stagepb.NewStageServiceClient(conn)
 }
