@@ -169,6 +169,9 @@ func (h *Head) executeSequential(ctx context.Context, req Request, n int, in *st
 				return true, req.OnAudio(c.GetAudioPcm16(), int(c.GetSampleRate()))
 			}
 		}
+		if forward == nil || (i == n-1 && i > 0 && req.OnAudio == nil) {
+			in.HoldOutputMs = h.holdOutputMs() // nothing reads this output before the stage ends
+		}
 		out, err := h.runStage(ctx, req, i, in, forward)
 		if err != nil {
 			return nil, 0, err
@@ -495,15 +498,24 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 			out.generationTokens += int(s.GetGenerationTokens())
 			out.computedTokens += int(s.GetPromptTokensLocalCompute())
 		}
-		if hasOutput(chunk) {
+		if stagepb.HasOutput(chunk) {
+			// A chunk of held output dates each of its outputs by its age;
+			// any other chunk is one output, made about now.
 			now := time.Now()
-			if last.IsZero() {
-				fin.TTFT = now.Sub(start)
-				span.AddEvent("first_token")
-			} else {
-				fin.InterTokenLatencies = append(fin.InterTokenLatencies, now.Sub(last))
+			ages := chunk.GetOutputAgesUs()
+			for i := range max(len(ages), 1) {
+				at := now
+				if i < len(ages) {
+					at = now.Add(-time.Duration(ages[i]) * time.Microsecond)
+				}
+				if last.IsZero() {
+					fin.TTFT = max(at.Sub(start), 0)
+					span.AddEvent("first_token", trace.WithTimestamp(at))
+				} else {
+					fin.InterTokenLatencies = append(fin.InterTokenLatencies, max(at.Sub(last), 0))
+				}
+				last = at
 			}
-			last = now
 			out.text.WriteString(chunk.GetText())
 			out.codes = append(out.codes, chunk.GetCodes()...)
 			out.pcm = append(out.pcm, chunk.GetAudioPcm16()...)
@@ -603,12 +615,20 @@ func (h *Head) recordOutcome(stage int, rep *router.Replica, err error, fault bo
 
 // callOptions set the gRPC message limits of a call to a replica (gRPC's
 // default would stop at 4 MiB received).
-func (h *Head) callOptions() []grpc.CallOption {
-	return []grpc.CallOption{grpc.MaxCallSendMsgSize(h.cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(h.cfg.MaxMessageBytes)}
-}
+func (h *Head) callOptions() []grpc.CallOption { return h.calls }
 
-func hasOutput(c *stagepb.GenerateChunk) bool {
-	return c.GetText() != "" || len(c.GetCodes()) > 0 || len(c.GetAudioPcm16()) > 0 || len(c.GetTokenIds()) > 0
+// maxHoldOutput is how long a worker may hold a stage's output that
+// nothing reads before the stage ends (GenerateRequest.hold_output_ms).
+// The end is never held and every output is dated by its age, so only the
+// number of messages changes: a 16-token answer at zero delay comes in one
+// instead of 17, a long one in one per 100 ms. It stays well below the
+// stall timeout, which a held stage must not trip.
+const maxHoldOutput = 100 * time.Millisecond
+
+// holdOutputMs is GenerateRequest.hold_output_ms for a stage whose output
+// is read only when it ends.
+func (h *Head) holdOutputMs() uint32 {
+	return uint32(min(maxHoldOutput, h.cfg.StallTimeout/4).Milliseconds())
 }
 
 // seedOf carries the client's seed to later stages, so the whole pipeline

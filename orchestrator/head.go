@@ -19,6 +19,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
 
 	"github.com/troupe-serving/troupe/internal/router"
 	"github.com/troupe-serving/troupe/internal/stats"
@@ -96,6 +97,9 @@ type Head struct {
 	// changed is closed and replaced by every publish, so admin calls can
 	// wait for the loop to apply a record.
 	changed atomic.Pointer[chan struct{}]
+	// calls are the options of every call to a replica (callOptions),
+	// built once: they are the same for every request.
+	calls []grpc.CallOption
 
 	// Owned by Run's loop goroutine only. known is the one owner of the
 	// mapping from replica key to engine index: an index is handed out on a
@@ -205,6 +209,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 			Help: "Joins the head refused (index conflict, stats binding, dial, roles that do not fit the pipeline), by step.",
 		}, []string{"step"}),
 		known: map[router.Key]*tracked{},
+		calls: []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
 	}
 	for _, t := range []string{"join", "leave"} {
 		h.events.WithLabelValues(t)

@@ -314,6 +314,9 @@ func (h *Head) openStreamed(ctx context.Context, run *streamedRun, stage int, re
 			} else {
 				r.Input = &stagepb.GenerateRequest_Text{Text: p.text}
 			}
+			if stage == run.n-1 && run.req.OnAudio == nil {
+				r.HoldOutputMs = h.holdOutputMs() // nothing reads this output before the stage ends
+			}
 			return &stagepb.StreamInput{Request: r, SegmentUnits: units}
 		}
 		for i := 0; ; i++ {

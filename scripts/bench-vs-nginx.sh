@@ -3,19 +3,23 @@
 # nginx"). One run, on loopback only:
 #
 #   - nginx (Debian's package; installed here if missing) as a reverse proxy
-#     (keep-alive upstream, no buffering, no access log) in front of a minimal
+#     (keep-alive upstream, no buffering) in front of a minimal
 #     OpenAI-compatible backend (test/bench/vsnginx backend: a fixed 16-token
-#     answer, streamed one SSE event per token, or whole);
-#   - troupe's processes: troupe etcd, troupe head with a one-stage pipeline,
-#     one sim worker at zero delay;
+#     answer, streamed one SSE event per token, or whole; for audio, one of
+#     troupe's own audio answers captured at the start, so both proxies move
+#     the same bytes);
+#   - troupe's processes: troupe etcd, troupe head with the three-stage
+#     pipeline (thinker -> talker -> vocoder), one sim worker per stage at
+#     zero delay; text requests run the thinker alone, audio ones all three;
 #
 # and the same client (test/bench/vsnginx load: C concurrent keep-alive
 # clients, 16 tokens with ignore_eos) loads each in turn, alternating,
-# ROUNDS times per mode (non-stream, stream). It prints req/s, p50/p99 and
-# the proxy's CPU per request (utime+stime from /proc: nginx's workers
-# summed, the head process), and the troupe/nginx ratios.
+# ROUNDS times per mode (non-stream, stream, audio: text and a WAV, not
+# streamed). It prints req/s, p50/p99 and the proxy's CPU per request
+# (utime+stime from /proc: nginx's workers summed, the head process), and
+# the troupe/nginx ratios.
 #
-#   scripts/bench-vs-nginx.sh                # about 2 minutes
+#   scripts/bench-vs-nginx.sh                # about 3 minutes
 #   DURATION=4s ROUNDS=1 scripts/bench-vs-nginx.sh
 #   BASELINE=main scripts/bench-vs-nginx.sh  # also a head built from a git rev
 #
@@ -30,7 +34,7 @@ cd "$(dirname "$0")/.."
 C=${C:-32}
 DURATION=${DURATION:-8s}
 ROUNDS=${ROUNDS:-2}
-MODES=${MODES:-"non-stream stream"}
+MODES=${MODES:-"non-stream stream audio"}
 PORT=${PORT:-18400} # PORT..PORT+5 on 127.0.0.1
 BASELINE=${BASELINE:-}
 
@@ -72,8 +76,6 @@ wait_http() { # URL: until it answers 200, at most 30 s
 	return 1
 }
 
-"$tmp/vsnginx" backend -listen "$backend" &
-pids+=($!)
 
 mkdir -p "$tmp/nginx"
 cat >"$tmp/nginx/nginx.conf" <<CONF
@@ -106,9 +108,11 @@ pids+=("$nginx_master")
 
 "$tmp/troupe" etcd --data-dir "$tmp/etcd" --listen-client-urls "$etcd" >"$tmp/etcd.log" 2>&1 &
 pids+=($!)
-printf 'model: troupe-omni-sim\nstages:\n  - name: thinker\n' >"$tmp/pipeline.yaml"
-"$tmp/troupe" worker --etcd-endpoints "$etcd" --stage thinker --listen 127.0.0.1:0 >"$tmp/worker.log" 2>&1 &
-pids+=($!)
+printf 'model: troupe-omni-sim\nstages:\n  - name: thinker\n  - name: talker\n  - name: vocoder\n' >"$tmp/pipeline.yaml"
+for stage in thinker talker vocoder; do
+	"$tmp/troupe" worker --etcd-endpoints "$etcd" --stage "$stage" --listen 127.0.0.1:0 >"$tmp/worker-$stage.log" 2>&1 &
+	pids+=($!)
+done
 "$tmp/troupe" head --etcd-endpoints "$etcd" --pipeline "$tmp/pipeline.yaml" --http "$head" >"$tmp/head.log" 2>&1 &
 head_pid=$!
 pids+=("$head_pid")
@@ -120,6 +124,16 @@ if [ -n "$BASELINE" ]; then
 	pids+=("$baseline_pid")
 	wait_http "http://$baseline_head/readyz"
 fi
+# The backend's audio answer is one of the head's own: the same bytes.
+curl -sf "http://$head/v1/chat/completions" -H 'Content-Type: application/json' \
+	-d '{"model":"troupe-omni-sim","max_tokens":16,"ignore_eos":true,"modalities":["text","audio"],"audio":{"format":"wav"},"messages":[{"role":"user","content":"tell me a story about a fox"}]}' \
+	>"$tmp/audio-answer.json"
+"$tmp/vsnginx" backend -listen "$backend" -audio-body "$tmp/audio-answer.json" &
+pids+=($!)
+for _ in $(seq 300); do # the backend
+	if [ "$(curl -s -o /dev/null -w '%{http_code}' -X POST "http://$backend/v1/chat/completions" -d '{}' || true)" = 200 ]; then break; fi
+	sleep 0.1
+done
 for _ in $(seq 100); do # nginx's workers
 	workers=$(pgrep -P "$nginx_master" | paste -sd, -)
 	[ -n "$workers" ] && break
@@ -129,8 +143,12 @@ done
 echo "nginx workers: $workers; troupe head: $head_pid; $C clients, $DURATION per run, $ROUNDS rounds" >&2
 : >"$tmp/runs.jsonl"
 for mode in $MODES; do
-	flag=""
-	[ "$mode" = stream ] && flag=-stream
+	case $mode in
+	non-stream) flag="" ;;
+	stream) flag=-stream ;;
+	audio) flag=-audio ;;
+	*) echo "unknown mode $mode (non-stream, stream, audio)" >&2; exit 2 ;;
+	esac
 	for r in $(seq "$ROUNDS"); do
 		"$tmp/vsnginx" load -target nginx -url "http://$nginx_addr" -c "$C" -d "$DURATION" -pids "$workers" $flag | tee -a "$tmp/runs.jsonl" >&2
 		"$tmp/vsnginx" load -target troupe -url "http://$head" -c "$C" -d "$DURATION" -pids "$head_pid" $flag | tee -a "$tmp/runs.jsonl" >&2

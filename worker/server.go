@@ -545,12 +545,16 @@ func (svc *service) Generate(req *stagepb.GenerateRequest, stream grpc.ServerStr
 	ctx := stream.Context()
 	start := time.Now()
 	var timings *stagepb.Timings
+	send, flush := newOutputHolder(req, stream.Send)
 	err := s.cfg.Engine.Generate(ctx, req, func(c *stagepb.GenerateChunk) error {
 		if c.GetTimings() != nil {
 			timings = c.GetTimings()
 		}
-		return stream.Send(c)
+		return send(c)
 	})
+	if ferr := flush(); err == nil {
+		err = ferr
+	}
 	if timings != nil {
 		recordPhases(ctx, start, timings)
 	}

@@ -92,14 +92,18 @@ func (svc *service) GenerateStream(stream grpc.BidiStreamingServer[stagepb.Strea
 	seg.add(first)
 	start := time.Now()
 	var timings *stagepb.Timings
+	send, flush := newOutputHolder(req, stream.Send)
 	err = seg.run(ctx, in, inErr, func(r *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
 		return s.cfg.Engine.Generate(ctx, r, emit)
 	}, func(c *stagepb.GenerateChunk) error {
 		if c.GetTimings() != nil {
 			timings = c.GetTimings()
 		}
-		return stream.Send(c)
+		return send(c)
 	})
+	if ferr := flush(); err == nil {
+		err = ferr
+	}
 	if timings != nil {
 		recordPhases(ctx, start, timings)
 	}

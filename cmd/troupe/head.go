@@ -167,14 +167,25 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	dialOpts := []grpc.DialOption{
 		grpc.WithTransportCredentials(creds),
-		grpc.WithStatsHandler(otelgrpc.NewClientHandler(
-			otelgrpc.WithTracerProvider(tp.TracerProvider()),
-			otelgrpc.WithPropagators(tp.Propagator()),
-			otelgrpc.WithFilter(telemetry.TraceRPC),
-		)),
 		// Pings notice a peer that vanished without closing its socket (a
 		// partition), so it leaves rotation before its lease expires.
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
+		// The head retries a failed stage itself, on another replica
+		// (orchestrator.runStage); gRPC's transparent retry would only
+		// buffer every message sent for a retry that is never wanted.
+		grpc.WithDisableRetry(),
+	}
+	if tp.Enabled() {
+		// Only a head that exports traces propagates them to its workers:
+		// without an exporter every span is unsampled, so workers (which
+		// follow the head's sampling decision) would record nothing either,
+		// and the stats handler's work on every message would be spent for
+		// nothing.
+		dialOpts = append(dialOpts, grpc.WithStatsHandler(otelgrpc.NewClientHandler(
+			otelgrpc.WithTracerProvider(tp.TracerProvider()),
+			otelgrpc.WithPropagators(tp.Propagator()),
+			otelgrpc.WithFilter(telemetry.TraceRPC),
+		)))
 	}
 	head, err := orchestrator.New(cli, orchestrator.Config{
 		Cluster:           hf.cluster,

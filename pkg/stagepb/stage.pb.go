@@ -471,7 +471,14 @@ type GenerateRequest struct {
 	// and the client has it, then that replica failed. The engine continues
 	// the answer after it (a text stage: as the assistant's unfinished turn)
 	// and outputs only what follows.
-	Continuation  string `protobuf:"bytes,9,opt,name=continuation,proto3" json:"continuation,omitempty"`
+	Continuation string `protobuf:"bytes,9,opt,name=continuation,proto3" json:"continuation,omitempty"`
+	// hold_output_ms > 0: nothing reads this stage's output before the stage
+	// ends (a client that does not stream), so the worker may hold output
+	// chunks for up to this many milliseconds and send them merged into one
+	// (stagepb.MergeChunk), dated by output_ages_us. The final chunk is sent
+	// at once, so end-to-end latency is unchanged. 0: every chunk is sent as
+	// it is made.
+	HoldOutputMs  uint32 `protobuf:"varint,10,opt,name=hold_output_ms,json=holdOutputMs,proto3" json:"hold_output_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -582,6 +589,13 @@ func (x *GenerateRequest) GetContinuation() string {
 		return x.Continuation
 	}
 	return ""
+}
+
+func (x *GenerateRequest) GetHoldOutputMs() uint32 {
+	if x != nil {
+		return x.HoldOutputMs
+	}
+	return 0
 }
 
 type isGenerateRequest_Input interface {
@@ -997,16 +1011,22 @@ func (x *Timings) GetDecodeSeconds() float64 {
 }
 
 type GenerateChunk struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Text          string                 `protobuf:"bytes,1,opt,name=text,proto3" json:"text,omitempty"`                                                                        // new text since the previous chunk
-	TokenIds      []uint32               `protobuf:"varint,2,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`                                        // new token ids
-	Codes         []uint32               `protobuf:"varint,3,rep,packed,name=codes,proto3" json:"codes,omitempty"`                                                              // new codec codes (talker)
-	AudioPcm16    []byte                 `protobuf:"bytes,4,opt,name=audio_pcm16,json=audioPcm16,proto3" json:"audio_pcm16,omitempty"`                                          // new PCM16 mono little-endian samples (vocoder)
-	SampleRate    uint32                 `protobuf:"varint,5,opt,name=sample_rate,json=sampleRate,proto3" json:"sample_rate,omitempty"`                                         // set when audio_pcm16 is set
-	FinishReason  FinishReason           `protobuf:"varint,6,opt,name=finish_reason,json=finishReason,proto3,enum=troupe.stage.v1.FinishReason" json:"finish_reason,omitempty"` // set on the final chunk only
-	Stats         *EngineStats           `protobuf:"bytes,7,opt,name=stats,proto3" json:"stats,omitempty"`
-	Timings       *Timings               `protobuf:"bytes,8,opt,name=timings,proto3" json:"timings,omitempty"`                   // final chunk only
-	KvEvents      *KvEvents              `protobuf:"bytes,9,opt,name=kv_events,json=kvEvents,proto3" json:"kv_events,omitempty"` // engines that report their cache (CacheConfig.kv_events)
+	state        protoimpl.MessageState `protogen:"open.v1"`
+	Text         string                 `protobuf:"bytes,1,opt,name=text,proto3" json:"text,omitempty"`                                                                        // new text since the previous chunk
+	TokenIds     []uint32               `protobuf:"varint,2,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`                                        // new token ids
+	Codes        []uint32               `protobuf:"varint,3,rep,packed,name=codes,proto3" json:"codes,omitempty"`                                                              // new codec codes (talker)
+	AudioPcm16   []byte                 `protobuf:"bytes,4,opt,name=audio_pcm16,json=audioPcm16,proto3" json:"audio_pcm16,omitempty"`                                          // new PCM16 mono little-endian samples (vocoder)
+	SampleRate   uint32                 `protobuf:"varint,5,opt,name=sample_rate,json=sampleRate,proto3" json:"sample_rate,omitempty"`                                         // set when audio_pcm16 is set
+	FinishReason FinishReason           `protobuf:"varint,6,opt,name=finish_reason,json=finishReason,proto3,enum=troupe.stage.v1.FinishReason" json:"finish_reason,omitempty"` // set on the final chunk only
+	Stats        *EngineStats           `protobuf:"bytes,7,opt,name=stats,proto3" json:"stats,omitempty"`
+	Timings      *Timings               `protobuf:"bytes,8,opt,name=timings,proto3" json:"timings,omitempty"`                   // final chunk only
+	KvEvents     *KvEvents              `protobuf:"bytes,9,opt,name=kv_events,json=kvEvents,proto3" json:"kv_events,omitempty"` // engines that report their cache (CacheConfig.kv_events)
+	// A chunk of held output (GenerateRequest.hold_output_ms): for each of
+	// the engine's outputs merged into it, in order, how long before the
+	// chunk was sent the engine made it, in microseconds. The head dates each
+	// output by it (time to first token, inter-token latencies), as if it had
+	// come alone. Empty: the chunk is one output, sent as it was made.
+	OutputAgesUs  []uint32 `protobuf:"varint,10,rep,packed,name=output_ages_us,json=outputAgesUs,proto3" json:"output_ages_us,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1100,6 +1120,13 @@ func (x *GenerateChunk) GetTimings() *Timings {
 func (x *GenerateChunk) GetKvEvents() *KvEvents {
 	if x != nil {
 		return x.KvEvents
+	}
+	return nil
+}
+
+func (x *GenerateChunk) GetOutputAgesUs() []uint32 {
+	if x != nil {
+		return x.OutputAgesUs
 	}
 	return nil
 }
@@ -1610,7 +1637,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\tR\acontent\"@\n" +
 	"\x04Chat\x128\n" +
-	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xf7\x02\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\x9d\x03\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -1621,7 +1648,9 @@ const file_stage_proto_rawDesc = "" +
 	"\bsampling\x18\x05 \x01(\v2\x1f.troupe.stage.v1.SamplingParamsR\bsampling\x12\x18\n" +
 	"\acontext\x18\x06 \x01(\tR\acontext\x12\x14\n" +
 	"\x05voice\x18\a \x01(\tR\x05voice\x12\"\n" +
-	"\fcontinuation\x18\t \x01(\tR\fcontinuationB\a\n" +
+	"\fcontinuation\x18\t \x01(\tR\fcontinuation\x12$\n" +
+	"\x0ehold_output_ms\x18\n" +
+	" \x01(\rR\fholdOutputMsB\a\n" +
 	"\x05input\"\x98\x01\n" +
 	"\vStreamInput\x12:\n" +
 	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +
@@ -1655,7 +1684,7 @@ const file_stage_proto_rawDesc = "" +
 	"\aTimings\x12#\n" +
 	"\rqueue_seconds\x18\x01 \x01(\x01R\fqueueSeconds\x12'\n" +
 	"\x0fprefill_seconds\x18\x02 \x01(\x01R\x0eprefillSeconds\x12%\n" +
-	"\x0edecode_seconds\x18\x03 \x01(\x01R\rdecodeSeconds\"\xfc\x02\n" +
+	"\x0edecode_seconds\x18\x03 \x01(\x01R\rdecodeSeconds\"\xa2\x03\n" +
 	"\rGenerateChunk\x12\x12\n" +
 	"\x04text\x18\x01 \x01(\tR\x04text\x12\x1b\n" +
 	"\ttoken_ids\x18\x02 \x03(\rR\btokenIds\x12\x14\n" +
@@ -1667,7 +1696,9 @@ const file_stage_proto_rawDesc = "" +
 	"\rfinish_reason\x18\x06 \x01(\x0e2\x1d.troupe.stage.v1.FinishReasonR\ffinishReason\x122\n" +
 	"\x05stats\x18\a \x01(\v2\x1c.troupe.stage.v1.EngineStatsR\x05stats\x122\n" +
 	"\atimings\x18\b \x01(\v2\x18.troupe.stage.v1.TimingsR\atimings\x126\n" +
-	"\tkv_events\x18\t \x01(\v2\x19.troupe.stage.v1.KvEventsR\bkvEvents\"\x0f\n" +
+	"\tkv_events\x18\t \x01(\v2\x19.troupe.stage.v1.KvEventsR\bkvEvents\x12$\n" +
+	"\x0eoutput_ages_us\x18\n" +
+	" \x03(\rR\foutputAgesUs\"\x0f\n" +
 	"\rHealthRequest\"\xc3\x01\n" +
 	"\vCacheConfig\x12\x1d\n" +
 	"\n" +

@@ -1,17 +1,21 @@
 // Command vsnginx is the two halves of scripts/bench-vs-nginx.sh:
 //
-//	vsnginx backend -listen 127.0.0.1:9100
-//	vsnginx load -url http://127.0.0.1:8080 -c 32 -d 10s -pids 12,13 [-stream]
+//	vsnginx backend -listen 127.0.0.1:9100 [-audio-body answer.json]
+//	vsnginx load -url http://127.0.0.1:8080 -c 32 -d 10s -pids 12,13 [-stream | -audio]
 //	vsnginx report < runs.jsonl
 //
 // backend is a minimal OpenAI-compatible server: POST /v1/chat/completions
 // answers a fixed 16-token completion, as one JSON body or, with
-// "stream": true, as one SSE event per token. It is what nginx proxies to.
+// "stream": true, as one SSE event per token. A request for audio
+// ("modalities" with "audio") gets the body of -audio-body: the script
+// captures one of troupe's own audio answers, so nginx moves as many bytes
+// as the head. It is what nginx proxies to.
 //
-// load posts chat completions (16 tokens, ignore_eos) from -c concurrent
-// keep-alive clients for -d, checks each answer, and prints one line of
-// JSON: requests, req/s, p50/p99 latency, and the CPU the processes named
-// by -pids (the proxy) spent per request, read from /proc/PID/stat
+// load posts chat completions (16 tokens, ignore_eos; with -audio, text
+// and a WAV, which troupe makes through all three stages) from -c
+// concurrent keep-alive clients for -d, checks each answer, and prints one
+// line of JSON: requests, req/s, p50/p99 latency, and the CPU the processes
+// named by -pids (the proxy) spent per request, read from /proc/PID/stat
 // (utime+stime of the process, its threads included) before and after.
 //
 // report turns load's lines into the Markdown tables of docs/benchmarks.md:
@@ -64,7 +68,15 @@ var tokens = strings.Fields("the quick brown fox jumps over the lazy dog and it 
 func backend(args []string) error {
 	fs := flag.NewFlagSet("backend", flag.ExitOnError)
 	listen := fs.String("listen", "127.0.0.1:9100", "listen address")
+	audioBody := fs.String("audio-body", "", "file whose content answers audio requests")
 	_ = fs.Parse(args)
+	var audio []byte
+	if *audioBody != "" {
+		var err error
+		if audio, err = os.ReadFile(*audioBody); err != nil {
+			return fmt.Errorf("vsnginx: %w", err)
+		}
+	}
 	full := strings.Join(tokens, " ")
 	nonStream, err := json.Marshal(map[string]any{
 		"id": "chatcmpl-bench", "object": "chat.completion", "model": "bench",
@@ -92,10 +104,20 @@ func backend(args []string) error {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
 		var req struct {
-			Stream bool `json:"stream"`
+			Stream     bool     `json:"stream"`
+			Modalities []string `json:"modalities"`
 		}
 		if err := json.NewDecoder(r.Body).Decode(&req); err != nil {
 			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		if slices.Contains(req.Modalities, "audio") {
+			if audio == nil {
+				http.Error(w, "no -audio-body", http.StatusBadRequest)
+				return
+			}
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = w.Write(audio)
 			return
 		}
 		if !req.Stream {
@@ -116,6 +138,7 @@ func backend(args []string) error {
 
 type result struct {
 	Target      string  `json:"target"`
+	Mode        string  `json:"mode"`
 	Stream      bool    `json:"stream"`
 	Requests    int     `json:"requests"`
 	Errors      int     `json:"errors"`
@@ -135,6 +158,7 @@ func load(args []string) error {
 	dur := fs.Duration("d", 10*time.Second, "duration of the measured run")
 	warm := fs.Duration("warmup", time.Second, "unmeasured load before the run")
 	stream := fs.Bool("stream", false, "ask for a streamed (SSE) answer")
+	audio := fs.Bool("audio", false, "ask for text and a WAV (every stage of the pipeline), not streamed")
 	pidList := fs.String("pids", "", "comma-separated pids of the proxy's processes whose CPU is counted")
 	_ = fs.Parse(args)
 	var pids []int
@@ -148,10 +172,23 @@ func load(args []string) error {
 		}
 		pids = append(pids, n)
 	}
-	body, err := json.Marshal(map[string]any{
+	if *stream && *audio {
+		return errors.New("vsnginx: -stream and -audio exclude each other")
+	}
+	reqBody := map[string]any{
 		"model": *model, "max_tokens": 16, "ignore_eos": true, "stream": *stream,
 		"messages": []map[string]string{{"role": "user", "content": "tell me a story about a fox"}},
-	})
+	}
+	mode := "non-stream"
+	switch {
+	case *stream:
+		mode = "stream"
+	case *audio:
+		mode = "audio"
+		reqBody["modalities"] = []string{"text", "audio"}
+		reqBody["audio"] = map[string]string{"format": "wav"}
+	}
+	body, err := json.Marshal(reqBody)
 	if err != nil {
 		return err
 	}
@@ -166,7 +203,7 @@ func load(args []string) error {
 			b, _ := io.ReadAll(resp.Body)
 			return fmt.Errorf("vsnginx: status %d: %s", resp.StatusCode, b)
 		}
-		return check(resp.Body, *stream)
+		return check(resp.Body, *stream, *audio)
 	}
 	if err := do(); err != nil { // fail fast on a broken setup
 		return err
@@ -215,7 +252,7 @@ func load(args []string) error {
 		return err
 	}
 	slices.Sort(lat)
-	r := result{Target: *target, Stream: *stream, Requests: len(lat), Errors: errs, Seconds: secs,
+	r := result{Target: *target, Mode: mode, Stream: *stream, Requests: len(lat), Errors: errs, Seconds: secs,
 		ReqPerSec: float64(len(lat)) / secs, P50Ms: ms(pct(lat, 50)), P99Ms: ms(pct(lat, 99))}
 	if len(lat) > 0 {
 		r.CPUUsPerReq = float64(cpu1-cpu0) * 1e6 / clockTicks / float64(len(lat))
@@ -223,13 +260,18 @@ func load(args []string) error {
 	return json.NewEncoder(os.Stdout).Encode(r)
 }
 
-// check reads an answer and verifies it holds 16 tokens of content.
-func check(r io.Reader, stream bool) error {
+// check reads an answer and verifies it holds 16 tokens of content (and,
+// for audio, a transcript and audio data).
+func check(r io.Reader, stream, audio bool) error {
 	if !stream {
 		var out struct {
 			Choices []struct {
 				Message struct {
 					Content string `json:"content"`
+					Audio   *struct {
+						Data       string `json:"data"`
+						Transcript string `json:"transcript"`
+					} `json:"audio"`
 				} `json:"message"`
 			} `json:"choices"`
 			Usage struct {
@@ -239,8 +281,15 @@ func check(r io.Reader, stream bool) error {
 		if err := json.NewDecoder(r).Decode(&out); err != nil {
 			return err
 		}
-		if out.Usage.CompletionTokens != 16 || len(out.Choices) != 1 || out.Choices[0].Message.Content == "" {
+		if out.Usage.CompletionTokens != 16 || len(out.Choices) != 1 {
 			return fmt.Errorf("vsnginx: bad answer: %+v", out)
+		}
+		msg := out.Choices[0].Message
+		switch {
+		case audio && (msg.Audio == nil || msg.Audio.Data == "" || msg.Audio.Transcript == ""):
+			return fmt.Errorf("vsnginx: an answer without audio and its transcript")
+		case !audio && msg.Content == "":
+			return fmt.Errorf("vsnginx: an answer without content")
 		}
 		return nil
 	}

@@ -13,7 +13,7 @@ import (
 // (means over its runs) and the troupe/nginx ratios, as a Markdown table.
 func report(r io.Reader, w io.Writer) error {
 	type key struct {
-		stream bool
+		mode   string
 		target string
 	}
 	runs := map[key][]result{}
@@ -24,7 +24,7 @@ func report(r io.Reader, w io.Writer) error {
 		if err := json.Unmarshal(sc.Bytes(), &res); err != nil {
 			return fmt.Errorf("vsnginx: report: %w", err)
 		}
-		k := key{res.Stream, res.Target}
+		k := key{res.mode(), res.Target}
 		if _, ok := runs[k]; !ok {
 			order = append(order, k)
 		}
@@ -49,25 +49,25 @@ func report(r io.Reader, w io.Writer) error {
 	fmt.Fprintln(w, "|---|---|---:|---:|---:|---:|---:|---:|---:|")
 	for _, k := range order {
 		m := mean(runs[k])
-		fmt.Fprintf(w, "| %s | %s | %d | %d | %d | %.0f | %.2f | %.2f | %.1f |\n", mode(k.stream), k.target,
+		fmt.Fprintf(w, "| %s | %s | %d | %d | %d | %.0f | %.2f | %.2f | %.1f |\n", k.mode, k.target,
 			len(runs[k]), m.Requests, m.Errors, m.ReqPerSec, m.P50Ms, m.P99Ms, m.CPUUsPerReq)
 	}
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "| mode | ratio | req/s | p50 | p99 | CPU/req |")
 	fmt.Fprintln(w, "|---|---|---:|---:|---:|---:|")
-	modes := []bool{}
+	modes := []string{}
 	for _, k := range order {
-		if !slices.Contains(modes, k.stream) {
-			modes = append(modes, k.stream)
+		if !slices.Contains(modes, k.mode) {
+			modes = append(modes, k.mode)
 		}
 	}
-	ratio := func(s bool, num, den string) {
+	ratio := func(s string, num, den string) {
 		n, d := runs[key{s, num}], runs[key{s, den}]
 		if len(n) == 0 || len(d) == 0 {
 			return
 		}
 		a, b := mean(d), mean(n)
-		fmt.Fprintf(w, "| %s | %s/%s | %.2f | %.2f | %.2f | %.2f |\n", mode(s), num, den,
+		fmt.Fprintf(w, "| %s | %s/%s | %.2f | %.2f | %.2f | %.2f |\n", s, num, den,
 			b.ReqPerSec/a.ReqPerSec, b.P50Ms/a.P50Ms, b.P99Ms/a.P99Ms, b.CPUUsPerReq/a.CPUUsPerReq)
 	}
 	for _, s := range modes {
@@ -78,8 +78,13 @@ func report(r io.Reader, w io.Writer) error {
 	return nil
 }
 
-func mode(stream bool) string {
-	if stream {
+// mode names a run's workload: non-stream, stream or audio (lines
+// written before audio existed have no mode).
+func (r result) mode() string {
+	switch {
+	case r.Mode != "":
+		return r.Mode
+	case r.Stream:
 		return "stream"
 	}
 	return "non-stream"

@@ -1,0 +1,60 @@
+package orchestrator_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/worker/sim"
+)
+
+// histogramOf reads the sample count and sum of family's child on replica.
+func histogramOf(t *testing.T, g prometheus.Gatherer, family, replica string) (count uint64, sum time.Duration) {
+	t.Helper()
+	mfs, err := g.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() != family {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, lp := range m.GetLabel() {
+				if lp.GetName() == "replica" && lp.GetValue() == replica {
+					h := m.GetHistogram()
+					return h.GetSampleCount(), time.Duration(h.GetSampleSum() * float64(time.Second))
+				}
+			}
+		}
+	}
+	t.Fatalf("no %s for replica %s", family, replica)
+	return 0, 0
+}
+
+// A client that does not stream lets the worker hold the answer and send
+// it in a few messages; the head still dates every token where the engine
+// made it, so time to first token and inter-token latencies are those of
+// the engine, not of the messages.
+func TestHeldOutputKeepsTokenTimings(t *testing.T) {
+	const tokens, step = 10, 15 * time.Millisecond
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, Sim: sim.Config{DecodeTokenLatency: step}})
+	res, err := c.Head.Execute(ctxT(t), orchestrator.Request{ID: "held", Prompt: "time every token", Sampling: sampling(tokens, 1)}, nil)
+	require.NoError(t, err)
+	require.Equal(t, tokens, res.CompletionTokens)
+
+	itlCount, itlSum := histogramOf(t, c.Metrics, "troupe_inter_token_latency_seconds", "0")
+	ttftCount, ttft := histogramOf(t, c.Metrics, "troupe_time_to_first_token_seconds", "0")
+	_, e2e := histogramOf(t, c.Metrics, "troupe_e2e_request_latency_seconds", "0")
+	assert.Equal(t, uint64(tokens-1), itlCount, "one inter-token sample per token after the first")
+	assert.Equal(t, uint64(1), ttftCount)
+	// The engine spends a step on each token after the first: had the head
+	// dated the tokens by the messages that carried them, the gaps between
+	// tokens of one message would be 0.
+	assert.GreaterOrEqual(t, itlSum, (tokens-1)*step*8/10, "inter-token latencies are the engine's steps")
+	assert.LessOrEqual(t, itlSum, e2e)
+	assert.Less(t, ttft, e2e-(tokens-2)*step, "the first token is dated when it was made, not when its message came")
+}
