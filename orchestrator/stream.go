@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"time"
 
@@ -104,6 +105,35 @@ func (in *stageInput) next(ctx context.Context, i int) (p piece, ok bool, err er
 			return piece{}, false, ctx.Err()
 		}
 	}
+}
+
+// available returns pieces i and every one after it that is there now,
+// waiting for i like next. The sender sends them as one message: under
+// load a slow send lets pieces gather, and the next stage takes text and
+// codes in any cut, while the first piece never waits for a second. The
+// returned slice is shared and must not be changed.
+func (in *stageInput) available(ctx context.Context, i int) (ps []piece, ok bool, err error) {
+	if _, ok, err = in.next(ctx, i); !ok || err != nil {
+		return nil, ok, err
+	}
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return in.pieces[i:len(in.pieces):len(in.pieces)], true, nil
+}
+
+// joined is pieces as one: their text and codes one after the other, and
+// the time of the first.
+func joined(ps []piece) piece {
+	if len(ps) == 1 {
+		return ps[0]
+	}
+	var text strings.Builder
+	var codes []uint32
+	for _, p := range ps {
+		text.WriteString(p.text)
+		codes = append(codes, p.codes...)
+	}
+	return piece{text: text.String(), codes: codes, at: ps[0].at}
 }
 
 // markSent records that pieces [0, i] went out, freeing the window.
@@ -319,8 +349,8 @@ func (h *Head) openStreamed(ctx context.Context, run *streamedRun, stage int, re
 			}
 			return &stagepb.StreamInput{Request: r, SegmentUnits: units}
 		}
-		for i := 0; ; i++ {
-			p, ok, err := in.next(ctx, i)
+		for i := 0; ; {
+			ps, ok, err := in.available(ctx, i)
 			if err != nil {
 				return // the attempt ended; Recv reports why
 			}
@@ -333,6 +363,7 @@ func (h *Head) openStreamed(ctx context.Context, run *streamedRun, stage int, re
 				_ = stream.CloseSend()
 				return
 			}
+			p := joined(ps)
 			msg := &stagepb.StreamInput{Text: p.text, Codes: p.codes}
 			if i == 0 {
 				msg = header(p)
@@ -341,8 +372,11 @@ func (h *Head) openStreamed(ctx context.Context, run *streamedRun, stage int, re
 			if err := stream.Send(msg); err != nil {
 				return // Recv reports the stream's error
 			}
-			h.pipeline.Handoff(stage-1, time.Since(p.at))
-			in.markSent(i)
+			for _, p := range ps {
+				h.pipeline.Handoff(stage-1, time.Since(p.at))
+			}
+			i += len(ps)
+			in.markSent(i - 1)
 			progress()
 		}
 	}()

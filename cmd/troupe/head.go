@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/keepalive"
@@ -140,6 +141,15 @@ func setHeadGC() {
 	}
 }
 
+// httpTracer is the HTTP layer's tracer provider: none when the head
+// exports nothing, so the server spans are bare (see httpapi.Config).
+func httpTracer(tp *telemetry.Provider) trace.TracerProvider {
+	if !tp.Enabled() {
+		return nil
+	}
+	return tp.TracerProvider()
+}
+
 // headAddrs are the bound addresses of a head's listeners.
 type headAddrs struct {
 	api   net.Addr
@@ -216,7 +226,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		APIKey:          hf.apiKey,
 		Gatherer:        metrics,
 		Metrics:         httpMetrics,
-		TracerProvider:  tp.TracerProvider(),
+		TracerProvider:  httpTracer(tp),
 		Propagator:      tp.Propagator(),
 		UntrustedParent: hf.untrustedParent,
 		Logger:          log,

@@ -264,7 +264,7 @@ func audioOf(res *orchestrator.Result, wanted bool, format, id string) (*audioOu
 	}
 	return &audioOut{
 		ID:         id,
-		Data:       base64.StdEncoding.EncodeToString(data),
+		Data:       data,
 		ExpiresAt:  time.Now().Add(audioTTL).Unix(),
 		Transcript: res.Text,
 	}, nil

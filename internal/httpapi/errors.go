@@ -1,11 +1,13 @@
 package httpapi
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
+	"sync"
 
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
@@ -80,17 +82,36 @@ func detailOf(e *apiError) errorDetail {
 
 // writeJSON answers v with status.
 func writeJSON(w http.ResponseWriter, status int, v any) {
-	body, err := json.Marshal(v)
-	if err != nil {
+	buf := jsonBuffers.Get().(*bytes.Buffer)
+	defer putJSONBuffer(buf)
+	if err := json.NewEncoder(buf).Encode(v); err != nil { // Encode adds the newline
 		// Only our own response types reach here; they always marshal.
 		status = http.StatusInternalServerError
-		body = []byte(`{"error":{"message":"internal error: cannot encode response","type":"server_error","param":null,"code":"internal_error"}}`)
+		buf.Reset()
+		buf.WriteString(`{"error":{"message":"internal error: cannot encode response","type":"server_error","param":null,"code":"internal_error"}}` + "\n")
 	}
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Del("Content-Length")
 	w.WriteHeader(status)
-	_, _ = w.Write(append(body, '\n'))
+	_, _ = w.Write(buf.Bytes())
+}
+
+// jsonBuffers pools the buffers responses are encoded into: an answer
+// with audio is hundreds of kilobytes, which a fresh buffer per response
+// would allocate (and clear) every time.
+var jsonBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
+
+// maxPooledJSONBuffer: larger buffers (a minutes-long WAV) go to the
+// garbage collector rather than stay pinned in the pool.
+const maxPooledJSONBuffer = 4 << 20
+
+func putJSONBuffer(buf *bytes.Buffer) {
+	if buf.Cap() > maxPooledJSONBuffer {
+		return
+	}
+	buf.Reset()
+	jsonBuffers.Put(buf)
 }
 
 // retryAfterSeconds is the Retry-After sent with 503 when a stage has no

@@ -220,29 +220,115 @@ func isNull(raw json.RawMessage) bool {
 	return len(t) == 0 || bytes.Equal(t, []byte("null"))
 }
 
-// presence records whether a field is set, without copying its value.
-type presence struct{ set bool }
-
-func (p *presence) UnmarshalJSON(b []byte) error {
-	p.set = !isNull(b)
-	return nil
-}
-
 // ignoredFields lists the top-level fields of a valid JSON object that are
-// set (not null) and not among used, sorted.
+// set (not null) and not among used, sorted. body has already been decoded
+// whole, so it is valid JSON: this only walks its top level, without
+// decoding a second time (every request pays for it). For a repeated key
+// the last occurrence counts, as in encoding/json.
 func ignoredFields(body []byte, used []string) []string {
-	var fields map[string]presence
-	if json.Unmarshal(body, &fields) != nil {
+	var out []string
+	var seen []string // keys so far, for a repeated one
+	i := skipSpace(body, 0)
+	if i >= len(body) || body[i] != '{' {
 		return nil
 	}
-	var out []string
-	for name, p := range fields {
-		if p.set && !slices.Contains(used, name) {
-			out = append(out, name)
+	i++
+	for {
+		i = skipSpace(body, i)
+		if i >= len(body) || body[i] == '}' {
+			break
 		}
+		end := skipString(body, i)
+		raw := body[i:end]
+		key := string(raw[1 : len(raw)-1])
+		if bytes.IndexByte(raw, '\\') >= 0 {
+			if json.Unmarshal(raw, &key) != nil {
+				return nil
+			}
+		}
+		i = skipSpace(body, end)
+		if i >= len(body) || body[i] != ':' {
+			return nil
+		}
+		i = skipSpace(body, i+1)
+		start := i
+		i = skipValue(body, i)
+		set := !isNull(body[start:i])
+		if j := slices.Index(seen, key); j >= 0 { // the last occurrence wins
+			seen = slices.Delete(seen, j, j+1)
+			if k := slices.Index(out, key); k >= 0 {
+				out = slices.Delete(out, k, k+1)
+			}
+		}
+		seen = append(seen, key)
+		if set && !slices.Contains(used, key) {
+			out = append(out, key)
+		}
+		i = skipSpace(body, i)
+		if i < len(body) && body[i] == ',' {
+			i++
+		}
+	}
+	if len(out) == 0 {
+		return nil
 	}
 	slices.Sort(out)
 	return out
+}
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// skipString returns the index after the JSON string that starts at i.
+func skipString(b []byte, i int) int {
+	for i++; i < len(b); i++ {
+		switch b[i] {
+		case '\\':
+			i++
+		case '"':
+			return i + 1
+		}
+	}
+	return len(b)
+}
+
+// skipValue returns the index after the JSON value that starts at i.
+func skipValue(b []byte, i int) int {
+	depth := 0
+	for i < len(b) {
+		switch b[i] {
+		case '"':
+			i = skipString(b, i)
+			if depth == 0 {
+				return i
+			}
+			continue
+		case '{', '[':
+			depth++
+		case '}', ']':
+			if depth == 0 {
+				return i
+			}
+			depth--
+			if depth == 0 {
+				return i + 1
+			}
+		case ',':
+			if depth == 0 {
+				return i
+			}
+		case ' ', '\t', '\n', '\r':
+			if depth == 0 {
+				return i
+			}
+		}
+		i++
+	}
+	return i
 }
 
 // parseChat validates a chat request for a pipeline serving model.

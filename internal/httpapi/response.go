@@ -28,8 +28,11 @@ func usageOf(res *orchestrator.Result) *usage {
 var nullUsage = json.RawMessage("null")
 
 type audioOut struct {
-	ID         string `json:"id"`
-	Data       string `json:"data"` // base64 WAV, or base64 PCM16 for format pcm16
+	ID string `json:"id"`
+	// Data is the WAV, or the PCM16 samples for format pcm16: encoding/json
+	// writes a []byte as standard base64 straight into its buffer, without
+	// the copy and escape scan a base64 string would cost.
+	Data       []byte `json:"data"`
 	ExpiresAt  int64  `json:"expires_at"`
 	Transcript string `json:"transcript"`
 }

@@ -76,8 +76,10 @@ type Config struct {
 	// Metrics counts and times every request (see Metrics). nil: no HTTP
 	// metrics.
 	Metrics *Metrics
-	// TracerProvider makes the server spans. nil: an SDK provider that never
-	// samples, so responses still carry a real traceparent.
+	// TracerProvider makes the server spans, through otelhttp. nil: nothing
+	// is traced; each request still gets a server span, unsampled and bare
+	// (no otelhttp, none of its attributes), so responses carry a real
+	// traceparent and logs a trace id at a fraction of the cost.
 	TracerProvider trace.TracerProvider
 	// Propagator extracts the caller's trace context. nil: W3C trace
 	// context and baggage.
@@ -129,9 +131,6 @@ func New(b Backend, cfg Config) *Server {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
-	}
-	if cfg.TracerProvider == nil {
-		cfg.TracerProvider = sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.NeverSample()))
 	}
 	if cfg.Propagator == nil {
 		cfg.Propagator = propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
@@ -238,6 +237,9 @@ func (s *Server) wrap(mux *http.ServeMux) http.Handler {
 	if s.cfg.Metrics != nil {
 		inner = s.cfg.Metrics.instrument(inner, func(r *http.Request) string { return s.routeOf(mux, r) })
 	}
+	if s.cfg.TracerProvider == nil {
+		return s.bareSpans(inner)
+	}
 	opts := []otelhttp.Option{
 		otelhttp.WithTracerProvider(s.cfg.TracerProvider),
 		otelhttp.WithPropagators(s.cfg.Propagator),
@@ -248,6 +250,25 @@ func (s *Server) wrap(mux *http.ServeMux) http.Handler {
 		opts = append(opts, otelhttp.WithPublicEndpointFn(func(*http.Request) bool { return true }))
 	}
 	return otelhttp.NewHandler(inner, "troupe.http", opts...)
+}
+
+// untraced makes the bare server spans of a server that traces nothing:
+// never sampled, but with real ids.
+var untraced = sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.NeverSample())).Tracer("troupe/httpapi")
+
+// bareSpans starts each request's server span as otelhttp would, parent
+// and kind included, without its attributes, metrics and writer wrapping:
+// a span nobody records needs none of them.
+func (s *Server) bareSpans(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx := r.Context()
+		if !s.cfg.UntrustedParent {
+			ctx = s.cfg.Propagator.Extract(ctx, propagation.HeaderCarrier(r.Header))
+		}
+		ctx, span := untraced.Start(ctx, "troupe.http", trace.WithSpanKind(trace.SpanKindServer))
+		defer span.End()
+		next.ServeHTTP(w, r.WithContext(ctx))
+	})
 }
 
 // spanName is "METHOD /route" once the route is known, else "METHOD".

@@ -228,9 +228,19 @@ func TestTracing(t *testing.T) {
 	assert.Equal(t, parentTrace, s.Links()[0].SpanContext.TraceID().String())
 	assert.False(t, s.Parent().IsValid())
 
-	// Without a provider, ids exist but are never sampled.
+	// Without a provider (nothing is traced), ids exist but are never
+	// sampled, and the bare server span still continues the caller's trace
+	// (or, untrusted, starts its own).
 	plain := startAPI(t, c, Config{}, nil, nil)
 	resp, _ = plain.do(t, "GET", "/healthz", http.NoBody, http.Header{"X-Request-Id": {"probe-1"}})
 	assert.True(t, strings.HasSuffix(resp.Header.Get("Traceparent"), "-00"), resp.Header.Get("Traceparent"))
 	assert.Equal(t, "probe-1", resp.Header.Get("X-Request-Id"))
+	resp, _ = plain.do(t, "GET", "/v1/models", nil, incoming)
+	tid, sid = parse(resp.Header.Get("Traceparent"))
+	assert.Equal(t, parentTrace, tid.String(), "the caller's trace goes on")
+	assert.NotEqual(t, parentSpan, sid.String())
+	plainUntrusted := startAPI(t, c, Config{UntrustedParent: true}, nil, nil)
+	resp, _ = plainUntrusted.do(t, "GET", "/v1/models", nil, incoming)
+	tid, _ = parse(resp.Header.Get("Traceparent"))
+	assert.NotEqual(t, parentTrace, tid.String(), "an untrusted caller's trace is not continued")
 }
