@@ -50,6 +50,46 @@ func TestStageInputBackPressure(t *testing.T) {
 	assert.False(t, ok, "the input ended")
 }
 
+// TestStageInputAvailableSendsWhatIsThere: the sender takes every piece
+// that is there as one message, waits for the first when none is, and
+// learns that the input ended.
+func TestStageInputAvailableSendsWhatIsThere(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	in := newStageInput()
+	t0 := time.Now()
+	require.NoError(t, in.append(ctx, piece{text: "one ", at: t0}))
+	require.NoError(t, in.append(ctx, piece{text: "two ", at: t0.Add(time.Millisecond)}))
+	ps, ok, err := in.available(ctx, 0)
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.Len(t, ps, 2)
+	assert.Equal(t, piece{text: "one two ", at: t0}, joined(ps), "text in order, dated by the first piece")
+
+	got := make(chan []piece, 1)
+	go func() {
+		ps, _, _ := in.available(ctx, 2)
+		got <- ps
+	}()
+	require.NoError(t, in.append(ctx, piece{codes: []uint32{1, 2}}))
+	select {
+	case ps = <-got:
+	case <-ctx.Done():
+		t.Fatal("available did not return once a piece came")
+	}
+	require.Len(t, ps, 1, "the first piece is sent without waiting for a second")
+	require.NoError(t, in.append(ctx, piece{codes: []uint32{3}}))
+	ps, _, err = in.available(ctx, 3)
+	require.NoError(t, err)
+	assert.Equal(t, []uint32{3}, joined(append([]piece{}, ps...)).codes)
+	assert.Equal(t, []uint32{1, 2, 3}, joined([]piece{{codes: []uint32{1, 2}}, {codes: []uint32{3}}}).codes)
+
+	in.close()
+	_, ok, err = in.available(ctx, 4)
+	require.NoError(t, err)
+	assert.False(t, ok, "the input ended")
+}
+
 func TestOutputCursorSkipsWhatWasDelivered(t *testing.T) {
 	c := outputCursor{text: 3, codes: 1, pcm: 4}
 	text, codes, pcm := c.cut(&stagepb.GenerateChunk{Text: "ab", Codes: []uint32{1, 2}, AudioPcm16: []byte{1, 2}})
