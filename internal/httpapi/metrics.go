@@ -4,10 +4,12 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.opentelemetry.io/otel/trace"
 )
 
@@ -43,6 +45,9 @@ type Metrics struct {
 	requests *prometheus.CounterVec
 	duration *prometheus.HistogramVec
 	inFlight prometheus.Gauge
+
+	mu    sync.RWMutex
+	bound map[routeKey]*bound
 }
 
 // NewMetrics registers the HTTP metrics on reg (never the global registry).
@@ -64,6 +69,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "troupe_http_requests_in_flight",
 			Help: "HTTP requests the head is answering now.",
 		}),
+		bound: map[routeKey]*bound{},
 	}
 	cs := []prometheus.Collector{m.requests, m.duration, m.inFlight}
 	for i, c := range cs {
@@ -77,16 +83,75 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	return m, nil
 }
 
-// instrument wraps next in promhttp's middleware; route names the request's
-// route label.
-func (m *Metrics) instrument(next http.Handler, route promhttp.LabelValueFromRequest) http.Handler {
-	opts := []promhttp.Option{
-		promhttp.WithLabelFromRequest("route", route),
-		promhttp.WithExemplarFromContext(traceExemplar),
+// bound are the children of one (route, method, code): resolved once, so
+// a request pays a map lookup instead of promhttp's label map and hashing.
+type bound struct {
+	requests prometheus.Counter
+	duration prometheus.Observer
+}
+
+type routeKey struct {
+	route, method string
+	code          int
+}
+
+// observe counts one answered request. ctx carries its server span, whose
+// trace id is the exemplar when sampled.
+func (m *Metrics) observe(ctx context.Context, route, method string, code int, elapsed time.Duration) {
+	k := routeKey{route, sanitizeMethod(method), code}
+	m.mu.RLock()
+	b := m.bound[k]
+	m.mu.RUnlock()
+	if b == nil {
+		b = &bound{
+			requests: m.requests.WithLabelValues(k.route, k.method, strconv.Itoa(k.code)),
+			duration: m.duration.WithLabelValues(k.route, k.method),
+		}
+		m.mu.Lock()
+		if len(m.bound) < maxBound { // codes are few, but a method is the client's
+			m.bound[k] = b
+		}
+		m.mu.Unlock()
 	}
-	h := promhttp.InstrumentHandlerDuration(m.duration, next, opts...)
-	h = promhttp.InstrumentHandlerCounter(m.requests, h, opts...)
-	return promhttp.InstrumentHandlerInFlight(m.inFlight, h)
+	if ex := traceExemplar(ctx); ex != nil {
+		b.requests.(prometheus.ExemplarAdder).AddWithExemplar(1, ex)
+		b.duration.(prometheus.ExemplarObserver).ObserveWithExemplar(elapsed.Seconds(), ex)
+		return
+	}
+	b.requests.Inc()
+	b.duration.Observe(elapsed.Seconds())
+}
+
+// maxBound bounds the children cache; beyond it a request resolves its
+// children each time, as promhttp does.
+const maxBound = 1024
+
+// sanitizeMethod is promhttp's method label: lowercase for the standard
+// methods, "unknown" for anything else, so a client cannot make series.
+func sanitizeMethod(m string) string {
+	switch m {
+	case http.MethodGet, "get":
+		return "get"
+	case http.MethodPut, "put":
+		return "put"
+	case http.MethodHead, "head":
+		return "head"
+	case http.MethodPost, "post":
+		return "post"
+	case http.MethodDelete, "delete":
+		return "delete"
+	case http.MethodConnect, "connect":
+		return "connect"
+	case http.MethodOptions, "options":
+		return "options"
+	case "NOTIFY", "notify":
+		return "notify"
+	case http.MethodTrace, "trace":
+		return "trace"
+	case http.MethodPatch, "patch":
+		return "patch"
+	}
+	return "unknown"
 }
 
 // traceExemplar is {trace_id} of a sampled span, else nil (no exemplar:
@@ -99,12 +164,16 @@ func traceExemplar(ctx context.Context) prometheus.Labels {
 	return prometheus.Labels{"trace_id": sc.TraceID().String()}
 }
 
-// routeOf returns the route label of r on mux: the path part of the pattern
+// routeLabelOf returns the route label of r: the path part of the pattern
 // it matches ("POST /v1/completions" → "/v1/completions"), or OtherRoute.
-// Only patterns registered by New are trusted: for a redirect the mux
-// reports the target path as the pattern.
-func (s *Server) routeOf(mux *http.ServeMux, r *http.Request) string {
-	_, pattern := mux.Handler(r)
+// A request the mux served carries its pattern; one refused before routing
+// (401, 413) is looked up. Only patterns registered by New are trusted:
+// for a redirect the mux reports the target path as the pattern.
+func (s *Server) routeLabelOf(mux *http.ServeMux, r *http.Request) string {
+	pattern := r.Pattern
+	if pattern == "" {
+		_, pattern = mux.Handler(r)
+	}
 	if route, ok := s.routes[pattern]; ok {
 		return route
 	}

@@ -229,14 +229,12 @@ func NewHTTPServer(addr string, h http.Handler) *http.Server {
 	}
 }
 
-// wrap puts mux behind otelhttp, the HTTP metrics and the middleware. The
-// metrics sit inside otelhttp so that a sampled span's trace id can be their
-// exemplar, and outside the middleware so that its refusals (401, 413) count.
+// wrap puts mux behind the server span (otelhttp, or a bare one when
+// nothing is traced) and the middleware, which also counts every answer in
+// the HTTP metrics: inside the span, so that a sampled span's trace id can
+// be their exemplar, and its own refusals (401, 413) included.
 func (s *Server) wrap(mux *http.ServeMux) http.Handler {
 	var inner http.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { s.serve(w, r, mux) })
-	if s.cfg.Metrics != nil {
-		inner = s.cfg.Metrics.instrument(inner, func(r *http.Request) string { return s.routeOf(mux, r) })
-	}
 	if s.cfg.TracerProvider == nil {
 		return s.bareSpans(inner)
 	}
@@ -295,6 +293,10 @@ func requestIDFrom(ctx context.Context) string {
 // traceparent header can be set before anything is written.
 func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMux) {
 	start := time.Now()
+	if m := s.cfg.Metrics; m != nil {
+		m.inFlight.Inc()
+		defer m.inFlight.Dec()
+	}
 	id := requestID(r.Header.Get("X-Request-Id"))
 	span := trace.SpanFromContext(r.Context())
 	span.SetAttributes(telemetry.KeyRequestID.String(id))
@@ -326,6 +328,10 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMu
 	// otelhttp names the span from its own copy of the request, which the
 	// mux never saw; name it here, where the route is known.
 	span.SetName(spanName(r))
+	elapsed := time.Since(start)
+	if m := s.cfg.Metrics; m != nil {
+		m.observe(r.Context(), s.routeLabelOf(mux, r), r.Method, sw.statusOr200(), elapsed)
+	}
 
 	level := slog.LevelInfo
 	switch {
@@ -341,7 +347,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMu
 		slog.String("route", r.Pattern),
 		slog.Int("status", sw.statusOr200()),
 		slog.Int64("bytes", sw.written),
-		slog.Duration("duration", time.Since(start)),
+		slog.Duration("duration", elapsed),
 		slog.String("remote", r.RemoteAddr),
 	)
 }
