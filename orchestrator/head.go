@@ -122,6 +122,18 @@ type tracked struct {
 	io         stageIO            // what its engine takes and gives, from the probe
 	routed     bool               // attached: its series are bound and the router has it
 	refused    string             // why the head refused to route it (roles); "" when not refused
+	times      joinTimes          // of its latest join
+}
+
+// joinTimes are when the steps of a replica's latest join happened, for
+// the attach log line and the join benchmark (see docs/benchmarks.md).
+// Zero: not reached (yet).
+type joinTimes struct {
+	event    time.Time // its record's event reached the loop
+	answered time.Time // its Health probe answered SERVING (probe goroutine)
+	attach   time.Time // the loop took the answer
+	bound    time.Time // its series are bound
+	routed   time.Time // the router snapshot that routes to it is published
 }
 
 // New builds a head. It starts nothing; call Run.
@@ -268,6 +280,7 @@ type probeResult struct {
 	gen    uint64
 	rep    *router.Replica
 	health *stagepb.HealthResponse
+	at     time.Time // when Health answered
 }
 
 // Run watches membership and applies it until ctx ends. It is the only
@@ -395,6 +408,7 @@ func (h *Head) setSleepState(rep *router.Replica, st stagepb.SleepState) {
 // join assigns the engine index, then probes the replica off the loop; the
 // loop binds its series and routes to it when the probe answers (attach).
 func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, rev int64, probes chan<- probeResult, probing *sync.WaitGroup) {
+	now := time.Now()
 	t := h.known[key]
 	if t == nil {
 		if h.nextIndex > stats.MaxEngineIndex {
@@ -412,9 +426,10 @@ func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, re
 	t.member, t.modRev, t.detached = m, rev, false
 	t.routed, t.refused = false, ""
 	t.graceUntil, t.leaveGen = time.Time{}, 0
+	t.times = joinTimes{event: now}
 	index := t.index
 	if t.joinedAt.IsZero() || t.detachedAt.After(t.joinedAt) {
-		t.joinedAt = time.Now()
+		t.joinedAt = now
 	}
 	h.gen++
 	t.probeGen = h.gen
@@ -446,7 +461,7 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 		cancel()
 		if err == nil && health.GetStatus() == stagepb.ServingStatus_SERVING_STATUS_SERVING {
 			select {
-			case probes <- probeResult{key: spec.Key, gen: gen, rep: rep, health: health}:
+			case probes <- probeResult{key: spec.Key, gen: gen, rep: rep, health: health, at: time.Now()}:
 			case <-ctx.Done():
 				h.router.Discard(rep)
 			}
@@ -484,6 +499,7 @@ func (h *Head) attach(pr probeResult) {
 		return
 	}
 	t.probeGen, t.cancel = 0, nil
+	t.times.answered, t.times.attach = pr.at, time.Now()
 	t.io = ioOf(pr.health)
 	why := h.checkRoles(pr.key, t.io)
 	if s := pr.health.GetStage(); s != "" && s != t.member.Stage {
@@ -519,6 +535,7 @@ func (h *Head) attach(pr probeResult) {
 		h.router.Discard(pr.rep)
 		return
 	}
+	t.times.bound = time.Now()
 	pr.rep.SetSleepState(sleep)
 	if g := pr.health.GetGauges(); g != nil {
 		pr.rep.SetLoad(int64(g.GetNumRequestsRunning()) + int64(g.GetNumRequestsWaitingCapacity()) + int64(g.GetNumRequestsWaitingDeferred()))
@@ -531,8 +548,9 @@ func (h *Head) attach(pr probeResult) {
 		h.router.Discard(pr.rep)
 		return
 	}
-	t.routed = true
-	h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", pr.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "sleep_state", sleep.String(), "roles", t.io.String())
+	t.routed, t.times.routed = true, time.Now()
+	h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", pr.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "sleep_state", sleep.String(), "roles", t.io.String(),
+		"probe", t.times.answered.Sub(t.times.event), "join", t.times.routed.Sub(t.times.event))
 	h.publish()
 }
 
