@@ -4,6 +4,7 @@
 package orchestrator
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -91,8 +92,10 @@ type Head struct {
 	invalid prometheus.Counter
 	errors  *prometheus.CounterVec
 
-	view    atomic.Pointer[[]tracked] // every replica the head knows, for the API
-	outputs atomic.Pointer[[]string]  // by stage: the role its routed replicas give (see stageOutputs)
+	// view is every replica the head knows, for the API: immutable copies
+	// of the loop's records, sorted by key (see publish).
+	view    atomic.Pointer[[]*tracked]
+	outputs atomic.Pointer[[]string] // by stage: the role its routed replicas give (see stageOutputs)
 	// changed is closed and replaced by every publish, so admin calls can
 	// wait for the loop to apply a record.
 	changed atomic.Pointer[chan struct{}]
@@ -259,7 +262,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		OnInvalid:         func(string, error) { h.invalid.Inc() },
 		Logger:            cfg.Logger,
 	})
-	empty := []tracked{}
+	empty := []*tracked{}
 	h.view.Store(&empty)
 	outputs := make([]string, len(cfg.Pipeline.Stages))
 	h.outputs.Store(&outputs)
@@ -359,7 +362,7 @@ func (h *Head) apply(ctx context.Context, ev membership.Event, probes chan<- pro
 	case membership.Leave:
 		h.leave(ctx, key, departures, probing)
 	}
-	h.publish()
+	h.publish(key)
 }
 
 // update applies a changed record of a routed replica whose process is the
@@ -510,7 +513,7 @@ func (h *Head) attach(pr probeResult) {
 		h.errors.WithLabelValues("role").Inc()
 		h.log.Error("orchestrator: refusing replica: it does not fit the pipeline", "stage", t.member.Stage, "replica", pr.key.Replica, "addr", t.member.Addr, "roles", t.io.String(), "reason", why)
 		h.router.Discard(pr.rep)
-		h.publish()
+		h.publish(pr.key)
 		return
 	}
 	sleep := pr.health.GetSleepState()
@@ -533,6 +536,7 @@ func (h *Head) attach(pr probeResult) {
 		h.errors.WithLabelValues("stats").Inc()
 		h.log.Error("orchestrator: cannot bind series; not routing", "stage", t.member.Stage, "replica", pr.key.Replica, "err", err)
 		h.router.Discard(pr.rep)
+		h.publish(pr.key)
 		return
 	}
 	t.times.bound = time.Now()
@@ -546,12 +550,13 @@ func (h *Head) attach(pr probeResult) {
 		h.errors.WithLabelValues("router").Inc()
 		h.log.Error("orchestrator: cannot route", "err", err)
 		h.router.Discard(pr.rep)
+		h.publish(pr.key)
 		return
 	}
 	t.routed, t.times.routed = true, time.Now()
 	h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", pr.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "sleep_state", sleep.String(), "roles", t.io.String(),
 		"probe", t.times.answered.Sub(t.times.event), "join", t.times.routed.Sub(t.times.event))
-	h.publish()
+	h.publish(pr.key)
 }
 
 // Verdicts of the leave probe: why a replica's record went away.
@@ -640,7 +645,7 @@ func (h *Head) departed(d departure) {
 		t.graceUntil = time.Now().Add(h.cfg.LeaseLossGrace)
 		h.log.Warn("orchestrator: replica's record is gone but it still serves; routing to it while it re-registers",
 			"stage", t.member.Stage, "replica", d.key.Replica, "grace", h.cfg.LeaseLossGrace)
-		h.publish()
+		h.publish(d.key)
 	case verdictGone:
 		rep, _ := h.router.Snapshot().Lookup(d.key)
 		h.abortAndDetach(t, rep)
@@ -684,36 +689,48 @@ func (h *Head) detach(t *tracked, why string) {
 	t.detached, t.detachedAt = true, time.Now()
 	t.routed, t.refused = false, ""
 	h.log.Info("orchestrator: replica detached", "stage", t.member.Stage, "replica", t.key.Replica, "engine_index", t.index, "reason", why)
-	h.publish()
+	h.publish(t.key)
 }
 
-// publish copies the loop's view for readers.
-func (h *Head) publish() {
-	out := make([]tracked, 0, len(h.known))
-	for _, t := range h.known {
+// publish makes the loop's record of key, which it just changed, visible
+// to readers, and wakes the waiters on changed. Every change of a record
+// is published under its key before the loop takes its next input. The
+// new view shares the other records' immutable copies with the old one:
+// only the changed record is copied (and the view's pointers), so a join
+// costs O(1) records, not a copy of every replica the head knows (the
+// largest allocation of a join on a head with 200 replicas: see
+// docs/benchmarks.md).
+func (h *Head) publish(key router.Key) {
+	if t := h.known[key]; t != nil {
+		old := *h.view.Load()
+		i, found := slices.BinarySearchFunc(old, key, func(e *tracked, k router.Key) int { return compareKeys(e.key, k) })
 		c := *t
 		c.cancel = nil
-		out = append(out, c)
-	}
-	slices.SortFunc(out, func(a, b tracked) int {
-		if a.key.Stage != b.key.Stage {
-			return a.key.Stage - b.key.Stage
+		out := make([]*tracked, len(old), len(old)+1)
+		copy(out, old)
+		if found {
+			out[i] = &c
+		} else {
+			out = slices.Insert(out, i, &c)
 		}
-		return int(a.key.Replica) - int(b.key.Replica)
-	})
-	h.view.Store(&out)
+		h.view.Store(&out)
+	}
 	outputs := h.stageOutputs()
 	h.outputs.Store(&outputs)
 	next := make(chan struct{})
 	close(*h.changed.Swap(&next))
 }
 
+// compareKeys orders keys by stage, then replica id: the view's order.
+func compareKeys(a, b router.Key) int {
+	return cmp.Or(cmp.Compare(a.Stage, b.Stage), cmp.Compare(a.Replica, b.Replica))
+}
+
 // lookup returns the published record of a replica.
 func (h *Head) lookup(key router.Key) (tracked, bool) {
-	for _, t := range *h.view.Load() {
-		if t.key == key {
-			return t, true
-		}
+	view := *h.view.Load()
+	if i, ok := slices.BinarySearchFunc(view, key, func(e *tracked, k router.Key) int { return compareKeys(e.key, k) }); ok {
+		return *view[i], true
 	}
 	return tracked{}, false
 }
