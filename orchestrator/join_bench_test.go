@@ -3,6 +3,8 @@ package orchestrator_test
 import (
 	"context"
 	"log/slog"
+	"os"
+	"runtime/debug"
 	"testing"
 	"time"
 
@@ -26,8 +28,15 @@ import (
 // figure. Besides the txn→routed and Register→routed percentiles it
 // reports the join's phases (see docs/benchmarks.md).
 //
+// Unless GOGC is set, it runs under the head binary's GC setting (GOGC
+// 400: headGCPercent in cmd/troupe), which this process (head, etcd and
+// worker in one) would otherwise not have; GOGC=100 gives Go's default.
+//
 //	go test -run '^$' -bench JoinToRoutable -benchtime 200x ./orchestrator/
 func BenchmarkJoinToRoutable(b *testing.B) {
+	if _, ok := os.LookupEnv("GOGC"); !ok {
+		defer debug.SetGCPercent(debug.SetGCPercent(400))
+	}
 	c := orchestratortest.Start(b, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1})
 	eng := sim.New(sim.Config{Role: sim.RoleText, Logger: slog.New(slog.DiscardHandler)})
 	defer eng.Close()
