@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/troupe-serving/troupe/internal/fdtable"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
@@ -28,14 +29,21 @@ import (
 // figure. Besides the txn→routed and Register→routed percentiles it
 // reports the join's phases (see docs/benchmarks.md).
 //
-// Unless GOGC is set, it runs under the head binary's GC setting (GOGC
-// 400: headGCPercent in cmd/troupe), which this process (head, etcd and
-// worker in one) would otherwise not have; GOGC=100 gives Go's default.
+// It runs under the head binary's process settings, which this process
+// (head, etcd and worker in one) would otherwise not have: GOGC 400
+// unless GOGC is set (headGCPercent in cmd/troupe; GOGC=100 gives Go's
+// default), and the descriptor table reserved at start (internal/fdtable;
+// TROUPE_BENCH_FDTABLE=0 leaves it to grow on demand).
 //
 //	go test -run '^$' -bench JoinToRoutable -benchtime 200x ./orchestrator/
 func BenchmarkJoinToRoutable(b *testing.B) {
 	if _, ok := os.LookupEnv("GOGC"); !ok {
 		defer debug.SetGCPercent(debug.SetGCPercent(400))
+	}
+	if os.Getenv("TROUPE_BENCH_FDTABLE") != "0" {
+		if err := fdtable.Reserve(fdtable.DefaultReserve); err != nil {
+			b.Fatal(err)
+		}
 	}
 	c := orchestratortest.Start(b, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1})
 	eng := sim.New(sim.Config{Role: sim.RoleText, Logger: slog.New(slog.DiscardHandler)})
