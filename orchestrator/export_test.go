@@ -2,9 +2,12 @@ package orchestrator
 
 import (
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/internal/router"
 )
 
 // GatheredValue reads the child of family whose labels include labels,
@@ -46,3 +49,23 @@ func GatheredValue(t *testing.T, g prometheus.Gatherer, family string, labels ma
 	}
 	return 0, false
 }
+
+// JoinTiming is when the steps of a replica's latest join happened, as
+// the head stamped them (see joinTimes); zero fields were not reached.
+type JoinTiming struct {
+	Event, Answered, Attach, Bound, Routed time.Time
+}
+
+// JoinTimes returns the published join times of the replica under key.
+func JoinTimes(h *Head, stage int, replica uint32) (JoinTiming, bool) {
+	t, ok := h.lookup(router.Key{Stage: stage, Replica: replica})
+	if !ok {
+		return JoinTiming{}, false
+	}
+	jt := t.times
+	return JoinTiming{Event: jt.event, Answered: jt.answered, Attach: jt.attach, Bound: jt.bound, Routed: jt.routed}, true
+}
+
+// Changed returns a channel that is closed by the head's next publish of
+// its view (a join, an attach, a leave...).
+func Changed(h *Head) <-chan struct{} { return *h.changed.Load() }

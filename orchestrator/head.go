@@ -4,6 +4,7 @@
 package orchestrator
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -92,8 +93,10 @@ type Head struct {
 	invalid prometheus.Counter
 	errors  *prometheus.CounterVec
 
-	view    atomic.Pointer[[]tracked] // every replica the head knows, for the API
-	outputs atomic.Pointer[[]string]  // by stage: the role its routed replicas give (see stageOutputs)
+	// view is every replica the head knows, for the API: immutable copies
+	// of the loop's records, sorted by key (see publish).
+	view    atomic.Pointer[[]*tracked]
+	outputs atomic.Pointer[[]string] // by stage: the role its routed replicas give (see stageOutputs)
 	// changed is closed and replaced by every publish, so admin calls can
 	// wait for the loop to apply a record.
 	changed atomic.Pointer[chan struct{}]
@@ -126,6 +129,18 @@ type tracked struct {
 	io         stageIO            // what its engine takes and gives, from the probe
 	routed     bool               // attached: its series are bound and the router has it
 	refused    string             // why the head refused to route it (roles); "" when not refused
+	times      joinTimes          // of its latest join
+}
+
+// joinTimes are when the steps of a replica's latest join happened, for
+// the attach log line and the join benchmark (see docs/benchmarks.md).
+// Zero: not reached (yet).
+type joinTimes struct {
+	event    time.Time // its record's event reached the loop
+	answered time.Time // its Health probe answered SERVING (probe goroutine)
+	attach   time.Time // the loop took the answer
+	bound    time.Time // its series are bound
+	routed   time.Time // the router snapshot that routes to it is published
 }
 
 // New builds a head. It starts nothing; call Run.
@@ -252,7 +267,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		OnInvalid:         func(string, error) { h.invalid.Inc() },
 		Logger:            cfg.Logger,
 	})
-	empty := []tracked{}
+	empty := []*tracked{}
 	h.view.Store(&empty)
 	outputs := make([]string, len(cfg.Pipeline.Stages))
 	h.outputs.Store(&outputs)
@@ -273,6 +288,7 @@ type probeResult struct {
 	gen    uint64
 	rep    *router.Replica
 	health *stagepb.HealthResponse
+	at     time.Time // when Health answered
 }
 
 // Run watches membership and applies it until ctx ends. It is the only
@@ -351,7 +367,7 @@ func (h *Head) apply(ctx context.Context, ev membership.Event, probes chan<- pro
 	case membership.Leave:
 		h.leave(ctx, key, departures, probing)
 	}
-	h.publish()
+	h.publish(key)
 }
 
 // update applies a changed record of a routed replica whose process is the
@@ -400,6 +416,7 @@ func (h *Head) setSleepState(rep *router.Replica, st stagepb.SleepState) {
 // join assigns the engine index, then probes the replica off the loop; the
 // loop binds its series and routes to it when the probe answers (attach).
 func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, rev int64, probes chan<- probeResult, probing *sync.WaitGroup) {
+	now := time.Now()
 	t := h.known[key]
 	if t == nil {
 		if h.nextIndex > stats.MaxEngineIndex {
@@ -417,9 +434,10 @@ func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, re
 	t.member, t.modRev, t.detached = m, rev, false
 	t.routed, t.refused = false, ""
 	t.graceUntil, t.leaveGen = time.Time{}, 0
+	t.times = joinTimes{event: now}
 	index := t.index
 	if t.joinedAt.IsZero() || t.detachedAt.After(t.joinedAt) {
-		t.joinedAt = time.Now()
+		t.joinedAt = now
 	}
 	h.gen++
 	t.probeGen = h.gen
@@ -451,7 +469,7 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 		cancel()
 		if err == nil && health.GetStatus() == stagepb.ServingStatus_SERVING_STATUS_SERVING {
 			select {
-			case probes <- probeResult{key: spec.Key, gen: gen, rep: rep, health: health}:
+			case probes <- probeResult{key: spec.Key, gen: gen, rep: rep, health: health, at: time.Now()}:
 			case <-ctx.Done():
 				h.router.Discard(rep)
 			}
@@ -489,6 +507,7 @@ func (h *Head) attach(pr probeResult) {
 		return
 	}
 	t.probeGen, t.cancel = 0, nil
+	t.times.answered, t.times.attach = pr.at, time.Now()
 	t.io = ioOf(pr.health)
 	why := h.checkRoles(pr.key, t.io)
 	if s := pr.health.GetStage(); s != "" && s != t.member.Stage {
@@ -499,7 +518,7 @@ func (h *Head) attach(pr probeResult) {
 		h.errors.WithLabelValues("role").Inc()
 		h.log.Error("orchestrator: refusing replica: it does not fit the pipeline", "stage", t.member.Stage, "replica", pr.key.Replica, "addr", t.member.Addr, "roles", t.io.String(), "reason", why)
 		h.router.Discard(pr.rep)
-		h.publish()
+		h.publish(pr.key)
 		return
 	}
 	sleep := pr.health.GetSleepState()
@@ -522,8 +541,10 @@ func (h *Head) attach(pr probeResult) {
 		h.errors.WithLabelValues("stats").Inc()
 		h.log.Error("orchestrator: cannot bind series; not routing", "stage", t.member.Stage, "replica", pr.key.Replica, "err", err)
 		h.router.Discard(pr.rep)
+		h.publish(pr.key)
 		return
 	}
+	t.times.bound = time.Now()
 	pr.rep.SetSleepState(sleep)
 	if g := pr.health.GetGauges(); g != nil {
 		pr.rep.SetLoad(int64(g.GetNumRequestsRunning()) + int64(g.GetNumRequestsWaitingCapacity()) + int64(g.GetNumRequestsWaitingDeferred()))
@@ -534,11 +555,13 @@ func (h *Head) attach(pr probeResult) {
 		h.errors.WithLabelValues("router").Inc()
 		h.log.Error("orchestrator: cannot route", "err", err)
 		h.router.Discard(pr.rep)
+		h.publish(pr.key)
 		return
 	}
-	t.routed = true
-	h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", pr.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "sleep_state", sleep.String(), "roles", t.io.String())
-	h.publish()
+	t.routed, t.times.routed = true, time.Now()
+	h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", pr.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "sleep_state", sleep.String(), "roles", t.io.String(),
+		"probe", t.times.answered.Sub(t.times.event), "join", t.times.routed.Sub(t.times.event))
+	h.publish(pr.key)
 }
 
 // Verdicts of the leave probe: why a replica's record went away.
@@ -627,7 +650,7 @@ func (h *Head) departed(d departure) {
 		t.graceUntil = time.Now().Add(h.cfg.LeaseLossGrace)
 		h.log.Warn("orchestrator: replica's record is gone but it still serves; routing to it while it re-registers",
 			"stage", t.member.Stage, "replica", d.key.Replica, "grace", h.cfg.LeaseLossGrace)
-		h.publish()
+		h.publish(d.key)
 	case verdictGone:
 		rep, _ := h.router.Snapshot().Lookup(d.key)
 		h.abortAndDetach(t, rep)
@@ -671,36 +694,48 @@ func (h *Head) detach(t *tracked, why string) {
 	t.detached, t.detachedAt = true, time.Now()
 	t.routed, t.refused = false, ""
 	h.log.Info("orchestrator: replica detached", "stage", t.member.Stage, "replica", t.key.Replica, "engine_index", t.index, "reason", why)
-	h.publish()
+	h.publish(t.key)
 }
 
-// publish copies the loop's view for readers.
-func (h *Head) publish() {
-	out := make([]tracked, 0, len(h.known))
-	for _, t := range h.known {
+// publish makes the loop's record of key, which it just changed, visible
+// to readers, and wakes the waiters on changed. Every change of a record
+// is published under its key before the loop takes its next input. The
+// new view shares the other records' immutable copies with the old one:
+// only the changed record is copied (and the view's pointers), so a join
+// costs O(1) records, not a copy of every replica the head knows (the
+// largest allocation of a join on a head with 200 replicas: see
+// docs/benchmarks.md).
+func (h *Head) publish(key router.Key) {
+	if t := h.known[key]; t != nil {
+		old := *h.view.Load()
+		i, found := slices.BinarySearchFunc(old, key, func(e *tracked, k router.Key) int { return compareKeys(e.key, k) })
 		c := *t
 		c.cancel = nil
-		out = append(out, c)
-	}
-	slices.SortFunc(out, func(a, b tracked) int {
-		if a.key.Stage != b.key.Stage {
-			return a.key.Stage - b.key.Stage
+		out := make([]*tracked, len(old), len(old)+1)
+		copy(out, old)
+		if found {
+			out[i] = &c
+		} else {
+			out = slices.Insert(out, i, &c)
 		}
-		return int(a.key.Replica) - int(b.key.Replica)
-	})
-	h.view.Store(&out)
+		h.view.Store(&out)
+	}
 	outputs := h.stageOutputs()
 	h.outputs.Store(&outputs)
 	next := make(chan struct{})
 	close(*h.changed.Swap(&next))
 }
 
+// compareKeys orders keys by stage, then replica id: the view's order.
+func compareKeys(a, b router.Key) int {
+	return cmp.Or(cmp.Compare(a.Stage, b.Stage), cmp.Compare(a.Replica, b.Replica))
+}
+
 // lookup returns the published record of a replica.
 func (h *Head) lookup(key router.Key) (tracked, bool) {
-	for _, t := range *h.view.Load() {
-		if t.key == key {
-			return t, true
-		}
+	view := *h.view.Load()
+	if i, ok := slices.BinarySearchFunc(view, key, func(e *tracked, k router.Key) int { return compareKeys(e.key, k) }); ok {
+		return *view[i], true
 	}
 	return tracked{}, false
 }

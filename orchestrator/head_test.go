@@ -27,6 +27,7 @@ import (
 type probeServer struct {
 	stagepb.UnimplementedStageServiceServer
 	sleep  stagepb.SleepState
+	stage  string // the stage it says it serves; "": none said
 	gate   chan struct{}
 	probes atomic.Int64 // Health calls answered or held
 }
@@ -40,7 +41,7 @@ func (p *probeServer) Health(ctx context.Context, _ *stagepb.HealthRequest) (*st
 			return nil, ctx.Err()
 		}
 	}
-	return &stagepb.HealthResponse{Status: stagepb.ServingStatus_SERVING_STATUS_SERVING, SleepState: p.sleep}, nil
+	return &stagepb.HealthResponse{Status: stagepb.ServingStatus_SERVING_STATUS_SERVING, SleepState: p.sleep, Stage: p.stage}, nil
 }
 
 func startProbeServer(t *testing.T, p *probeServer) string {

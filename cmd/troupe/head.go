@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/keepalive"
 
+	"github.com/troupe-serving/troupe/internal/fdtable"
 	"github.com/troupe-serving/troupe/internal/httpapi"
 	"github.com/troupe-serving/troupe/internal/router"
 	"github.com/troupe-serving/troupe/membership"
@@ -112,6 +113,11 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	log := hf.log.logger()
 	setHeadGC()
+	// Grow the descriptor table now, not at the join or request that
+	// crosses 256, 512, 1024... descriptors (see internal/fdtable).
+	if err := fdtable.Reserve(fdtable.DefaultReserve); err != nil {
+		log.Warn("troupe head: descriptor table not reserved", "err", err)
+	}
 	p, err := hf.loadPipeline() // refuse a bad file or policy before waiting on etcd
 	if err != nil {
 		return err

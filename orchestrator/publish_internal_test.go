@@ -1,0 +1,82 @@
+package orchestrator
+
+import (
+	"errors"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+
+	"github.com/troupe-serving/troupe/internal/router"
+)
+
+// TestPublishCopiesOnlyTheChangedRecord: the view is every record the loop
+// knows, sorted by key, each an immutable copy taken by publish. Publishing
+// one key copies that record only: the others stay the very copies readers
+// already hold, and a change the loop has not published is not visible.
+func TestPublishCopiesOnlyTheChangedRecord(t *testing.T) {
+	h, err := New(nil, Config{
+		Pipeline: DefaultPipeline(),
+		Metrics:  prometheus.NewRegistry(),
+		Dial:     func(string) (*grpc.ClientConn, error) { return nil, errors.New("not dialled in this test") },
+	})
+	require.NoError(t, err)
+	var keys []router.Key
+	for st := range len(h.cfg.Pipeline.Stages) {
+		for r := range uint32(20) {
+			keys = append(keys, router.Key{Stage: st, Replica: r + 1})
+		}
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	rng.Shuffle(len(keys), func(i, j int) { keys[i], keys[j] = keys[j], keys[i] })
+
+	published := map[router.Key]*tracked{} // the copy readers got for each key
+	for i, k := range keys {
+		changed := *h.changed.Load()
+		h.known[k] = &tracked{key: k, index: i}
+		h.publish(k)
+		select {
+		case <-changed:
+		default:
+			t.Fatalf("publish of %v did not wake the waiters", k)
+		}
+		view := *h.view.Load()
+		require.Len(t, view, i+1)
+		require.True(t, slices.IsSortedFunc(view, func(a, b *tracked) int { return compareKeys(a.key, b.key) }), "view sorted by key after %v", k)
+		for _, e := range view {
+			assert.Equal(t, h.known[e.key].index, e.index)
+			assert.NotSame(t, h.known[e.key], e, "the view holds copies, not the loop's records")
+			if p, ok := published[e.key]; ok {
+				assert.Same(t, p, e, "publishing %v copied %v again", k, e.key)
+			}
+			published[e.key] = e
+		}
+	}
+
+	k := keys[7]
+	h.known[k].index = 1000 // a change on the loop, not published yet
+	got, ok := h.lookup(k)
+	require.True(t, ok)
+	assert.Equal(t, 7, got.index, "an unpublished change is not visible")
+	h.publish(k)
+	got, ok = h.lookup(k)
+	require.True(t, ok)
+	assert.Equal(t, 1000, got.index)
+	assert.Len(t, *h.view.Load(), len(keys), "republishing a key replaces its record")
+
+	before := h.view.Load()
+	changed := *h.changed.Load()
+	h.publish(router.Key{Stage: 0, Replica: 99}) // an event for a key the head never tracked
+	assert.Same(t, before, h.view.Load(), "nothing to copy")
+	select {
+	case <-changed:
+	default:
+		t.Fatal("publish of an untracked key did not wake the waiters")
+	}
+	_, ok = h.lookup(router.Key{Stage: 0, Replica: 99})
+	assert.False(t, ok)
+}
