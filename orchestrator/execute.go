@@ -94,7 +94,7 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	}()
 	// Attributes are set after the start, only on a recording span: an
 	// unsampled request pays nothing for them (no sampler reads them).
-	ctx, span := h.tracer.Start(ctx, telemetry.SpanRequest, trace.WithSpanKind(trace.SpanKindInternal))
+	ctx, span := h.tracer.Start(ctx, telemetry.SpanRequest, internalSpan)
 	defer span.End()
 	recording := span.IsRecording()
 	if recording {
@@ -417,7 +417,7 @@ func (h *Head) countDecision(stage int, d router.Decision) {
 func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Decision, attempt int, sampling *stagepb.SamplingParams, open opener, forward forwarder) (_ *stageOutput, produced bool, err error) {
 	name := h.cfg.Pipeline.Stages[stage].Name
 	rep := d.Replica
-	ctx, span := h.tracer.Start(ctx, telemetry.StageSpanName(name), trace.WithSpanKind(trace.SpanKindInternal))
+	ctx, span := h.tracer.Start(ctx, h.stageSpans[stage], internalSpan)
 	defer span.End()
 	recording := span.IsRecording() // as in Execute: no attribute work when unsampled
 	if recording {
@@ -510,7 +510,12 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 				}
 				if last.IsZero() {
 					fin.TTFT = max(at.Sub(start), 0)
-					span.AddEvent("first_token", trace.WithTimestamp(at))
+					if recording {
+						span.AddEvent("first_token", trace.WithTimestamp(at))
+					}
+					if len(ages) > 1 {
+						fin.InterTokenLatencies = make([]time.Duration, 0, len(ages)-1)
+					}
 				} else {
 					fin.InterTokenLatencies = append(fin.InterTokenLatencies, max(at.Sub(last), 0))
 				}
@@ -616,6 +621,9 @@ func (h *Head) recordOutcome(stage int, rep *router.Replica, err error, fault bo
 // callOptions set the gRPC message limits of a call to a replica (gRPC's
 // default would stop at 4 MiB received).
 func (h *Head) callOptions() []grpc.CallOption { return h.calls }
+
+// internalSpan is the start option of the head's own spans, built once.
+var internalSpan = trace.WithSpanKind(trace.SpanKindInternal)
 
 // maxHoldOutput is how long a worker may hold a stage's output that
 // nothing reads before the stage ends (GenerateRequest.hold_output_ms).

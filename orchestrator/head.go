@@ -26,6 +26,7 @@ import (
 	"github.com/troupe-serving/troupe/internal/stats"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 
 // Config configures a Head.
@@ -103,6 +104,8 @@ type Head struct {
 	// calls are the options of every call to a replica (callOptions),
 	// built once: they are the same for every request.
 	calls []grpc.CallOption
+	// stageSpans are the names of the stage attempt spans, by stage.
+	stageSpans []string
 
 	// Owned by Run's loop goroutine only. known is the one owner of the
 	// mapping from replica key to engine index: an index is handed out on a
@@ -225,6 +228,9 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		}, []string{"step"}),
 		known: map[router.Key]*tracked{},
 		calls: []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
+	}
+	for _, st := range cfg.Pipeline.Stages {
+		h.stageSpans = append(h.stageSpans, telemetry.StageSpanName(st.Name))
 	}
 	for _, t := range []string{"join", "leave"} {
 		h.events.WithLabelValues(t)

@@ -147,9 +147,12 @@ func setHeadGC() {
 	}
 }
 
-// httpTracer is the HTTP layer's tracer provider: none when the head
-// exports nothing, so the server spans are bare (see httpapi.Config).
-func httpTracer(tp *telemetry.Provider) trace.TracerProvider {
+// exportedTracer is the tracer provider of the head's HTTP layer and
+// pipeline: none when the head exports nothing. Every span would be
+// unsampled then; without a provider the HTTP layer starts bare server
+// spans (real ids for traceparent and the logs, see httpapi.Config) and the
+// pipeline's spans are no-ops that carry that context on.
+func exportedTracer(tp *telemetry.Provider) trace.TracerProvider {
 	if !tp.Enabled() {
 		return nil
 	}
@@ -217,7 +220,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		MaxMigrations:     hf.maxMigrations,
 		Metrics:           metrics,
 		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
-		TracerProvider:    tp.TracerProvider(),
+		TracerProvider:    exportedTracer(tp),
 		Logger:            log,
 	})
 	if err != nil {
@@ -232,7 +235,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		APIKey:          hf.apiKey,
 		Gatherer:        metrics,
 		Metrics:         httpMetrics,
-		TracerProvider:  httpTracer(tp),
+		TracerProvider:  exportedTracer(tp),
 		Propagator:      tp.Propagator(),
 		UntrustedParent: hf.untrustedParent,
 		Logger:          log,

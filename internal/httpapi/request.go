@@ -226,8 +226,12 @@ func isNull(raw json.RawMessage) bool {
 // decoding a second time (every request pays for it). For a repeated key
 // the last occurrence counts, as in encoding/json.
 func ignoredFields(body []byte, used []string) []string {
-	var out []string
-	var seen []string // keys so far, for a repeated one
+	type field struct {
+		key []byte // unquoted; a subslice of body unless it had escapes
+		set bool
+	}
+	var buf [32]field // a request has a few top-level fields: no allocation
+	fields := buf[:0]
 	i := skipSpace(body, 0)
 	if i >= len(body) || body[i] != '{' {
 		return nil
@@ -240,11 +244,13 @@ func ignoredFields(body []byte, used []string) []string {
 		}
 		end := skipString(body, i)
 		raw := body[i:end]
-		key := string(raw[1 : len(raw)-1])
+		key := raw[1 : len(raw)-1]
 		if bytes.IndexByte(raw, '\\') >= 0 {
-			if json.Unmarshal(raw, &key) != nil {
+			var k string
+			if json.Unmarshal(raw, &k) != nil {
 				return nil
 			}
+			key = []byte(k)
 		}
 		i = skipSpace(body, end)
 		if i >= len(body) || body[i] != ':' {
@@ -253,24 +259,22 @@ func ignoredFields(body []byte, used []string) []string {
 		i = skipSpace(body, i+1)
 		start := i
 		i = skipValue(body, i)
-		set := !isNull(body[start:i])
-		if j := slices.Index(seen, key); j >= 0 { // the last occurrence wins
-			seen = slices.Delete(seen, j, j+1)
-			if k := slices.Index(out, key); k >= 0 {
-				out = slices.Delete(out, k, k+1)
-			}
-		}
-		seen = append(seen, key)
-		if set && !slices.Contains(used, key) {
-			out = append(out, key)
-		}
+		fields = append(fields, field{key: key, set: !isNull(body[start:i])})
 		i = skipSpace(body, i)
 		if i < len(body) && body[i] == ',' {
 			i++
 		}
 	}
-	if len(out) == 0 {
-		return nil
+	var out []string
+	for n, f := range fields {
+		if !f.set || slices.ContainsFunc(used, func(u string) bool { return u == string(f.key) }) {
+			continue
+		}
+		// A repeated key counts by its last occurrence, as in encoding/json.
+		if slices.ContainsFunc(fields[n+1:], func(g field) bool { return bytes.Equal(g.key, f.key) }) {
+			continue
+		}
+		out = append(out, string(f.key))
 	}
 	slices.Sort(out)
 	return out
