@@ -116,9 +116,9 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	if len(req.Messages) > 0 {
 		in.Input = &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: req.Messages}}
 	}
-	if size := proto.Size(in); size > h.cfg.MaxMessageBytes {
+	if sizeBound(req) > h.cfg.MaxMessageBytes/2 && proto.Size(in) > h.cfg.MaxMessageBytes {
 		// gRPC would refuse it too, as a failure of the replica.
-		err = newError(ErrInputTooLarge, nil, "the prompt is too large: %d bytes once decoded, and a request to a replica may hold %d bytes", size, h.cfg.MaxMessageBytes)
+		err = newError(ErrInputTooLarge, nil, "the prompt is too large: %d bytes once decoded, and a request to a replica may hold %d bytes", proto.Size(in), h.cfg.MaxMessageBytes)
 		span.SetStatus(codes.Error, err.Error())
 		return nil, err
 	}
@@ -202,6 +202,19 @@ func (h *Head) executeSequential(ctx context.Context, req Request, n int, in *st
 		in = next
 	}
 	return res, ttfa, nil
+}
+
+// sizeBound bounds the encoded size of stage 0's request for req from
+// above, without encoding it: every string at most its length plus 16
+// bytes of tags and lengths, and 256 bytes for the fixed fields. Only a
+// request that could be near the limit pays for proto.Size of the whole
+// (the sampling parameters, small, are measured exactly).
+func sizeBound(req Request) int {
+	n := 256 + len(req.ID) + len(req.Prompt) + len(req.Voice) + 16*3 + proto.Size(req.Sampling)
+	for _, m := range req.Messages {
+		n += len(m.GetRole()) + len(m.GetContent()) + 16*3
+	}
+	return n
 }
 
 // outcomeOf classifies a finished request for troupe_pipeline_requests_total.

@@ -7,6 +7,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+	"pgregory.net/rapid"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -123,4 +125,24 @@ func BenchmarkForwardChunk(b *testing.B) {
 		}
 		in.markSent(i)
 	}
+}
+
+// TestSizeBoundIsAnUpperBound: the cheap bound that lets most requests
+// skip proto.Size never undercuts the real size.
+func TestSizeBoundIsAnUpperBound(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		str := func(label string) string { return rapid.StringN(0, 300, -1).Draw(t, label) }
+		req := Request{ID: str("id"), Prompt: str("prompt"), Voice: str("voice"),
+			Sampling: &stagepb.SamplingParams{MaxTokens: rapid.Uint32().Draw(t, "max"), Stop: rapid.SliceOfN(rapid.StringN(0, 50, -1), 0, 5).Draw(t, "stop")}}
+		for range rapid.IntRange(0, 5).Draw(t, "messages") {
+			req.Messages = append(req.Messages, &stagepb.ChatMessage{Role: str("role"), Content: str("content")})
+		}
+		in := &stagepb.GenerateRequest{RequestId: req.ID, Input: &stagepb.GenerateRequest_Text{Text: req.Prompt}, Sampling: req.Sampling, Voice: req.Voice}
+		if len(req.Messages) > 0 {
+			in.Input = &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: req.Messages}}
+		}
+		if got, want := sizeBound(req), proto.Size(in); got < want {
+			t.Fatalf("bound %d below the size %d", got, want)
+		}
+	})
 }

@@ -355,7 +355,7 @@ func parseChat(body []byte, model string) (job, *apiError) {
 		return job{}, e
 	}
 	for i, raw := range req.Modalities {
-		param := fmt.Sprintf("modalities[%d]", i)
+		param := indexed("modalities", i)
 		var m string
 		if e := decodeValue(raw, &m, param); e != nil {
 			return job{}, e
@@ -430,6 +430,27 @@ func unsupported(param, format string, args ...any) *apiError {
 	return badRequest(param, "unsupported", format, args...)
 }
 
+// indexedParams are "messages[0]" and the like for the first indices: a
+// request's param paths are built for every element, and are only shown
+// when something is wrong.
+var indexedParams = func() map[string][]string {
+	m := map[string][]string{}
+	for _, name := range []string{"messages", "modalities"} {
+		for i := range 16 {
+			m[name] = append(m[name], name+"["+strconv.Itoa(i)+"]")
+		}
+	}
+	return m
+}()
+
+// indexed is the param path of element i of the array field name.
+func indexed(name string, i int) string {
+	if ps := indexedParams[name]; i < len(ps) {
+		return ps[i]
+	}
+	return name + "[" + strconv.Itoa(i) + "]"
+}
+
 // chatPrompt renders messages as the stage-0 prompt: one "role: content"
 // line per message, joined by "\n"; the text parts of an array content are
 // joined by "\n". The rendering is deterministic, so the same conversation
@@ -440,7 +461,7 @@ func chatPrompt(msgs []json.RawMessage) (string, []*stagepb.ChatMessage, *apiErr
 	var b strings.Builder
 	out := make([]*stagepb.ChatMessage, 0, len(msgs))
 	for i, raw := range msgs {
-		param := fmt.Sprintf("messages[%d]", i)
+		param := indexed("messages", i)
 		var m chatMessage
 		if t := bytes.TrimSpace(raw); t[0] != '{' {
 			return "", nil, badRequest(param, "invalid_type", "invalid type for %q: expected an object, got %s", param, jsonKind(t))
