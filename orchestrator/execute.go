@@ -47,6 +47,15 @@ type Request struct {
 	// replica on stages with session affinity (X-Session-ID, or the
 	// OpenAI `user` field).
 	SessionKey string
+	// Flush, when not nil, lets onText and OnAudio buffer what they
+	// deliver: Execute calls it whenever it has delivered all the output
+	// that has come so far and is about to wait for more, so output that
+	// comes in a burst goes out in one write while output that comes alone
+	// goes out at once. It is called from the goroutines that call onText
+	// and OnAudio; an error from it aborts the request. Execute does not
+	// flush after the last output: the caller writes the end of the answer
+	// and flushes that.
+	Flush func() error
 }
 
 // Result is what a request produced.
@@ -172,7 +181,11 @@ func (h *Head) executeSequential(ctx context.Context, req Request, n int, in *st
 		if forward == nil || (i == n-1 && i > 0 && req.OnAudio == nil) {
 			in.HoldOutputMs = h.holdOutputMs() // nothing reads this output before the stage ends
 		}
-		out, err := h.runStage(ctx, req, i, in, forward)
+		var flush func() error // the stage's output goes to the client
+		if (i == 0 && onText != nil) || (i == n-1 && i > 0 && req.OnAudio != nil) {
+			flush = req.Flush
+		}
+		out, err := h.runStage(ctx, req, i, in, forward, flush)
 		if err != nil {
 			return nil, 0, err
 		}
@@ -260,7 +273,7 @@ const maxAttempts = 2
 // attempt fails before any output reached the client. forward, when not
 // nil, streams output to the client; without it nothing is visible until
 // the stage ends, so any failure may be retried.
-func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb.GenerateRequest, forward forwarder) (*stageOutput, error) {
+func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb.GenerateRequest, forward forwarder, flush func() error) (*stageOutput, error) {
 	var failed []*router.Replica
 	var lastErr error
 	var moved migrated // what failed attempts delivered before a migration
@@ -296,7 +309,7 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 				return visible, err
 			}
 		}
-		out, produced, err := h.attempt(ctx, req, stage, d, attempt, cur.GetSampling(), open, fwd)
+		out, produced, err := h.attempt(ctx, req, stage, d, attempt, cur.GetSampling(), open, fwd, flush)
 		if err == nil {
 			return moved.prepend(out), nil
 		}
@@ -427,7 +440,7 @@ func (h *Head) countDecision(stage int, d router.Decision) {
 // The attempt fails with errStalled when, once it has started to work, it
 // makes no progress for the stall timeout: no chunk received, and no input
 // sent.
-func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Decision, attempt int, sampling *stagepb.SamplingParams, open opener, forward forwarder) (_ *stageOutput, produced bool, err error) {
+func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Decision, attempt int, sampling *stagepb.SamplingParams, open opener, forward forwarder, flush func() error) (_ *stageOutput, produced bool, err error) {
 	name := h.cfg.Pipeline.Stages[stage].Name
 	rep := d.Replica
 	ctx, span := h.tracer.Start(ctx, h.stageSpans[stage], internalSpan)
@@ -490,10 +503,20 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 	if err != nil {
 		return nil, false, h.stageError(ctx, name, rep, err, &fin, &fault)
 	}
+	recv := stream.Recv
+	if flush != nil {
+		ra := startReadAhead(ctx, stream)
+		wait = func() { w(); <-ra.done }
+		recv = func() (*stagepb.GenerateChunk, error) { return ra.next(ctx, flush) }
+	}
 	for {
-		chunk, rerr := stream.Recv()
+		chunk, rerr := recv()
 		if rerr == io.EOF {
 			break
+		}
+		if errors.Is(rerr, errNotFlushed) {
+			fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
+			return nil, produced, fmt.Errorf("orchestrator: stage %q: output not delivered: %w", name, rerr)
 		}
 		if rerr != nil {
 			return nil, produced, h.stageError(ctx, name, rep, rerr, &fin, &fault)
@@ -634,6 +657,66 @@ func (h *Head) recordOutcome(stage int, rep *router.Replica, err error, fault bo
 // callOptions set the gRPC message limits of a call to a replica (gRPC's
 // default would stop at 4 MiB received).
 func (h *Head) callOptions() []grpc.CallOption { return h.calls }
+
+// readAheadChunks is how many chunks a stage whose output goes to the
+// client may have received and not yet delivered: the read-ahead lets the
+// head see that more output is there before it flushes, and the bound
+// keeps a client that stops reading slowing the stage down.
+const readAheadChunks = 16
+
+// errNotFlushed wraps the error of Request.Flush.
+var errNotFlushed = errors.New("orchestrator: flush failed")
+
+// readAhead receives a stage attempt's chunks ahead of the loop that
+// delivers them. Its goroutine ends when the stream does (an error, io.EOF
+// or the attempt's context cancelled); done is closed then.
+type readAhead struct {
+	ch   chan recvResult
+	done chan struct{}
+}
+
+type recvResult struct {
+	chunk *stagepb.GenerateChunk
+	err   error
+}
+
+func startReadAhead(ctx context.Context, s chunkStream) *readAhead {
+	ra := &readAhead{ch: make(chan recvResult, readAheadChunks), done: make(chan struct{})}
+	go func() {
+		defer close(ra.done)
+		for {
+			c, err := s.Recv()
+			select {
+			case ra.ch <- recvResult{c, err}:
+			case <-ctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	return ra
+}
+
+// next returns the next chunk; when none has come yet, it first flushes
+// what was delivered, then waits.
+func (ra *readAhead) next(ctx context.Context, flush func() error) (*stagepb.GenerateChunk, error) {
+	select {
+	case r := <-ra.ch:
+		return r.chunk, r.err
+	default:
+	}
+	if err := flush(); err != nil {
+		return nil, fmt.Errorf("%w: %w", errNotFlushed, err)
+	}
+	select {
+	case r := <-ra.ch:
+		return r.chunk, r.err
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
 
 // internalSpan is the start option of the head's own spans, built once.
 var internalSpan = trace.WithSpanKind(trace.SpanKindInternal)

@@ -58,3 +58,32 @@ func TestHeldOutputKeepsTokenTimings(t *testing.T) {
 	assert.LessOrEqual(t, itlSum, e2e)
 	assert.Less(t, ttft, e2e-(tokens-2)*step, "the first token is dated when it was made, not when its message came")
 }
+
+// A streaming client's output is flushed whenever the head has delivered
+// all that came and waits for more: output that comes alone goes out
+// before the next arrives. (After the last the caller writes the end of
+// the answer and flushes it.)
+func TestStreamedOutputIsFlushedWhenIdle(t *testing.T) {
+	const tokens, step = 4, 100 * time.Millisecond
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, Sim: sim.Config{DecodeTokenLatency: step}})
+	var calls []string // "t" per delivered delta, "f" per flush
+	req := orchestrator.Request{ID: "flush", Prompt: "flush every token", Sampling: sampling(tokens, 1),
+		Flush: func() error { calls = append(calls, "f"); return nil }}
+	res, err := c.Head.Execute(ctxT(t), req, func(string) error { calls = append(calls, "t"); return nil })
+	require.NoError(t, err)
+	require.Equal(t, tokens, res.CompletionTokens)
+	texts, flushes := 0, 0
+	for i, call := range calls {
+		if call == "f" {
+			flushes++
+			continue
+		}
+		texts++
+		if texts < tokens {
+			// Tokens are a step apart: each is flushed before the next comes.
+			assert.Equal(t, "f", calls[i+1], "a delta that came alone is flushed at once: %v", calls)
+		}
+	}
+	assert.Equal(t, tokens, texts)
+	assert.GreaterOrEqual(t, flushes, tokens-1)
+}

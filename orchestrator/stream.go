@@ -299,7 +299,11 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 			}
 			return h.openStreamed(ctx, run, stage, rep, s, progress)
 		}
-		out, produced, err := h.attempt(ctx, run.req, stage, d, attempt, prompt.GetSampling(), open, forward)
+		var flush func() error // the stage's output goes to the client
+		if (stage == 0 && run.onText != nil) || (last && run.req.OnAudio != nil) {
+			flush = run.req.Flush
+		}
+		out, produced, err := h.attempt(ctx, run.req, stage, d, attempt, prompt.GetSampling(), open, forward, flush)
 		if err == nil {
 			return moved.prepend(out), nil
 		}

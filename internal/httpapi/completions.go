@@ -152,6 +152,14 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 		}
 		return stream.send(chunk())
 	}
+	// Events are written as they come and flushed when the head has no
+	// more output at hand (Request.Flush): a burst goes out in one write,
+	// a lone token at once.
+	req.Flush = func() error {
+		mu.Lock()
+		defer mu.Unlock()
+		return stream.flush()
+	}
 	samples := 0
 	if j.audio {
 		expires := time.Now().Add(audioTTL).Unix()
@@ -194,6 +202,9 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 	if err == nil {
 		err = stream.done()
 	}
+	if err == nil {
+		err = stream.flush()
+	}
 	if err != nil {
 		s.log.DebugContext(r.Context(), "httpapi: stream write failed", "request_id", id, "err", err)
 	}
@@ -229,7 +240,9 @@ func (s *Server) fail(w http.ResponseWriter, r *http.Request, stream *sseWriter,
 	}
 	s.log.Log(r.Context(), level, "httpapi: request failed", "request_id", id, "status", e.Status, "code", e.Code, "err", err)
 	if stream != nil && stream.started {
-		_ = stream.send(errorBody{Error: detailOf(e)})
+		if stream.send(errorBody{Error: detailOf(e)}) == nil {
+			_ = stream.flush()
+		}
 		return
 	}
 	writeError(w, e)
@@ -284,14 +297,15 @@ func extendWriteDeadline(w http.ResponseWriter) {
 	_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(writeStallTimeout))
 }
 
-// sseWriter writes server-sent events, flushing each. It is used by one
-// goroutine (the handler's; the head calls onText synchronously). After a
-// failed write it writes nothing more.
+// sseWriter writes server-sent events into the response's buffer; flush
+// sends what was written. Its users serialize their calls. After a failed
+// write it writes nothing more.
 type sseWriter struct {
-	w       http.ResponseWriter
-	rc      *http.ResponseController
-	started bool
-	broken  bool
+	w         http.ResponseWriter
+	rc        *http.ResponseController
+	started   bool
+	broken    bool
+	unflushed bool // events were written since the last flush
 }
 
 // begin writes the stream's headers and the responder's first chunk, once.
@@ -305,10 +319,11 @@ func (s *sseWriter) begin(resp responder) error {
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no") // reverse proxies: do not buffer the stream
 	s.w.WriteHeader(http.StatusOK)
+	s.unflushed = true // the headers
 	if first := resp.roleChunk(); first != nil {
 		return s.send(first)
 	}
-	return s.flush()
+	return nil
 }
 
 func (s *sseWriter) send(v any) error {
@@ -330,15 +345,23 @@ func (s *sseWriter) event(data []byte) error {
 	buf = append(buf, "data: "...)
 	buf = append(buf, data...)
 	buf = append(buf, '\n', '\n')
+	// A write that fills the response buffer goes to the connection: it
+	// needs the deadline too.
 	_ = s.rc.SetWriteDeadline(time.Now().Add(writeStallTimeout))
 	if _, err := s.w.Write(buf); err != nil {
 		s.broken = true
 		return fmt.Errorf("httpapi: write event: %w", err)
 	}
-	return s.flush()
+	s.unflushed = true
+	return nil
 }
 
+// flush sends the events written since the last flush, if any.
 func (s *sseWriter) flush() error {
+	if !s.unflushed || s.broken {
+		return nil
+	}
+	s.unflushed = false
 	_ = s.rc.SetWriteDeadline(time.Now().Add(writeStallTimeout))
 	if err := s.rc.Flush(); err != nil {
 		s.broken = true
