@@ -163,8 +163,12 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		return err
 	}
 
+	// metrics is gathered on /metrics; the per-replica stats are not on it
+	// (they are written by the head, the API's Exposer, see
+	// orchestrator.Config.StatsMetrics): their registry only checks them.
 	metrics := prometheus.NewRegistry()
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	statsMetrics := prometheus.NewRegistry()
 	dialOpts := []grpc.DialOption{
 		grpc.WithTransportCredentials(creds),
 		grpc.WithStatsHandler(otelgrpc.NewClientHandler(
@@ -189,6 +193,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		LeaseLossGrace:    hf.leaseLossGrace,
 		MaxMigrations:     hf.maxMigrations,
 		Metrics:           metrics,
+		StatsMetrics:      statsMetrics,
 		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
 		TracerProvider:    tp.TracerProvider(),
 		Logger:            log,
@@ -204,6 +209,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		MaxBodyBytes:    int64(hf.maxBody),
 		APIKey:          hf.apiKey,
 		Gatherer:        metrics,
+		Exposer:         head,
 		Metrics:         httpMetrics,
 		TracerProvider:  tp.TracerProvider(),
 		Propagator:      tp.Propagator(),
