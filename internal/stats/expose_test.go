@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"math"
 	"os/exec"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -469,4 +471,21 @@ func (failingWriter) Write([]byte) (int, error) { return 0, errWrite }
 func textParse(r *strings.Reader) (map[string]*dto.MetricFamily, error) {
 	p := expfmt.NewTextParser(model.UTF8Validation)
 	return p.TextToMetricFamilies(r)
+}
+
+// TestAppendFloatAsExpfmt: the integer shortcut formats as strconv's 'g'
+// (and OpenMetrics' ".0" rule) around its edges.
+func TestAppendFloatAsExpfmt(t *testing.T) {
+	for _, v := range []float64{0, math.Copysign(0, -1), 1, 7, 999999, 1e6, 1e6 + 1, 123456789, 0.5, 1.5, 2.5e-7, -3, math.Inf(1), math.NaN(), 1 << 53} {
+		want := strconv.FormatFloat(v, 'g', -1, 64)
+		if v == 0 {
+			want = "0" // expfmt writes -0 as 0
+		}
+		require.Equal(t, want, string(appendFloat(nil, v, false)), "%v", v)
+		om := want
+		if !strings.ContainsAny(om, "e.") && !math.IsInf(v, 0) && !math.IsNaN(v) {
+			om += ".0"
+		}
+		require.Equal(t, om, string(appendFloat(nil, v, true)), "%v", v)
+	}
 }
