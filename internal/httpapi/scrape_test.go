@@ -131,3 +131,58 @@ func TestAcceptsGzip(t *testing.T) {
 		assert.Equal(t, want, acceptsGzip(http.Header{"Accept-Encoding": {v}}), v)
 	}
 }
+
+// BenchmarkMetricsHandler1000 is one /metrics answer for 1,000 replicas
+// through the real handler, as Prometheus asks for it (OpenMetrics, gzip)
+// and as a plain text scraper does, with a record and a finished request
+// into every replica before each scrape. B/op is what one answer allocates.
+func BenchmarkMetricsHandler1000(b *testing.B) {
+	for _, c := range []struct {
+		name   string
+		header http.Header
+	}{
+		{"openmetrics-gzip", http.Header{"Accept": {"application/openmetrics-text;version=1.0.0"}, "Accept-Encoding": {"gzip"}}},
+		{"text", http.Header{"Accept": {"text/plain;version=0.0.4"}}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			statsReg, reg := prometheus.NewRegistry(), prometheus.NewRegistry()
+			l, err := stats.New(statsReg, "troupe-omni-sim", stats.Options{StageNames: []string{"thinker", "talker", "vocoder"}})
+			require.NoError(b, err)
+			for i := range 1000 {
+				require.NoError(b, l.Register(i, stats.Replica{
+					Stage: i % 3, StageName: []string{"thinker", "talker", "vocoder"}[i%3], ReplicaID: uint32(i), NumSpeculativeTokens: 2,
+					Cache: &stagepb.CacheConfig{BlockSize: 16, NumKvBlocks: 4096, EnablePrefixCaching: true, MaxNumSeqs: 256},
+				}))
+			}
+			h := metricsHandler(reg, l, slog.New(slog.DiscardHandler))
+			req := httptest.NewRequest(http.MethodGet, "/metrics", nil)
+			req.Header = c.header
+			st := &stagepb.EngineStats{PromptTokens: 12, GenerationTokens: 1, IterationTokens: []uint32{13}, NumRequestsRunning: 3}
+			f := stats.Finished{Reason: stagepb.FinishReason_FINISH_REASON_STOP, TTFT: 40 * time.Millisecond, E2E: time.Second,
+				PromptTokens: 100, GenerationTokens: 20, TraceID: "4bf92f3577b34da6a3ce929d0e0e4736"}
+			w := &discardResponse{header: http.Header{}}
+			b.ReportAllocs()
+			for b.Loop() {
+				for i := range 1000 {
+					_ = l.Record(i, st)
+					_ = l.RecordFinished(i, f)
+				}
+				w.n = 0
+				clear(w.header)
+				h.ServeHTTP(w, req)
+			}
+			b.ReportMetric(float64(b.Elapsed().Milliseconds())/float64(b.N), "ms/scrape")
+			b.ReportMetric(float64(w.n)/1e6, "sent-MB")
+		})
+	}
+}
+
+// discardResponse is an http.ResponseWriter that counts and drops the body.
+type discardResponse struct {
+	header http.Header
+	n      int
+}
+
+func (w *discardResponse) Header() http.Header         { return w.header }
+func (w *discardResponse) WriteHeader(int)             {}
+func (w *discardResponse) Write(p []byte) (int, error) { w.n += len(p); return len(p), nil }
