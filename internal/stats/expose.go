@@ -185,6 +185,9 @@ func (l *Logger) WriteMetrics(w io.Writer, f expfmt.Format) error {
 	x.w, x.err, x.ft, x.om = w, nil, ft, ft == formatOpenMetrics
 	x.engines = l.appendEngines(x.engines[:0])
 	for _, fam := range l.fams {
+		if x.err != nil {
+			break // the writer failed (the scraper left): stop formatting
+		}
 		l.writeFamily(x, fam)
 		x.maybeFlush()
 	}
@@ -349,7 +352,7 @@ func (x *exposer) exemplar(s *exemplarSlot) {
 
 // escapeInPlace escapes b[from:] as a label value.
 func escapeInPlace(b []byte, from int) []byte {
-	if bytes.IndexAny(b[from:], "\\\"\n") < 0 {
+	if !bytes.ContainsAny(b[from:], "\\\"\n") {
 		return b
 	}
 	raw := string(b[from:]) // rare: a trace id with characters to escape
