@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"slices"
 	"strconv"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/common/expfmt"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
@@ -70,6 +72,14 @@ type Config struct {
 	// name an engine's blocks as the engine does, so engines that report
 	// their cache (KvEvents) get the engine-reported mode. Optional.
 	Tokenizers map[string]func(text string) []uint32
+	// StatsMetrics is where the per-replica stat families (a stats.Logger,
+	// registered as one Collector) go; nil: Metrics. Gathering them builds
+	// a dto.Metric per series (hundreds of milliseconds for 1,000
+	// replicas), so /metrics writes them through the Head's WriteMetrics
+	// instead (an httpapi.Exposer) and gathers only a registry that does
+	// not hold them: troupe head gives them a registry of their own, which
+	// nothing gathers on the /metrics path.
+	StatsMetrics prometheus.Registerer
 }
 
 // Head is the orchestrator. Run owns its goroutines; Execute, Replicas,
@@ -193,7 +203,11 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		}
 		routing[i] = router.StageRouting{Policy: p, SessionAffinity: st.Affinity()}
 	}
-	st, err := stats.New(cfg.Metrics, cfg.Pipeline.Model, stats.Options{
+	statsReg := cfg.StatsMetrics
+	if statsReg == nil {
+		statsReg = cfg.Metrics
+	}
+	st, err := stats.New(statsReg, cfg.Pipeline.Model, stats.Options{
 		Disabled:          !cfg.LogStats,
 		DetachedSeriesTTL: cfg.DetachedSeriesTTL,
 		StageNames:        cfg.Pipeline.StageNames(),
@@ -781,6 +795,16 @@ type ReplicaStatus struct {
 	// it to re-register.
 	LeaseLostUntil *time.Time `json:"lease_lost_until,omitempty"`
 }
+
+// MetricFamilyNames are the per-replica stat families WriteMetrics writes.
+// Safe for concurrent use.
+func (h *Head) MetricFamilyNames() []string { return h.stats.MetricFamilyNames() }
+
+// WriteMetrics writes the per-replica stat families in format f (the text
+// format or OpenMetrics, without "# EOF"), straight from the stat logger,
+// for /metrics (see Config.StatsMetrics and stats.Logger.WriteMetrics).
+// Safe for concurrent use.
+func (h *Head) WriteMetrics(w io.Writer, f expfmt.Format) error { return h.stats.WriteMetrics(w, f) }
 
 // Replicas lists every replica the head knows, detached ones included.
 func (h *Head) Replicas() []ReplicaStatus {

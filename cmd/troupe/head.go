@@ -182,8 +182,12 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		return err
 	}
 
+	// metrics is gathered on /metrics; the per-replica stats are not on it
+	// (they are written by the head, the API's Exposer, see
+	// orchestrator.Config.StatsMetrics): their registry only checks them.
 	metrics := prometheus.NewRegistry()
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	statsMetrics := prometheus.NewRegistry()
 	dialOpts := []grpc.DialOption{
 		grpc.WithTransportCredentials(creds),
 		// Pings notice a peer that vanished without closing its socket (a
@@ -219,6 +223,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		LeaseLossGrace:    hf.leaseLossGrace,
 		MaxMigrations:     hf.maxMigrations,
 		Metrics:           metrics,
+		StatsMetrics:      statsMetrics,
 		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
 		TracerProvider:    exportedTracer(tp),
 		Logger:            log,
@@ -234,6 +239,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		MaxBodyBytes:    int64(hf.maxBody),
 		APIKey:          hf.apiKey,
 		Gatherer:        metrics,
+		Exposer:         head,
 		Metrics:         httpMetrics,
 		TracerProvider:  exportedTracer(tp),
 		Propagator:      tp.Propagator(),

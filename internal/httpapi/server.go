@@ -25,7 +25,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.opentelemetry.io/contrib/instrumentation/net/http/otelhttp"
 	noopmetric "go.opentelemetry.io/otel/metric/noop"
 	"go.opentelemetry.io/otel/propagation"
@@ -71,8 +70,14 @@ type Config struct {
 	// on every route except /metrics, /healthz and /readyz.
 	APIKey string
 	// Gatherer is served on /metrics (OpenMetrics when the scraper asks for
-	// it). nil: no /metrics route.
+	// it, gzipped when it accepts gzip). nil and no Exposer: no /metrics
+	// route.
 	Gatherer prometheus.Gatherer
+	// Exposer's families are written on /metrics after the Gatherer's,
+	// without being gathered (the head's per-replica stats: Head). The
+	// Gatherer must not also hold them; one it does is left out of
+	// /metrics and logged, so no family is ever served twice. nil: none.
+	Exposer Exposer
 	// Metrics counts and times every request (see Metrics). nil: no HTTP
 	// metrics.
 	Metrics *Metrics
@@ -154,12 +159,8 @@ func New(b Backend, cfg Config) *Server {
 	handle(adminMuxes, "GET /v1/replicas", http.HandlerFunc(s.replicas))
 	handle(adminMuxes, "POST /v1/replicas/{stage}/{replica}/sleep", http.HandlerFunc(s.sleep))
 	handle(adminMuxes, "POST /v1/replicas/{stage}/{replica}/wake_up", http.HandlerFunc(s.wakeUp))
-	if cfg.Gatherer != nil {
-		handle(adminMuxes, "GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{
-			EnableOpenMetrics: true,
-			ErrorHandling:     promhttp.ContinueOnError,
-			ErrorLog:          promLogger{s.log},
-		}))
+	if cfg.Gatherer != nil || cfg.Exposer != nil {
+		handle(adminMuxes, "GET /metrics", metricsHandler(cfg.Gatherer, cfg.Exposer, s.log))
 	}
 	everyMux := []*http.ServeMux{serving, admin, all}
 	handle(everyMux, "GET /healthz", http.HandlerFunc(s.healthz))
@@ -507,11 +508,4 @@ func (c *captureWriter) statusOr200() int {
 		return http.StatusOK
 	}
 	return c.status
-}
-
-// promLogger sends promhttp's errors to slog.
-type promLogger struct{ log *slog.Logger }
-
-func (l promLogger) Println(v ...any) {
-	l.log.Warn("httpapi: metrics", "err", strings.TrimSpace(fmt.Sprintln(v...)))
 }

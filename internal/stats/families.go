@@ -1,9 +1,10 @@
 package stats
 
 import (
-	"fmt"
+	"math"
+	"sort"
 	"strconv"
-	"sync"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -117,259 +118,329 @@ func buckets125(max int) []float64 {
 	}
 }
 
-// families holds every stat family, built once in New.
-type families struct {
-	running, waiting, kvUsage, attached *prometheus.GaugeVec
-	waitingByReason, sleepState         *prometheus.GaugeVec
+// Histograms of a replica, by index into engine.hists.
+const (
+	hTTFT = iota
+	hInterToken
+	hE2E
+	hQueue
+	hPrefill
+	hDecode
+	hPromptTokens
+	hGenerationTokens
+	hIteration
+	hTPOT
+	hInference
+	hMaxGeneration
+	hParamsMaxTokens
+	hParamsN
+	hPrefillKV
+	numHistograms
+)
 
-	promptTokens, generationTokens          *prometheus.CounterVec
-	promptBySource, success                 *prometheus.CounterVec
-	prefixQueries, prefixHits, preemptions  *prometheus.CounterVec
-	specDrafts, specDraftTokens, specAccept *prometheus.CounterVec
-	specAcceptPerPos                        *prometheus.CounterVec
+// labelPos says where a family's nested label sorts among the replica
+// labels (model_name < position < reason < replica < sleep_state < source <
+// stage), so that both expositions write every label set in sorted order,
+// as client_golang does.
+type labelPos int
 
-	promptCached *prometheus.CounterVec
+const (
+	posBeforeModel labelPos = iota // finished_reason
+	posAfterModel                  // position, reason
+	posBeforeStage                 // sleep_state, source
+	posNone                        // no nested label
+)
 
-	ttft, interToken, e2e          *prometheus.HistogramVec
-	queue, prefill, decode         *prometheus.HistogramVec
-	promptHist, genHist, iteration *prometheus.HistogramVec
-	tpot, inference                *prometheus.HistogramVec
-	maxGen, paramsMaxTokens        *prometheus.HistogramVec
-	paramsN, prefillKV             *prometheus.HistogramVec
+// kind is what a family's series are made of.
+type kind int
 
-	stageInfo, cacheInfo *prometheus.GaugeVec
+const (
+	kindCounter      kind = iota // per replica, integral
+	kindGauge                    // per replica, float
+	kindHistogram                // per replica
+	kindStageInfo                // one per stage
+	kindCacheInfo                // one per replica, labels set at Register
+	kindUnregistered             // troupe_stats_unregistered_records_total, no labels
+)
+
+// family is one metric family of the Logger, with what both expositions
+// need: the descriptor for the Collector, and the pre-rendered text of the
+// fast path (see expose.go). Built once, read-only afterwards.
+type family struct {
+	name, help string
+	kind       kind
+	label      string   // nested label name, "" if none
+	pos        labelPos // where label sorts
+	values     []string // nested label values
+	// n is how many of values a replica has series for (len(values); K
+	// for position; 0 where the replica has none of the family). nil:
+	// len(values), or 1 without a nested label.
+	n       func(e *engine) int
+	counter func(e *engine, i int) uint64  // kindCounter
+	gauge   func(e *engine, i int) float64 // kindGauge
+	hist    int                            // kindHistogram: index into engine.hists
+	bounds  []float64                      // kindHistogram
+
+	desc *prometheus.Desc
+	fast [numFormats]fastFamily
 }
 
-func newFamilies(maxModelLen int) *families {
-	gauge := func(name, help string, extra ...string) *prometheus.GaugeVec {
-		return prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: namespace, Name: name, Help: help},
-			append(append([]string{}, replicaLabels...), extra...))
+func (f *family) count(e *engine) int {
+	switch {
+	case f.n != nil:
+		return f.n(e)
+	case f.values != nil:
+		return len(f.values)
 	}
-	counter := func(name, help string, extra ...string) *prometheus.CounterVec {
-		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: namespace, Name: name, Help: help},
-			append(append([]string{}, replicaLabels...), extra...))
+	return 1
+}
+
+// positionValues are the label values of spec_decode_..._per_pos.
+var positionValues = func() []string {
+	out := make([]string, stagepb.MaxSpeculativeTokens)
+	for i := range out {
+		out[i] = strconv.Itoa(i)
 	}
-	histogram := func(name, help string, buckets []float64) *prometheus.HistogramVec {
-		return prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: namespace, Name: name, Help: help, Buckets: buckets},
-			replicaLabels)
+	return out
+}()
+
+func specK(e *engine) int { return int(e.specK.Load()) }
+
+func specPresent(e *engine) int {
+	if e.specK.Load() > 0 {
+		return 1
+	}
+	return 0
+}
+
+// newFamilies lists every family of a Logger, sorted by name (the order of
+// both expositions, as Gather sorts). Disabled loggers have only the
+// unregistered-records counter.
+func newFamilies(maxModelLen int, disabled bool) []*family {
+	fams := []*family{{
+		name: namespace + "_stats_unregistered_records_total",
+		help: "Stat records for an engine index with no bound series; each is a bug in the caller.",
+		kind: kindUnregistered,
+	}}
+	if !disabled {
+		fams = append(fams, perReplicaFamilies(maxModelLen)...)
+	}
+	sort.Slice(fams, func(i, j int) bool { return fams[i].name < fams[j].name })
+	for _, f := range fams {
+		f.desc = prometheus.NewDesc(f.name, f.help, f.labelNames(), nil)
+		f.prepare()
+	}
+	return fams
+}
+
+// labelNames are the variable labels of the family's descriptor, in the
+// order the Collector passes their values.
+func (f *family) labelNames() []string {
+	switch f.kind {
+	case kindUnregistered:
+		return nil
+	case kindStageInfo:
+		return []string{labelStage, labelStageName}
+	case kindCacheInfo:
+		return cacheInfoLabels
+	}
+	names := append([]string{}, replicaLabels...)
+	if f.label != "" {
+		names = append(names, f.label)
+	}
+	return names
+}
+
+func perReplicaFamilies(maxModelLen int) []*family {
+	counter := func(name, help string, get func(e *engine) *atomic.Uint64) *family {
+		return &family{name: namespace + "_" + name, help: help, kind: kindCounter, pos: posNone,
+			counter: func(e *engine, _ int) uint64 { return get(e).Load() }}
+	}
+	nestedCounter := func(name, help, label string, pos labelPos, values []string, get func(e *engine, i int) *atomic.Uint64) *family {
+		return &family{name: namespace + "_" + name, help: help, kind: kindCounter, label: label, pos: pos, values: values,
+			counter: func(e *engine, i int) uint64 { return get(e, i).Load() }}
+	}
+	gauge := func(name, help string, get func(e *engine) float64) *family {
+		return &family{name: namespace + "_" + name, help: help, kind: kindGauge, pos: posNone,
+			gauge: func(e *engine, _ int) float64 { return get(e) }}
+	}
+	histogram := func(name, help string, h int, bounds []float64) *family {
+		return &family{name: namespace + "_" + name, help: help, kind: kindHistogram, pos: posNone, hist: h, bounds: bounds}
 	}
 	tokenBuckets := buckets125(maxModelLen)
-	return &families{
-		running:         gauge("num_requests_running", "Number of requests in model execution batches."),
-		waiting:         gauge("num_requests_waiting", "Number of requests waiting to be processed."),
-		kvUsage:         gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
-		attached:        gauge("replica_attached", "1 while the replica is a member the head routes to, 0 after it left."),
-		waitingByReason: gauge("num_requests_waiting_by_reason", "Number of requests waiting, by why they wait.", labelReason),
-		sleepState:      gauge("engine_sleep_state", "1 for the engine's current sleep state, 0 for the others.", labelSleepState),
+	fams := []*family{
+		gauge("num_requests_running", "Number of requests in model execution batches.", func(e *engine) float64 { return loadFloat(&e.running) }),
+		gauge("num_requests_waiting", "Number of requests waiting to be processed.", func(e *engine) float64 { return loadFloat(&e.waiting) }),
+		gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", func(e *engine) float64 { return loadFloat(&e.kvUsage) }),
+		gauge("replica_attached", "1 while the replica is a member the head routes to, 0 after it left.", func(e *engine) float64 {
+			if e.detached.Load() {
+				return 0
+			}
+			return 1
+		}),
+		{name: namespace + "_num_requests_waiting_by_reason", help: "Number of requests waiting, by why they wait.",
+			kind: kindGauge, label: labelReason, pos: posAfterModel, values: waitingReasons[:],
+			gauge: func(e *engine, i int) float64 { return loadFloat(&e.waitingBy[i]) }},
+		{name: namespace + "_engine_sleep_state", help: "1 for the engine's current sleep state, 0 for the others.",
+			kind: kindGauge, label: labelSleepState, pos: posBeforeStage, values: sleepStates,
+			gauge: func(e *engine, i int) float64 {
+				if int(e.sleep.Load()) == i {
+					return 1
+				}
+				return 0
+			}},
 
-		promptTokens:     counter("prompt_tokens_total", "Number of prefill tokens processed."),
-		generationTokens: counter("generation_tokens_total", "Number of generation tokens processed."),
-		promptBySource:   counter("prompt_tokens_by_source_total", "Number of prompt tokens by where they came from.", labelSource),
-		success:          counter("request_success_total", "Count of finished requests, by finish reason.", labelFinishedReason),
-		prefixQueries:    counter("prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens."),
-		prefixHits:       counter("prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens."),
-		preemptions:      counter("num_preemptions_total", "Cumulative number of preemptions from the engine."),
-		specDrafts:       counter("spec_decode_num_drafts_total", "Number of spec decoding drafts."),
-		specDraftTokens:  counter("spec_decode_num_draft_tokens_total", "Number of draft tokens."),
-		specAccept:       counter("spec_decode_num_accepted_tokens_total", "Number of accepted tokens."),
-		specAcceptPerPos: counter("spec_decode_num_accepted_tokens_per_pos_total", "Accepted tokens per draft position.", labelPosition),
-		promptCached:     counter("prompt_tokens_cached_total", "Number of cached prompt tokens (local + external)."),
-
-		ttft:            histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttftBuckets),
-		interToken:      histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", interTokenBuckets),
-		e2e:             histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", requestLatencyBuckets),
-		queue:           histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", requestLatencyBuckets),
-		prefill:         histogram("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", requestLatencyBuckets),
-		decode:          histogram("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", requestLatencyBuckets),
-		promptHist:      histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokenBuckets),
-		genHist:         histogram("request_generation_tokens", "Number of generation tokens processed.", tokenBuckets),
-		iteration:       histogram("iteration_tokens_total", "Histogram of number of tokens per engine step.", iterationTokenBuckets),
-		tpot:            histogram("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", interTokenBuckets),
-		inference:       histogram("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", requestLatencyBuckets),
-		maxGen:          histogram("request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.", tokenBuckets),
-		paramsMaxTokens: histogram("request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokenBuckets),
-		paramsN:         histogram("request_params_n", "Histogram of the n request parameter.", paramsNBuckets),
-		prefillKV:       histogram("request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed during prefill (excluding cached tokens).", tokenBuckets),
-
-		stageInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: namespace, Name: "stage_info",
-			Help: "Information about a pipeline stage; always 1."}, []string{labelStage, labelStageName}),
-		cacheInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: namespace, Name: "cache_config_info",
-			Help: "Information of a replica's engine and cache config; always 1."}, cacheInfoLabels),
+		counter("prompt_tokens_total", "Number of prefill tokens processed.", func(e *engine) *atomic.Uint64 { return &e.promptTokens }),
+		counter("generation_tokens_total", "Number of generation tokens processed.", func(e *engine) *atomic.Uint64 { return &e.generationTokens }),
+		nestedCounter("prompt_tokens_by_source_total", "Number of prompt tokens by where they came from.", labelSource, posBeforeStage, promptSources[:],
+			func(e *engine, i int) *atomic.Uint64 { return &e.promptBySource[i] }),
+		nestedCounter("request_success_total", "Count of finished requests, by finish reason.", labelFinishedReason, posBeforeModel, finishedReasons,
+			func(e *engine, i int) *atomic.Uint64 { return &e.success[i] }),
+		counter("prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.", func(e *engine) *atomic.Uint64 { return &e.prefixQueries }),
+		counter("prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", func(e *engine) *atomic.Uint64 { return &e.prefixHits }),
+		counter("num_preemptions_total", "Cumulative number of preemptions from the engine.", func(e *engine) *atomic.Uint64 { return &e.preemptions }),
+		counter("prompt_tokens_cached_total", "Number of cached prompt tokens (local + external).", func(e *engine) *atomic.Uint64 { return &e.promptCached }),
 	}
+	spec := []*family{
+		counter("spec_decode_num_drafts_total", "Number of spec decoding drafts.", func(e *engine) *atomic.Uint64 { return &e.specDrafts }),
+		counter("spec_decode_num_draft_tokens_total", "Number of draft tokens.", func(e *engine) *atomic.Uint64 { return &e.specDraftTokens }),
+		counter("spec_decode_num_accepted_tokens_total", "Number of accepted tokens.", func(e *engine) *atomic.Uint64 { return &e.specAccepted }),
+	}
+	for _, f := range spec {
+		f.n = specPresent
+	}
+	perPos := nestedCounter("spec_decode_num_accepted_tokens_per_pos_total", "Accepted tokens per draft position.", labelPosition, posAfterModel, positionValues,
+		func(e *engine, i int) *atomic.Uint64 { return &e.specPerPos[i] })
+	perPos.n = specK
+	fams = append(fams, spec...)
+	fams = append(fams, perPos,
+		histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.", hTTFT, ttftBuckets),
+		histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", hInterToken, interTokenBuckets),
+		histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", hE2E, requestLatencyBuckets),
+		histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", hQueue, requestLatencyBuckets),
+		histogram("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", hPrefill, requestLatencyBuckets),
+		histogram("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", hDecode, requestLatencyBuckets),
+		histogram("request_prompt_tokens", "Number of prefill tokens processed.", hPromptTokens, tokenBuckets),
+		histogram("request_generation_tokens", "Number of generation tokens processed.", hGenerationTokens, tokenBuckets),
+		histogram("iteration_tokens_total", "Histogram of number of tokens per engine step.", hIteration, iterationTokenBuckets),
+		histogram("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", hTPOT, interTokenBuckets),
+		histogram("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", hInference, requestLatencyBuckets),
+		histogram("request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.", hMaxGeneration, tokenBuckets),
+		histogram("request_params_max_tokens", "Histogram of the max_tokens request parameter.", hParamsMaxTokens, tokenBuckets),
+		histogram("request_params_n", "Histogram of the n request parameter.", hParamsN, paramsNBuckets),
+		histogram("request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed during prefill (excluding cached tokens).", hPrefillKV, tokenBuckets),
+		&family{name: namespace + "_stage_info", help: "Information about a pipeline stage; always 1.", kind: kindStageInfo},
+		&family{name: namespace + "_cache_config_info", help: "Information of a replica's engine and cache config; always 1.", kind: kindCacheInfo},
+	)
+	return fams
 }
 
-// collectors lists every family, for registration.
-func (f *families) collectors() []prometheus.Collector {
-	return []prometheus.Collector{
-		f.running, f.waiting, f.kvUsage, f.attached, f.waitingByReason, f.sleepState,
-		f.promptTokens, f.generationTokens, f.promptBySource, f.success,
-		f.prefixQueries, f.prefixHits, f.preemptions,
-		f.specDrafts, f.specDraftTokens, f.specAccept, f.specAcceptPerPos, f.promptCached,
-		f.ttft, f.interToken, f.e2e, f.queue, f.prefill, f.decode,
-		f.promptHist, f.genHist, f.iteration,
-		f.tpot, f.inference, f.maxGen, f.paramsMaxTokens, f.paramsN, f.prefillKV,
-		f.stageInfo, f.cacheInfo,
-	}
-}
-
-// engine holds one replica's pre-bound children. Everything Record and
-// RecordFinished touch is either immutable after bind or atomic, so they run
-// without locks. Fields below "writer side" belong to Logger.mu.
+// engine holds one replica's series. Everything Record, RecordFinished,
+// SetSleepState and the expositions touch is immutable after bind or
+// atomic, so they run without locks. Fields below "writer side" belong to
+// Logger.mu.
 type engine struct {
 	lv [3]string // model_name, stage, replica
+	// Pre-rendered, escaped label pairs of the fast exposition (expose.go):
+	// mrs is `model_name="…",replica="…",stage="…"`; mr, rs and s the parts
+	// a nested label goes between.
+	mrs, mr, rs, s string
+	created        time.Time // bind time: created timestamp of counters and histograms
 
-	running, waiting, kvUsage, attached prometheus.Gauge
-	waitingBy                           [2]prometheus.Gauge
-	sleep                               [len(stagepb.SleepStates)]prometheus.Gauge
-	sleepMu                             sync.Mutex // makes the three sleep gauges change together
+	running, waiting, kvUsage atomic.Uint64 // float64 bits
+	waitingBy                 [2]atomic.Uint64
+	sleep                     atomic.Uint32 // stagepb.SleepState
 
-	promptTokens, generationTokens         prometheus.Counter
-	promptBySource                         [3]prometheus.Counter
-	success                                [len(stagepb.FinishReasons)]prometheus.Counter
-	prefixQueries, prefixHits, preemptions prometheus.Counter
-	promptCached                           prometheus.Counter
-	spec                                   atomic.Pointer[specChildren] // nil when K was always 0
+	promptTokens, generationTokens         atomic.Uint64
+	promptBySource                         [3]atomic.Uint64
+	success                                [len(stagepb.FinishReasons)]atomic.Uint64
+	prefixQueries, prefixHits, preemptions atomic.Uint64
+	promptCached                           atomic.Uint64
 
-	ttft, e2e                                               exemplarHistogram
-	interToken, queue, prefill, decode, promptHist, genHist prometheus.Observer
-	iteration, tpot, inference, maxGen                      prometheus.Observer
-	paramsMaxTokens, paramsN, prefillKV                     prometheus.Observer
+	// specK is K: spec-decode series exist for K > 0, positions 0..K-1.
+	// It only grows while the replica is known.
+	specK                                     atomic.Int32
+	specDrafts, specDraftTokens, specAccepted atomic.Uint64
+	specPerPos                                [stagepb.MaxSpeculativeTokens]atomic.Uint64
+
+	hists [numHistograms]histogram
+
+	// cache is the replica's cache_config_info series; replaced whole by
+	// Register when it changes.
+	cache atomic.Pointer[cacheInfo]
 
 	// detached is set by Detach before it zeroes the live-load gauges, and
 	// cleared by Register; Record reads it to leave those gauges alone.
+	// replica_attached is its negation.
 	detached atomic.Bool
 
 	// writer side
-	detachedAt  time.Time
-	cacheLabels []string
+	detachedAt time.Time
 }
 
-// exemplarHistogram is a histogram child that takes exemplars.
-type exemplarHistogram interface {
-	prometheus.Observer
-	prometheus.ExemplarObserver
+// cacheInfo is one troupe_cache_config_info series: its label values (in
+// cacheInfoLabels order) and its label pairs rendered in sorted order.
+type cacheInfo struct {
+	values   []string
+	rendered string
 }
 
-// specChildren are the spec-decode counters of one replica. Replaced whole
-// (never mutated) when a rejoin raises K, so Record sees a consistent set.
-type specChildren struct {
-	drafts, draftTokens, accepted prometheus.Counter
-	perPos                        []prometheus.Counter // index = position
-}
-
-// bind creates (at 0) every child of one replica and returns them.
-func (f *families) bind(lv [3]string, k int) (*engine, error) {
-	e := &engine{lv: lv}
-	m, s, r := lv[0], lv[1], lv[2]
-	e.running = f.running.WithLabelValues(m, s, r)
-	e.waiting = f.waiting.WithLabelValues(m, s, r)
-	e.kvUsage = f.kvUsage.WithLabelValues(m, s, r)
-	e.attached = f.attached.WithLabelValues(m, s, r)
-	for i, v := range waitingReasons {
-		e.waitingBy[i] = f.waitingByReason.WithLabelValues(m, s, r, v)
-	}
-	for i, v := range sleepStates {
-		e.sleep[i] = f.sleepState.WithLabelValues(m, s, r, v)
-	}
-	e.promptTokens = f.promptTokens.WithLabelValues(m, s, r)
-	e.generationTokens = f.generationTokens.WithLabelValues(m, s, r)
-	for i, v := range promptSources {
-		e.promptBySource[i] = f.promptBySource.WithLabelValues(m, s, r, v)
-	}
-	for i, v := range finishedReasons {
-		e.success[i] = f.success.WithLabelValues(m, s, r, v)
-	}
-	e.prefixQueries = f.prefixQueries.WithLabelValues(m, s, r)
-	e.prefixHits = f.prefixHits.WithLabelValues(m, s, r)
-	e.preemptions = f.preemptions.WithLabelValues(m, s, r)
-	e.promptCached = f.promptCached.WithLabelValues(m, s, r)
-	f.growSpec(e, k)
-
-	var ok1, ok2 bool
-	e.ttft, ok1 = f.ttft.WithLabelValues(m, s, r).(exemplarHistogram)
-	e.e2e, ok2 = f.e2e.WithLabelValues(m, s, r).(exemplarHistogram)
-	if !ok1 || !ok2 {
-		return nil, fmt.Errorf("stats: histogram child does not take exemplars")
-	}
-	e.interToken = f.interToken.WithLabelValues(m, s, r)
-	e.queue = f.queue.WithLabelValues(m, s, r)
-	e.prefill = f.prefill.WithLabelValues(m, s, r)
-	e.decode = f.decode.WithLabelValues(m, s, r)
-	e.promptHist = f.promptHist.WithLabelValues(m, s, r)
-	e.genHist = f.genHist.WithLabelValues(m, s, r)
-	e.iteration = f.iteration.WithLabelValues(m, s, r)
-	e.tpot = f.tpot.WithLabelValues(m, s, r)
-	e.inference = f.inference.WithLabelValues(m, s, r)
-	e.maxGen = f.maxGen.WithLabelValues(m, s, r)
-	e.paramsMaxTokens = f.paramsMaxTokens.WithLabelValues(m, s, r)
-	e.paramsN = f.paramsN.WithLabelValues(m, s, r)
-	e.prefillKV = f.prefillKV.WithLabelValues(m, s, r)
-	return e, nil
-}
-
-// growSpec makes sure the replica has spec-decode children for positions
-// 0..k-1. It never removes any: counters of a replica are never deleted
-// while it is known.
-func (f *families) growSpec(e *engine, k int) {
-	old := e.spec.Load()
-	have := 0
-	if old != nil {
-		have = len(old.perPos)
-	}
-	if k <= 0 || (old != nil && k <= have) {
-		return
-	}
-	m, s, r := e.lv[0], e.lv[1], e.lv[2]
-	next := &specChildren{
-		drafts:      f.specDrafts.WithLabelValues(m, s, r),
-		draftTokens: f.specDraftTokens.WithLabelValues(m, s, r),
-		accepted:    f.specAccept.WithLabelValues(m, s, r),
-		perPos:      make([]prometheus.Counter, k),
-	}
-	for pos := range k {
-		next.perPos[pos] = f.specAcceptPerPos.WithLabelValues(m, s, r, strconv.Itoa(pos))
-	}
-	e.spec.Store(next)
-}
-
-// unbind deletes every series of one replica (TTL sweep).
-func (f *families) unbind(e *engine) {
-	m, s, r := e.lv[0], e.lv[1], e.lv[2]
-	for _, v := range []*prometheus.GaugeVec{f.running, f.waiting, f.kvUsage, f.attached} {
-		v.DeleteLabelValues(m, s, r)
-	}
-	for _, v := range waitingReasons {
-		f.waitingByReason.DeleteLabelValues(m, s, r, v)
-	}
-	for _, v := range sleepStates {
-		f.sleepState.DeleteLabelValues(m, s, r, v)
-	}
-	for _, v := range []*prometheus.CounterVec{f.promptTokens, f.generationTokens, f.prefixQueries, f.prefixHits, f.preemptions, f.promptCached} {
-		v.DeleteLabelValues(m, s, r)
-	}
-	for _, v := range promptSources {
-		f.promptBySource.DeleteLabelValues(m, s, r, v)
-	}
-	for _, v := range finishedReasons {
-		f.success.DeleteLabelValues(m, s, r, v)
-	}
-	if sp := e.spec.Load(); sp != nil {
-		f.specDrafts.DeleteLabelValues(m, s, r)
-		f.specDraftTokens.DeleteLabelValues(m, s, r)
-		f.specAccept.DeleteLabelValues(m, s, r)
-		for pos := range sp.perPos {
-			f.specAcceptPerPos.DeleteLabelValues(m, s, r, strconv.Itoa(pos))
+// bucketsOf returns the bounds of every histogram, by index.
+func bucketsOf(fams []*family) [numHistograms][]float64 {
+	var out [numHistograms][]float64
+	for _, f := range fams {
+		if f.kind == kindHistogram {
+			out[f.hist] = f.bounds
 		}
 	}
-	for _, v := range []*prometheus.HistogramVec{
-		f.ttft, f.interToken, f.e2e, f.queue, f.prefill, f.decode, f.promptHist, f.genHist, f.iteration,
-		f.tpot, f.inference, f.maxGen, f.paramsMaxTokens, f.paramsN, f.prefillKV,
-	} {
-		v.DeleteLabelValues(m, s, r)
+	return out
+}
+
+// newEngine makes one replica's series, all at 0, with the label values lv.
+func newEngine(lv [3]string, bounds *[numHistograms][]float64, k int, now time.Time) *engine {
+	e := &engine{lv: lv, created: now}
+	m := labelPair(labelModel, lv[0])
+	r := labelPair(labelReplica, lv[2])
+	e.s = labelPair(labelStage, lv[1])
+	e.mr = m + "," + r
+	e.rs = r + "," + e.s
+	e.mrs = e.mr + "," + e.s
+	for i := range e.hists {
+		e.hists[i].init(bounds[i], i == hTTFT || i == hE2E)
 	}
-	if e.cacheLabels != nil {
-		f.cacheInfo.DeleteLabelValues(e.cacheLabels...)
+	e.growSpec(k)
+	return e
+}
+
+// growSpec makes sure the replica has spec-decode series for positions
+// 0..k-1. It never removes any: counters of a replica are never deleted
+// while it is known.
+func (e *engine) growSpec(k int) {
+	if k > int(e.specK.Load()) {
+		e.specK.Store(int32(k))
 	}
+}
+
+// setCache sets the cache_config_info series of r.
+func (e *engine) setCache(r Replica) {
+	values := cacheInfoValues(e.lv, r)
+	if old := e.cache.Load(); old != nil && equalStrings(old.values, values) {
+		return
+	}
+	byName := make(map[string]string, len(values))
+	for i, n := range cacheInfoLabels {
+		byName[n] = values[i]
+	}
+	names := append([]string{}, cacheInfoLabels...)
+	sort.Strings(names)
+	var b strings.Builder
+	for i, n := range names {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(labelPair(n, byName[n]))
+	}
+	e.cache.Store(&cacheInfo{values: values, rendered: b.String()})
 }
 
 // cacheInfoValues are the label values of troupe_cache_config_info for r.
@@ -384,23 +455,26 @@ func cacheInfoValues(lv [3]string, r Replica) []string {
 	return out
 }
 
-// setSleep sets engine_sleep_state: 1 for s, 0 for the others.
-func (e *engine) setSleep(s stagepb.SleepState) {
-	e.sleepMu.Lock()
-	defer e.sleepMu.Unlock()
-	for i := range e.sleep {
-		v := 0.0
-		if stagepb.SleepState(i) == s {
-			v = 1
-		}
-		e.sleep[i].Set(v)
-	}
-}
+// setSleep sets the sleep state; engine_sleep_state is 1 for it and 0 for
+// the others, always together.
+func (e *engine) setSleep(s stagepb.SleepState) { e.sleep.Store(uint32(s)) }
 
 // zeroLoad sets the live-load gauges to 0.
 func (e *engine) zeroLoad() {
-	e.running.Set(0)
-	e.waiting.Set(0)
-	e.waitingBy[0].Set(0)
-	e.waitingBy[1].Set(0)
+	e.running.Store(0)
+	e.waiting.Store(0)
+	e.waitingBy[0].Store(0)
+	e.waitingBy[1].Store(0)
 }
+
+func storeFloat(a *atomic.Uint64, v float64) { a.Store(math.Float64bits(v)) }
+
+func loadFloat(a *atomic.Uint64) float64 { return math.Float64frombits(a.Load()) }
+
+// labelPair renders name="value" with the value escaped as both text
+// formats want it (backslash, double quote and line feed).
+func labelPair(name, value string) string {
+	return name + `="` + labelEscaper.Replace(value) + `"`
+}
+
+var labelEscaper = strings.NewReplacer(`\`, `\\`, "\n", `\n`, `"`, `\"`)

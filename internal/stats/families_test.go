@@ -89,13 +89,13 @@ func TestRecordFinishedRequestFamilies(t *testing.T) {
 }
 
 func TestRecordCountsCachedPromptTokens(t *testing.T) {
-	_, l := newTestLogger(t, Options{})
+	reg, l := newTestLogger(t, Options{})
 	require.NoError(t, l.Register(0, replica(0, 1)))
 	require.NoError(t, l.Record(0, &stagepb.EngineStats{
 		PromptTokens: 40, PromptTokensLocalCompute: 8, PromptTokensLocalCacheHit: 16, PromptTokensExternalKvTransfer: 16,
 	}))
 	require.NoError(t, l.Record(0, &stagepb.EngineStats{PromptTokens: 5, PromptTokensLocalCompute: 5}))
-	assert.Equal(t, 32.0, testutil.ToFloat64(l.fam.promptCached.WithLabelValues(testModel, "0", "1")),
+	assert.Equal(t, 32.0, gatherSeries(t, reg)[seriesKey("troupe_prompt_tokens_cached_total", 0, 1)],
 		"cached = local cache hits + external KV transfers")
 }
 

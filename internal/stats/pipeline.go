@@ -21,7 +21,7 @@ var outcomes = []string{OutcomeSuccess, OutcomeAbort, OutcomeNoReplica, OutcomeB
 
 // Pipeline holds the head's pipeline-level families, the counterparts of
 // vLLM-Omni's e2e_request_latency_s, audio_ttfp_s, audio_rtf and transfer_*.
-// Every child exists from NewPipeline on (at 0), as the per-replica ones do
+// Every child exists from NewPipeline on (at 0), as the per-replica series do
 // from a replica's join. A nil *Pipeline records nothing
 // (--log-stats=false). Its methods are safe for concurrent use.
 type Pipeline struct {

@@ -1,19 +1,29 @@
 // Package stats is the head's Prometheus stat logger: the families of vLLM's
-// PrometheusStatLogger under the troupe_ namespace, with one set of children
+// PrometheusStatLogger under the troupe_ namespace, with one set of series
 // per stage replica, keyed by the replica's engine index (package registry).
 //
 // Unlike vLLM's logger, which builds its per-engine tables once for the
 // engines it starts with (and rebuilds them, resetting every series, on
-// scale-up), a Logger binds a replica's children when the replica joins, in
+// scale-up), a Logger binds a replica's series when the replica joins, in
 // O(1), and never resets or rebuilds the series of other replicas.
+//
+// The Logger stores its series itself (atomic counters, gauges and
+// histograms, see hist.go) rather than as client_golang children, and
+// serves them two ways: as a prometheus.Collector registered on the
+// Registerer given to New (Gather: complete and slow, a dto.Metric per
+// series), and through WriteMetrics, which writes the same families in the
+// text format or OpenMetrics straight from the atomics (the /metrics path:
+// a scrape of 1,000 replicas in tens of milliseconds, see docs/stats.md).
 //
 // Concurrency:
 //   - Register, Detach and Sweep change membership. The head calls them from
 //     its event loop goroutine; they are serialized by a mutex anyway.
 //   - Record, RecordFinished and SetSleepState may be called concurrently from
 //     any number of request goroutines, also while membership changes. They
-//     take no locks: the index is resolved through a lock-free paged table of
-//     pre-bound children.
+//     take no locks and do not allocate: the index is resolved through a
+//     lock-free paged table of pre-bound series.
+//   - Collect, Describe, WriteMetrics and MetricFamilyNames may be called
+//     concurrently with everything, also with themselves.
 //
 // Record on a replica that has been detached but not swept still counts: a
 // chunk that arrives after the replica left describes work that happened, so
@@ -25,8 +35,10 @@ package stats
 import (
 	"errors"
 	"fmt"
+	"sort"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -121,11 +133,19 @@ type Options struct {
 type Logger struct {
 	disabled     bool
 	model        string
+	modelPair    string // model_name="…", escaped
 	ttl          time.Duration
 	now          func() time.Time
-	unregistered prometheus.Counter
-	fam          *families // nil when disabled
+	unregistered atomic.Uint64
+	fams         []*family // sorted by name
+	bounds       [numHistograms][]float64
 	table        engineTable
+	// maxIndex is the highest index ever bound (-1: none); the
+	// expositions walk the table up to it.
+	maxIndex atomic.Int64
+	// stages are the stage_info series, sorted by stage index; replaced
+	// whole under mu.
+	stages atomic.Pointer[[]stageSeries]
 
 	mu         sync.Mutex // serializes Register, Detach, Sweep
 	byIndex    map[int]*engine
@@ -133,9 +153,16 @@ type Logger struct {
 	detached   map[int]struct{} // indices detached and not swept
 }
 
-// New builds the families and registers them on reg (never the global
-// registry). Children appear only as replicas register, so a head with no
-// replicas exposes no stat series yet.
+// stageSeries is one troupe_stage_info series.
+type stageSeries struct {
+	index    int
+	name     string
+	rendered string // stage="…",stage_name="…"
+}
+
+// New builds the families and registers the Logger, as a Collector, on reg
+// (never the global registry). Series appear only as replicas register, so
+// a head with no replicas exposes no stat series yet.
 func New(reg prometheus.Registerer, model string, opts Options) (*Logger, error) {
 	if reg == nil {
 		return nil, errors.New("stats: nil prometheus registerer")
@@ -156,15 +183,11 @@ func New(reg prometheus.Registerer, model string, opts Options) (*Logger, error)
 		opts.Now = time.Now
 	}
 	l := &Logger{
-		disabled: opts.Disabled,
-		model:    model,
-		ttl:      opts.DetachedSeriesTTL,
-		now:      opts.Now,
-		unregistered: prometheus.NewCounter(prometheus.CounterOpts{
-			Namespace: namespace,
-			Name:      "stats_unregistered_records_total",
-			Help:      "Stat records for an engine index with no bound series; each is a bug in the caller.",
-		}),
+		disabled:   opts.Disabled,
+		model:      model,
+		modelPair:  labelPair(labelModel, model),
+		ttl:        opts.DetachedSeriesTTL,
+		now:        opts.Now,
 		byIndex:    make(map[int]*engine),
 		stageNames: make(map[int]string),
 		detached:   make(map[int]struct{}),
@@ -174,26 +197,31 @@ func New(reg prometheus.Registerer, model string, opts Options) (*Logger, error)
 			return nil, fmt.Errorf("stats: empty name for stage %d", i)
 		}
 	}
-	collectors := []prometheus.Collector{l.unregistered}
-	if !opts.Disabled {
-		l.fam = newFamilies(opts.MaxModelLen)
-		collectors = append(collectors, l.fam.collectors()...)
-	}
-	for i, c := range collectors {
-		if err := reg.Register(c); err != nil {
-			for _, done := range collectors[:i] {
-				reg.Unregister(done)
-			}
-			return nil, fmt.Errorf("stats: register families: %w", err)
-		}
-	}
+	l.maxIndex.Store(-1)
+	l.fams = newFamilies(opts.MaxModelLen, opts.Disabled)
+	l.bounds = bucketsOf(l.fams)
 	if !opts.Disabled {
 		for i, name := range opts.StageNames {
-			l.fam.stageInfo.WithLabelValues(strconv.Itoa(i), name).Set(1)
 			l.stageNames[i] = name
 		}
+		l.publishStages()
+	}
+	if err := reg.Register(l); err != nil {
+		return nil, fmt.Errorf("stats: register families: %w", err)
 	}
 	return l, nil
+}
+
+// publishStages renders stage_info from stageNames. Called with mu held
+// (or before the Logger is shared).
+func (l *Logger) publishStages() {
+	stages := make([]stageSeries, 0, len(l.stageNames))
+	for i, name := range l.stageNames {
+		stages = append(stages, stageSeries{index: i, name: name,
+			rendered: labelPair(labelStage, strconv.Itoa(i)) + "," + labelPair(labelStageName, name)})
+	}
+	sort.Slice(stages, func(i, j int) bool { return stages[i].index < stages[j].index })
+	l.stages.Store(&stages)
 }
 
 func validateIndex(index int) error {
@@ -222,7 +250,7 @@ func (r Replica) validate() error {
 	return validateSleepState(r.SleepState)
 }
 
-// Register binds every child of the replica at index at 0 (nested label
+// Register binds every series of the replica at index at 0 (nested label
 // tables, spec-decode positions 0..K-1, cache_config_info, and stage_info the
 // first time its stage is seen), sets replica_attached=1 and the sleep state
 // as reported. Its cost does not depend on how many replicas exist.
@@ -254,33 +282,25 @@ func (l *Logger) Register(index int, r Replica) error {
 	swept := e != nil && l.table.load(index) == nil
 	if e == nil || swept {
 		lv := [3]string{l.model, strconv.Itoa(r.Stage), strconv.FormatUint(uint64(r.ReplicaID), 10)}
-		fresh, err := l.fam.bind(lv, r.NumSpeculativeTokens)
-		if err != nil {
-			return err
-		}
-		e = fresh
+		e = newEngine(lv, &l.bounds, r.NumSpeculativeTokens, time.Now())
 	} else {
-		l.fam.growSpec(e, r.NumSpeculativeTokens)
+		e.growSpec(r.NumSpeculativeTokens)
 	}
 	if !stageKnown {
-		l.fam.stageInfo.WithLabelValues(strconv.Itoa(r.Stage), r.StageName).Set(1)
 		l.stageNames[r.Stage] = r.StageName
+		l.publishStages()
 	}
-	if labels := cacheInfoValues(e.lv, r); !equalStrings(labels, e.cacheLabels) {
-		if e.cacheLabels != nil {
-			l.fam.cacheInfo.DeleteLabelValues(e.cacheLabels...)
-		}
-		l.fam.cacheInfo.WithLabelValues(labels...).Set(1)
-		e.cacheLabels = labels
-	}
+	e.setCache(r)
 	e.setSleep(r.SleepState)
 	e.detached.Store(false)
 	e.detachedAt = time.Time{}
 	delete(l.detached, index)
-	e.attached.Set(1)
 
 	l.byIndex[index] = e
 	l.table.store(index, e)
+	if int64(index) > l.maxIndex.Load() {
+		l.maxIndex.Store(int64(index))
+	}
 	return nil
 }
 
@@ -317,7 +337,6 @@ func (l *Logger) Detach(index int) error {
 	// Flag first, then zero: a concurrent Record either sees the flag or has
 	// set its gauges before they are zeroed (see Record).
 	e.detached.Store(true)
-	e.attached.Set(0)
 	e.zeroLoad()
 	return nil
 }
@@ -325,7 +344,7 @@ func (l *Logger) Detach(index int) error {
 // Sweep deletes every series of each replica that has been detached for at
 // least DetachedSeriesTTL at now, and returns how many replicas it swept. With
 // a TTL of 0 it does nothing. Registering a swept index again binds fresh
-// children at 0. Records for it fail until then.
+// series at 0. Records for it fail until then.
 func (l *Logger) Sweep(now time.Time) int {
 	if l.disabled || l.ttl <= 0 {
 		return 0
@@ -339,7 +358,6 @@ func (l *Logger) Sweep(now time.Time) int {
 			continue
 		}
 		l.table.store(index, nil)
-		l.fam.unbind(e)
 		delete(l.detached, index)
 		n++
 	}
@@ -371,7 +389,7 @@ func (l *Logger) Registered(index int) bool {
 
 // notRegistered counts a record for an unknown index and builds its error.
 func (l *Logger) notRegistered(what string, index int) error {
-	l.unregistered.Inc()
+	l.unregistered.Add(1)
 	return fmt.Errorf("stats: %s for engine index %d: %w", what, index, ErrNotRegistered)
 }
 
@@ -397,35 +415,35 @@ func (l *Logger) Record(index int, s *stagepb.EngineStats) error {
 	if s == nil {
 		return nil
 	}
-	add(e.promptTokens, s.PromptTokens)
-	add(e.generationTokens, s.GenerationTokens)
-	add(e.promptBySource[0], s.PromptTokensLocalCompute)
-	add(e.promptBySource[1], s.PromptTokensLocalCacheHit)
-	add(e.promptBySource[2], s.PromptTokensExternalKvTransfer)
-	add(e.prefixQueries, s.PrefixCacheQueries)
-	add(e.prefixHits, s.PrefixCacheHits)
-	add(e.preemptions, s.NumPreemptions)
-	add(e.promptCached, s.PromptTokensLocalCacheHit+s.PromptTokensExternalKvTransfer)
-	if sp := e.spec.Load(); sp != nil {
-		add(sp.drafts, s.SpecDecodeNumDrafts)
-		add(sp.draftTokens, s.SpecDecodeNumDraftTokens)
-		add(sp.accepted, s.SpecDecodeNumAcceptedTokens)
+	add(&e.promptTokens, s.PromptTokens)
+	add(&e.generationTokens, s.GenerationTokens)
+	add(&e.promptBySource[0], s.PromptTokensLocalCompute)
+	add(&e.promptBySource[1], s.PromptTokensLocalCacheHit)
+	add(&e.promptBySource[2], s.PromptTokensExternalKvTransfer)
+	add(&e.prefixQueries, s.PrefixCacheQueries)
+	add(&e.prefixHits, s.PrefixCacheHits)
+	add(&e.preemptions, s.NumPreemptions)
+	add(&e.promptCached, s.PromptTokensLocalCacheHit+s.PromptTokensExternalKvTransfer)
+	if k := int(e.specK.Load()); k > 0 {
+		add(&e.specDrafts, s.SpecDecodeNumDrafts)
+		add(&e.specDraftTokens, s.SpecDecodeNumDraftTokens)
+		add(&e.specAccepted, s.SpecDecodeNumAcceptedTokens)
 		for pos, v := range s.SpecDecodeNumAcceptedTokensPerPos {
-			if pos >= len(sp.perPos) {
+			if pos >= k {
 				break
 			}
-			add(sp.perPos[pos], v)
+			add(&e.specPerPos[pos], v)
 		}
 	}
 	for _, n := range s.IterationTokens {
-		e.iteration.Observe(float64(n))
+		e.hists[hIteration].observe(float64(n))
 	}
 	if !e.detached.Load() {
-		e.running.Set(float64(s.NumRequestsRunning))
-		e.waiting.Set(float64(s.NumRequestsWaitingCapacity) + float64(s.NumRequestsWaitingDeferred))
-		e.waitingBy[0].Set(float64(s.NumRequestsWaitingCapacity))
-		e.waitingBy[1].Set(float64(s.NumRequestsWaitingDeferred))
-		e.kvUsage.Set(s.KvCacheUsagePerc)
+		storeFloat(&e.running, float64(s.NumRequestsRunning))
+		storeFloat(&e.waiting, float64(s.NumRequestsWaitingCapacity)+float64(s.NumRequestsWaitingDeferred))
+		storeFloat(&e.waitingBy[0], float64(s.NumRequestsWaitingCapacity))
+		storeFloat(&e.waitingBy[1], float64(s.NumRequestsWaitingDeferred))
+		storeFloat(&e.kvUsage, s.KvCacheUsagePerc)
 		// Detach may have zeroed the load gauges between the check above and
 		// the sets; if so, undo the sets so a detached replica shows no load.
 		if e.detached.Load() {
@@ -435,9 +453,9 @@ func (l *Logger) Record(index int, s *stagepb.EngineStats) error {
 	return nil
 }
 
-func add(c prometheus.Counter, v uint64) {
+func add(c *atomic.Uint64, v uint64) {
 	if v != 0 {
-		c.Add(float64(v))
+		c.Add(v)
 	}
 }
 
@@ -470,7 +488,8 @@ func (f *Finished) validate() error {
 
 // RecordFinished counts one finished request in request_success_total and
 // observes its histograms (see Finished). An unknown index is counted and
-// returned like in Record. Safe for concurrent use.
+// returned like in Record. Safe for concurrent use; it takes no lock and
+// does not allocate (a trace id longer than 48 bytes is copied once).
 func (l *Logger) RecordFinished(index int, f Finished) error {
 	if l.disabled {
 		return nil
@@ -482,42 +501,43 @@ func (l *Logger) RecordFinished(index int, f Finished) error {
 	if e == nil {
 		return l.notRegistered("finished request", index)
 	}
-	e.success[f.Reason-1].Inc()
-	var exemplar prometheus.Labels
+	e.success[f.Reason-1].Add(1)
+	var now int64
 	if f.TraceID != "" {
-		exemplar = prometheus.Labels{"trace_id": f.TraceID}
+		now = time.Now().UnixNano()
 	}
-	observe(e.e2e, f.E2E.Seconds(), exemplar)
+	observe(&e.hists[hE2E], f.E2E.Seconds(), f.TraceID, now)
 	if f.TTFT > 0 {
-		observe(e.ttft, f.TTFT.Seconds(), exemplar)
+		observe(&e.hists[hTTFT], f.TTFT.Seconds(), f.TraceID, now)
 	}
 	for _, d := range f.InterTokenLatencies {
-		e.interToken.Observe(d.Seconds())
+		e.hists[hInterToken].observe(d.Seconds())
 	}
-	e.queue.Observe(f.Queue.Seconds())
-	e.prefill.Observe(f.Prefill.Seconds())
-	e.decode.Observe(f.Decode.Seconds())
-	e.inference.Observe((f.Prefill + f.Decode).Seconds())
-	e.promptHist.Observe(float64(f.PromptTokens))
-	e.genHist.Observe(float64(f.GenerationTokens))
-	e.maxGen.Observe(float64(f.GenerationTokens))
-	e.prefillKV.Observe(float64(f.PrefillComputedTokens))
+	e.hists[hQueue].observe(f.Queue.Seconds())
+	e.hists[hPrefill].observe(f.Prefill.Seconds())
+	e.hists[hDecode].observe(f.Decode.Seconds())
+	e.hists[hInference].observe((f.Prefill + f.Decode).Seconds())
+	e.hists[hPromptTokens].observe(float64(f.PromptTokens))
+	e.hists[hGenerationTokens].observe(float64(f.GenerationTokens))
+	e.hists[hMaxGeneration].observe(float64(f.GenerationTokens))
+	e.hists[hPrefillKV].observe(float64(f.PrefillComputedTokens))
 	if f.GenerationTokens > 1 {
-		e.tpot.Observe(f.Decode.Seconds() / float64(f.GenerationTokens-1))
+		e.hists[hTPOT].observe(f.Decode.Seconds() / float64(f.GenerationTokens-1))
 	}
 	if f.MaxTokensParam > 0 {
-		e.paramsMaxTokens.Observe(float64(f.MaxTokensParam))
+		e.hists[hParamsMaxTokens].observe(float64(f.MaxTokensParam))
 	}
 	if f.N > 0 {
-		e.paramsN.Observe(float64(f.N))
+		e.hists[hParamsN].observe(float64(f.N))
 	}
 	return nil
 }
 
-func observe(h exemplarHistogram, v float64, exemplar prometheus.Labels) {
-	if exemplar != nil {
-		h.ObserveWithExemplar(v, exemplar)
+// observe adds v to h, with traceID as its exemplar unless it is empty.
+func observe(h *histogram, v float64, traceID string, nowNanos int64) {
+	if traceID != "" {
+		h.observeWithExemplar(v, traceID, nowNanos)
 		return
 	}
-	h.Observe(v)
+	h.observe(v)
 }

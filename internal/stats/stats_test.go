@@ -347,7 +347,8 @@ func TestSpecDecodePositions(t *testing.T) {
 	require.NoError(t, l.Register(1, replica(0, 1))) // K = 0
 
 	const perPos = "troupe_spec_decode_num_accepted_tokens_per_pos_total"
-	n := testutil.CollectAndCount(collectorOf(t, l, perPos))
+	n, err := testutil.GatherAndCount(reg, perPos)
+	require.NoError(t, err)
 	require.Equal(t, 3, n, "positions 0..K-1 for the K=3 replica, none for K=0")
 	require.Zero(t, replicaSpecSeries(t, reg, 0, 1), "no spec series for K=0")
 
@@ -390,19 +391,6 @@ troupe_spec_decode_num_accepted_tokens_total{model_name="troupe-omni-sim",replic
 	k0.NumSpeculativeTokens = 1
 	require.NoError(t, l.Register(1, k0))
 	require.Equal(t, 4, replicaSpecSeries(t, reg, 0, 1))
-}
-
-func collectorOf(t *testing.T, l *Logger, name string) prometheus.Collector {
-	t.Helper()
-	for _, c := range l.fam.collectors() {
-		ch := make(chan *prometheus.Desc, 1)
-		c.Describe(ch)
-		if strings.Contains((<-ch).String(), `"`+name+`"`) {
-			return c
-		}
-	}
-	t.Fatalf("no collector %s", name)
-	return nil
 }
 
 func replicaSpecSeries(t *testing.T, reg prometheus.Gatherer, stage int, id uint32) int {

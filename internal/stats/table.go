@@ -2,7 +2,7 @@ package stats
 
 import "sync/atomic"
 
-// The engine table maps an engine index to its pre-bound children with two
+// The engine table maps an engine index to its pre-bound series with two
 // atomic loads and no locks: a fixed array of lazily allocated pages. It
 // covers every index up to MaxEngineIndex.
 const (

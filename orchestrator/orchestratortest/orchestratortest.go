@@ -44,6 +44,10 @@ type Options struct {
 	Logger          *slog.Logger
 	// Breaker is the head's circuit breaker (zero: the defaults).
 	Breaker router.Breaker
+	// SeparateStats registers the head's per-replica stats on
+	// Cluster.StatsMetrics instead of Metrics, as troupe head does; /metrics
+	// then serves them with the Head as its httpapi.Exposer.
+	SeparateStats bool
 }
 
 // Cluster is a running troupe. Its goroutines are stopped by t.Cleanup.
@@ -52,7 +56,10 @@ type Cluster struct {
 	Client  *clientv3.Client
 	Head    *orchestrator.Head
 	Metrics *prometheus.Registry
-	opts    Options
+	// StatsMetrics holds the head's per-replica stats with
+	// Options.SeparateStats; nil otherwise (they are on Metrics).
+	StatsMetrics *prometheus.Registry
+	opts         Options
 
 	mu      sync.Mutex
 	workers []*Worker
@@ -117,7 +124,10 @@ func Start(t testing.TB, opts Options) *Cluster {
 	}
 	e := membershiptest.Start(t)
 	c := &Cluster{Etcd: e, Client: e.Client(t), Metrics: prometheus.NewRegistry(), opts: opts}
-	c.Head = c.startHead(t, c.Metrics, func() {
+	if opts.SeparateStats {
+		c.StatsMetrics = prometheus.NewRegistry()
+	}
+	c.Head = c.startHead(t, c.Metrics, c.StatsMetrics, func() {
 		c.mu.Lock()
 		ws := c.workers
 		c.mu.Unlock()
@@ -138,10 +148,10 @@ func Start(t testing.TB, opts Options) *Cluster {
 
 // startHead runs a head on the cluster's membership until cleanup, which
 // calls before first.
-func (c *Cluster) startHead(t testing.TB, metrics *prometheus.Registry, before func()) *orchestrator.Head {
+func (c *Cluster) startHead(t testing.TB, metrics, statsMetrics *prometheus.Registry, before func()) *orchestrator.Head {
 	t.Helper()
 	dialOpts := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, c.opts.HeadDialOptions...)
-	h, err := orchestrator.New(c.Client, orchestrator.Config{
+	cfg := orchestrator.Config{
 		Pipeline:          c.opts.Pipeline,
 		Policy:            c.opts.Policy,
 		MaxMigrations:     c.opts.MaxMigrations,
@@ -153,7 +163,11 @@ func (c *Cluster) startHead(t testing.TB, metrics *prometheus.Registry, before f
 		TracerProvider:    c.opts.HeadTracer,
 		Logger:            c.opts.Logger,
 		Breaker:           c.opts.Breaker,
-	})
+	}
+	if statsMetrics != nil { // a nil *Registry is not a nil Registerer
+		cfg.StatsMetrics = statsMetrics
+	}
+	h, err := orchestrator.New(c.Client, cfg)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -174,7 +188,7 @@ func (c *Cluster) startHead(t testing.TB, metrics *prometheus.Registry, before f
 func (c *Cluster) AddHead(t testing.TB) (*orchestrator.Head, *prometheus.Registry) {
 	t.Helper()
 	metrics := prometheus.NewRegistry()
-	return c.startHead(t, metrics, nil), metrics
+	return c.startHead(t, metrics, nil, nil), metrics
 }
 
 // WorkerOptions configure one worker.
