@@ -12,6 +12,11 @@ import (
 // always sees progress.
 const maxHold = time.Second
 
+// maxHeldBytes bounds the output merged into one chunk, far below the
+// gRPC message limits (17 MiB by default): a fast engine's audio can make
+// megabytes within one hold.
+const maxHeldBytes = 1 << 20
+
 // outputHolder sends one request's chunks, holding output as the head
 // allows (GenerateRequest.hold_output_ms): every chunk is merged into the
 // held one, which is sent hold after it was started at the latest, and at
@@ -68,10 +73,15 @@ func (h *outputHolder) emit(c *stagepb.GenerateChunk) error {
 	if stagepb.HasOutput(c) {
 		h.outputAt = append(h.outputAt, now)
 	}
-	if c.GetFinishReason() != stagepb.FinishReason_FINISH_REASON_UNSPECIFIED {
+	if c.GetFinishReason() != stagepb.FinishReason_FINISH_REASON_UNSPECIFIED || outputBytes(h.pending) >= maxHeldBytes {
 		return h.flushLocked()
 	}
 	return nil
+}
+
+// outputBytes is about what c's output takes in a message.
+func outputBytes(c *stagepb.GenerateChunk) int {
+	return len(c.GetText()) + len(c.GetAudioPcm16()) + 4*(len(c.GetCodes())+len(c.GetTokenIds()))
 }
 
 // flush is the timer's: it sends what is held.
