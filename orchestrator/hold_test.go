@@ -1,12 +1,16 @@
 package orchestrator_test
 
 import (
+	"context"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
 
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
@@ -86,4 +90,47 @@ func TestStreamedOutputIsFlushedWhenIdle(t *testing.T) {
 	}
 	assert.Equal(t, tokens, texts)
 	assert.GreaterOrEqual(t, flushes, tokens-1)
+}
+
+// countingStream counts the messages a head receives on each method.
+type countingStream struct {
+	grpc.ClientStream
+	mu     *sync.Mutex
+	counts map[string]int
+	method string
+}
+
+func (s *countingStream) RecvMsg(m any) error {
+	err := s.ClientStream.RecvMsg(m)
+	if err == nil {
+		s.mu.Lock()
+		s.counts[s.method]++
+		s.mu.Unlock()
+	}
+	return err
+}
+
+// In a streamed audio request the head asks the talker for its codes a
+// vocoder segment at a time: a few messages instead of one per step, and
+// the same audio.
+func TestTalkerCodesComePerVocoderSegment(t *testing.T) {
+	var mu sync.Mutex
+	counts := map[string]int{}
+	count := grpc.WithStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+		s, err := streamer(ctx, desc, cc, method, opts...)
+		return &countingStream{ClientStream: s, mu: &mu, counts: counts, method: method[strings.LastIndexByte(method, '/')+1:]}, err
+	})
+	c := orchestratortest.Start(t, orchestratortest.Options{HeadDialOptions: []grpc.DialOption{count}})
+	c.WaitReady(t)
+	res, err := c.Head.Execute(ctxT(t), orchestrator.Request{ID: "segments", Prompt: "tell me a story about a fox", Sampling: sampling(16, 1), Stages: 3}, nil)
+	require.NoError(t, err)
+	require.Greater(t, len(res.Codes), 30, "enough codes for several segments")
+	require.NotEmpty(t, res.PCM)
+
+	mu.Lock()
+	defer mu.Unlock()
+	// GenerateStream: the talker and the vocoder (held: one message or
+	// two); Generate: the thinker, a message per token.
+	assert.LessOrEqual(t, counts["GenerateStream"], len(res.Codes)/10+1+2, "codes come a segment (10) at a time: %v", counts)
+	assert.Equal(t, 16, counts["Generate"], "the thinker's text is read live, a token at a time")
 }

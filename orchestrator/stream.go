@@ -180,6 +180,7 @@ type streamedRun struct {
 // stage's audio goes to req.OnAudio as it is made. The first stage to fail
 // cancels the others; its error is the request's.
 func (h *Head) executeStreamed(ctx context.Context, req Request, n int, prompt *stagepb.GenerateRequest, onText func(string) error) (*Result, time.Duration, error) {
+	prompt.OutputCodesPerChunk = h.codesPerChunk(0, n)
 	run := &streamedRun{req: req, n: n, start: time.Now(), onText: onText, prompt: prompt,
 		inputs: make([]*stageInput, n), outputs: make([]*stageOutput, n)}
 	for i := 1; i < n; i++ {
@@ -324,6 +325,19 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 	return nil, lastErr
 }
 
+// codesPerChunk is GenerateRequest.output_codes_per_chunk for stage of a
+// streamed request through n stages: the next stage's segment size when
+// this stage gives it codes (it cannot start a segment on fewer), else 0.
+func (h *Head) codesPerChunk(stage, n int) uint32 {
+	if stage+1 >= n || (*h.outputs.Load())[stage] != stagepb.RoleCodes {
+		return 0
+	}
+	if units := h.cfg.Pipeline.Stages[stage+1].InputChunk; units > 0 {
+		return uint32(units)
+	}
+	return stagepb.DefaultSegmentCodes
+}
+
 // openStreamed opens GenerateStream on rep and starts the goroutine that
 // sends the stage's input as it arrives; the returned wait waits for it.
 // The request header goes out with the first piece. The input's kind (text
@@ -351,6 +365,7 @@ func (h *Head) openStreamed(ctx context.Context, run *streamedRun, stage int, re
 			if stage == run.n-1 && run.req.OnAudio == nil {
 				r.HoldOutputMs = h.holdOutputMs() // nothing reads this output before the stage ends
 			}
+			r.OutputCodesPerChunk = h.codesPerChunk(stage, run.n)
 			return &stagepb.StreamInput{Request: r, SegmentUnits: units}
 		}
 		for i := 0; ; {

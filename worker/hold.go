@@ -18,21 +18,25 @@ const maxHold = time.Second
 const maxHeldBytes = 1 << 20
 
 // outputHolder sends one request's chunks, holding output as the head
-// allows (GenerateRequest.hold_output_ms): every chunk is merged into the
-// held one, which is sent hold after it was started at the latest, and at
-// once with the final chunk. Each output in a sent chunk is dated by its
-// age (GenerateChunk.output_ages_us), so the head measures time to first
-// token and inter-token latencies as if the outputs had come one by one.
-// A head that reads a stage's output only when it ends thus gets one
-// message, or one per hold, instead of one per token, and end-to-end
-// latency does not grow.
+// allows: every chunk is merged into the held one, which is sent at once
+// with the final chunk, once it holds maxHeldBytes, once it holds codes
+// codes (GenerateRequest.output_codes_per_chunk: the next stage could not
+// start a segment on fewer), and hold after it was started at the latest
+// (GenerateRequest.hold_output_ms, or maxHold). Each output in a sent chunk
+// is dated by its age (GenerateChunk.output_ages_us), so the head measures
+// time to first token and inter-token latencies as if the outputs had come
+// one by one. A head that reads a stage's output only when it ends thus
+// gets one message, or one per hold, instead of one per token, a vocoder
+// one per segment, and neither end-to-end latency nor the next stage's
+// start grows.
 //
 // emit is called by one goroutine (the engine's); the flush timer runs on
 // its own. mu serializes every send on the stream, as gRPC requires. After
 // finish returns no send is in progress and none starts.
 type outputHolder struct {
-	send func(*stagepb.GenerateChunk) error
-	hold time.Duration
+	send  func(*stagepb.GenerateChunk) error
+	hold  time.Duration
+	codes int // send once this many codes are held; 0: no such rule
 
 	mu       sync.Mutex
 	pending  *stagepb.GenerateChunk // owned by the holder; nil when nothing is held
@@ -46,11 +50,14 @@ type outputHolder struct {
 // hold, and a holder's emit otherwise; finish must be called when the
 // engine is done, before the RPC returns.
 func newOutputHolder(req *stagepb.GenerateRequest, send func(*stagepb.GenerateChunk) error) (emit func(*stagepb.GenerateChunk) error, finish func() error) {
-	ms := req.GetHoldOutputMs()
-	if ms == 0 {
+	ms, codes := req.GetHoldOutputMs(), req.GetOutputCodesPerChunk()
+	if ms == 0 && codes == 0 {
 		return send, func() error { return nil }
 	}
-	h := &outputHolder{send: send, hold: min(time.Duration(ms)*time.Millisecond, maxHold)}
+	h := &outputHolder{send: send, hold: maxHold, codes: int(codes)}
+	if ms > 0 {
+		h.hold = min(time.Duration(ms)*time.Millisecond, maxHold)
+	}
 	return h.emit, h.finish
 }
 
@@ -73,7 +80,8 @@ func (h *outputHolder) emit(c *stagepb.GenerateChunk) error {
 	if stagepb.HasOutput(c) {
 		h.outputAt = append(h.outputAt, now)
 	}
-	if c.GetFinishReason() != stagepb.FinishReason_FINISH_REASON_UNSPECIFIED || outputBytes(h.pending) >= maxHeldBytes {
+	if c.GetFinishReason() != stagepb.FinishReason_FINISH_REASON_UNSPECIFIED || outputBytes(h.pending) >= maxHeldBytes ||
+		(h.codes > 0 && len(h.pending.GetCodes()) >= h.codes) {
 		return h.flushLocked()
 	}
 	return nil

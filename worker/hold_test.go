@@ -113,3 +113,32 @@ func TestHeldOutputIsSentWithinTheHold(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, want, concat(append([]*stagepb.GenerateChunk{first}, rest...)))
 }
+
+// A talker whose codes go to a vocoder that runs segments of 10 codes
+// sends them 10 or more at a time: the vocoder could not start on fewer.
+// The answer is the same, every output dated once.
+func TestCodesAreSentPerNextSegment(t *testing.T) {
+	r := start(t, worker.Config{Stage: "talker", Engine: newSim(t, sim.Config{Role: sim.RoleCodes})})
+	r.waitRegistered(t)
+	cli := dial(t, r.Advertise())
+	req := textReq("a sentence long enough to make many codes for the vocoder to speak", nil)
+	req.OutputCodesPerChunk = stagepb.DefaultSegmentCodes
+	stream, err := cli.Generate(testCtx(t), req)
+	require.NoError(t, err)
+	chunks, err := recvAll(stream)
+	require.NoError(t, err)
+
+	want, err := sim.Expect(sim.RoleCodes, req)
+	require.NoError(t, err)
+	require.Greater(t, len(want.Codes), 2*stagepb.DefaultSegmentCodes, "enough codes for several segments")
+	assert.Equal(t, want, concat(chunks))
+	outputs := 0
+	for i, ch := range chunks {
+		if i < len(chunks)-1 {
+			assert.GreaterOrEqual(t, len(ch.GetCodes()), stagepb.DefaultSegmentCodes, "chunk %d holds a whole segment", i)
+		}
+		outputs += len(ch.GetOutputAgesUs())
+	}
+	assert.Less(t, len(chunks), len(want.Codes)/stagepb.DefaultSegmentCodes+2)
+	assert.Positive(t, outputs)
+}

@@ -36,13 +36,6 @@ type SentenceSegmenter interface {
 // sentence end.
 const maxSentenceWords = 48
 
-// Default segment sizes of GenerateStream, when the head sends none: a
-// talker starts after a few words, a vocoder after 400 ms of codes.
-const (
-	DefaultSegmentWords = 8
-	DefaultSegmentCodes = 10
-)
-
 // GenerateStream implements StageService: a request whose input arrives
 // while it runs. The handler goroutine runs the engine segment by segment;
 // a reader goroutine receives the input. The reader ends when the stream
@@ -143,9 +136,9 @@ func newSegmenter(req *stagepb.GenerateRequest, first *stagepb.StreamInput, eng 
 	}
 	g.units = int(first.GetSegmentUnits())
 	if g.units <= 0 {
-		g.units = DefaultSegmentWords
+		g.units = stagepb.DefaultSegmentWords
 		if g.codes {
-			g.units = DefaultSegmentCodes
+			g.units = stagepb.DefaultSegmentCodes
 		}
 	}
 	return g

@@ -478,9 +478,16 @@ type GenerateRequest struct {
 	// (stagepb.MergeChunk), dated by output_ages_us. The final chunk is sent
 	// at once, so end-to-end latency is unchanged. 0: every chunk is sent as
 	// it is made.
-	HoldOutputMs  uint32 `protobuf:"varint,10,opt,name=hold_output_ms,json=holdOutputMs,proto3" json:"hold_output_ms,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	HoldOutputMs uint32 `protobuf:"varint,10,opt,name=hold_output_ms,json=holdOutputMs,proto3" json:"hold_output_ms,omitempty"`
+	// output_codes_per_chunk > 0: this stage's codes go to a stage that runs
+	// its input in segments of this many codes (StreamInput.segment_units),
+	// and cannot start one on fewer. The worker may gather codes and send
+	// them merged once it has this many since its last chunk (and with the
+	// final chunk, and at least every second so the head sees progress),
+	// each output dated by output_ages_us. 0: every chunk as it is made.
+	OutputCodesPerChunk uint32 `protobuf:"varint,11,opt,name=output_codes_per_chunk,json=outputCodesPerChunk,proto3" json:"output_codes_per_chunk,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *GenerateRequest) Reset() {
@@ -594,6 +601,13 @@ func (x *GenerateRequest) GetContinuation() string {
 func (x *GenerateRequest) GetHoldOutputMs() uint32 {
 	if x != nil {
 		return x.HoldOutputMs
+	}
+	return 0
+}
+
+func (x *GenerateRequest) GetOutputCodesPerChunk() uint32 {
+	if x != nil {
+		return x.OutputCodesPerChunk
 	}
 	return 0
 }
@@ -1637,7 +1651,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\tR\acontent\"@\n" +
 	"\x04Chat\x128\n" +
-	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\x9d\x03\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xd2\x03\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -1650,7 +1664,8 @@ const file_stage_proto_rawDesc = "" +
 	"\x05voice\x18\a \x01(\tR\x05voice\x12\"\n" +
 	"\fcontinuation\x18\t \x01(\tR\fcontinuation\x12$\n" +
 	"\x0ehold_output_ms\x18\n" +
-	" \x01(\rR\fholdOutputMsB\a\n" +
+	" \x01(\rR\fholdOutputMs\x123\n" +
+	"\x16output_codes_per_chunk\x18\v \x01(\rR\x13outputCodesPerChunkB\a\n" +
 	"\x05input\"\x98\x01\n" +
 	"\vStreamInput\x12:\n" +
 	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +

@@ -10,6 +10,15 @@ import "fmt"
 // record and in Health, and with it the spec-decode position series.
 const MaxSpeculativeTokens = 64
 
+// Segment sizes of GenerateStream when StreamInput.segment_units is 0 (a
+// stage without input_chunk): a talker starts after a few words, a vocoder
+// after 400 ms of codes. The worker cuts segments by them; the head sizes
+// output_codes_per_chunk by them.
+const (
+	DefaultSegmentWords = 8
+	DefaultSegmentCodes = 10
+)
+
 // SleepStates lists every sleep state in label order (the value is the
 // index).
 var SleepStates = [...]SleepState{
