@@ -328,8 +328,9 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 // codesPerChunk is GenerateRequest.output_codes_per_chunk for stage of a
 // streamed request through n stages: the next stage's segment size when
 // this stage gives it codes (it cannot start a segment on fewer), else 0.
+// A stall timeout too short for a worker's longest hold asks for none.
 func (h *Head) codesPerChunk(stage, n int) uint32 {
-	if stage+1 >= n || (*h.outputs.Load())[stage] != stagepb.RoleCodes {
+	if stage+1 >= n || (*h.outputs.Load())[stage] != stagepb.RoleCodes || h.cfg.StallTimeout < 2*stagepb.MaxHeldOutput {
 		return 0
 	}
 	if units := h.cfg.Pipeline.Stages[stage+1].InputChunk; units > 0 {

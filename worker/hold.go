@@ -10,7 +10,7 @@ import (
 // maxHold bounds GenerateRequest.hold_output_ms: output is never held for
 // longer, whatever the head asks, so the head's stall timeout (seconds)
 // always sees progress.
-const maxHold = time.Second
+const maxHold = stagepb.MaxHeldOutput
 
 // maxHeldBytes bounds the output merged into one chunk, far below the
 // gRPC message limits (17 MiB by default): a fast engine's audio can make

@@ -1,6 +1,9 @@
 package stagepb
 
-import "fmt"
+import (
+	"fmt"
+	"time"
+)
 
 // The protocol's vocabulary: the names troupe uses for enum values in
 // metric labels, API answers and logs, and the limits both ends enforce.
@@ -9,6 +12,12 @@ import "fmt"
 // MaxSpeculativeTokens bounds num_speculative_tokens (K) in a membership
 // record and in Health, and with it the spec-decode position series.
 const MaxSpeculativeTokens = 64
+
+// MaxHeldOutput is the longest a worker holds output
+// (GenerateRequest.hold_output_ms, output_codes_per_chunk) before it sends
+// what it has: a head whose stall timeout is shorter does not ask for
+// held codes.
+const MaxHeldOutput = time.Second
 
 // Segment sizes of GenerateStream when StreamInput.segment_units is 0 (a
 // stage without input_chunk): a talker starts after a few words, a vocoder
