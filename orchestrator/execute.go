@@ -178,12 +178,13 @@ func (h *Head) executeSequential(ctx context.Context, req Request, n int, in *st
 				return true, req.OnAudio(c.GetAudioPcm16(), int(c.GetSampleRate()))
 			}
 		}
-		if forward == nil || (i == n-1 && i > 0 && req.OnAudio == nil) {
-			in.HoldOutputMs = h.holdOutputMs() // nothing reads this output before the stage ends
-		}
-		var flush func() error // the stage's output goes to the client
-		if (i == 0 && onText != nil) || (i == n-1 && i > 0 && req.OnAudio != nil) {
+		// One stage after another: what the client does not read as it is
+		// made, nobody reads before the stage ends.
+		var flush func() error
+		if readByClient(req, onText, i, n) {
 			flush = req.Flush
+		} else {
+			in.HoldOutputMs = h.holdOutputMs()
 		}
 		out, err := h.runStage(ctx, req, i, in, forward, flush)
 		if err != nil {
@@ -215,6 +216,13 @@ func (h *Head) executeSequential(ctx context.Context, req Request, n int, in *st
 		in = next
 	}
 	return res, ttfa, nil
+}
+
+// readByClient reports whether the client reads stage's output (of n) as
+// it is made: stage 0's text through onText, the last stage's audio
+// through req.OnAudio.
+func readByClient(req Request, onText func(string) error, stage, n int) bool {
+	return (stage == 0 && onText != nil) || (stage == n-1 && stage > 0 && req.OnAudio != nil)
 }
 
 // sizeBound bounds the encoded size of stage 0's request for req from
@@ -724,8 +732,8 @@ var internalSpan = trace.WithSpanKind(trace.SpanKindInternal)
 // maxHoldOutput is how long a worker may hold a stage's output that
 // nothing reads before the stage ends (GenerateRequest.hold_output_ms).
 // The end is never held and every output is dated by its age, so only the
-// number of messages changes: a 16-token answer at zero delay comes in one
-// instead of 17, a long one in one per 100 ms. It stays well below the
+// number of messages changes: a short answer at zero delay comes in one
+// message instead of one per output, a long one in one per 100 ms. It stays well below the
 // stall timeout, which a held stage must not trip.
 const maxHoldOutput = 100 * time.Millisecond
 

@@ -130,7 +130,7 @@ func TestTalkerCodesComePerVocoderSegment(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	// GenerateStream: the talker and the vocoder (held: one message or
-	// two); Generate: the thinker, a message per token.
+	// two); Generate: the thinker, a message per output chunk.
 	assert.LessOrEqual(t, counts["GenerateStream"], len(res.Codes)/10+1+2, "codes come a segment (10) at a time: %v", counts)
-	assert.Equal(t, 16, counts["Generate"], "the thinker's text is read live, a token at a time")
+	assert.Equal(t, 16, counts["Generate"], "the thinker's text is read live, an output chunk at a time (16 for this prompt)")
 }

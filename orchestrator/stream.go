@@ -300,8 +300,8 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 			}
 			return h.openStreamed(ctx, run, stage, rep, s, progress)
 		}
-		var flush func() error // the stage's output goes to the client
-		if (stage == 0 && run.onText != nil) || (last && run.req.OnAudio != nil) {
+		var flush func() error
+		if readByClient(run.req, run.onText, stage, run.n) {
 			flush = run.req.Flush
 		}
 		out, produced, err := h.attempt(ctx, run.req, stage, d, attempt, prompt.GetSampling(), open, forward, flush)
@@ -363,8 +363,8 @@ func (h *Head) openStreamed(ctx context.Context, run *streamedRun, stage int, re
 			} else {
 				r.Input = &stagepb.GenerateRequest_Text{Text: p.text}
 			}
-			if stage == run.n-1 && run.req.OnAudio == nil {
-				r.HoldOutputMs = h.holdOutputMs() // nothing reads this output before the stage ends
+			if stage == run.n-1 && !readByClient(run.req, run.onText, stage, run.n) {
+				r.HoldOutputMs = h.holdOutputMs() // the last stage's output: read when it ends
 			}
 			r.OutputCodesPerChunk = h.codesPerChunk(stage, run.n)
 			return &stagepb.StreamInput{Request: r, SegmentUnits: units}

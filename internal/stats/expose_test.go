@@ -438,21 +438,6 @@ func TestScrapeConsistentUnderRecords(t *testing.T) {
 	require.Equal(t, float64(want), total)
 }
 
-// TestRecordFinishedDoesNotAllocate holds the other hot paths to zero
-// allocations (a trace id of up to 48 bytes included).
-func TestRecordFinishedDoesNotAllocate(t *testing.T) {
-	if raceEnabled {
-		t.Skip("the race detector allocates")
-	}
-	_, l := newTestLogger(t, Options{})
-	r := replica(0, 1)
-	r.NumSpeculativeTokens = 2
-	require.NoError(t, l.Register(0, r))
-	f := benchFinished()
-	require.Zero(t, testing.AllocsPerRun(100, func() { _ = l.RecordFinished(0, f) }))
-	require.Zero(t, testing.AllocsPerRun(100, func() { _ = l.SetSleepState(0, stagepb.SleepState_SLEEP_STATE_AWAKE) }))
-}
-
 // TestWriteMetricsError: a failing writer's error comes back wrapped.
 func TestWriteMetricsError(t *testing.T) {
 	_, l := richLogger(t)

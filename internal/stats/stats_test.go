@@ -683,7 +683,8 @@ func TestTTLSweep(t *testing.T) {
 	require.Equal(t, perReplica, replicaSeriesCount(t, reg2, 0, 0))
 }
 
-func TestRecordDoesNotAllocate(t *testing.T) {
+// TestHotPathsDoNotAllocate: Record, RecordFinished and SetSleepState.
+func TestHotPathsDoNotAllocate(t *testing.T) {
 	if raceEnabled {
 		t.Skip("the race detector allocates")
 	}
@@ -698,6 +699,10 @@ func TestRecordDoesNotAllocate(t *testing.T) {
 		}
 	})
 	require.Zero(t, allocs)
+	// The other hot paths, a trace id of up to 48 bytes included.
+	f := benchFinished()
+	require.Zero(t, testing.AllocsPerRun(100, func() { _ = l.RecordFinished(0, f) }))
+	require.Zero(t, testing.AllocsPerRun(100, func() { _ = l.SetSleepState(0, stagepb.SleepState_SLEEP_STATE_AWAKE) }))
 }
 
 func benchStats() *stagepb.EngineStats {
