@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 	"sync"
 
 	"github.com/troupe-serving/troupe/orchestrator"
@@ -92,7 +93,9 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	}
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
-	h.Del("Content-Length")
+	// A length, not chunks: the answer is whole, and a large one (audio)
+	// would otherwise go out framed in chunks.
+	h.Set("Content-Length", strconv.Itoa(buf.Len()))
 	w.WriteHeader(status)
 	_, _ = w.Write(buf.Bytes())
 }

@@ -67,10 +67,14 @@ func rewriteEarlyError(p []byte) ([]byte, bool) {
 	if !ok {
 		return nil, false
 	}
-	statusLine, text, ok := bytes.Cut(rest, []byte(earlyErrorHeaders))
-	if !ok || bytes.Contains(statusLine, []byte("\r\n")) || len(statusLine) < 3 {
+	// The status line ends at the first CRLF, where an early error's
+	// headers begin. Looking no further keeps a large answer (a WAV in
+	// base64) from being scanned on its way out.
+	end := bytes.Index(rest, []byte("\r\n"))
+	if end < 3 || !bytes.HasPrefix(rest[end:], []byte(earlyErrorHeaders)) {
 		return nil, false
 	}
+	statusLine, text := rest[:end], rest[end+len(earlyErrorHeaders):]
 	status, err := strconv.Atoi(string(statusLine[:3]))
 	if err != nil || status < 400 {
 		return nil, false
