@@ -302,8 +302,9 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 			if moved.count > 0 {
 				span.SetAttributes(attribute.Bool("troupe.migration", true), attribute.Int("troupe.migration.delivered_chars", len(moved.text)))
 			}
-			stream, err := rep.Client.Generate(ctx, cur, h.callOptions()...)
-			return stream, func() {}, err
+			// Without flush nothing between two chunks waits on the
+			// client: forward is nil or never blocks (see executeSequential).
+			return h.openGenerate(ctx, rep, cur, flush == nil)
 		}
 		var delivered migrated
 		fwd := forward
@@ -408,6 +409,23 @@ func retryable(ctx context.Context, err error, produced bool) bool {
 // chunkStream is the receiving side of Generate and GenerateStream.
 type chunkStream interface {
 	Recv() (*stagepb.GenerateChunk, error)
+}
+
+// openGenerate starts req on rep. It goes over the replica's Multiplex
+// stream when the worker serves it, when no trace goes to workers (a call
+// on the stream carries no trace context of its own), and when quiet: the
+// attempt's Recv loop waits on nothing else, as stagemux requires. Else it
+// is a Generate RPC of its own.
+func (h *Head) openGenerate(ctx context.Context, rep *router.Replica, req *stagepb.GenerateRequest, quiet bool) (chunkStream, func(), error) {
+	if quiet && h.multiplex && rep.Engine.Multiplex {
+		call, err := rep.Mux.Generate(ctx, req, h.callOptions()...)
+		if err != nil {
+			return nil, func() {}, err
+		}
+		return call, call.Close, nil
+	}
+	stream, err := rep.Client.Generate(ctx, req, h.callOptions()...)
+	return stream, func() {}, err
 }
 
 // opener starts a stage attempt's RPC under ctx. wait, called after ctx is

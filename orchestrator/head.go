@@ -66,8 +66,13 @@ type Config struct {
 	MaxMessageBytes int
 	Metrics         prometheus.Registerer
 	Dial            router.Dialer
-	TracerProvider  trace.TracerProvider
-	Logger          *slog.Logger
+	// TracerProvider makes the head's spans, whose context goes to the
+	// workers with each call (through the dialer's stats handler). nil: no
+	// spans, and calls whose output is read when they end share one
+	// Multiplex stream per replica that serves it (a call on it carries
+	// no trace context).
+	TracerProvider trace.TracerProvider
+	Logger         *slog.Logger
 	// Tokenizers, by engine name as Health reports it, let prefix_aware
 	// name an engine's blocks as the engine does, so engines that report
 	// their cache (KvEvents) get the engine-reported mode. Optional.
@@ -93,6 +98,9 @@ type Head struct {
 	pipeline *stats.Pipeline
 	router   *router.Router
 	tracer   trace.Tracer
+	// multiplex: no trace goes to workers, so calls may share a
+	// replica's Multiplex stream (see openGenerate).
+	multiplex bool
 	// decisions[stage][reason] are the pre-bound children of
 	// troupe_router_decisions_total; nil where the stage's configuration
 	// never gives that reason (decisionVec makes them if it ever does).
@@ -179,7 +187,8 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	if cfg.TracerProvider == nil {
+	multiplex := cfg.TracerProvider == nil
+	if multiplex {
 		cfg.TracerProvider = noop.NewTracerProvider()
 	}
 	if cfg.Metrics == nil {
@@ -222,12 +231,13 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		}
 	}
 	h := &Head{
-		pipeline: pipe,
-		cfg:      cfg,
-		log:      cfg.Logger,
-		stats:    st,
-		router:   router.NewWithBreaker(routing, cfg.Dial, cfg.Logger, cfg.Breaker),
-		tracer:   cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
+		pipeline:  pipe,
+		cfg:       cfg,
+		log:       cfg.Logger,
+		stats:     st,
+		router:    router.NewWithBreaker(routing, cfg.Dial, cfg.Logger, cfg.Breaker),
+		tracer:    cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
+		multiplex: multiplex,
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "troupe_membership_events_total",
 			Help: "Membership events applied by the head, by type.",
@@ -570,7 +580,7 @@ func (h *Head) attach(pr probeResult) {
 		pr.rep.SetLoad(int64(g.GetNumRequestsRunning()) + int64(g.GetNumRequestsWaitingCapacity()) + int64(g.GetNumRequestsWaitingDeferred()))
 	}
 	cache := pr.health.GetCacheConfig()
-	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents()}
+	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents(), Multiplex: pr.health.GetMultiplex()}
 	if err := h.router.Add(pr.rep); err != nil {
 		h.errors.WithLabelValues("router").Inc()
 		h.log.Error("orchestrator: cannot route", "err", err)

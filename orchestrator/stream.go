@@ -295,8 +295,9 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 				if moved.count > 0 {
 					s.SetAttributes(attribute.Bool("troupe.migration", true), attribute.Int("troupe.migration.delivered_chars", len(moved.text)))
 				}
-				stream, err := rep.Client.Generate(ctx, prompt, h.callOptions()...)
-				return stream, func() {}, err
+				// Not quiet: forward waits while the next stage's input
+				// is full.
+				return h.openGenerate(ctx, rep, prompt, false)
 			}
 			return h.openStreamed(ctx, run, stage, rep, s, progress)
 		}

@@ -33,6 +33,7 @@ import (
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
 
+	"github.com/troupe-serving/troupe/internal/stagemux"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
@@ -561,6 +562,12 @@ func (svc *service) Generate(req *stagepb.GenerateRequest, stream grpc.ServerStr
 	return toStatus(err)
 }
 
+// Multiplex implements StageService: Generate calls over one stream (see
+// stagemux.Serve). A stopping worker ends it once no call runs.
+func (svc *service) Multiplex(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame]) error {
+	return stagemux.Serve(stream, svc.Generate, svc.s.idle)
+}
+
 // checkInput refuses an input kind the engine cannot take (see
 // InputRole).
 func (s *Server) checkInput(req *stagepb.GenerateRequest) error {
@@ -636,6 +643,7 @@ func (svc *service) Health(context.Context, *stagepb.HealthRequest) (*stagepb.He
 	s := svc.s
 	h := s.cfg.Engine.Health()
 	h.Stage = s.cfg.Stage
+	h.Multiplex = true
 	if s.isDraining() {
 		h.Status = stagepb.ServingStatus_SERVING_STATUS_DRAINING
 	} else if h.GetStatus() == stagepb.ServingStatus_SERVING_STATUS_UNSPECIFIED {

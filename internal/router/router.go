@@ -28,6 +28,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/connectivity"
 
+	"github.com/troupe-serving/troupe/internal/stagemux"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
@@ -55,6 +56,9 @@ type Replica struct {
 	Addr        string
 	JoinedAt    time.Time
 	Client      stagepb.StageServiceClient
+	// Mux sends Generate calls over one Multiplex stream; only for a
+	// replica whose Engine.Multiplex says it serves them.
+	Mux *stagemux.Client
 	// Engine is what the replica's Health said on join. The head sets it
 	// between Dial and Add; it never changes once added.
 	Engine EngineInfo
@@ -163,6 +167,7 @@ func (r *Replica) Release() {
 func (r *Replica) close() {
 	r.closeOnce.Do(func() {
 		r.stopWatch()
+		r.Mux.Close()
 		_ = r.conn.Close()
 	})
 }
@@ -172,6 +177,7 @@ type EngineInfo struct {
 	Name      string // e.g. "sim"
 	BlockSize int    // KV block size in tokens; 0: unknown
 	KVEvents  bool   // the engine reports stagepb.KvEvents on its chunks
+	Multiplex bool   // the worker serves StageService.Multiplex
 }
 
 // Snapshot is an immutable view of the routable set. Safe for concurrent use.
@@ -422,10 +428,11 @@ func (r *Router) Dial(spec ReplicaSpec) (*Replica, error) {
 		EngineIndex: spec.EngineIndex,
 		Addr:        spec.Addr,
 		JoinedAt:    spec.JoinedAt,
-		Client:      stagepb.NewStageServiceClient(conn),
 		conn:        conn,
 		stopWatch:   func() {},
 	}
+	rep.Client = stagepb.NewStageServiceClient(conn)
+	rep.Mux = stagemux.NewClient(rep.Client)
 	rep.SetSleepState(spec.SleepState)
 	rep.healthy.Store(true)
 	return rep, nil

@@ -184,6 +184,182 @@ func (ServingStatus) EnumDescriptor() ([]byte, []int) {
 	return file_stage_proto_rawDescGZIP(), []int{2}
 }
 
+// MuxFrame is one message of a Multiplex stream, in either direction.
+type MuxFrame struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Types that are valid to be assigned to Kind:
+	//
+	//	*MuxFrame_Request
+	//	*MuxFrame_Cancel
+	//	*MuxFrame_Chunk
+	//	*MuxFrame_End
+	Kind          isMuxFrame_Kind `protobuf_oneof:"kind"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MuxFrame) Reset() {
+	*x = MuxFrame{}
+	mi := &file_stage_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MuxFrame) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MuxFrame) ProtoMessage() {}
+
+func (x *MuxFrame) ProtoReflect() protoreflect.Message {
+	mi := &file_stage_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MuxFrame.ProtoReflect.Descriptor instead.
+func (*MuxFrame) Descriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *MuxFrame) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *MuxFrame) GetKind() isMuxFrame_Kind {
+	if x != nil {
+		return x.Kind
+	}
+	return nil
+}
+
+func (x *MuxFrame) GetRequest() *GenerateRequest {
+	if x != nil {
+		if x, ok := x.Kind.(*MuxFrame_Request); ok {
+			return x.Request
+		}
+	}
+	return nil
+}
+
+func (x *MuxFrame) GetCancel() bool {
+	if x != nil {
+		if x, ok := x.Kind.(*MuxFrame_Cancel); ok {
+			return x.Cancel
+		}
+	}
+	return false
+}
+
+func (x *MuxFrame) GetChunk() *GenerateChunk {
+	if x != nil {
+		if x, ok := x.Kind.(*MuxFrame_Chunk); ok {
+			return x.Chunk
+		}
+	}
+	return nil
+}
+
+func (x *MuxFrame) GetEnd() *MuxEnd {
+	if x != nil {
+		if x, ok := x.Kind.(*MuxFrame_End); ok {
+			return x.End
+		}
+	}
+	return nil
+}
+
+type isMuxFrame_Kind interface {
+	isMuxFrame_Kind()
+}
+
+type MuxFrame_Request struct {
+	Request *GenerateRequest `protobuf:"bytes,2,opt,name=request,proto3,oneof"` // head to worker: start call id
+}
+
+type MuxFrame_Cancel struct {
+	Cancel bool `protobuf:"varint,3,opt,name=cancel,proto3,oneof"` // head to worker: abort call id
+}
+
+type MuxFrame_Chunk struct {
+	Chunk *GenerateChunk `protobuf:"bytes,4,opt,name=chunk,proto3,oneof"` // worker to head: a chunk of call id
+}
+
+type MuxFrame_End struct {
+	End *MuxEnd `protobuf:"bytes,5,opt,name=end,proto3,oneof"` // worker to head: call id ended, last frame of it
+}
+
+func (*MuxFrame_Request) isMuxFrame_Kind() {}
+
+func (*MuxFrame_Cancel) isMuxFrame_Kind() {}
+
+func (*MuxFrame_Chunk) isMuxFrame_Kind() {}
+
+func (*MuxFrame_End) isMuxFrame_Kind() {}
+
+// MuxEnd is how a Multiplex call ended: its gRPC status.
+type MuxEnd struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Code          uint32                 `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"` // a google.rpc.Code; 0: OK
+	Message       string                 `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MuxEnd) Reset() {
+	*x = MuxEnd{}
+	mi := &file_stage_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MuxEnd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MuxEnd) ProtoMessage() {}
+
+func (x *MuxEnd) ProtoReflect() protoreflect.Message {
+	mi := &file_stage_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MuxEnd.ProtoReflect.Descriptor instead.
+func (*MuxEnd) Descriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *MuxEnd) GetCode() uint32 {
+	if x != nil {
+		return x.Code
+	}
+	return 0
+}
+
+func (x *MuxEnd) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
 type SamplingParams struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	MaxTokens     uint32                 `protobuf:"varint,1,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"` // 0: engine default
@@ -197,7 +373,7 @@ type SamplingParams struct {
 
 func (x *SamplingParams) Reset() {
 	*x = SamplingParams{}
-	mi := &file_stage_proto_msgTypes[0]
+	mi := &file_stage_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -209,7 +385,7 @@ func (x *SamplingParams) String() string {
 func (*SamplingParams) ProtoMessage() {}
 
 func (x *SamplingParams) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[0]
+	mi := &file_stage_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -222,7 +398,7 @@ func (x *SamplingParams) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SamplingParams.ProtoReflect.Descriptor instead.
 func (*SamplingParams) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{0}
+	return file_stage_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *SamplingParams) GetMaxTokens() uint32 {
@@ -269,7 +445,7 @@ type TokenIds struct {
 
 func (x *TokenIds) Reset() {
 	*x = TokenIds{}
-	mi := &file_stage_proto_msgTypes[1]
+	mi := &file_stage_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -281,7 +457,7 @@ func (x *TokenIds) String() string {
 func (*TokenIds) ProtoMessage() {}
 
 func (x *TokenIds) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[1]
+	mi := &file_stage_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -294,7 +470,7 @@ func (x *TokenIds) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenIds.ProtoReflect.Descriptor instead.
 func (*TokenIds) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{1}
+	return file_stage_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *TokenIds) GetIds() []uint32 {
@@ -313,7 +489,7 @@ type Codes struct {
 
 func (x *Codes) Reset() {
 	*x = Codes{}
-	mi := &file_stage_proto_msgTypes[2]
+	mi := &file_stage_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -325,7 +501,7 @@ func (x *Codes) String() string {
 func (*Codes) ProtoMessage() {}
 
 func (x *Codes) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[2]
+	mi := &file_stage_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -338,7 +514,7 @@ func (x *Codes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Codes.ProtoReflect.Descriptor instead.
 func (*Codes) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{2}
+	return file_stage_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Codes) GetCodes() []uint32 {
@@ -360,7 +536,7 @@ type ChatMessage struct {
 
 func (x *ChatMessage) Reset() {
 	*x = ChatMessage{}
-	mi := &file_stage_proto_msgTypes[3]
+	mi := &file_stage_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -372,7 +548,7 @@ func (x *ChatMessage) String() string {
 func (*ChatMessage) ProtoMessage() {}
 
 func (x *ChatMessage) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[3]
+	mi := &file_stage_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -385,7 +561,7 @@ func (x *ChatMessage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessage.ProtoReflect.Descriptor instead.
 func (*ChatMessage) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{3}
+	return file_stage_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ChatMessage) GetRole() string {
@@ -414,7 +590,7 @@ type Chat struct {
 
 func (x *Chat) Reset() {
 	*x = Chat{}
-	mi := &file_stage_proto_msgTypes[4]
+	mi := &file_stage_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -426,7 +602,7 @@ func (x *Chat) String() string {
 func (*Chat) ProtoMessage() {}
 
 func (x *Chat) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[4]
+	mi := &file_stage_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -439,7 +615,7 @@ func (x *Chat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Chat.ProtoReflect.Descriptor instead.
 func (*Chat) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{4}
+	return file_stage_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Chat) GetMessages() []*ChatMessage {
@@ -492,7 +668,7 @@ type GenerateRequest struct {
 
 func (x *GenerateRequest) Reset() {
 	*x = GenerateRequest{}
-	mi := &file_stage_proto_msgTypes[5]
+	mi := &file_stage_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -504,7 +680,7 @@ func (x *GenerateRequest) String() string {
 func (*GenerateRequest) ProtoMessage() {}
 
 func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[5]
+	mi := &file_stage_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -517,7 +693,7 @@ func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateRequest.ProtoReflect.Descriptor instead.
 func (*GenerateRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{5}
+	return file_stage_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *GenerateRequest) GetRequestId() string {
@@ -655,7 +831,7 @@ type StreamInput struct {
 
 func (x *StreamInput) Reset() {
 	*x = StreamInput{}
-	mi := &file_stage_proto_msgTypes[6]
+	mi := &file_stage_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -667,7 +843,7 @@ func (x *StreamInput) String() string {
 func (*StreamInput) ProtoMessage() {}
 
 func (x *StreamInput) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[6]
+	mi := &file_stage_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -680,7 +856,7 @@ func (x *StreamInput) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamInput.ProtoReflect.Descriptor instead.
 func (*StreamInput) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{6}
+	return file_stage_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *StreamInput) GetRequest() *GenerateRequest {
@@ -738,7 +914,7 @@ type EngineStats struct {
 
 func (x *EngineStats) Reset() {
 	*x = EngineStats{}
-	mi := &file_stage_proto_msgTypes[7]
+	mi := &file_stage_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -750,7 +926,7 @@ func (x *EngineStats) String() string {
 func (*EngineStats) ProtoMessage() {}
 
 func (x *EngineStats) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[7]
+	mi := &file_stage_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -763,7 +939,7 @@ func (x *EngineStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineStats.ProtoReflect.Descriptor instead.
 func (*EngineStats) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{7}
+	return file_stage_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *EngineStats) GetPromptTokens() uint64 {
@@ -907,7 +1083,7 @@ type KvEvents struct {
 
 func (x *KvEvents) Reset() {
 	*x = KvEvents{}
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -919,7 +1095,7 @@ func (x *KvEvents) String() string {
 func (*KvEvents) ProtoMessage() {}
 
 func (x *KvEvents) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -932,7 +1108,7 @@ func (x *KvEvents) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvEvents.ProtoReflect.Descriptor instead.
 func (*KvEvents) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{8}
+	return file_stage_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *KvEvents) GetSeq() uint64 {
@@ -975,7 +1151,7 @@ type Timings struct {
 
 func (x *Timings) Reset() {
 	*x = Timings{}
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -987,7 +1163,7 @@ func (x *Timings) String() string {
 func (*Timings) ProtoMessage() {}
 
 func (x *Timings) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1000,7 +1176,7 @@ func (x *Timings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Timings.ProtoReflect.Descriptor instead.
 func (*Timings) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{9}
+	return file_stage_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Timings) GetQueueSeconds() float64 {
@@ -1047,7 +1223,7 @@ type GenerateChunk struct {
 
 func (x *GenerateChunk) Reset() {
 	*x = GenerateChunk{}
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1059,7 +1235,7 @@ func (x *GenerateChunk) String() string {
 func (*GenerateChunk) ProtoMessage() {}
 
 func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1072,7 +1248,7 @@ func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateChunk.ProtoReflect.Descriptor instead.
 func (*GenerateChunk) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{10}
+	return file_stage_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *GenerateChunk) GetText() string {
@@ -1153,7 +1329,7 @@ type HealthRequest struct {
 
 func (x *HealthRequest) Reset() {
 	*x = HealthRequest{}
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1165,7 +1341,7 @@ func (x *HealthRequest) String() string {
 func (*HealthRequest) ProtoMessage() {}
 
 func (x *HealthRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1178,7 +1354,7 @@ func (x *HealthRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthRequest.ProtoReflect.Descriptor instead.
 func (*HealthRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{11}
+	return file_stage_proto_rawDescGZIP(), []int{13}
 }
 
 type CacheConfig struct {
@@ -1194,7 +1370,7 @@ type CacheConfig struct {
 
 func (x *CacheConfig) Reset() {
 	*x = CacheConfig{}
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1206,7 +1382,7 @@ func (x *CacheConfig) String() string {
 func (*CacheConfig) ProtoMessage() {}
 
 func (x *CacheConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1219,7 +1395,7 @@ func (x *CacheConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CacheConfig.ProtoReflect.Descriptor instead.
 func (*CacheConfig) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{12}
+	return file_stage_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *CacheConfig) GetBlockSize() uint32 {
@@ -1275,14 +1451,17 @@ type HealthResponse struct {
 	// stage is the stage the worker serves (its --stage). The head refuses a
 	// membership record whose stage differs: the record points at another
 	// stage's worker. Empty (older workers): not checked.
-	Stage         string `protobuf:"bytes,10,opt,name=stage,proto3" json:"stage,omitempty"`
+	Stage string `protobuf:"bytes,10,opt,name=stage,proto3" json:"stage,omitempty"`
+	// multiplex: the worker serves Multiplex. False (older workers): the
+	// head sends every call as its own Generate.
+	Multiplex     bool `protobuf:"varint,11,opt,name=multiplex,proto3" json:"multiplex,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *HealthResponse) Reset() {
 	*x = HealthResponse{}
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1294,7 +1473,7 @@ func (x *HealthResponse) String() string {
 func (*HealthResponse) ProtoMessage() {}
 
 func (x *HealthResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1307,7 +1486,7 @@ func (x *HealthResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthResponse.ProtoReflect.Descriptor instead.
 func (*HealthResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{13}
+	return file_stage_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *HealthResponse) GetStatus() ServingStatus {
@@ -1380,6 +1559,13 @@ func (x *HealthResponse) GetStage() string {
 	return ""
 }
 
+func (x *HealthResponse) GetMultiplex() bool {
+	if x != nil {
+		return x.Multiplex
+	}
+	return false
+}
+
 type SleepRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Level         uint32                 `protobuf:"varint,1,opt,name=level,proto3" json:"level,omitempty"`
@@ -1389,7 +1575,7 @@ type SleepRequest struct {
 
 func (x *SleepRequest) Reset() {
 	*x = SleepRequest{}
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1401,7 +1587,7 @@ func (x *SleepRequest) String() string {
 func (*SleepRequest) ProtoMessage() {}
 
 func (x *SleepRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1414,7 +1600,7 @@ func (x *SleepRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepRequest.ProtoReflect.Descriptor instead.
 func (*SleepRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{14}
+	return file_stage_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *SleepRequest) GetLevel() uint32 {
@@ -1433,7 +1619,7 @@ type SleepResponse struct {
 
 func (x *SleepResponse) Reset() {
 	*x = SleepResponse{}
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1445,7 +1631,7 @@ func (x *SleepResponse) String() string {
 func (*SleepResponse) ProtoMessage() {}
 
 func (x *SleepResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1458,7 +1644,7 @@ func (x *SleepResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepResponse.ProtoReflect.Descriptor instead.
 func (*SleepResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{15}
+	return file_stage_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *SleepResponse) GetSleepState() SleepState {
@@ -1476,7 +1662,7 @@ type WakeUpRequest struct {
 
 func (x *WakeUpRequest) Reset() {
 	*x = WakeUpRequest{}
-	mi := &file_stage_proto_msgTypes[16]
+	mi := &file_stage_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1488,7 +1674,7 @@ func (x *WakeUpRequest) String() string {
 func (*WakeUpRequest) ProtoMessage() {}
 
 func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[16]
+	mi := &file_stage_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1501,7 +1687,7 @@ func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpRequest.ProtoReflect.Descriptor instead.
 func (*WakeUpRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{16}
+	return file_stage_proto_rawDescGZIP(), []int{18}
 }
 
 type WakeUpResponse struct {
@@ -1513,7 +1699,7 @@ type WakeUpResponse struct {
 
 func (x *WakeUpResponse) Reset() {
 	*x = WakeUpResponse{}
-	mi := &file_stage_proto_msgTypes[17]
+	mi := &file_stage_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1525,7 +1711,7 @@ func (x *WakeUpResponse) String() string {
 func (*WakeUpResponse) ProtoMessage() {}
 
 func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[17]
+	mi := &file_stage_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1538,7 +1724,7 @@ func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpResponse.ProtoReflect.Descriptor instead.
 func (*WakeUpResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{17}
+	return file_stage_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *WakeUpResponse) GetSleepState() SleepState {
@@ -1556,7 +1742,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_stage_proto_msgTypes[18]
+	mi := &file_stage_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1568,7 +1754,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[18]
+	mi := &file_stage_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1581,7 +1767,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{18}
+	return file_stage_proto_rawDescGZIP(), []int{20}
 }
 
 type DrainResponse struct {
@@ -1593,7 +1779,7 @@ type DrainResponse struct {
 
 func (x *DrainResponse) Reset() {
 	*x = DrainResponse{}
-	mi := &file_stage_proto_msgTypes[19]
+	mi := &file_stage_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1605,7 +1791,7 @@ func (x *DrainResponse) String() string {
 func (*DrainResponse) ProtoMessage() {}
 
 func (x *DrainResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[19]
+	mi := &file_stage_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1618,7 +1804,7 @@ func (x *DrainResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainResponse.ProtoReflect.Descriptor instead.
 func (*DrainResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{19}
+	return file_stage_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *DrainResponse) GetInFlight() uint32 {
@@ -1632,7 +1818,17 @@ var File_stage_proto protoreflect.FileDescriptor
 
 const file_stage_proto_rawDesc = "" +
 	"\n" +
-	"\vstage.proto\x12\x0ftroupe.stage.v1\"\xbb\x01\n" +
+	"\vstage.proto\x12\x0ftroupe.stage.v1\"\xdf\x01\n" +
+	"\bMuxFrame\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x12<\n" +
+	"\arequest\x18\x02 \x01(\v2 .troupe.stage.v1.GenerateRequestH\x00R\arequest\x12\x18\n" +
+	"\x06cancel\x18\x03 \x01(\bH\x00R\x06cancel\x126\n" +
+	"\x05chunk\x18\x04 \x01(\v2\x1e.troupe.stage.v1.GenerateChunkH\x00R\x05chunk\x12+\n" +
+	"\x03end\x18\x05 \x01(\v2\x17.troupe.stage.v1.MuxEndH\x00R\x03endB\x06\n" +
+	"\x04kind\"6\n" +
+	"\x06MuxEnd\x12\x12\n" +
+	"\x04code\x18\x01 \x01(\rR\x04code\x12\x18\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\"\xbb\x01\n" +
 	"\x0eSamplingParams\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x01 \x01(\rR\tmaxTokens\x12%\n" +
@@ -1722,7 +1918,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x15enable_prefix_caching\x18\x03 \x01(\bR\x13enablePrefixCaching\x12 \n" +
 	"\fmax_num_seqs\x18\x04 \x01(\rR\n" +
 	"maxNumSeqs\x12\x1b\n" +
-	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xbb\x03\n" +
+	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xd9\x03\n" +
 	"\x0eHealthResponse\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.troupe.stage.v1.ServingStatusR\x06status\x12<\n" +
 	"\vsleep_state\x18\x02 \x01(\x0e2\x1b.troupe.stage.v1.SleepStateR\n" +
@@ -1736,7 +1932,8 @@ const file_stage_proto_rawDesc = "" +
 	"input_role\x18\b \x01(\tR\tinputRole\x12%\n" +
 	"\x0estatus_message\x18\t \x01(\tR\rstatusMessage\x12\x14\n" +
 	"\x05stage\x18\n" +
-	" \x01(\tR\x05stage\"$\n" +
+	" \x01(\tR\x05stage\x12\x1c\n" +
+	"\tmultiplex\x18\v \x01(\bR\tmultiplex\"$\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\"M\n" +
 	"\rSleepResponse\x12<\n" +
@@ -1764,14 +1961,15 @@ const file_stage_proto_rawDesc = "" +
 	"\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16SERVING_STATUS_SERVING\x10\x01\x12\x1e\n" +
 	"\x1aSERVING_STATUS_NOT_SERVING\x10\x02\x12\x1b\n" +
-	"\x17SERVING_STATUS_DRAINING\x10\x032\xd8\x03\n" +
+	"\x17SERVING_STATUS_DRAINING\x10\x032\x9f\x04\n" +
 	"\fStageService\x12N\n" +
 	"\bGenerate\x12 .troupe.stage.v1.GenerateRequest\x1a\x1e.troupe.stage.v1.GenerateChunk0\x01\x12I\n" +
 	"\x06Health\x12\x1e.troupe.stage.v1.HealthRequest\x1a\x1f.troupe.stage.v1.HealthResponse\x12F\n" +
 	"\x05Sleep\x12\x1d.troupe.stage.v1.SleepRequest\x1a\x1e.troupe.stage.v1.SleepResponse\x12I\n" +
 	"\x06WakeUp\x12\x1e.troupe.stage.v1.WakeUpRequest\x1a\x1f.troupe.stage.v1.WakeUpResponse\x12F\n" +
 	"\x05Drain\x12\x1d.troupe.stage.v1.DrainRequest\x1a\x1e.troupe.stage.v1.DrainResponse\x12R\n" +
-	"\x0eGenerateStream\x12\x1c.troupe.stage.v1.StreamInput\x1a\x1e.troupe.stage.v1.GenerateChunk(\x010\x01B.Z,github.com/troupe-serving/troupe/pkg/stagepbb\x06proto3"
+	"\x0eGenerateStream\x12\x1c.troupe.stage.v1.StreamInput\x1a\x1e.troupe.stage.v1.GenerateChunk(\x010\x01\x12E\n" +
+	"\tMultiplex\x12\x19.troupe.stage.v1.MuxFrame\x1a\x19.troupe.stage.v1.MuxFrame(\x010\x01B.Z,github.com/troupe-serving/troupe/pkg/stagepbb\x06proto3"
 
 var (
 	file_stage_proto_rawDescOnce sync.Once
@@ -1786,66 +1984,73 @@ func file_stage_proto_rawDescGZIP() []byte {
 }
 
 var file_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
+var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_stage_proto_goTypes = []any{
 	(FinishReason)(0),       // 0: troupe.stage.v1.FinishReason
 	(SleepState)(0),         // 1: troupe.stage.v1.SleepState
 	(ServingStatus)(0),      // 2: troupe.stage.v1.ServingStatus
-	(*SamplingParams)(nil),  // 3: troupe.stage.v1.SamplingParams
-	(*TokenIds)(nil),        // 4: troupe.stage.v1.TokenIds
-	(*Codes)(nil),           // 5: troupe.stage.v1.Codes
-	(*ChatMessage)(nil),     // 6: troupe.stage.v1.ChatMessage
-	(*Chat)(nil),            // 7: troupe.stage.v1.Chat
-	(*GenerateRequest)(nil), // 8: troupe.stage.v1.GenerateRequest
-	(*StreamInput)(nil),     // 9: troupe.stage.v1.StreamInput
-	(*EngineStats)(nil),     // 10: troupe.stage.v1.EngineStats
-	(*KvEvents)(nil),        // 11: troupe.stage.v1.KvEvents
-	(*Timings)(nil),         // 12: troupe.stage.v1.Timings
-	(*GenerateChunk)(nil),   // 13: troupe.stage.v1.GenerateChunk
-	(*HealthRequest)(nil),   // 14: troupe.stage.v1.HealthRequest
-	(*CacheConfig)(nil),     // 15: troupe.stage.v1.CacheConfig
-	(*HealthResponse)(nil),  // 16: troupe.stage.v1.HealthResponse
-	(*SleepRequest)(nil),    // 17: troupe.stage.v1.SleepRequest
-	(*SleepResponse)(nil),   // 18: troupe.stage.v1.SleepResponse
-	(*WakeUpRequest)(nil),   // 19: troupe.stage.v1.WakeUpRequest
-	(*WakeUpResponse)(nil),  // 20: troupe.stage.v1.WakeUpResponse
-	(*DrainRequest)(nil),    // 21: troupe.stage.v1.DrainRequest
-	(*DrainResponse)(nil),   // 22: troupe.stage.v1.DrainResponse
+	(*MuxFrame)(nil),        // 3: troupe.stage.v1.MuxFrame
+	(*MuxEnd)(nil),          // 4: troupe.stage.v1.MuxEnd
+	(*SamplingParams)(nil),  // 5: troupe.stage.v1.SamplingParams
+	(*TokenIds)(nil),        // 6: troupe.stage.v1.TokenIds
+	(*Codes)(nil),           // 7: troupe.stage.v1.Codes
+	(*ChatMessage)(nil),     // 8: troupe.stage.v1.ChatMessage
+	(*Chat)(nil),            // 9: troupe.stage.v1.Chat
+	(*GenerateRequest)(nil), // 10: troupe.stage.v1.GenerateRequest
+	(*StreamInput)(nil),     // 11: troupe.stage.v1.StreamInput
+	(*EngineStats)(nil),     // 12: troupe.stage.v1.EngineStats
+	(*KvEvents)(nil),        // 13: troupe.stage.v1.KvEvents
+	(*Timings)(nil),         // 14: troupe.stage.v1.Timings
+	(*GenerateChunk)(nil),   // 15: troupe.stage.v1.GenerateChunk
+	(*HealthRequest)(nil),   // 16: troupe.stage.v1.HealthRequest
+	(*CacheConfig)(nil),     // 17: troupe.stage.v1.CacheConfig
+	(*HealthResponse)(nil),  // 18: troupe.stage.v1.HealthResponse
+	(*SleepRequest)(nil),    // 19: troupe.stage.v1.SleepRequest
+	(*SleepResponse)(nil),   // 20: troupe.stage.v1.SleepResponse
+	(*WakeUpRequest)(nil),   // 21: troupe.stage.v1.WakeUpRequest
+	(*WakeUpResponse)(nil),  // 22: troupe.stage.v1.WakeUpResponse
+	(*DrainRequest)(nil),    // 23: troupe.stage.v1.DrainRequest
+	(*DrainResponse)(nil),   // 24: troupe.stage.v1.DrainResponse
 }
 var file_stage_proto_depIdxs = []int32{
-	6,  // 0: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
-	4,  // 1: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
-	5,  // 2: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
-	7,  // 3: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
-	3,  // 4: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
-	8,  // 5: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
-	0,  // 6: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
-	10, // 7: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
-	12, // 8: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
-	11, // 9: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
-	2,  // 10: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
-	1,  // 11: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	15, // 12: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
-	10, // 13: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
-	1,  // 14: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	1,  // 15: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	8,  // 16: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
-	14, // 17: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
-	17, // 18: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
-	19, // 19: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
-	21, // 20: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
-	9,  // 21: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
-	13, // 22: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
-	16, // 23: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
-	18, // 24: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
-	20, // 25: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
-	22, // 26: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
-	13, // 27: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
-	22, // [22:28] is the sub-list for method output_type
-	16, // [16:22] is the sub-list for method input_type
-	16, // [16:16] is the sub-list for extension type_name
-	16, // [16:16] is the sub-list for extension extendee
-	0,  // [0:16] is the sub-list for field type_name
+	10, // 0: troupe.stage.v1.MuxFrame.request:type_name -> troupe.stage.v1.GenerateRequest
+	15, // 1: troupe.stage.v1.MuxFrame.chunk:type_name -> troupe.stage.v1.GenerateChunk
+	4,  // 2: troupe.stage.v1.MuxFrame.end:type_name -> troupe.stage.v1.MuxEnd
+	8,  // 3: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
+	6,  // 4: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
+	7,  // 5: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
+	9,  // 6: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
+	5,  // 7: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
+	10, // 8: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
+	0,  // 9: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
+	12, // 10: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
+	14, // 11: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
+	13, // 12: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
+	2,  // 13: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
+	1,  // 14: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	17, // 15: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
+	12, // 16: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
+	1,  // 17: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	1,  // 18: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	10, // 19: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
+	16, // 20: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
+	19, // 21: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
+	21, // 22: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
+	23, // 23: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
+	11, // 24: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
+	3,  // 25: troupe.stage.v1.StageService.Multiplex:input_type -> troupe.stage.v1.MuxFrame
+	15, // 26: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
+	18, // 27: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
+	20, // 28: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
+	22, // 29: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
+	24, // 30: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
+	15, // 31: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
+	3,  // 32: troupe.stage.v1.StageService.Multiplex:output_type -> troupe.stage.v1.MuxFrame
+	26, // [26:33] is the sub-list for method output_type
+	19, // [19:26] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_stage_proto_init() }
@@ -1853,8 +2058,14 @@ func file_stage_proto_init() {
 	if File_stage_proto != nil {
 		return
 	}
-	file_stage_proto_msgTypes[0].OneofWrappers = []any{}
-	file_stage_proto_msgTypes[5].OneofWrappers = []any{
+	file_stage_proto_msgTypes[0].OneofWrappers = []any{
+		(*MuxFrame_Request)(nil),
+		(*MuxFrame_Cancel)(nil),
+		(*MuxFrame_Chunk)(nil),
+		(*MuxFrame_End)(nil),
+	}
+	file_stage_proto_msgTypes[2].OneofWrappers = []any{}
+	file_stage_proto_msgTypes[7].OneofWrappers = []any{
 		(*GenerateRequest_Text)(nil),
 		(*GenerateRequest_TokenIds)(nil),
 		(*GenerateRequest_Codes)(nil),
@@ -1866,7 +2077,7 @@ func file_stage_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_stage_proto_rawDesc), len(file_stage_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   20,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

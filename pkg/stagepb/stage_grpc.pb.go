@@ -32,6 +32,7 @@ const (
 	StageService_WakeUp_FullMethodName         = "/troupe.stage.v1.StageService/WakeUp"
 	StageService_Drain_FullMethodName          = "/troupe.stage.v1.StageService/Drain"
 	StageService_GenerateStream_FullMethodName = "/troupe.stage.v1.StageService/GenerateStream"
+	StageService_Multiplex_FullMethodName      = "/troupe.stage.v1.StageService/Multiplex"
 )
 
 // StageServiceClient is the client API for StageService service.
@@ -56,6 +57,18 @@ type StageServiceClient interface {
 	// input is there and streams output as Generate does. Cancelling the
 	// stream aborts the request.
 	GenerateStream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[StreamInput, GenerateChunk], error)
+	// Multiplex runs many Generate calls over one long-lived stream, so that
+	// a head sending many short requests opens one HTTP/2 stream per
+	// connection instead of one per request (served by a worker whose Health
+	// says multiplex). The head opens it and numbers its calls (id, unique
+	// within the stream). Head to worker: request starts call id as
+	// Generate would; cancel aborts it. Worker to head: the call's chunks,
+	// as Generate streams them, then one end with its status (code 0: the
+	// call ended cleanly). A worker that stops (drained, or its drain timed
+	// out) ends the stream once none of its calls runs; a call whose request
+	// it never read is lost with the stream, and the head fails it as it
+	// fails a broken Generate stream (nothing was produced: it is retried).
+	Multiplex(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[MuxFrame, MuxFrame], error)
 }
 
 type stageServiceClient struct {
@@ -138,6 +151,19 @@ func (c *stageServiceClient) GenerateStream(ctx context.Context, opts ...grpc.Ca
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type StageService_GenerateStreamClient = grpc.BidiStreamingClient[StreamInput, GenerateChunk]
 
+func (c *stageServiceClient) Multiplex(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[MuxFrame, MuxFrame], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &StageService_ServiceDesc.Streams[2], StageService_Multiplex_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[MuxFrame, MuxFrame]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type StageService_MultiplexClient = grpc.BidiStreamingClient[MuxFrame, MuxFrame]
+
 // StageServiceServer is the server API for StageService service.
 // All implementations must embed UnimplementedStageServiceServer
 // for forward compatibility.
@@ -160,6 +186,18 @@ type StageServiceServer interface {
 	// input is there and streams output as Generate does. Cancelling the
 	// stream aborts the request.
 	GenerateStream(grpc.BidiStreamingServer[StreamInput, GenerateChunk]) error
+	// Multiplex runs many Generate calls over one long-lived stream, so that
+	// a head sending many short requests opens one HTTP/2 stream per
+	// connection instead of one per request (served by a worker whose Health
+	// says multiplex). The head opens it and numbers its calls (id, unique
+	// within the stream). Head to worker: request starts call id as
+	// Generate would; cancel aborts it. Worker to head: the call's chunks,
+	// as Generate streams them, then one end with its status (code 0: the
+	// call ended cleanly). A worker that stops (drained, or its drain timed
+	// out) ends the stream once none of its calls runs; a call whose request
+	// it never read is lost with the stream, and the head fails it as it
+	// fails a broken Generate stream (nothing was produced: it is retried).
+	Multiplex(grpc.BidiStreamingServer[MuxFrame, MuxFrame]) error
 	mustEmbedUnimplementedStageServiceServer()
 }
 
@@ -187,6 +225,9 @@ func (UnimplementedStageServiceServer) Drain(context.Context, *DrainRequest) (*D
 }
 func (UnimplementedStageServiceServer) GenerateStream(grpc.BidiStreamingServer[StreamInput, GenerateChunk]) error {
 	return status.Error(codes.Unimplemented, "method GenerateStream not implemented")
+}
+func (UnimplementedStageServiceServer) Multiplex(grpc.BidiStreamingServer[MuxFrame, MuxFrame]) error {
+	return status.Error(codes.Unimplemented, "method Multiplex not implemented")
 }
 func (UnimplementedStageServiceServer) mustEmbedUnimplementedStageServiceServer() {}
 func (UnimplementedStageServiceServer) testEmbeddedByValue()                      {}
@@ -299,6 +340,13 @@ func _StageService_GenerateStream_Handler(srv interface{}, stream grpc.ServerStr
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type StageService_GenerateStreamServer = grpc.BidiStreamingServer[StreamInput, GenerateChunk]
 
+func _StageService_Multiplex_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(StageServiceServer).Multiplex(&grpc.GenericServerStream[MuxFrame, MuxFrame]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type StageService_MultiplexServer = grpc.BidiStreamingServer[MuxFrame, MuxFrame]
+
 // StageService_ServiceDesc is the grpc.ServiceDesc for StageService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -332,6 +380,12 @@ var StageService_ServiceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "GenerateStream",
 			Handler:       _StageService_GenerateStream_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
+		},
+		{
+			StreamName:    "Multiplex",
+			Handler:       _StageService_Multiplex_Handler,
 			ServerStreams: true,
 			ClientStreams: true,
 		},

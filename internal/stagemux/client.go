@@ -1,0 +1,264 @@
+// Package stagemux runs many stage calls over one StageService.Multiplex
+// stream per connection (see pkg/stagepb/stage.proto): Client on the head,
+// Serve on the worker. A call costs one message each way instead of an
+// HTTP/2 stream of its own (headers, trailers, a stream's goroutines and
+// state on both sides), which is most of what a short call costs the head.
+package stagemux
+
+import (
+	"context"
+	"errors"
+	"io"
+	"sync"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+// callBuffer is how many frames of a call the reader queues before it
+// waits for the call's Recv; a full queue stalls every call on the stream,
+// so callers must Recv without waiting on anything else (see Client).
+const callBuffer = 16
+
+// errClosed fails the calls of a Client that was closed.
+var errClosed = status.Error(codes.Canceled, "stagemux: client closed")
+
+// Client sends Generate calls to one replica, all over one Multiplex
+// stream at a time: opened by the first call, and again by the first call
+// after it ended. Safe for concurrent use.
+//
+// Every frame of a stream is read by one goroutine, which hands each call
+// its frames in order. A call's Recv must therefore be called in a loop
+// that waits on nothing but Recv (no client write, no backpressure), until
+// it returns an error or io.EOF, or its context ends: a call that stops
+// reading stalls the others once callBuffer of its frames wait.
+//
+// Close ends the stream and waits for its reader; calls still running
+// fail.
+type Client struct {
+	client stagepb.StageServiceClient
+
+	mu     sync.Mutex // guards cur and closed
+	cur    *muxStream // nil: none open
+	closed bool
+	wg     sync.WaitGroup // readers
+}
+
+// NewClient returns a Client over client; it opens no stream until the
+// first call.
+func NewClient(client stagepb.StageServiceClient) *Client {
+	return &Client{client: client}
+}
+
+// muxStream is one Multiplex stream and its running calls.
+type muxStream struct {
+	s      grpc.BidiStreamingClient[stagepb.MuxFrame, stagepb.MuxFrame]
+	ctx    context.Context // the stream's; done once it is closed or broken
+	cancel context.CancelFunc
+	sendMu sync.Mutex // serializes Send
+
+	mu     sync.Mutex // guards the fields below
+	nextID uint64
+	calls  map[uint64]*Call // nil once the stream ended
+	err    error            // why it ended, once calls is nil
+}
+
+// Generate starts req as a call, as StageServiceClient.Generate would:
+// the returned Call's Recv gives its chunks, then io.EOF. opts are used
+// when the call opens the stream. ctx ending aborts the call (the worker
+// is told) and makes Recv return ctx's error as a gRPC status.
+func (c *Client) Generate(ctx context.Context, req *stagepb.GenerateRequest, opts ...grpc.CallOption) (*Call, error) {
+	st, err := c.stream(opts)
+	if err != nil {
+		return nil, err
+	}
+	call := &Call{st: st, ctx: ctx, frames: make(chan *stagepb.MuxFrame, callBuffer), gone: make(chan struct{}), abandoned: make(chan struct{})}
+	st.mu.Lock()
+	if st.calls == nil {
+		err := st.err
+		st.mu.Unlock()
+		return nil, err
+	}
+	st.nextID++
+	call.id = st.nextID
+	st.calls[call.id] = call
+	st.mu.Unlock()
+	call.stop = context.AfterFunc(ctx, call.abandon)
+	if err := st.send(&stagepb.MuxFrame{Id: call.id, Kind: &stagepb.MuxFrame_Request{Request: req}}); err != nil {
+		call.Close()
+		return nil, streamError(st, err)
+	}
+	return call, nil
+}
+
+// stream returns the open stream, opening one if there is none.
+func (c *Client) stream(opts []grpc.CallOption) (*muxStream, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil, errClosed
+	}
+	if st := c.cur; st != nil && st.ctx.Err() == nil {
+		return st, nil
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	s, err := c.client.Multiplex(ctx, opts...)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	st := &muxStream{s: s, ctx: ctx, cancel: cancel, calls: map[uint64]*Call{}}
+	c.cur = st
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		st.read()
+	}()
+	return st, nil
+}
+
+// Close ends the open stream, fails its calls and waits for its reader.
+// Calls after Close fail. Calling it again, or on nil, is harmless.
+func (c *Client) Close() {
+	if c == nil {
+		return
+	}
+	c.mu.Lock()
+	c.closed = true
+	st := c.cur
+	c.mu.Unlock()
+	if st != nil {
+		st.cancel()
+	}
+	c.wg.Wait()
+}
+
+// read hands each frame to its call until the stream ends, then fails the
+// calls still running with the stream's error.
+func (st *muxStream) read() {
+	defer st.cancel()
+	var err error
+	for {
+		var f *stagepb.MuxFrame
+		if f, err = st.s.Recv(); err != nil {
+			break
+		}
+		st.mu.Lock()
+		call := st.calls[f.GetId()]
+		if call != nil && f.GetEnd() != nil {
+			delete(st.calls, f.GetId())
+		}
+		st.mu.Unlock()
+		if call == nil {
+			continue // abandoned: its frames are dropped
+		}
+		select {
+		case call.frames <- f:
+		case <-call.gone:
+		case <-st.ctx.Done():
+		}
+	}
+	if errors.Is(err, io.EOF) {
+		// The worker stopped; no call of its can still be running.
+		err = status.Error(codes.Unavailable, "stagemux: the worker ended the stream")
+	}
+	st.mu.Lock()
+	st.calls, st.err = nil, err
+	st.mu.Unlock()
+}
+
+func (st *muxStream) send(f *stagepb.MuxFrame) error {
+	st.sendMu.Lock()
+	defer st.sendMu.Unlock()
+	return st.s.Send(f)
+}
+
+// streamError is the error of a call whose frame could not be sent: Send
+// reports io.EOF when the stream ended, whose error Recv has (the reader
+// may not have stored it yet, so Unavailable then).
+func streamError(st *muxStream, err error) error {
+	if !errors.Is(err, io.EOF) {
+		return err
+	}
+	<-st.ctx.Done()
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.err != nil {
+		return st.err
+	}
+	return status.Error(codes.Unavailable, "stagemux: stream ended")
+}
+
+// Call is one Generate call on a Multiplex stream. Recv may be called by
+// one goroutine at a time; Close by any, after or instead of Recv.
+type Call struct {
+	st        *muxStream
+	id        uint64
+	ctx       context.Context
+	frames    chan *stagepb.MuxFrame // from the reader, in order
+	gone      chan struct{}          // closed by abandon: the reader drops this call's frames
+	abandoned chan struct{}          // closed once the call is over: ended, or abandoned
+	stop      func() bool            // stops ctx's watch
+}
+
+// Recv returns the call's next chunk, io.EOF after the last, or the error
+// it ended with: the worker's status, ctx's error as a status, or the
+// stream's error.
+func (c *Call) Recv() (*stagepb.GenerateChunk, error) {
+	var f *stagepb.MuxFrame
+	select {
+	case f = <-c.frames:
+	case <-c.ctx.Done():
+		return nil, status.FromContextError(c.ctx.Err()).Err()
+	case <-c.st.ctx.Done():
+		select {
+		case f = <-c.frames: // frames the reader handed over before the end
+		default:
+			c.st.mu.Lock()
+			err := c.st.err
+			c.st.mu.Unlock()
+			if err == nil { // the reader has not stored it yet
+				err = status.Error(codes.Unavailable, "stagemux: stream ended")
+			}
+			return nil, err
+		}
+	}
+	end := f.GetEnd()
+	if end == nil {
+		return f.GetChunk(), nil
+	}
+	if c.stop() {
+		close(c.abandoned) // nothing to abandon: the call ended
+	}
+	if code := codes.Code(end.GetCode()); code != codes.OK {
+		return nil, status.Error(code, end.GetMessage())
+	}
+	return nil, io.EOF
+}
+
+// Close abandons the call if it has not ended (the worker is told to abort
+// it) and waits until that is done. Call it once the call is no longer
+// read; calling it again is harmless.
+func (c *Call) Close() {
+	if c.stop() {
+		c.abandon()
+	}
+	<-c.abandoned // closed by Recv at the end, or by abandon (ctx's watch or the line above)
+}
+
+// abandon forgets the call; a call that had not ended is cancelled on the
+// worker. It runs once: from ctx's watch or from Close.
+func (c *Call) abandon() {
+	defer close(c.abandoned)
+	c.st.mu.Lock()
+	_, running := c.st.calls[c.id]
+	delete(c.st.calls, c.id)
+	c.st.mu.Unlock()
+	close(c.gone)
+	if running {
+		_ = c.st.send(&stagepb.MuxFrame{Id: c.id, Kind: &stagepb.MuxFrame_Cancel{Cancel: true}})
+	}
+}

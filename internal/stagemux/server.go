@@ -1,0 +1,151 @@
+package stagemux
+
+import (
+	"context"
+	"errors"
+	"io"
+	"sync"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+// GenerateFunc runs one call, as StageService.Generate does.
+type GenerateFunc func(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error
+
+// Serve runs one Multiplex stream on the worker. Each request frame is a
+// call of generate in a goroutine of its own, whose stream's context ends
+// with the call's cancel frame or with the stream; its chunks go out as
+// chunk frames, then an end frame with the status generate returned.
+//
+// Serve returns once the stream is over and every call it started has
+// returned: when the head half-closes it (running calls finish first),
+// when it breaks (running calls are cancelled), or when stop is closed
+// (the worker stopped taking calls and none runs: ending the stream tells
+// the head so). A frame the head should never send ends the stream with
+// InvalidArgument.
+func Serve(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame], generate GenerateFunc, stop <-chan struct{}) error {
+	ctx, cancel := context.WithCancel(stream.Context())
+	var sendMu sync.Mutex
+	send := func(f *stagepb.MuxFrame) error {
+		sendMu.Lock()
+		defer sendMu.Unlock()
+		return stream.Send(f)
+	}
+
+	var (
+		calls   sync.WaitGroup
+		mu      sync.Mutex // guards cancels
+		cancels = map[uint64]context.CancelFunc{}
+	)
+	// Cancelling ctx cancels every call still running, then they are
+	// waited for: no call sends once Serve has returned.
+	defer func() {
+		cancel()
+		calls.Wait()
+	}()
+
+	// The receiver ends when the stream does, which happens once Serve has
+	// returned (gRPC then cancels the stream, and Recv fails): nothing else
+	// can interrupt a Recv.
+	frames := make(chan *stagepb.MuxFrame)
+	recvErr := make(chan error, 1)
+	go func() {
+		for {
+			f, err := stream.Recv()
+			if err != nil {
+				recvErr <- err
+				return
+			}
+			select {
+			case frames <- f:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+
+	for {
+		var f *stagepb.MuxFrame
+		select {
+		case f = <-frames:
+		case err := <-recvErr:
+			if errors.Is(err, io.EOF) {
+				calls.Wait() // the head sends no more calls; let the running ones end
+				return nil
+			}
+			return err
+		case <-stop:
+			return nil
+		}
+		id := f.GetId()
+		switch kind := f.GetKind().(type) {
+		case *stagepb.MuxFrame_Request:
+			mu.Lock()
+			_, dup := cancels[id]
+			var callCtx context.Context
+			var callCancel context.CancelFunc
+			if !dup {
+				callCtx, callCancel = context.WithCancel(ctx)
+				cancels[id] = callCancel
+			}
+			mu.Unlock()
+			if dup {
+				return status.Errorf(codes.InvalidArgument, "stagemux: call %d started twice", id)
+			}
+			calls.Add(1)
+			go func() {
+				defer calls.Done()
+				err := generate(kind.Request, &callStream{ctx: callCtx, id: id, send: send})
+				mu.Lock()
+				delete(cancels, id)
+				mu.Unlock()
+				callCancel()
+				st := status.Convert(err)
+				_ = send(&stagepb.MuxFrame{Id: id, Kind: &stagepb.MuxFrame_End{End: &stagepb.MuxEnd{Code: uint32(st.Code()), Message: st.Message()}}})
+			}()
+		case *stagepb.MuxFrame_Cancel:
+			mu.Lock()
+			if callCancel := cancels[id]; callCancel != nil {
+				callCancel() // a call that already ended is not there: nothing to do
+			}
+			mu.Unlock()
+		default:
+			return status.Errorf(codes.InvalidArgument, "stagemux: frame %d from the head is neither a request nor a cancel", id)
+		}
+	}
+}
+
+// callStream is the server stream generate sees for one call. A call has
+// no headers or trailers of its own (the stream's are the head's): they
+// are accepted and dropped.
+type callStream struct {
+	ctx  context.Context
+	id   uint64
+	send func(*stagepb.MuxFrame) error
+}
+
+func (c *callStream) Send(chunk *stagepb.GenerateChunk) error {
+	return c.send(&stagepb.MuxFrame{Id: c.id, Kind: &stagepb.MuxFrame_Chunk{Chunk: chunk}})
+}
+
+func (c *callStream) SendMsg(m any) error {
+	chunk, ok := m.(*stagepb.GenerateChunk)
+	if !ok {
+		return status.Errorf(codes.Internal, "stagemux: a call sends GenerateChunk, not %T", m)
+	}
+	return c.Send(chunk)
+}
+
+func (c *callStream) RecvMsg(any) error {
+	return status.Error(codes.Internal, "stagemux: a Generate call receives no message")
+}
+
+func (c *callStream) Context() context.Context     { return c.ctx }
+func (c *callStream) SetHeader(metadata.MD) error  { return nil }
+func (c *callStream) SendHeader(metadata.MD) error { return nil }
+func (c *callStream) SetTrailer(metadata.MD)       {}

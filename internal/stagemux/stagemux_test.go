@@ -1,0 +1,385 @@
+package stagemux
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// service serves Multiplex with generate, over real gRPC on loopback, and
+// counts the Multiplex streams it was opened.
+type service struct {
+	stagepb.UnimplementedStageServiceServer
+	generate GenerateFunc
+	stop     chan struct{}
+	streams  atomic.Int32
+}
+
+func (s *service) Multiplex(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame]) error {
+	s.streams.Add(1)
+	return Serve(stream, s.generate, s.stop)
+}
+
+// start serves svc and returns a client of it; both end with the test.
+func start(t *testing.T, svc *service) stagepb.StageServiceClient {
+	t.Helper()
+	if svc.stop == nil {
+		svc.stop = make(chan struct{})
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	srv := grpc.NewServer()
+	stagepb.RegisterStageServiceServer(srv, svc)
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = srv.Serve(lis)
+	}()
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = conn.Close()
+		srv.Stop()
+		<-served
+	})
+	return stagepb.NewStageServiceClient(conn)
+}
+
+func testContext(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// echo sends the request's text back as n chunks "text/0" ... "text/n-1",
+// n being sampling.max_tokens.
+func echo(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
+	for i := range int(req.GetSampling().GetMaxTokens()) {
+		if err := stream.Send(&stagepb.GenerateChunk{Text: fmt.Sprintf("%s/%d", req.GetText(), i)}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func request(text string, chunks int) *stagepb.GenerateRequest {
+	return &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: text}, Sampling: &stagepb.SamplingParams{MaxTokens: uint32(chunks)}}
+}
+
+// drain reads a call to its end and returns its texts and final error
+// (nil at io.EOF).
+func drain(call *Call) ([]string, error) {
+	defer call.Close()
+	var texts []string
+	for {
+		c, err := call.Recv()
+		if errors.Is(err, io.EOF) {
+			return texts, nil
+		}
+		if err != nil {
+			return texts, err
+		}
+		texts = append(texts, c.GetText())
+	}
+}
+
+func TestConcurrentCallsShareOneStreamAndKeepTheirOrder(t *testing.T) {
+	svc := &service{generate: echo}
+	mux := NewClient(start(t, svc))
+	defer mux.Close()
+	ctx := testContext(t)
+
+	const calls, chunks = 64, 40 // more chunks than a call's buffer
+	var g errgroup.Group
+	for i := range calls {
+		g.Go(func() error {
+			name := "call" + strconv.Itoa(i)
+			call, err := mux.Generate(ctx, request(name, chunks))
+			if err != nil {
+				return err
+			}
+			texts, err := drain(call)
+			if err != nil {
+				return err
+			}
+			if len(texts) != chunks {
+				return fmt.Errorf("%s: %d chunks, want %d", name, len(texts), chunks)
+			}
+			for j, text := range texts {
+				if want := fmt.Sprintf("%s/%d", name, j); text != want {
+					return fmt.Errorf("%s: chunk %d is %q, want %q", name, j, text, want)
+				}
+			}
+			return nil
+		})
+	}
+	require.NoError(t, g.Wait())
+	assert.EqualValues(t, 1, svc.streams.Load(), "every call on one Multiplex stream")
+}
+
+func TestCallEndsWithTheWorkersStatus(t *testing.T) {
+	svc := &service{generate: func(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
+		if err := stream.Send(&stagepb.GenerateChunk{Text: "partial"}); err != nil {
+			return err
+		}
+		return status.Error(codes.ResourceExhausted, "engine: queue full")
+	}}
+	mux := NewClient(start(t, svc))
+	defer mux.Close()
+
+	call, err := mux.Generate(testContext(t), request("x", 1))
+	require.NoError(t, err)
+	texts, err := drain(call)
+	assert.Equal(t, []string{"partial"}, texts)
+	st, ok := status.FromError(err)
+	require.True(t, ok, "a status error: %v", err)
+	assert.Equal(t, codes.ResourceExhausted, st.Code())
+	assert.Equal(t, "engine: queue full", st.Message())
+}
+
+func TestCancellingACallCancelsItOnTheWorker(t *testing.T) {
+	started := make(chan struct{})
+	cancelled := make(chan error, 1)
+	svc := &service{generate: func(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
+		if req.GetText() == "quick" {
+			return echo(req, stream)
+		}
+		close(started)
+		<-stream.Context().Done()
+		cancelled <- stream.Context().Err()
+		return stream.Context().Err()
+	}}
+	mux := NewClient(start(t, svc))
+	defer mux.Close()
+	ctx := testContext(t)
+
+	callCtx, cancel := context.WithCancel(ctx)
+	call, err := mux.Generate(callCtx, request("slow", 1))
+	require.NoError(t, err)
+	select {
+	case <-started:
+	case <-ctx.Done():
+		t.Fatal("the call never reached the worker")
+	}
+	cancel()
+	_, err = call.Recv()
+	assert.Equal(t, codes.Canceled, status.Code(err), "Recv after the call's context ended: %v", err)
+	call.Close()
+	select {
+	case err := <-cancelled:
+		assert.ErrorIs(t, err, context.Canceled)
+	case <-ctx.Done():
+		t.Fatal("the worker's call was not cancelled")
+	}
+
+	// The stream outlives the cancelled call.
+	call, err = mux.Generate(ctx, request("quick", 2))
+	require.NoError(t, err)
+	texts, err := drain(call)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"quick/0", "quick/1"}, texts)
+	assert.EqualValues(t, 1, svc.streams.Load())
+}
+
+func TestAWorkerThatStopsEndsTheStreamAndTheNextCallOpensAnother(t *testing.T) {
+	svc := &service{generate: echo}
+	mux := NewClient(start(t, svc))
+	defer mux.Close()
+	ctx := testContext(t)
+
+	call, err := mux.Generate(ctx, request("a", 1))
+	require.NoError(t, err)
+	_, err = drain(call)
+	require.NoError(t, err)
+
+	close(svc.stop) // the worker drained: nothing runs
+	// Calls sent before the client sees the end fail as unavailable
+	// (nothing ran: the head retries them); once the reader has seen it,
+	// the next call opens a new stream, which this worker ends at once too.
+	var last error
+	for i := 0; svc.streams.Load() < 2; i++ {
+		require.NoError(t, ctx.Err(), "no second stream opened")
+		call, err := mux.Generate(ctx, request("b", 1))
+		if err == nil {
+			_, err = drain(call)
+		}
+		if err != nil {
+			last = err
+			assert.Equal(t, codes.Unavailable, status.Code(err), "call %d: %v", i, err)
+		}
+	}
+	require.Error(t, last)
+}
+
+func TestAStreamThatBreaksFailsItsCallsAsUnavailable(t *testing.T) {
+	release := make(chan struct{})
+	started := make(chan struct{}, 1)
+	svc := &service{generate: func(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
+		started <- struct{}{}
+		select {
+		case <-release:
+		case <-stream.Context().Done():
+		}
+		return nil
+	}}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	svc.stop = make(chan struct{})
+	srv := grpc.NewServer()
+	stagepb.RegisterStageServiceServer(srv, svc)
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = srv.Serve(lis)
+	}()
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	mux := NewClient(stagepb.NewStageServiceClient(conn))
+	defer mux.Close()
+	ctx := testContext(t)
+
+	call, err := mux.Generate(ctx, request("x", 1))
+	require.NoError(t, err)
+	<-started
+	srv.Stop() // the worker's process is gone: its connections close
+	<-served
+	close(release)
+	_, err = drain(call)
+	assert.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+}
+
+func TestCloseFailsRunningCallsAndLaterOnes(t *testing.T) {
+	started := make(chan struct{})
+	svc := &service{generate: func(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
+		close(started)
+		<-stream.Context().Done()
+		return stream.Context().Err()
+	}}
+	mux := NewClient(start(t, svc))
+	ctx := testContext(t)
+	call, err := mux.Generate(ctx, request("x", 1))
+	require.NoError(t, err)
+	<-started
+	mux.Close()
+	_, err = drain(call)
+	require.Error(t, err)
+	_, err = mux.Generate(ctx, request("y", 1))
+	assert.Equal(t, codes.Canceled, status.Code(err), "a call after Close: %v", err)
+	mux.Close() // again: harmless
+}
+
+func TestAFrameTheHeadShouldNotSendEndsTheStream(t *testing.T) {
+	for name, frames := range map[string][]*stagepb.MuxFrame{
+		"no kind":        {{Id: 1}},
+		"a chunk":        {{Id: 1, Kind: &stagepb.MuxFrame_Chunk{Chunk: &stagepb.GenerateChunk{}}}},
+		"duplicate call": {{Id: 1, Kind: &stagepb.MuxFrame_Request{Request: request("a", 0)}}, {Id: 1, Kind: &stagepb.MuxFrame_Request{Request: request("a", 0)}}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			block := make(chan struct{})
+			defer close(block)
+			svc := &service{generate: func(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
+				select { // hold call 1 so that a second start is a duplicate
+				case <-block:
+				case <-stream.Context().Done():
+				}
+				return nil
+			}}
+			client := start(t, svc)
+			ctx := testContext(t)
+			s, err := client.Multiplex(ctx)
+			require.NoError(t, err)
+			for _, f := range frames {
+				require.NoError(t, s.Send(f))
+			}
+			for {
+				_, err = s.Recv()
+				if err != nil {
+					break
+				}
+			}
+			assert.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+		})
+	}
+}
+
+func TestHalfClosingLetsRunningCallsFinish(t *testing.T) {
+	svc := &service{generate: echo}
+	client := start(t, svc)
+	ctx := testContext(t)
+	s, err := client.Multiplex(ctx)
+	require.NoError(t, err)
+	require.NoError(t, s.Send(&stagepb.MuxFrame{Id: 7, Kind: &stagepb.MuxFrame_Request{Request: request("a", 3)}}))
+	require.NoError(t, s.CloseSend())
+	var got []string
+	var end *stagepb.MuxEnd
+	for {
+		f, err := s.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		require.NoError(t, err)
+		assert.EqualValues(t, 7, f.GetId())
+		if f.GetEnd() != nil {
+			end = f.GetEnd()
+			continue
+		}
+		got = append(got, f.GetChunk().GetText())
+	}
+	assert.Equal(t, []string{"a/0", "a/1", "a/2"}, got)
+	require.NotNil(t, end, "the call's end frame")
+	assert.EqualValues(t, codes.OK, end.GetCode())
+}
+
+// TestCallsThatEndAnyWayLeakNothing races call ends, cancellations and
+// Close; goleak (TestMain) checks no goroutine is left, -race the rest.
+func TestCallsThatEndAnyWayLeakNothing(t *testing.T) {
+	svc := &service{generate: echo}
+	mux := NewClient(start(t, svc))
+	ctx := testContext(t)
+	var wg sync.WaitGroup
+	for i := range 100 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			callCtx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			call, err := mux.Generate(callCtx, request("x", 1+i%5))
+			if err != nil {
+				return
+			}
+			switch i % 3 {
+			case 0:
+				_, _ = drain(call)
+			case 1:
+				cancel()
+				_, _ = call.Recv()
+				call.Close()
+			case 2:
+				call.Close() // abandoned unread
+			}
+		}()
+	}
+	wg.Wait()
+	mux.Close()
+}
