@@ -68,14 +68,15 @@ type muxStream struct {
 
 // Generate starts req as a call, as StageServiceClient.Generate would:
 // the returned Call's Recv gives its chunks, then io.EOF. opts are used
-// when the call opens the stream. ctx ending aborts the call (the worker
-// is told) and makes Recv return ctx's error as a gRPC status.
+// when the call opens the stream. ctx ending makes Recv return ctx's error
+// as a gRPC status; the caller must Close every call it got, which tells
+// the worker to abort one that has not ended.
 func (c *Client) Generate(ctx context.Context, req *stagepb.GenerateRequest, opts ...grpc.CallOption) (*Call, error) {
 	st, err := c.stream(opts)
 	if err != nil {
 		return nil, err
 	}
-	call := &Call{st: st, ctx: ctx, frames: make(chan *stagepb.MuxFrame, callBuffer), gone: make(chan struct{}), abandoned: make(chan struct{})}
+	call := &Call{st: st, ctx: ctx, frames: make(chan *stagepb.MuxFrame, callBuffer), gone: make(chan struct{})}
 	st.mu.Lock()
 	if st.calls == nil {
 		err := st.err
@@ -86,7 +87,6 @@ func (c *Client) Generate(ctx context.Context, req *stagepb.GenerateRequest, opt
 	call.id = st.nextID
 	st.calls[call.id] = call
 	st.mu.Unlock()
-	call.stop = context.AfterFunc(ctx, call.abandon)
 	if err := st.send(&stagepb.MuxFrame{Id: call.id, Kind: &stagepb.MuxFrame_Request{Request: req}}); err != nil {
 		call.Close()
 		return nil, streamError(st, err)
@@ -192,16 +192,17 @@ func streamError(st *muxStream, err error) error {
 	return status.Error(codes.Unavailable, "stagemux: stream ended")
 }
 
-// Call is one Generate call on a Multiplex stream. Recv may be called by
-// one goroutine at a time; Close by any, after or instead of Recv.
+// Call is one Generate call on a Multiplex stream. Its Recv and Close are
+// for one goroutine at a time; Close must be called once it is no longer
+// read.
 type Call struct {
-	st        *muxStream
-	id        uint64
-	ctx       context.Context
-	frames    chan *stagepb.MuxFrame // from the reader, in order
-	gone      chan struct{}          // closed by abandon: the reader drops this call's frames
-	abandoned chan struct{}          // closed once the call is over: ended, or abandoned
-	stop      func() bool            // stops ctx's watch
+	st     *muxStream
+	id     uint64
+	ctx    context.Context
+	frames chan *stagepb.MuxFrame // from the reader, in order
+	gone   chan struct{}          // closed by Close: the reader drops this call's frames
+	ended  bool                   // Recv returned the call's end
+	closed bool
 }
 
 // Recv returns the call's next chunk, io.EOF after the last, or the error
@@ -230,35 +231,27 @@ func (c *Call) Recv() (*stagepb.GenerateChunk, error) {
 	if end == nil {
 		return f.GetChunk(), nil
 	}
-	if c.stop() {
-		close(c.abandoned) // nothing to abandon: the call ended
-	}
+	c.ended = true
 	if code := codes.Code(end.GetCode()); code != codes.OK {
 		return nil, status.Error(code, end.GetMessage())
 	}
 	return nil, io.EOF
 }
 
-// Close abandons the call if it has not ended (the worker is told to abort
-// it) and waits until that is done. Call it once the call is no longer
-// read; calling it again is harmless.
+// Close ends the call: the reader drops its frames from now on, and a call
+// that has not ended is aborted on the worker. Calling it again is
+// harmless.
 func (c *Call) Close() {
-	if c.stop() {
-		c.abandon()
+	if c.closed {
+		return
 	}
-	<-c.abandoned // closed by Recv at the end, or by abandon (ctx's watch or the line above)
-}
-
-// abandon forgets the call; a call that had not ended is cancelled on the
-// worker. It runs once: from ctx's watch or from Close.
-func (c *Call) abandon() {
-	defer close(c.abandoned)
+	c.closed = true
 	c.st.mu.Lock()
 	_, running := c.st.calls[c.id]
 	delete(c.st.calls, c.id)
 	c.st.mu.Unlock()
 	close(c.gone)
-	if running {
+	if running && !c.ended {
 		_ = c.st.send(&stagepb.MuxFrame{Id: c.id, Kind: &stagepb.MuxFrame_Cancel{Cancel: true}})
 	}
 }
