@@ -14,6 +14,7 @@ import (
 
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
 
@@ -130,7 +131,32 @@ func TestTalkerCodesComePerVocoderSegment(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	// GenerateStream: the talker and the vocoder (held: one message or
-	// two); Generate: the thinker, a message per output chunk.
+	// two); Generate: the thinker, whose text only the talker reads, a
+	// talker segment (8 words) at a time.
 	assert.LessOrEqual(t, counts["GenerateStream"], len(res.Codes)/10+1+2, "codes come a segment (10) at a time: %v", counts)
-	assert.Equal(t, 16, counts["Generate"], "the thinker's text is read live, an output chunk at a time (16 for this prompt)")
+	words := len(strings.Fields(res.Text))
+	require.Greater(t, words, 8, "enough words for two segments")
+	assert.LessOrEqual(t, counts["Generate"], words/stagepb.DefaultSegmentWords+2, "text comes a segment at a time, not a message per token (%d): %v", res.CompletionTokens, counts)
+}
+
+// A client that streams the answer reads the thinker's text as it is
+// made: it comes a message per output chunk, gathered by nobody.
+func TestStreamedTextIsNotGathered(t *testing.T) {
+	var mu sync.Mutex
+	counts := map[string]int{}
+	count := grpc.WithStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+		s, err := streamer(ctx, desc, cc, method, opts...)
+		return &countingStream{ClientStream: s, mu: &mu, counts: counts, method: method[strings.LastIndexByte(method, '/')+1:]}, err
+	})
+	c := orchestratortest.Start(t, orchestratortest.Options{HeadDialOptions: []grpc.DialOption{count}})
+	c.WaitReady(t)
+	deltas := 0
+	res, err := c.Head.Execute(ctxT(t), orchestrator.Request{ID: "live", Prompt: "tell me a story about a fox", Sampling: sampling(16, 1), Stages: 3, Flush: func() error { return nil }},
+		func(string) error { deltas++; return nil })
+	require.NoError(t, err)
+	require.Equal(t, 16, res.CompletionTokens)
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, 16, counts["Generate"], "the thinker's text, an output chunk at a time")
+	assert.Equal(t, 16, deltas)
 }

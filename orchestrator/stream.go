@@ -181,6 +181,7 @@ type streamedRun struct {
 // cancels the others; its error is the request's.
 func (h *Head) executeStreamed(ctx context.Context, req Request, n int, prompt *stagepb.GenerateRequest, onText func(string) error) (*Result, time.Duration, error) {
 	prompt.OutputCodesPerChunk = h.codesPerChunk(0, n)
+	prompt.OutputWordsPerChunk = h.wordsPerChunk(0, n, readByClient(req, onText, 0, n))
 	run := &streamedRun{req: req, n: n, start: time.Now(), onText: onText, prompt: prompt,
 		inputs: make([]*stageInput, n), outputs: make([]*stageOutput, n)}
 	for i := 1; i < n; i++ {
@@ -338,6 +339,21 @@ func (h *Head) codesPerChunk(stage, n int) uint32 {
 		return uint32(units)
 	}
 	return stagepb.DefaultSegmentCodes
+}
+
+// wordsPerChunk is GenerateRequest.output_words_per_chunk for stage of a
+// streamed request through n stages: the next stage's segment size in
+// words when this stage gives it text and the client does not read that
+// text as it is made (read), else 0. Like codesPerChunk, none with a short
+// stall timeout.
+func (h *Head) wordsPerChunk(stage, n int, read bool) uint32 {
+	if read || stage+1 >= n || (*h.outputs.Load())[stage] != stagepb.RoleText || h.cfg.StallTimeout < 2*stagepb.MaxHeldOutput {
+		return 0
+	}
+	if units := h.cfg.Pipeline.Stages[stage+1].InputChunk; units > 0 {
+		return uint32(units)
+	}
+	return stagepb.DefaultSegmentWords
 }
 
 // openStreamed opens GenerateStream on rep and starts the goroutine that

@@ -21,7 +21,9 @@ const maxHeldBytes = 1 << 20
 // allows: every chunk is merged into the held one, which is sent at once
 // with the final chunk, once it holds maxHeldBytes, once it holds codes
 // codes (GenerateRequest.output_codes_per_chunk: the next stage could not
-// start a segment on fewer), and hold after it was started at the latest
+// start a segment on fewer), once the text sent and held makes the next
+// stage's next segment (output_words_per_chunk: cut as that stage's
+// segmenter cuts, textCut), and hold after it was started at the latest
 // (GenerateRequest.hold_output_ms, or maxHold). Each output in a sent chunk
 // is dated by its age (GenerateChunk.output_ages_us), so the head measures
 // time to first token and inter-token latencies as if the outputs had come
@@ -37,6 +39,10 @@ type outputHolder struct {
 	send  func(*stagepb.GenerateChunk) error
 	hold  time.Duration
 	codes int // send once this many codes are held; 0: no such rule
+	words int // send once the text makes a segment of this many words (textCut); 0: no such rule
+	// unsegmented is the end of the text sent that the next stage cannot
+	// have cut into a segment yet (with the words rule).
+	unsegmented string
 
 	mu       sync.Mutex
 	pending  *stagepb.GenerateChunk // owned by the holder; nil when nothing is held
@@ -50,11 +56,11 @@ type outputHolder struct {
 // hold, and a holder's emit otherwise; finish must be called when the
 // engine is done, before the RPC returns.
 func newOutputHolder(req *stagepb.GenerateRequest, send func(*stagepb.GenerateChunk) error) (emit func(*stagepb.GenerateChunk) error, finish func() error) {
-	ms, codes := req.GetHoldOutputMs(), req.GetOutputCodesPerChunk()
-	if ms == 0 && codes == 0 {
+	ms, codes, words := req.GetHoldOutputMs(), req.GetOutputCodesPerChunk(), req.GetOutputWordsPerChunk()
+	if ms == 0 && codes == 0 && words == 0 {
 		return send, func() error { return nil }
 	}
-	h := &outputHolder{send: send, hold: maxHold, codes: int(codes)}
+	h := &outputHolder{send: send, hold: maxHold, codes: int(codes), words: int(words)}
 	if ms > 0 {
 		h.hold = min(time.Duration(ms)*time.Millisecond, maxHold)
 	}
@@ -81,10 +87,24 @@ func (h *outputHolder) emit(c *stagepb.GenerateChunk) error {
 		h.outputAt = append(h.outputAt, now)
 	}
 	if c.GetFinishReason() != stagepb.FinishReason_FINISH_REASON_UNSPECIFIED || outputBytes(h.pending) >= maxHeldBytes ||
-		(h.codes > 0 && len(h.pending.GetCodes()) >= h.codes) {
+		(h.codes > 0 && len(h.pending.GetCodes()) >= h.codes) ||
+		(h.words > 0 && c.GetText() != "" && textCut(h.unsegmented+h.pending.GetText(), h.words) > 0) {
 		return h.flushLocked()
 	}
 	return nil
+}
+
+// segmented notes that text was sent: the next stage cuts the segments
+// that unsegmented and text make, and keeps the rest.
+func (h *outputHolder) segmented(text string) {
+	if h.words == 0 || text == "" {
+		return
+	}
+	rest := h.unsegmented + text
+	for cut := textCut(rest, h.words); cut > 0; cut = textCut(rest, h.words) {
+		rest = rest[cut:]
+	}
+	h.unsegmented = rest
 }
 
 // outputBytes is about what c's output takes in a message.
@@ -118,6 +138,7 @@ func (h *outputHolder) flushLocked() error {
 		}
 		h.outputAt = h.outputAt[:0]
 	}
+	h.segmented(c.GetText())
 	if err := h.send(c); err != nil {
 		h.err = err
 		return err

@@ -1,6 +1,7 @@
 package worker
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -45,4 +46,49 @@ func TestHeldOutputSendFailureStopsTheEngine(t *testing.T) {
 	require.ErrorIs(t, emit(&stagepb.GenerateChunk{Text: "b", FinishReason: stagepb.FinishReason_FINISH_REASON_STOP}), boom)
 	require.ErrorIs(t, emit(&stagepb.GenerateChunk{Text: "c"}), boom)
 	require.ErrorIs(t, finish(), boom)
+}
+
+// segments counts the segments of units words (or to a sentence end) the
+// next stage's segmenter can cut from text before the input ends.
+func segments(text string, units int) int {
+	n := 0
+	for cut := textCut(text, units); cut > 0; cut = textCut(text, units) {
+		text, n = text[cut:], n+1
+	}
+	return n
+}
+
+// With output_words_per_chunk the worker gathers text, yet never holds
+// text the next stage could start a segment on: after every token, the
+// text sent makes as many segments as all the text made so far. And it
+// sends far fewer messages than tokens.
+func TestHeldTextIsSentAsTheNextStageCanSegmentIt(t *testing.T) {
+	const units = 4
+	words := []string{"the", "quick", "brown", "fox", "jumps.", "over", "the", "lazy", "dog;", "and", "then", "it", "runs", "far", "far", "away", "into", "the", "night!", "end"}
+	var sent strings.Builder
+	messages := 0
+	emit, finish := newOutputHolder(&stagepb.GenerateRequest{OutputWordsPerChunk: units}, func(c *stagepb.GenerateChunk) error {
+		sent.WriteString(c.GetText())
+		messages++
+		return nil
+	})
+	var made strings.Builder
+	tokens := 0
+	for i, w := range words {
+		// Two tokens a word: the word, then the space before the next.
+		for _, tok := range []string{w, " "} {
+			if i == len(words)-1 && tok == " " {
+				break
+			}
+			require.NoError(t, emit(&stagepb.GenerateChunk{Text: tok}))
+			made.WriteString(tok)
+			tokens++
+			assert.Equal(t, segments(made.String(), units), segments(sent.String(), units),
+				"after %q: the next stage could cut a segment of held text", made.String())
+		}
+	}
+	require.NoError(t, emit(&stagepb.GenerateChunk{FinishReason: stagepb.FinishReason_FINISH_REASON_STOP}))
+	require.NoError(t, finish())
+	assert.Equal(t, made.String(), sent.String(), "nothing lost")
+	assert.Less(t, messages, tokens/3, "gathered: %d messages for %d tokens", messages, tokens)
 }

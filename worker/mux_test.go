@@ -31,7 +31,7 @@ func TestMultiplexCallsFinishAndTheStreamEndsWhenTheWorkerStops(t *testing.T) {
 	require.NoError(t, err)
 	start := func(id uint64, text string) {
 		req := textReq(text, &stagepb.SamplingParams{MaxTokens: 5, IgnoreEos: true})
-		require.NoError(t, mux.Send(&stagepb.MuxFrame{Id: id, Kind: &stagepb.MuxFrame_Request{Request: req}}))
+		require.NoError(t, mux.Send(&stagepb.MuxFrame{Id: id, Request: req}))
 	}
 	start(1, "in flight")
 	g.waitHeld(t)

@@ -11,9 +11,11 @@ import (
 	"io"
 	"sync"
 
+	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -87,7 +89,7 @@ func (c *Client) Generate(ctx context.Context, req *stagepb.GenerateRequest, opt
 	call.id = st.nextID
 	st.calls[call.id] = call
 	st.mu.Unlock()
-	if err := st.send(&stagepb.MuxFrame{Id: call.id, Kind: &stagepb.MuxFrame_Request{Request: req}}); err != nil {
+	if err := st.send(&stagepb.MuxFrame{Id: call.id, Request: req}); err != nil {
 		call.Close()
 		return nil, streamError(st, err)
 	}
@@ -146,6 +148,9 @@ func (st *muxStream) read() {
 		if f, err = st.s.Recv(); err != nil {
 			break
 		}
+		if f.GetChunk() == nil && f.GetEnd() == nil {
+			continue // says nothing
+		}
 		st.mu.Lock()
 		call := st.calls[f.GetId()]
 		if call != nil && f.GetEnd() != nil {
@@ -201,7 +206,8 @@ type Call struct {
 	ctx    context.Context
 	frames chan *stagepb.MuxFrame // from the reader, in order
 	gone   chan struct{}          // closed by Close: the reader drops this call's frames
-	ended  bool                   // Recv returned the call's end
+	end    *stagepb.MuxEnd        // an end that came with the last chunk, for the next Recv
+	done   bool                   // Recv returned the call's end
 	closed bool
 }
 
@@ -209,33 +215,61 @@ type Call struct {
 // it ended with: the worker's status, ctx's error as a status, or the
 // stream's error.
 func (c *Call) Recv() (*stagepb.GenerateChunk, error) {
+	if c.end != nil {
+		return nil, c.ended(c.end)
+	}
 	var f *stagepb.MuxFrame
 	select {
-	case f = <-c.frames:
-	case <-c.ctx.Done():
-		return nil, status.FromContextError(c.ctx.Err()).Err()
-	case <-c.st.ctx.Done():
+	case f = <-c.frames: // what came is delivered, even if ctx has ended since
+	default:
+	}
+	if f == nil {
 		select {
-		case f = <-c.frames: // frames the reader handed over before the end
-		default:
-			c.st.mu.Lock()
-			err := c.st.err
-			c.st.mu.Unlock()
-			if err == nil { // the reader has not stored it yet
-				err = status.Error(codes.Unavailable, "stagemux: stream ended")
+		case f = <-c.frames:
+		case <-c.ctx.Done():
+			return nil, status.FromContextError(c.ctx.Err()).Err()
+		case <-c.st.ctx.Done():
+			select {
+			case f = <-c.frames: // frames the reader handed over before the end
+			default:
+				c.st.mu.Lock()
+				err := c.st.err
+				c.st.mu.Unlock()
+				if err == nil { // the reader has not stored it yet
+					err = status.Error(codes.Unavailable, "stagemux: stream ended")
+				}
+				return nil, err
 			}
-			return nil, err
 		}
 	}
-	end := f.GetEnd()
-	if end == nil {
-		return f.GetChunk(), nil
+	if chunk := f.GetChunk(); chunk != nil {
+		c.end = f.GetEnd()
+		return chunk, nil
 	}
-	c.ended = true
-	if code := codes.Code(end.GetCode()); code != codes.OK {
-		return nil, status.Error(code, end.GetMessage())
+	return nil, c.ended(f.GetEnd())
+}
+
+// ended is what Recv returns for the call's end: io.EOF, or the call's
+// status.
+func (c *Call) ended(end *stagepb.MuxEnd) error {
+	c.end, c.done = nil, true
+	return endError(end)
+}
+
+// endError is the error of a call that ended with end: nil becomes
+// io.EOF; a status with details comes back whole.
+func endError(end *stagepb.MuxEnd) error {
+	code := codes.Code(end.GetCode())
+	if code == codes.OK {
+		return io.EOF
 	}
-	return nil, io.EOF
+	if b := end.GetStatusDetails(); len(b) > 0 {
+		var p spb.Status
+		if proto.Unmarshal(b, &p) == nil && codes.Code(p.GetCode()) == code {
+			return status.ErrorProto(&p)
+		}
+	}
+	return status.Error(code, end.GetMessage())
 }
 
 // Close ends the call: the reader drops its frames from now on, and a call
@@ -251,7 +285,7 @@ func (c *Call) Close() {
 	delete(c.st.calls, c.id)
 	c.st.mu.Unlock()
 	close(c.gone)
-	if running && !c.ended {
-		_ = c.st.send(&stagepb.MuxFrame{Id: c.id, Kind: &stagepb.MuxFrame_Cancel{Cancel: true}})
+	if running && !c.done {
+		_ = c.st.send(&stagepb.MuxFrame{Id: c.id, Cancel: true})
 	}
 }

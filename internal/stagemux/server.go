@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -83,8 +84,9 @@ func Serve(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame], 
 			return nil
 		}
 		id := f.GetId()
-		switch kind := f.GetKind().(type) {
-		case *stagepb.MuxFrame_Request:
+		switch {
+		case f.GetRequest() != nil && !f.GetCancel() && f.GetChunk() == nil && f.GetEnd() == nil:
+			req := f.GetRequest()
 			mu.Lock()
 			_, dup := cancels[id]
 			var callCtx context.Context
@@ -100,37 +102,64 @@ func Serve(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame], 
 			calls.Add(1)
 			go func() {
 				defer calls.Done()
-				err := generate(kind.Request, &callStream{ctx: callCtx, id: id, send: send})
+				cs := &callStream{ctx: callCtx, id: id, send: send}
+				err := generate(req, cs)
 				mu.Lock()
 				delete(cancels, id)
 				mu.Unlock()
 				callCancel()
-				st := status.Convert(err)
-				_ = send(&stagepb.MuxFrame{Id: id, Kind: &stagepb.MuxFrame_End{End: &stagepb.MuxEnd{Code: uint32(st.Code()), Message: st.Message()}}})
+				cs.end(err)
 			}()
-		case *stagepb.MuxFrame_Cancel:
+		case f.GetCancel() && f.GetRequest() == nil && f.GetChunk() == nil && f.GetEnd() == nil:
 			mu.Lock()
 			if callCancel := cancels[id]; callCancel != nil {
 				callCancel() // a call that already ended is not there: nothing to do
 			}
 			mu.Unlock()
 		default:
-			return status.Errorf(codes.InvalidArgument, "stagemux: frame %d from the head is neither a request nor a cancel", id)
+			return status.Errorf(codes.InvalidArgument, "stagemux: frame %d from the head is not one request or one cancel", id)
 		}
 	}
 }
 
-// callStream is the server stream generate sees for one call. A call has
-// no headers or trailers of its own (the stream's are the head's): they
-// are accepted and dropped.
+// callStream is the server stream generate sees for one call. A chunk
+// with a finish reason, the last of a call, waits for the call's end to go
+// out in one frame with it. A call has no headers or trailers of its own
+// (the stream's are the head's): they are accepted and dropped.
 type callStream struct {
 	ctx  context.Context
 	id   uint64
 	send func(*stagepb.MuxFrame) error
+	last *stagepb.GenerateChunk // a final chunk not sent yet
 }
 
 func (c *callStream) Send(chunk *stagepb.GenerateChunk) error {
-	return c.send(&stagepb.MuxFrame{Id: c.id, Kind: &stagepb.MuxFrame_Chunk{Chunk: chunk}})
+	if c.last != nil { // a chunk after the final one: send them in order
+		if err := c.send(&stagepb.MuxFrame{Id: c.id, Chunk: c.last}); err != nil {
+			return err
+		}
+		c.last = nil
+	}
+	if chunk.GetFinishReason() != stagepb.FinishReason_FINISH_REASON_UNSPECIFIED {
+		c.last = chunk
+		return nil
+	}
+	return c.send(&stagepb.MuxFrame{Id: c.id, Chunk: chunk})
+}
+
+// end sends the call's end, with the final chunk if it waits.
+func (c *callStream) end(err error) {
+	_ = c.send(&stagepb.MuxFrame{Id: c.id, Chunk: c.last, End: endOf(err)})
+}
+
+// endOf is the MuxEnd of a call that returned err.
+func endOf(err error) *stagepb.MuxEnd {
+	st := status.Convert(err)
+	end := &stagepb.MuxEnd{Code: uint32(st.Code()), Message: st.Message()}
+	if p := st.Proto(); len(p.GetDetails()) > 0 {
+		end.StatusDetails, _ = proto.Marshal(p) // a status always marshals
+	}
+	return end
 }
 
 func (c *callStream) SendMsg(m any) error {

@@ -16,10 +16,12 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 	"golang.org/x/sync/errgroup"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -72,10 +74,15 @@ func testContext(t *testing.T) context.Context {
 }
 
 // echo sends the request's text back as n chunks "text/0" ... "text/n-1",
-// n being sampling.max_tokens.
+// n being sampling.max_tokens, the last with a finish reason.
 func echo(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
-	for i := range int(req.GetSampling().GetMaxTokens()) {
-		if err := stream.Send(&stagepb.GenerateChunk{Text: fmt.Sprintf("%s/%d", req.GetText(), i)}); err != nil {
+	n := int(req.GetSampling().GetMaxTokens())
+	for i := range n {
+		c := &stagepb.GenerateChunk{Text: fmt.Sprintf("%s/%d", req.GetText(), i)}
+		if i == n-1 {
+			c.FinishReason = stagepb.FinishReason_FINISH_REASON_LENGTH
+		}
+		if err := stream.Send(c); err != nil {
 			return err
 		}
 	}
@@ -155,6 +162,31 @@ func TestCallEndsWithTheWorkersStatus(t *testing.T) {
 	require.True(t, ok, "a status error: %v", err)
 	assert.Equal(t, codes.ResourceExhausted, st.Code())
 	assert.Equal(t, "engine: queue full", st.Message())
+}
+
+// A refusal's details (a google.rpc.ErrorInfo) reach the head as gRPC
+// would carry them: the head answers some refusals by their reason.
+func TestCallEndsWithTheStatusDetails(t *testing.T) {
+	info := &errdetails.ErrorInfo{Domain: "troupe.stage", Reason: "CONTEXT_LENGTH_EXCEEDED", Metadata: map[string]string{"max_model_len": "8"}}
+	svc := &service{generate: func(*stagepb.GenerateRequest, grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
+		st, err := status.New(codes.InvalidArgument, "prompt too long").WithDetails(info)
+		if err != nil {
+			return err
+		}
+		return st.Err()
+	}}
+	mux := NewClient(start(t, svc))
+	defer mux.Close()
+	call, err := mux.Generate(testContext(t), request("x", 1))
+	require.NoError(t, err)
+	_, err = drain(call)
+	st := status.Convert(err)
+	assert.Equal(t, codes.InvalidArgument, st.Code())
+	assert.Equal(t, "prompt too long", st.Message())
+	require.Len(t, st.Details(), 1)
+	got, ok := st.Details()[0].(*errdetails.ErrorInfo)
+	require.True(t, ok, "%T", st.Details()[0])
+	assert.True(t, proto.Equal(info, got), "%v", got)
 }
 
 func TestCancellingACallCancelsItOnTheWorker(t *testing.T) {
@@ -292,8 +324,8 @@ func TestCloseFailsRunningCallsAndLaterOnes(t *testing.T) {
 func TestAFrameTheHeadShouldNotSendEndsTheStream(t *testing.T) {
 	for name, frames := range map[string][]*stagepb.MuxFrame{
 		"no kind":        {{Id: 1}},
-		"a chunk":        {{Id: 1, Kind: &stagepb.MuxFrame_Chunk{Chunk: &stagepb.GenerateChunk{}}}},
-		"duplicate call": {{Id: 1, Kind: &stagepb.MuxFrame_Request{Request: request("a", 0)}}, {Id: 1, Kind: &stagepb.MuxFrame_Request{Request: request("a", 0)}}},
+		"a chunk":        {{Id: 1, Chunk: &stagepb.GenerateChunk{}}},
+		"duplicate call": {{Id: 1, Request: request("a", 0)}, {Id: 1, Request: request("a", 0)}},
 	} {
 		t.Run(name, func(t *testing.T) {
 			block := make(chan struct{})
@@ -329,10 +361,9 @@ func TestHalfClosingLetsRunningCallsFinish(t *testing.T) {
 	ctx := testContext(t)
 	s, err := client.Multiplex(ctx)
 	require.NoError(t, err)
-	require.NoError(t, s.Send(&stagepb.MuxFrame{Id: 7, Kind: &stagepb.MuxFrame_Request{Request: request("a", 3)}}))
+	require.NoError(t, s.Send(&stagepb.MuxFrame{Id: 7, Request: request("a", 3)}))
 	require.NoError(t, s.CloseSend())
-	var got []string
-	var end *stagepb.MuxEnd
+	var frames []*stagepb.MuxFrame
 	for {
 		f, err := s.Recv()
 		if errors.Is(err, io.EOF) {
@@ -340,15 +371,17 @@ func TestHalfClosingLetsRunningCallsFinish(t *testing.T) {
 		}
 		require.NoError(t, err)
 		assert.EqualValues(t, 7, f.GetId())
-		if f.GetEnd() != nil {
-			end = f.GetEnd()
-			continue
-		}
+		frames = append(frames, f)
+	}
+	var got []string
+	for _, f := range frames {
 		got = append(got, f.GetChunk().GetText())
 	}
-	assert.Equal(t, []string{"a/0", "a/1", "a/2"}, got)
-	require.NotNil(t, end, "the call's end frame")
-	assert.EqualValues(t, codes.OK, end.GetCode())
+	assert.Equal(t, []string{"a/0", "a/1", "a/2"}, got, "a chunk a frame")
+	last := frames[len(frames)-1]
+	require.NotNil(t, last.GetEnd(), "the final chunk and the end in one frame")
+	assert.EqualValues(t, codes.OK, last.GetEnd().GetCode())
+	assert.Equal(t, stagepb.FinishReason_FINISH_REASON_LENGTH, last.GetChunk().GetFinishReason())
 }
 
 // TestCallsThatEndAnyWayLeakNothing races call ends, cancellations and

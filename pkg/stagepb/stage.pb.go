@@ -184,17 +184,16 @@ func (ServingStatus) EnumDescriptor() ([]byte, []int) {
 	return file_stage_proto_rawDescGZIP(), []int{2}
 }
 
-// MuxFrame is one message of a Multiplex stream, in either direction.
+// MuxFrame is one message of a Multiplex stream, in either direction: from
+// the head, a request or a cancel; from the worker, a chunk, an end, or
+// both (the call's last chunk, then its end).
 type MuxFrame struct {
-	state protoimpl.MessageState `protogen:"open.v1"`
-	Id    uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
-	// Types that are valid to be assigned to Kind:
-	//
-	//	*MuxFrame_Request
-	//	*MuxFrame_Cancel
-	//	*MuxFrame_Chunk
-	//	*MuxFrame_End
-	Kind          isMuxFrame_Kind `protobuf_oneof:"kind"`
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	Request       *GenerateRequest       `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"` // head to worker: start call id
+	Cancel        bool                   `protobuf:"varint,3,opt,name=cancel,proto3" json:"cancel,omitempty"`  // head to worker: abort call id
+	Chunk         *GenerateChunk         `protobuf:"bytes,4,opt,name=chunk,proto3" json:"chunk,omitempty"`     // worker to head: a chunk of call id
+	End           *MuxEnd                `protobuf:"bytes,5,opt,name=end,proto3" json:"end,omitempty"`         // worker to head: call id ended; its last frame
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -236,82 +235,43 @@ func (x *MuxFrame) GetId() uint64 {
 	return 0
 }
 
-func (x *MuxFrame) GetKind() isMuxFrame_Kind {
-	if x != nil {
-		return x.Kind
-	}
-	return nil
-}
-
 func (x *MuxFrame) GetRequest() *GenerateRequest {
 	if x != nil {
-		if x, ok := x.Kind.(*MuxFrame_Request); ok {
-			return x.Request
-		}
+		return x.Request
 	}
 	return nil
 }
 
 func (x *MuxFrame) GetCancel() bool {
 	if x != nil {
-		if x, ok := x.Kind.(*MuxFrame_Cancel); ok {
-			return x.Cancel
-		}
+		return x.Cancel
 	}
 	return false
 }
 
 func (x *MuxFrame) GetChunk() *GenerateChunk {
 	if x != nil {
-		if x, ok := x.Kind.(*MuxFrame_Chunk); ok {
-			return x.Chunk
-		}
+		return x.Chunk
 	}
 	return nil
 }
 
 func (x *MuxFrame) GetEnd() *MuxEnd {
 	if x != nil {
-		if x, ok := x.Kind.(*MuxFrame_End); ok {
-			return x.End
-		}
+		return x.End
 	}
 	return nil
 }
 
-type isMuxFrame_Kind interface {
-	isMuxFrame_Kind()
-}
-
-type MuxFrame_Request struct {
-	Request *GenerateRequest `protobuf:"bytes,2,opt,name=request,proto3,oneof"` // head to worker: start call id
-}
-
-type MuxFrame_Cancel struct {
-	Cancel bool `protobuf:"varint,3,opt,name=cancel,proto3,oneof"` // head to worker: abort call id
-}
-
-type MuxFrame_Chunk struct {
-	Chunk *GenerateChunk `protobuf:"bytes,4,opt,name=chunk,proto3,oneof"` // worker to head: a chunk of call id
-}
-
-type MuxFrame_End struct {
-	End *MuxEnd `protobuf:"bytes,5,opt,name=end,proto3,oneof"` // worker to head: call id ended, last frame of it
-}
-
-func (*MuxFrame_Request) isMuxFrame_Kind() {}
-
-func (*MuxFrame_Cancel) isMuxFrame_Kind() {}
-
-func (*MuxFrame_Chunk) isMuxFrame_Kind() {}
-
-func (*MuxFrame_End) isMuxFrame_Kind() {}
-
 // MuxEnd is how a Multiplex call ended: its gRPC status.
 type MuxEnd struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Code          uint32                 `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"` // a google.rpc.Code; 0: OK
-	Message       string                 `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Code    uint32                 `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"` // a google.rpc.Code; 0: OK
+	Message string                 `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	// The whole status (a google.rpc.Status) when it has details, such as the
+	// google.rpc.ErrorInfo of a refusal, encoded as gRPC's
+	// grpc-status-details-bin carries it; empty when it has none.
+	StatusDetails []byte `protobuf:"bytes,3,opt,name=status_details,json=statusDetails,proto3" json:"status_details,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -358,6 +318,13 @@ func (x *MuxEnd) GetMessage() string {
 		return x.Message
 	}
 	return ""
+}
+
+func (x *MuxEnd) GetStatusDetails() []byte {
+	if x != nil {
+		return x.StatusDetails
+	}
+	return nil
 }
 
 type SamplingParams struct {
@@ -662,6 +629,14 @@ type GenerateRequest struct {
 	// final chunk, and at least every second so the head sees progress),
 	// each output dated by output_ages_us. 0: every chunk as it is made.
 	OutputCodesPerChunk uint32 `protobuf:"varint,11,opt,name=output_codes_per_chunk,json=outputCodesPerChunk,proto3" json:"output_codes_per_chunk,omitempty"`
+	// output_words_per_chunk > 0: this stage's text goes to a stage that runs
+	// its input in segments of this many words or up to a sentence end
+	// (StreamInput.segment_units), and nothing else reads it before the
+	// stage ends. The worker may gather text and send it once what it sent
+	// and gathered makes a segment by that rule, with the final chunk, and
+	// at least every second, each output dated by output_ages_us. 0: every
+	// chunk as it is made.
+	OutputWordsPerChunk uint32 `protobuf:"varint,12,opt,name=output_words_per_chunk,json=outputWordsPerChunk,proto3" json:"output_words_per_chunk,omitempty"`
 	unknownFields       protoimpl.UnknownFields
 	sizeCache           protoimpl.SizeCache
 }
@@ -784,6 +759,13 @@ func (x *GenerateRequest) GetHoldOutputMs() uint32 {
 func (x *GenerateRequest) GetOutputCodesPerChunk() uint32 {
 	if x != nil {
 		return x.OutputCodesPerChunk
+	}
+	return 0
+}
+
+func (x *GenerateRequest) GetOutputWordsPerChunk() uint32 {
+	if x != nil {
+		return x.OutputWordsPerChunk
 	}
 	return 0
 }
@@ -1818,17 +1800,17 @@ var File_stage_proto protoreflect.FileDescriptor
 
 const file_stage_proto_rawDesc = "" +
 	"\n" +
-	"\vstage.proto\x12\x0ftroupe.stage.v1\"\xdf\x01\n" +
+	"\vstage.proto\x12\x0ftroupe.stage.v1\"\xcf\x01\n" +
 	"\bMuxFrame\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\x04R\x02id\x12<\n" +
-	"\arequest\x18\x02 \x01(\v2 .troupe.stage.v1.GenerateRequestH\x00R\arequest\x12\x18\n" +
-	"\x06cancel\x18\x03 \x01(\bH\x00R\x06cancel\x126\n" +
-	"\x05chunk\x18\x04 \x01(\v2\x1e.troupe.stage.v1.GenerateChunkH\x00R\x05chunk\x12+\n" +
-	"\x03end\x18\x05 \x01(\v2\x17.troupe.stage.v1.MuxEndH\x00R\x03endB\x06\n" +
-	"\x04kind\"6\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x12:\n" +
+	"\arequest\x18\x02 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12\x16\n" +
+	"\x06cancel\x18\x03 \x01(\bR\x06cancel\x124\n" +
+	"\x05chunk\x18\x04 \x01(\v2\x1e.troupe.stage.v1.GenerateChunkR\x05chunk\x12)\n" +
+	"\x03end\x18\x05 \x01(\v2\x17.troupe.stage.v1.MuxEndR\x03end\"]\n" +
 	"\x06MuxEnd\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\rR\x04code\x12\x18\n" +
-	"\amessage\x18\x02 \x01(\tR\amessage\"\xbb\x01\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\x12%\n" +
+	"\x0estatus_details\x18\x03 \x01(\fR\rstatusDetails\"\xbb\x01\n" +
 	"\x0eSamplingParams\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x01 \x01(\rR\tmaxTokens\x12%\n" +
@@ -1847,7 +1829,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\tR\acontent\"@\n" +
 	"\x04Chat\x128\n" +
-	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xd2\x03\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\x87\x04\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -1861,7 +1843,8 @@ const file_stage_proto_rawDesc = "" +
 	"\fcontinuation\x18\t \x01(\tR\fcontinuation\x12$\n" +
 	"\x0ehold_output_ms\x18\n" +
 	" \x01(\rR\fholdOutputMs\x123\n" +
-	"\x16output_codes_per_chunk\x18\v \x01(\rR\x13outputCodesPerChunkB\a\n" +
+	"\x16output_codes_per_chunk\x18\v \x01(\rR\x13outputCodesPerChunk\x123\n" +
+	"\x16output_words_per_chunk\x18\f \x01(\rR\x13outputWordsPerChunkB\a\n" +
 	"\x05input\"\x98\x01\n" +
 	"\vStreamInput\x12:\n" +
 	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +
@@ -2057,12 +2040,6 @@ func init() { file_stage_proto_init() }
 func file_stage_proto_init() {
 	if File_stage_proto != nil {
 		return
-	}
-	file_stage_proto_msgTypes[0].OneofWrappers = []any{
-		(*MuxFrame_Request)(nil),
-		(*MuxFrame_Cancel)(nil),
-		(*MuxFrame_Chunk)(nil),
-		(*MuxFrame_End)(nil),
 	}
 	file_stage_proto_msgTypes[2].OneofWrappers = []any{}
 	file_stage_proto_msgTypes[7].OneofWrappers = []any{

@@ -63,8 +63,9 @@ type StageServiceClient interface {
 	// says multiplex). The head opens it and numbers its calls (id, unique
 	// within the stream). Head to worker: request starts call id as
 	// Generate would; cancel aborts it. Worker to head: the call's chunks,
-	// as Generate streams them, then one end with its status (code 0: the
-	// call ended cleanly). A worker that stops (drained, or its drain timed
+	// as Generate streams them, then its end with its status (code 0: the
+	// call ended cleanly), in the frame of the last chunk when that chunk
+	// has a finish reason. A worker that stops (drained, or its drain timed
 	// out) ends the stream once none of its calls runs; a call whose request
 	// it never read is lost with the stream, and the head fails it as it
 	// fails a broken Generate stream (nothing was produced: it is retried).
@@ -192,8 +193,9 @@ type StageServiceServer interface {
 	// says multiplex). The head opens it and numbers its calls (id, unique
 	// within the stream). Head to worker: request starts call id as
 	// Generate would; cancel aborts it. Worker to head: the call's chunks,
-	// as Generate streams them, then one end with its status (code 0: the
-	// call ended cleanly). A worker that stops (drained, or its drain timed
+	// as Generate streams them, then its end with its status (code 0: the
+	// call ended cleanly), in the frame of the last chunk when that chunk
+	// has a finish reason. A worker that stops (drained, or its drain timed
 	// out) ends the stream once none of its calls runs; a call whose request
 	// it never read is lost with the stream, and the head fails it as it
 	// fails a broken Generate stream (nothing was produced: it is retried).
