@@ -334,6 +334,12 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMu
 		m.observe(r.Context(), s.routeLabelOf(mux, r), r.Method, sw.statusOr200(), elapsed)
 	}
 
+	s.logRequest(r, id, sw, elapsed)
+}
+
+// logRequest writes the request's log line: info, warn for a 5xx, debug
+// for the probes and /metrics.
+func (s *Server) logRequest(r *http.Request, id string, sw *statusWriter, elapsed time.Duration) {
 	level := slog.LevelInfo
 	switch {
 	case sw.status >= 500:
