@@ -137,6 +137,7 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 		}
 		extendWriteDeadline(w)
 		writeJSON(w, http.StatusOK, resp.full(res, audio))
+		audio.release() // encoded: its WAV buffer can serve the next answer
 		return
 	}
 
@@ -266,21 +267,34 @@ func audioOf(res *orchestrator.Result, wanted bool, format, id string) (*audioOu
 	if len(res.PCM) < 2 || res.SampleRate <= 0 {
 		return nil, errNoAudio
 	}
-	data := res.PCM
+	a := &audioOut{
+		ID:         id,
+		Data:       res.PCM,
+		ExpiresAt:  time.Now().Add(audioTTL).Unix(),
+		Transcript: res.Text,
+	}
 	if format != audioFormatPCM16 {
-		wav, err := encodeWAV(res.PCM, res.SampleRate)
+		buf := wavBuffers.Get().(*[]byte)
+		wav, err := appendWAV((*buf)[:0], res.PCM, res.SampleRate)
 		if err != nil {
+			putWAVBuffer(buf)
 			return nil, &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "invalid_audio",
 				Message: fmt.Sprintf("the pipeline's audio cannot be encoded as WAV (%d bytes at %d Hz)", len(res.PCM), res.SampleRate)}
 		}
-		data = wav
+		*buf = wav
+		a.Data, a.wav = wav, buf
 	}
-	return &audioOut{
-		ID:         id,
-		Data:       data,
-		ExpiresAt:  time.Now().Add(audioTTL).Unix(),
-		Transcript: res.Text,
-	}, nil
+	return a, nil
+}
+
+// release returns a's WAV buffer to its pool: a and its Data must not be
+// used again. A nil a, or one without a WAV, has nothing to release.
+func (a *audioOut) release() {
+	if a == nil || a.wav == nil {
+		return
+	}
+	putWAVBuffer(a.wav)
+	a.Data, a.wav = nil, nil
 }
 
 func finishReason(res *orchestrator.Result) string {

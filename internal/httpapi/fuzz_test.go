@@ -106,7 +106,7 @@ func FuzzEncodeWAV(f *testing.F) {
 	f.Add([]byte{0, 0, 0}, -1)
 	f.Add([]byte{0xff, 0x7f}, 1<<24+1)
 	f.Fuzz(func(t *testing.T, pcm []byte, rate int) {
-		out, err := encodeWAV(pcm, rate)
+		out, err := appendWAV(nil, pcm, rate)
 		if err != nil {
 			if rate > 0 && rate <= maxSampleRate {
 				t.Fatalf("valid rate %d refused: %v", rate, err)

@@ -35,6 +35,8 @@ type audioOut struct {
 	Data       []byte `json:"data"`
 	ExpiresAt  int64  `json:"expires_at"`
 	Transcript string `json:"transcript"`
+	// wav, when set, is the pooled buffer Data lies in (see release).
+	wav *[]byte
 }
 
 type chatCompletion struct {

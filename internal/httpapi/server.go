@@ -20,6 +20,7 @@ import (
 	"net/http"
 	"net/url"
 	"path"
+	"runtime"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -303,7 +304,8 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMu
 	span.SetAttributes(telemetry.KeyRequestID.String(id))
 	h := w.Header()
 	h.Set("X-Request-Id", id)
-	if tp := telemetry.TraceparentHeader(r.Context()); tp != "" {
+	tp := telemetry.TraceparentHeader(r.Context())
+	if tp != "" {
 		h.Set("Traceparent", tp)
 	}
 	// A previous response on this keep-alive connection may have left a
@@ -334,6 +336,15 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMu
 		m.observe(r.Context(), s.routeLabelOf(mux, r), r.Method, sw.statusOr200(), elapsed)
 	}
 
+	s.logRequest(r, id, tp, sw, elapsed)
+}
+
+// logRequest writes the request's log line: info, warn for a 5xx, debug
+// for the probes and /metrics. tp is the response's traceparent header
+// ("" when none): its trace and span ids are the line's trace_id and
+// span_id, so the log handler need not format them again (see
+// telemetry.TraceLogAttrs).
+func (s *Server) logRequest(r *http.Request, id, tp string, sw *statusWriter, elapsed time.Duration) {
 	level := slog.LevelInfo
 	switch {
 	case sw.status >= 500:
@@ -341,7 +352,23 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMu
 	case r.Pattern == "GET /healthz" || r.Pattern == "GET /readyz" || r.Pattern == "GET /metrics":
 		level = slog.LevelDebug
 	}
-	s.log.LogAttrs(r.Context(), level, "httpapi: request",
+	ctx, h := r.Context(), s.log.Handler()
+	if !h.Enabled(ctx, level) {
+		return
+	}
+	// The record is built here rather than by Logger.LogAttrs, which
+	// walks the stack for the caller's pc every time: the caller is always
+	// this line of this function.
+	pc := requestLogPC.Load()
+	if pc == 0 {
+		var pcs [1]uintptr
+		runtime.Callers(1, pcs[:]) // 1: this function, not runtime.Callers
+		pc = pcs[0]
+		requestLogPC.Store(pc)
+	}
+	rec := slog.NewRecord(time.Now(), level, "httpapi: request", pc)
+	// One AddAttrs: each call past the record's inline room allocates.
+	attrs := [...]slog.Attr{
 		slog.String("request_id", id),
 		slog.String("method", r.Method),
 		slog.String("path", r.URL.Path),
@@ -350,8 +377,20 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMu
 		slog.Int64("bytes", sw.written),
 		slog.Duration("duration", elapsed),
 		slog.String("remote", r.RemoteAddr),
-	)
+		{}, {}, // trace_id, span_id
+	}
+	n := len(attrs) - 2
+	if traceID, spanID, ok := telemetry.TraceLogAttrs(tp); ok {
+		attrs[n], attrs[n+1] = traceID, spanID
+		n += 2
+	}
+	rec.AddAttrs(attrs[:n]...)
+	_ = h.Handle(ctx, rec)
 }
+
+// requestLogPC is the pc of logRequest's records (their source, for a
+// handler with AddSource), found by its first call.
+var requestLogPC atomic.Uintptr
 
 // dispatch runs the route, answering unknown routes (404) and wrong methods
 // (405, with Allow) in the OpenAI error shape instead of the mux's text.

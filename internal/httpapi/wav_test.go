@@ -48,12 +48,12 @@ func (w wavInfo) duration() time.Duration {
 	return time.Duration(samples) * time.Second / time.Duration(w.sampleRate)
 }
 
-func TestEncodeWAV(t *testing.T) {
+func TestAppendWAV(t *testing.T) {
 	pcm := make([]byte, 2*24000) // one second at 24 kHz
 	for i := range pcm {
 		pcm[i] = byte(i)
 	}
-	out, err := encodeWAV(pcm, 24000)
+	out, err := appendWAV(nil, pcm, 24000)
 	require.NoError(t, err)
 	w := parseWAV(t, out)
 	assert.Equal(t, 1, w.format, "PCM")
@@ -66,22 +66,22 @@ func TestEncodeWAV(t *testing.T) {
 	assert.True(t, bytes.Equal(pcm, w.data), "samples are copied unchanged")
 }
 
-func TestEncodeWAVOddAndInvalid(t *testing.T) {
-	out, err := encodeWAV([]byte{1, 2, 3}, 16000)
+func TestAppendWAVOddAndInvalid(t *testing.T) {
+	out, err := appendWAV(nil, []byte{1, 2, 3}, 16000)
 	require.NoError(t, err)
 	assert.Equal(t, []byte{1, 2}, parseWAV(t, out).data, "half a sample is dropped")
 
 	for _, rate := range []int{0, -1, maxSampleRate + 1} {
-		_, err := encodeWAV([]byte{0, 0}, rate)
+		_, err := appendWAV(nil, []byte{0, 0}, rate)
 		assert.Error(t, err, "rate %d", rate)
 	}
 }
 
-func TestEncodeWAVProperty(t *testing.T) {
+func TestAppendWAVProperty(t *testing.T) {
 	rapid.Check(t, func(t *rapid.T) {
 		pcm := rapid.SliceOfN(rapid.Byte(), 0, 4096).Draw(t, "pcm")
 		rate := rapid.IntRange(1, maxSampleRate).Draw(t, "rate")
-		out, err := encodeWAV(pcm, rate)
+		out, err := appendWAV(nil, pcm, rate)
 		if err != nil {
 			t.Fatal(err)
 		}

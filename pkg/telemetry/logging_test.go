@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"log/slog"
 	"strings"
 	"testing"
@@ -61,4 +62,38 @@ func TestLoggerText(t *testing.T) {
 	out := buf.String()
 	assert.NotContains(t, out, "hidden")
 	assert.Contains(t, out, "msg=shown trace_id=4bf92f350102030405060708090a0b0c span_id=00f067aa0ba902b7")
+}
+
+func TestTraceLogAttrs(t *testing.T) {
+	ctx := remoteParent(true)
+	traceID, spanID, ok := TraceLogAttrs(TraceparentHeader(ctx))
+	require.True(t, ok)
+	assert.True(t, traceID.Equal(slog.String(LogKeyTraceID, "4bf92f350102030405060708090a0b0c")), "%v", traceID)
+	assert.True(t, spanID.Equal(slog.String(LogKeySpanID, "00f067aa0ba902b7")), "%v", spanID)
+	for _, bad := range []string{"", "01-4bf92f350102030405060708090a0b0c-00f067aa0ba902b7-01", "00-4bf92f350102030405060708090a0b0c-00f067aa0ba902b7-01-x", "00-4bf92f350102030405060708090a0b0c_00f067aa0ba902b7-01"} {
+		_, _, ok := TraceLogAttrs(bad)
+		assert.False(t, ok, bad)
+	}
+
+	// A record that ends with them is written as it is: the ids once.
+	var buf bytes.Buffer
+	log := NewLogger(&buf, slog.LevelInfo, false)
+	log.LogAttrs(ctx, slog.LevelInfo, "given", slog.Int("n", 1), traceID, spanID)
+	// Not last: the handler adds its own, as for any record.
+	log.LogAttrs(ctx, slog.LevelInfo, "not last", traceID, spanID, slog.Int("n", 1))
+	lines := strings.Split(strings.TrimSpace(buf.String()), "\n")
+	require.Len(t, lines, 2)
+	assert.True(t, strings.HasSuffix(lines[0], " msg=given n=1 trace_id=4bf92f350102030405060708090a0b0c span_id=00f067aa0ba902b7"), lines[0])
+	assert.Equal(t, 2, strings.Count(lines[1], "trace_id="), lines[1])
+}
+
+// BenchmarkLogger is a log line with a span in its context, through the
+// handler that adds the trace ids.
+func BenchmarkLogger(b *testing.B) {
+	log := NewLogger(io.Discard, slog.LevelInfo, false)
+	ctx := remoteParent(false)
+	b.ReportAllocs()
+	for b.Loop() {
+		log.LogAttrs(ctx, slog.LevelInfo, "routed", slog.String("stage", "thinker"))
+	}
 }

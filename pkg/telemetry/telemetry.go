@@ -20,6 +20,7 @@ package telemetry
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net/url"
@@ -418,9 +419,19 @@ func TraceparentHeader(ctx context.Context) string {
 	if !sc.IsValid() {
 		return ""
 	}
-	flags := "00"
+	// One allocation: the string itself.
+	var b [traceparentLen]byte
+	copy(b[:], "00-")
+	tid, sid := sc.TraceID(), sc.SpanID()
+	hex.Encode(b[3:35], tid[:])
+	b[35] = '-'
+	hex.Encode(b[36:52], sid[:])
+	copy(b[52:], "-00")
 	if sc.IsSampled() {
-		flags = "01"
+		b[54] = '1'
 	}
-	return "00-" + sc.TraceID().String() + "-" + sc.SpanID().String() + "-" + flags
+	return string(b[:])
 }
+
+// traceparentLen is the length of a version-00 traceparent header value.
+const traceparentLen = len("00-") + 32 + len("-") + 16 + len("-00")
