@@ -302,9 +302,7 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 			if moved.count > 0 {
 				span.SetAttributes(attribute.Bool("troupe.migration", true), attribute.Int("troupe.migration.delivered_chars", len(moved.text)))
 			}
-			// Without flush nothing between two chunks waits on the
-			// client: forward is nil or never blocks (see executeSequential).
-			return h.openGenerate(ctx, rep, cur, flush == nil)
+			return h.openGenerate(ctx, rep, cur)
 		}
 		var delivered migrated
 		fwd := forward
@@ -411,13 +409,11 @@ type chunkStream interface {
 	Recv() (*stagepb.GenerateChunk, error)
 }
 
-// openGenerate starts req on rep. It goes over the replica's Multiplex
-// stream when the worker serves it, when no trace goes to workers (a call
-// on the stream carries no trace context of its own), and when quiet: the
-// attempt's Recv loop waits on nothing else, as stagemux requires. Else it
-// is a Generate RPC of its own.
-func (h *Head) openGenerate(ctx context.Context, rep *router.Replica, req *stagepb.GenerateRequest, quiet bool) (chunkStream, func(), error) {
-	if quiet && h.multiplex && rep.Engine.Multiplex {
+// openGenerate starts req on rep: over the replica's Multiplex stream when
+// the worker serves it and no trace goes to workers (a call on the stream
+// carries no trace context of its own), else as a Generate RPC of its own.
+func (h *Head) openGenerate(ctx context.Context, rep *router.Replica, req *stagepb.GenerateRequest) (chunkStream, func(), error) {
+	if h.multiplex && rep.Engine.Multiplex {
 		call, err := rep.Mux.Generate(ctx, req, h.callOptions()...)
 		if err != nil {
 			return nil, func() {}, err
@@ -532,7 +528,9 @@ func (h *Head) attempt(ctx context.Context, req Request, stage int, d router.Dec
 	recv := stream.Recv
 	if flush != nil {
 		ra := startReadAhead(ctx, stream)
-		wait = func() { w(); <-ra.done }
+		// The read-ahead's Recv ends first: a Multiplex call is closed
+		// (w) only once nothing reads it.
+		wait = func() { <-ra.done; w() }
 		recv = func() (*stagepb.GenerateChunk, error) { return ra.next(ctx, flush) }
 	}
 	for {

@@ -68,9 +68,8 @@ type Config struct {
 	Dial            router.Dialer
 	// TracerProvider makes the head's spans, whose context goes to the
 	// workers with each call (through the dialer's stats handler). nil: no
-	// spans, and calls whose output is read when they end share one
-	// Multiplex stream per replica that serves it (a call on it carries
-	// no trace context).
+	// spans, and the Generate calls to a replica that serves Multiplex
+	// share one stream (a call on it carries no trace context).
 	TracerProvider trace.TracerProvider
 	Logger         *slog.Logger
 	// Tokenizers, by engine name as Health reports it, let prefix_aware

@@ -296,9 +296,7 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 				if moved.count > 0 {
 					s.SetAttributes(attribute.Bool("troupe.migration", true), attribute.Int("troupe.migration.delivered_chars", len(moved.text)))
 				}
-				// Not quiet: forward waits while the next stage's input
-				// is full.
-				return h.openGenerate(ctx, rep, prompt, false)
+				return h.openGenerate(ctx, rep, prompt)
 			}
 			return h.openStreamed(ctx, run, stage, rep, s, progress)
 		}

@@ -20,10 +20,10 @@ import (
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
-// callBuffer is how many frames of a call the reader queues before it
-// waits for the call's Recv; a full queue stalls every call on the stream,
-// so callers must Recv without waiting on anything else (see Client).
-const callBuffer = 16
+// maxQueuedBytes bounds the output a call's frames may hold while its
+// Recv does not take them (a client that reads slowly): past it the call
+// fails with ResourceExhausted, and the stream goes on for the others.
+const maxQueuedBytes = 32 << 20
 
 // errClosed fails the calls of a Client that was closed.
 var errClosed = status.Error(codes.Canceled, "stagemux: client closed")
@@ -32,11 +32,11 @@ var errClosed = status.Error(codes.Canceled, "stagemux: client closed")
 // stream at a time: opened by the first call, and again by the first call
 // after it ended. Safe for concurrent use.
 //
-// Every frame of a stream is read by one goroutine, which hands each call
-// its frames in order. A call's Recv must therefore be called in a loop
-// that waits on nothing but Recv (no client write, no backpressure), until
-// it returns an error or io.EOF, or its context ends: a call that stops
-// reading stalls the others once callBuffer of its frames wait.
+// Every frame of a stream is read by one goroutine, which queues each
+// call's frames, in order, for its Recv. It never waits for a call: one
+// that reads slowly (its client, the next stage) holds up no other, and
+// fails once maxQueuedBytes of its output wait (the worker is not slowed
+// down for it, as a stream of its own would be).
 //
 // Close ends the stream and waits for its reader; calls still running
 // fail.
@@ -78,7 +78,7 @@ func (c *Client) Generate(ctx context.Context, req *stagepb.GenerateRequest, opt
 	if err != nil {
 		return nil, err
 	}
-	call := &Call{st: st, ctx: ctx, frames: make(chan *stagepb.MuxFrame, callBuffer), gone: make(chan struct{})}
+	call := &Call{st: st, ctx: ctx, ready: make(chan struct{}, 1)}
 	st.mu.Lock()
 	if st.calls == nil {
 		err := st.err
@@ -157,13 +157,13 @@ func (st *muxStream) read() {
 			delete(st.calls, f.GetId())
 		}
 		st.mu.Unlock()
-		if call == nil {
-			continue // abandoned: its frames are dropped
-		}
-		select {
-		case call.frames <- f:
-		case <-call.gone:
-		case <-st.ctx.Done():
+		if call != nil && !call.queue(f) {
+			// Too far behind: the worker is told to stop, as for a
+			// cancelled call.
+			st.mu.Lock()
+			delete(st.calls, f.GetId())
+			st.mu.Unlock()
+			_ = st.send(&stagepb.MuxFrame{Id: f.GetId(), Cancel: true})
 		}
 	}
 	if errors.Is(err, io.EOF) {
@@ -201,47 +201,102 @@ func streamError(st *muxStream, err error) error {
 // for one goroutine at a time; Close must be called once it is no longer
 // read.
 type Call struct {
-	st     *muxStream
-	id     uint64
-	ctx    context.Context
-	frames chan *stagepb.MuxFrame // from the reader, in order
-	gone   chan struct{}          // closed by Close: the reader drops this call's frames
-	end    *stagepb.MuxEnd        // an end that came with the last chunk, for the next Recv
-	done   bool                   // Recv returned the call's end
+	st    *muxStream
+	id    uint64
+	ctx   context.Context
+	ready chan struct{} // a token when frames were queued since Recv last looked
+
+	mu     sync.Mutex // guards the queue, from the reader to Recv
+	frames []*stagepb.MuxFrame
+	bytes  int   // output held by frames
+	failed error // set when the call fell too far behind: Recv returns it after the queue
+	gone   bool  // Close was called: frames are dropped
+
+	end    *stagepb.MuxEnd // an end that came with the last chunk, for the next Recv
+	done   bool            // Recv returned the call's end
 	closed bool
+}
+
+// queue adds f for Recv; false when the call is too far behind, which
+// fails it.
+func (c *Call) queue(f *stagepb.MuxFrame) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.gone || c.failed != nil {
+		return true
+	}
+	if n := outputBytes(f.GetChunk()); c.bytes+n > maxQueuedBytes {
+		c.failed = status.Errorf(codes.ResourceExhausted, "stagemux: more than %d bytes of output wait to be read", maxQueuedBytes)
+		c.frames = nil
+	} else {
+		c.frames = append(c.frames, f)
+		c.bytes += n
+	}
+	select {
+	case c.ready <- struct{}{}:
+	default: // a token is there already
+	}
+	return c.failed == nil
+}
+
+// outputBytes is about what chunk's output takes in memory.
+func outputBytes(chunk *stagepb.GenerateChunk) int {
+	return 64 + len(chunk.GetText()) + len(chunk.GetAudioPcm16()) + 4*(len(chunk.GetCodes())+len(chunk.GetTokenIds()))
+}
+
+// next takes the first queued frame, or the failure; nil, nil when none.
+func (c *Call) next() (*stagepb.MuxFrame, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.frames) == 0 {
+		return nil, c.failed
+	}
+	f := c.frames[0]
+	c.frames[0] = nil
+	c.frames = c.frames[1:]
+	c.bytes -= outputBytes(f.GetChunk())
+	return f, nil
 }
 
 // Recv returns the call's next chunk, io.EOF after the last, or the error
 // it ended with: the worker's status, ctx's error as a status, or the
-// stream's error.
+// stream's error. What came is delivered before ctx's error.
 func (c *Call) Recv() (*stagepb.GenerateChunk, error) {
 	if c.end != nil {
 		return nil, c.ended(c.end)
 	}
-	var f *stagepb.MuxFrame
-	select {
-	case f = <-c.frames: // what came is delivered, even if ctx has ended since
-	default:
-	}
-	if f == nil {
+	for {
+		f, err := c.next()
+		if err != nil {
+			return nil, err
+		}
+		if f != nil {
+			return c.deliver(f)
+		}
 		select {
-		case f = <-c.frames:
+		case <-c.ready:
 		case <-c.ctx.Done():
 			return nil, status.FromContextError(c.ctx.Err()).Err()
 		case <-c.st.ctx.Done():
-			select {
-			case f = <-c.frames: // frames the reader handed over before the end
-			default:
-				c.st.mu.Lock()
-				err := c.st.err
-				c.st.mu.Unlock()
-				if err == nil { // the reader has not stored it yet
-					err = status.Error(codes.Unavailable, "stagemux: stream ended")
-				}
+			// What the reader queued before the end goes first.
+			if f, err := c.next(); err != nil {
 				return nil, err
+			} else if f != nil {
+				return c.deliver(f)
 			}
+			c.st.mu.Lock()
+			err := c.st.err
+			c.st.mu.Unlock()
+			if err == nil { // the reader has not stored it yet
+				err = status.Error(codes.Unavailable, "stagemux: stream ended")
+			}
+			return nil, err
 		}
 	}
+}
+
+// deliver is what Recv returns for frame f.
+func (c *Call) deliver(f *stagepb.MuxFrame) (*stagepb.GenerateChunk, error) {
 	if chunk := f.GetChunk(); chunk != nil {
 		c.end = f.GetEnd()
 		return chunk, nil
@@ -284,7 +339,9 @@ func (c *Call) Close() {
 	_, running := c.st.calls[c.id]
 	delete(c.st.calls, c.id)
 	c.st.mu.Unlock()
-	close(c.gone)
+	c.mu.Lock()
+	c.gone, c.frames = true, nil
+	c.mu.Unlock()
 	if running && !c.done {
 		_ = c.st.send(&stagepb.MuxFrame{Id: c.id, Cancel: true})
 	}

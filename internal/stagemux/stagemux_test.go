@@ -144,6 +144,59 @@ func TestConcurrentCallsShareOneStreamAndKeepTheirOrder(t *testing.T) {
 	assert.EqualValues(t, 1, svc.streams.Load(), "every call on one Multiplex stream")
 }
 
+// A call whose reader waits (a slow client) holds up no other call; once
+// more output than maxQueuedBytes waits for it, it fails, and the worker
+// is told to stop it.
+func TestACallThatIsNotReadHoldsUpNoOther(t *testing.T) {
+	audio := make([]byte, 1<<20)
+	stopped := make(chan struct{})
+	svc := &service{generate: func(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
+		if req.GetText() != "flood" {
+			return echo(req, stream)
+		}
+		defer close(stopped)
+		for {
+			if err := stream.Send(&stagepb.GenerateChunk{AudioPcm16: audio}); err != nil {
+				return err
+			}
+			select {
+			case <-stream.Context().Done():
+				return stream.Context().Err()
+			default:
+			}
+		}
+	}}
+	mux := NewClient(start(t, svc))
+	defer mux.Close()
+	ctx := testContext(t)
+
+	flood, err := mux.Generate(ctx, request("flood", 0))
+	require.NoError(t, err)
+	defer flood.Close()
+	for i := range 5 { // while flood's output piles up unread
+		call, err := mux.Generate(ctx, request("quick", 3))
+		require.NoError(t, err)
+		texts, err := drain(call)
+		require.NoError(t, err, "call %d", i)
+		assert.Len(t, texts, 3)
+	}
+	select {
+	case <-stopped: // the worker was told to stop the flood
+	case <-ctx.Done():
+		t.Fatal("the unread call was never stopped")
+	}
+	var received int
+	for {
+		c, err := flood.Recv()
+		if err != nil {
+			assert.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+			break
+		}
+		received += len(c.GetAudioPcm16())
+	}
+	assert.LessOrEqual(t, received, maxQueuedBytes, "never more than the limit held for it")
+}
+
 func TestCallEndsWithTheWorkersStatus(t *testing.T) {
 	svc := &service{generate: func(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
 		if err := stream.Send(&stagepb.GenerateChunk{Text: "partial"}); err != nil {
