@@ -122,3 +122,27 @@ func BenchmarkIgnoredFields(b *testing.B) {
 		}
 	})
 }
+
+// messageText reads a string content without escapes from its bytes; it
+// must say what encoding/json says of it, for any bytes (invalid UTF-8
+// included).
+func TestMessageTextMatchesEncodingJSON(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		body := rapid.SliceOf(rapid.ByteRange(0x20, 0xff)).Draw(t, "body") // no control bytes: most are JSON strings
+		raw := append(append([]byte{'"'}, body...), '"')
+		if !json.Valid(raw) {
+			t.Skip("not a JSON string: the body's decoder refuses it first")
+		}
+		var want string
+		if err := json.Unmarshal(raw, &want); err != nil {
+			t.Fatalf("valid but not decoded: %v", err)
+		}
+		got, e := messageText("messages[0].content", raw)
+		if e != nil {
+			t.Fatalf("refused: %v", e)
+		}
+		if got != want {
+			t.Fatalf("messageText %q, encoding/json %q", got, want)
+		}
+	})
+}

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -498,8 +499,14 @@ func messageText(param string, raw json.RawMessage) (string, *apiError) {
 	if isNull(raw) {
 		return "", nil
 	}
-	switch bytes.TrimSpace(raw)[0] {
+	switch t := bytes.TrimSpace(raw); t[0] {
 	case '"':
+		// raw is valid JSON (the body was decoded): a string without
+		// escapes is its bytes, which encoding/json would also keep as
+		// they are when they are valid UTF-8.
+		if inner := t[1 : len(t)-1]; bytes.IndexByte(inner, '\\') < 0 && utf8.Valid(inner) {
+			return string(inner), nil
+		}
 		var s string
 		if e := decodeValue(raw, &s, param); e != nil {
 			return "", e

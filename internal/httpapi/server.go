@@ -395,8 +395,14 @@ var requestLogPC atomic.Uintptr
 // dispatch runs the route, answering unknown routes (404) and wrong methods
 // (405, with Allow) in the OpenAI error shape instead of the mux's text.
 func dispatch(w http.ResponseWriter, r *http.Request, mux *http.ServeMux) {
-	if _, pattern := mux.Handler(r); pattern != "" {
-		mux.ServeHTTP(w, r)
+	if h, pattern := mux.Handler(r); pattern != "" {
+		if strings.Contains(pattern, "{") {
+			mux.ServeHTTP(w, r) // the mux sets the path's wildcards
+			return
+		}
+		// All the mux would add is the pattern: skip its second lookup.
+		r.Pattern = pattern
+		h.ServeHTTP(w, r)
 		return
 	}
 	rec := &captureWriter{header: http.Header{}}
