@@ -111,17 +111,22 @@ func (s *countingStream) RecvMsg(m any) error {
 	return err
 }
 
+// countMessages returns a dial option that counts, by method, the
+// messages a head receives, into counts under mu.
+func countMessages(mu *sync.Mutex, counts map[string]int) grpc.DialOption {
+	return grpc.WithStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+		s, err := streamer(ctx, desc, cc, method, opts...)
+		return &countingStream{ClientStream: s, mu: mu, counts: counts, method: method[strings.LastIndexByte(method, '/')+1:]}, err
+	})
+}
+
 // In a streamed audio request the head asks the talker for its codes a
 // vocoder segment at a time: a few messages instead of one per step, and
 // the same audio.
 func TestTalkerCodesComePerVocoderSegment(t *testing.T) {
 	var mu sync.Mutex
 	counts := map[string]int{}
-	count := grpc.WithStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-		s, err := streamer(ctx, desc, cc, method, opts...)
-		return &countingStream{ClientStream: s, mu: &mu, counts: counts, method: method[strings.LastIndexByte(method, '/')+1:]}, err
-	})
-	c := orchestratortest.Start(t, orchestratortest.Options{HeadDialOptions: []grpc.DialOption{count}})
+	c := orchestratortest.Start(t, orchestratortest.Options{HeadDialOptions: []grpc.DialOption{countMessages(&mu, counts)}})
 	c.WaitReady(t)
 	res, err := c.Head.Execute(ctxT(t), orchestrator.Request{ID: "segments", Prompt: "tell me a story about a fox", Sampling: sampling(16, 1), Stages: 3}, nil)
 	require.NoError(t, err)
@@ -144,11 +149,7 @@ func TestTalkerCodesComePerVocoderSegment(t *testing.T) {
 func TestStreamedTextIsNotGathered(t *testing.T) {
 	var mu sync.Mutex
 	counts := map[string]int{}
-	count := grpc.WithStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-		s, err := streamer(ctx, desc, cc, method, opts...)
-		return &countingStream{ClientStream: s, mu: &mu, counts: counts, method: method[strings.LastIndexByte(method, '/')+1:]}, err
-	})
-	c := orchestratortest.Start(t, orchestratortest.Options{HeadDialOptions: []grpc.DialOption{count}})
+	c := orchestratortest.Start(t, orchestratortest.Options{HeadDialOptions: []grpc.DialOption{countMessages(&mu, counts)}})
 	c.WaitReady(t)
 	deltas := 0
 	res, err := c.Head.Execute(ctxT(t), orchestrator.Request{ID: "live", Prompt: "tell me a story about a fox", Sampling: sampling(16, 1), Stages: 3, Flush: func() error { return nil }},

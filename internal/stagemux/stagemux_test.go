@@ -44,6 +44,13 @@ func (s *service) Multiplex(stream grpc.BidiStreamingServer[stagepb.MuxFrame, st
 
 // start serves svc and returns a client of it; both end with the test.
 func start(t *testing.T, svc *service) stagepb.StageServiceClient {
+	client, _ := startServer(t, svc)
+	return client
+}
+
+// startServer is start that also returns a stop of the server (waiting for
+// it), for a test that stops it first.
+func startServer(t *testing.T, svc *service) (stagepb.StageServiceClient, func()) {
 	t.Helper()
 	if svc.stop == nil {
 		svc.stop = make(chan struct{})
@@ -59,12 +66,15 @@ func start(t *testing.T, svc *service) stagepb.StageServiceClient {
 	}()
 	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = conn.Close()
+	stop := func() {
 		srv.Stop()
 		<-served
+	}
+	t.Cleanup(func() {
+		_ = conn.Close()
+		stop()
 	})
-	return stagepb.NewStageServiceClient(conn)
+	return stagepb.NewStageServiceClient(conn), stop
 }
 
 func testContext(t *testing.T) context.Context {
@@ -327,28 +337,15 @@ func TestAStreamThatBreaksFailsItsCallsAsUnavailable(t *testing.T) {
 		}
 		return nil
 	}}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	svc.stop = make(chan struct{})
-	srv := grpc.NewServer()
-	stagepb.RegisterStageServiceServer(srv, svc)
-	served := make(chan struct{})
-	go func() {
-		defer close(served)
-		_ = srv.Serve(lis)
-	}()
-	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	defer conn.Close()
-	mux := NewClient(stagepb.NewStageServiceClient(conn))
+	client, stop := startServer(t, svc)
+	mux := NewClient(client)
 	defer mux.Close()
 	ctx := testContext(t)
 
 	call, err := mux.Generate(ctx, request("x", 1))
 	require.NoError(t, err)
 	<-started
-	srv.Stop() // the worker's process is gone: its connections close
-	<-served
+	stop() // the worker's process is gone: its connections close
 	close(release)
 	_, err = drain(call)
 	assert.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
