@@ -5,16 +5,16 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/troupe-serving/troupe/internal/router"
 )
 
-// GatheredValue reads the child of family whose labels include labels,
-// without creating it (as WithLabelValues would): ok is false when no such
-// child exists. Counters, gauges and histograms (sample count) are read.
-// Exported for the external test package too.
-func GatheredValue(t *testing.T, g prometheus.Gatherer, family string, labels map[string]string) (float64, bool) {
+// GatheredMetric finds the child of family whose labels include labels,
+// without creating it (as WithLabelValues would): nil when no such child
+// exists. Exported for the external test package too.
+func GatheredMetric(t *testing.T, g prometheus.Gatherer, family string, labels map[string]string) *dto.Metric {
 	t.Helper()
 	mfs, err := g.Gather()
 	require.NoError(t, err)
@@ -33,21 +33,30 @@ func GatheredValue(t *testing.T, g prometheus.Gatherer, family string, labels ma
 					n++
 				}
 			}
-			if n != len(labels) {
-				continue
+			if n == len(labels) {
+				return m
 			}
-			switch {
-			case m.Counter != nil:
-				return m.GetCounter().GetValue(), true
-			case m.Gauge != nil:
-				return m.GetGauge().GetValue(), true
-			case m.Histogram != nil:
-				return float64(m.GetHistogram().GetSampleCount()), true
-			}
-			return 0, true
 		}
 	}
-	return 0, false
+	return nil
+}
+
+// GatheredValue reads the child GatheredMetric finds: ok is false when
+// there is none. Counters, gauges and histograms (sample count) are read.
+func GatheredValue(t *testing.T, g prometheus.Gatherer, family string, labels map[string]string) (float64, bool) {
+	t.Helper()
+	m := GatheredMetric(t, g, family, labels)
+	switch {
+	case m == nil:
+		return 0, false
+	case m.Counter != nil:
+		return m.GetCounter().GetValue(), true
+	case m.Gauge != nil:
+		return m.GetGauge().GetValue(), true
+	case m.Histogram != nil:
+		return float64(m.GetHistogram().GetSampleCount()), true
+	}
+	return 0, true
 }
 
 // JoinTiming is when the steps of a replica's latest join happened, as

@@ -21,23 +21,10 @@ import (
 // histogramOf reads the sample count and sum of family's child on replica.
 func histogramOf(t *testing.T, g prometheus.Gatherer, family, replica string) (count uint64, sum time.Duration) {
 	t.Helper()
-	mfs, err := g.Gather()
-	require.NoError(t, err)
-	for _, mf := range mfs {
-		if mf.GetName() != family {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			for _, lp := range m.GetLabel() {
-				if lp.GetName() == "replica" && lp.GetValue() == replica {
-					h := m.GetHistogram()
-					return h.GetSampleCount(), time.Duration(h.GetSampleSum() * float64(time.Second))
-				}
-			}
-		}
-	}
-	t.Fatalf("no %s for replica %s", family, replica)
-	return 0, 0
+	m := orchestrator.GatheredMetric(t, g, family, map[string]string{"replica": replica})
+	require.NotNil(t, m.GetHistogram(), "no %s for replica %s", family, replica)
+	h := m.GetHistogram()
+	return h.GetSampleCount(), time.Duration(h.GetSampleSum() * float64(time.Second))
 }
 
 // A client that does not stream lets the worker hold the answer and send

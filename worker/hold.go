@@ -86,7 +86,7 @@ func (h *outputHolder) emit(c *stagepb.GenerateChunk) error {
 	if stagepb.HasOutput(c) {
 		h.outputAt = append(h.outputAt, now)
 	}
-	if c.GetFinishReason() != stagepb.FinishReason_FINISH_REASON_UNSPECIFIED || outputBytes(h.pending) >= maxHeldBytes ||
+	if c.GetFinishReason() != stagepb.FinishReason_FINISH_REASON_UNSPECIFIED || stagepb.OutputBytes(h.pending) >= maxHeldBytes ||
 		(h.codes > 0 && len(h.pending.GetCodes()) >= h.codes) ||
 		(h.words > 0 && c.GetText() != "" && textCut(h.unsegmented+h.pending.GetText(), h.words) > 0) {
 		return h.flushLocked()
@@ -105,11 +105,6 @@ func (h *outputHolder) segmented(text string) {
 		rest = rest[cut:]
 	}
 	h.unsegmented = rest
-}
-
-// outputBytes is about what c's output takes in a message.
-func outputBytes(c *stagepb.GenerateChunk) int {
-	return len(c.GetText()) + len(c.GetAudioPcm16()) + 4*(len(c.GetCodes())+len(c.GetTokenIds()))
 }
 
 // flush is the timer's: it sends what is held.

@@ -182,13 +182,18 @@ func (st *muxStream) send(f *stagepb.MuxFrame) error {
 }
 
 // streamError is the error of a call whose frame could not be sent: Send
-// reports io.EOF when the stream ended, whose error Recv has (the reader
-// may not have stored it yet, so Unavailable then).
+// reports io.EOF when the stream ended, whose error Recv has.
 func streamError(st *muxStream, err error) error {
 	if !errors.Is(err, io.EOF) {
 		return err
 	}
 	<-st.ctx.Done()
+	return st.endError()
+}
+
+// endError is why the stream ended, once its context is done; the reader
+// may not have stored it yet, Unavailable then.
+func (st *muxStream) endError() error {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.err != nil {
@@ -213,7 +218,6 @@ type Call struct {
 	gone   bool  // Close was called: frames are dropped
 
 	end    *stagepb.MuxEnd // an end that came with the last chunk, for the next Recv
-	done   bool            // Recv returned the call's end
 	closed bool
 }
 
@@ -225,7 +229,7 @@ func (c *Call) queue(f *stagepb.MuxFrame) bool {
 	if c.gone || c.failed != nil {
 		return true
 	}
-	if n := outputBytes(f.GetChunk()); c.bytes+n > maxQueuedBytes {
+	if n := queuedBytes(f); c.bytes+n > maxQueuedBytes {
 		c.failed = status.Errorf(codes.ResourceExhausted, "stagemux: more than %d bytes of output wait to be read", maxQueuedBytes)
 		c.frames = nil
 	} else {
@@ -239,10 +243,9 @@ func (c *Call) queue(f *stagepb.MuxFrame) bool {
 	return c.failed == nil
 }
 
-// outputBytes is about what chunk's output takes in memory.
-func outputBytes(chunk *stagepb.GenerateChunk) int {
-	return 64 + len(chunk.GetText()) + len(chunk.GetAudioPcm16()) + 4*(len(chunk.GetCodes())+len(chunk.GetTokenIds()))
-}
+// queuedBytes is what a queued frame counts against maxQueuedBytes: its
+// output, and a little for the frame itself.
+func queuedBytes(f *stagepb.MuxFrame) int { return 64 + stagepb.OutputBytes(f.GetChunk()) }
 
 // next takes the first queued frame, or the failure; nil, nil when none.
 func (c *Call) next() (*stagepb.MuxFrame, error) {
@@ -254,7 +257,7 @@ func (c *Call) next() (*stagepb.MuxFrame, error) {
 	f := c.frames[0]
 	c.frames[0] = nil
 	c.frames = c.frames[1:]
-	c.bytes -= outputBytes(f.GetChunk())
+	c.bytes -= queuedBytes(f)
 	return f, nil
 }
 
@@ -262,8 +265,9 @@ func (c *Call) next() (*stagepb.MuxFrame, error) {
 // it ended with: the worker's status, ctx's error as a status, or the
 // stream's error. What came is delivered before ctx's error.
 func (c *Call) Recv() (*stagepb.GenerateChunk, error) {
-	if c.end != nil {
-		return nil, c.ended(c.end)
+	if end := c.end; end != nil {
+		c.end = nil
+		return nil, endError(end)
 	}
 	for {
 		f, err := c.next()
@@ -284,13 +288,7 @@ func (c *Call) Recv() (*stagepb.GenerateChunk, error) {
 			} else if f != nil {
 				return c.deliver(f)
 			}
-			c.st.mu.Lock()
-			err := c.st.err
-			c.st.mu.Unlock()
-			if err == nil { // the reader has not stored it yet
-				err = status.Error(codes.Unavailable, "stagemux: stream ended")
-			}
-			return nil, err
+			return nil, c.st.endError()
 		}
 	}
 }
@@ -301,14 +299,7 @@ func (c *Call) deliver(f *stagepb.MuxFrame) (*stagepb.GenerateChunk, error) {
 		c.end = f.GetEnd()
 		return chunk, nil
 	}
-	return nil, c.ended(f.GetEnd())
-}
-
-// ended is what Recv returns for the call's end: io.EOF, or the call's
-// status.
-func (c *Call) ended(end *stagepb.MuxEnd) error {
-	c.end, c.done = nil, true
-	return endError(end)
+	return nil, endError(f.GetEnd())
 }
 
 // endError is the error of a call that ended with end: nil becomes
@@ -342,7 +333,7 @@ func (c *Call) Close() {
 	c.mu.Lock()
 	c.gone, c.frames = true, nil
 	c.mu.Unlock()
-	if running && !c.done {
+	if running { // the reader forgets a call at its end: this one has not ended
 		_ = c.st.send(&stagepb.MuxFrame{Id: c.id, Cancel: true})
 	}
 }

@@ -51,6 +51,13 @@ func HasOutput(c *GenerateChunk) bool {
 	return c.GetText() != "" || len(c.GetCodes()) > 0 || len(c.GetAudioPcm16()) > 0 || len(c.GetTokenIds()) > 0
 }
 
+// OutputBytes is about what c's output takes: its bytes of text and
+// audio, 4 per code or token id. Holders and queues of output bound
+// themselves by it.
+func OutputBytes(c *GenerateChunk) int {
+	return len(c.GetText()) + len(c.GetAudioPcm16()) + 4*(len(c.GetCodes())+len(c.GetTokenIds()))
+}
+
 func mergeStats(d, s *EngineStats) {
 	d.PromptTokens += s.PromptTokens
 	d.GenerationTokens += s.GenerationTokens

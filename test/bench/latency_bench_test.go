@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -105,27 +104,9 @@ func streamChat(ctx context.Context, client *http.Client, base string, i, tokens
 	if resp.StatusCode != http.StatusOK {
 		return 0, nil, fmt.Errorf("bench: %s", resp.Status)
 	}
-	sc := bufio.NewScanner(resp.Body)
 	var last time.Time
 	deltas := 0
-	for sc.Scan() {
-		data, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
-		if !ok || string(data) == "[DONE]" {
-			continue
-		}
-		var ev struct {
-			Choices []struct {
-				Delta struct {
-					Content string `json:"content"`
-				} `json:"delta"`
-			} `json:"choices"`
-		}
-		if err := json.Unmarshal(data, &ev); err != nil {
-			return 0, nil, err
-		}
-		if len(ev.Choices) == 0 || ev.Choices[0].Delta.Content == "" {
-			continue
-		}
+	if _, err := ReadDeltas(resp.Body, func(string) {
 		now := time.Now()
 		if deltas == 0 {
 			first = now.Sub(start)
@@ -134,8 +115,7 @@ func streamChat(ctx context.Context, client *http.Client, base string, i, tokens
 		}
 		last = now
 		deltas++
-	}
-	if err := sc.Err(); err != nil {
+	}); err != nil {
 		return 0, nil, err
 	}
 	if deltas != tokens {

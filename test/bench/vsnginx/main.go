@@ -23,7 +23,6 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -38,6 +37,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/troupe-serving/troupe/test/bench"
 )
 
 func main() {
@@ -293,32 +294,9 @@ func check(r io.Reader, stream, audio bool) error {
 		}
 		return nil
 	}
-	sc := bufio.NewScanner(r)
-	deltas, done := 0, false
-	for sc.Scan() {
-		line, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
-		if !ok {
-			continue
-		}
-		if string(line) == "[DONE]" {
-			done = true
-			continue
-		}
-		var ev struct {
-			Choices []struct {
-				Delta struct {
-					Content string `json:"content"`
-				} `json:"delta"`
-			} `json:"choices"`
-		}
-		if err := json.Unmarshal(line, &ev); err != nil {
-			return err
-		}
-		if len(ev.Choices) > 0 && ev.Choices[0].Delta.Content != "" {
-			deltas++
-		}
-	}
-	if err := sc.Err(); err != nil {
+	deltas := 0
+	done, err := bench.ReadDeltas(r, func(string) { deltas++ })
+	if err != nil {
 		return err
 	}
 	if !done || deltas == 0 {

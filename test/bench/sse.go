@@ -1,0 +1,39 @@
+package bench
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"io"
+)
+
+// ReadDeltas reads a streamed chat completion (server-sent events) from r
+// and calls onDelta with each non-empty content delta as it arrives. done
+// reports whether the stream ended with "data: [DONE]".
+func ReadDeltas(r io.Reader, onDelta func(content string)) (done bool, err error) {
+	sc := bufio.NewScanner(r)
+	for sc.Scan() {
+		data, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
+		if !ok {
+			continue
+		}
+		if string(data) == "[DONE]" {
+			done = true
+			continue
+		}
+		var ev struct {
+			Choices []struct {
+				Delta struct {
+					Content string `json:"content"`
+				} `json:"delta"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal(data, &ev); err != nil {
+			return done, err
+		}
+		if len(ev.Choices) > 0 && ev.Choices[0].Delta.Content != "" {
+			onDelta(ev.Choices[0].Delta.Content)
+		}
+	}
+	return done, sc.Err()
+}
