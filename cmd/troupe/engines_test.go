@@ -220,7 +220,8 @@ func TestWorkerEngineFlags(t *testing.T) {
 		require.NoError(t, parseFlags(fs, append([]string{"--stage", "thinker"}, args...)))
 		return wf
 	}
-	log := (&logFlags{level: "error"}).logger()
+	log, flushLog := (&logFlags{level: "error"}).logger()
+	defer flushLog()
 	assert.ErrorContains(t, parse("--engine", "vllm").checkEngine(log), `unknown --engine "vllm" (supported: sim, openai, openai-speech, espeak)`)
 	assert.ErrorContains(t, parse("--engine", "openai").checkEngine(log), "needs --upstream URL")
 	assert.ErrorContains(t, parse("--engine", "openai", "--upstream", "localhost:8000").checkEngine(log), "scheme must be http or https")

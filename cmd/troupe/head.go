@@ -111,7 +111,8 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	log := hf.log.logger()
+	log, flushLog := hf.log.logger()
+	defer flushLog()
 	setHeadGC()
 	// Grow the descriptor table now, not at the join or request that
 	// crosses 256, 512, 1024... descriptors (see internal/fdtable).

@@ -80,11 +80,13 @@ func addLogFlags(fs *flag.FlagSet) *logFlags {
 	return f
 }
 
-func (f *logFlags) logger() *slog.Logger {
+// logger is the command's logger on stderr, buffered (see
+// telemetry.NewBufferedLogger): the caller defers flush.
+func (f *logFlags) logger() (log *slog.Logger, flush func()) {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(f.level)); err != nil {
 		fmt.Fprintf(os.Stderr, "troupe: invalid --log-level %q, using info\n", f.level)
 		level = slog.LevelInfo
 	}
-	return telemetry.NewLogger(os.Stderr, level, strings.EqualFold(f.format, "json"))
+	return telemetry.NewBufferedLogger(os.Stderr, level, strings.EqualFold(f.format, "json"))
 }

@@ -104,7 +104,8 @@ func runWorker(ctx context.Context, args []string, stdout io.Writer) error {
 		fmt.Fprintln(fs.Output(), "troupe worker: --stage is required")
 		return errUsage
 	}
-	log := wf.log.logger()
+	log, flushLog := wf.log.logger()
+	defer flushLog()
 	// Refuse bad flags before waiting on etcd.
 	if _, _, err := parseReplicaID(wf.replicaID); err != nil {
 		return err

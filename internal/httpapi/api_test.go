@@ -57,6 +57,10 @@ func TestOpenAIClient(t *testing.T) {
 		whole = res
 		assert.Equal(t, "req-chat-1", raw.Header.Get("X-Request-Id"))
 		assert.Regexp(t, traceparentRE, raw.Header.Get("Traceparent"))
+		require.Len(t, raw.Header.Values("Date"), 1)
+		date, err := http.ParseTime(raw.Header.Get("Date"))
+		require.NoError(t, err, "the Date header is an HTTP date")
+		assert.WithinDuration(t, time.Now(), date, 5*time.Second)
 		assert.Regexp(t, `^chatcmpl-[0-9a-f]{32}$`, res.ID, "the response id is its own, not the request id")
 		assert.Equal(t, "chat.completion", string(res.Object))
 		assert.Equal(t, model, res.Model)

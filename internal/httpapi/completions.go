@@ -319,7 +319,8 @@ type sseWriter struct {
 	rc        *http.ResponseController
 	started   bool
 	broken    bool
-	unflushed bool // events were written since the last flush
+	unflushed bool   // events were written since the last flush
+	scratch   []byte // the last event's buffer, reused for the next
 }
 
 // begin writes the stream's headers and the responder's first chunk, once.
@@ -341,28 +342,32 @@ func (s *sseWriter) begin(resp responder) error {
 }
 
 func (s *sseWriter) send(v any) error {
+	if a, ok := v.(jsonAppender); ok {
+		return s.event(a.appendJSON(append(s.scratch[:0], "data: "...)))
+	}
 	data, err := json.Marshal(v)
 	if err != nil {
 		return fmt.Errorf("httpapi: encode event: %w", err)
 	}
-	return s.event(data)
+	return s.event(append(append(s.scratch[:0], "data: "...), data...))
 }
 
 // done ends the stream as OpenAI does.
-func (s *sseWriter) done() error { return s.event([]byte("[DONE]")) }
+func (s *sseWriter) done() error { return s.event(append(s.scratch[:0], "data: [DONE]"...)) }
 
-func (s *sseWriter) event(data []byte) error {
+// event writes ev, "data: " and the event's data, as one event. ev may be
+// s.scratch, which it keeps for the next event: the response writer copies
+// what it is given.
+func (s *sseWriter) event(ev []byte) error {
 	if s.broken {
 		return errors.New("httpapi: stream already broken")
 	}
-	buf := make([]byte, 0, len(data)+8)
-	buf = append(buf, "data: "...)
-	buf = append(buf, data...)
-	buf = append(buf, '\n', '\n')
+	ev = append(ev, '\n', '\n')
+	s.scratch = ev[:0]
 	// A write that fills the response buffer goes to the connection: it
 	// needs the deadline too.
 	_ = s.rc.SetWriteDeadline(time.Now().Add(writeStallTimeout))
-	if _, err := s.w.Write(buf); err != nil {
+	if _, err := s.w.Write(ev); err != nil {
 		s.broken = true
 		return fmt.Errorf("httpapi: write event: %w", err)
 	}
@@ -403,7 +408,7 @@ type chatResponder struct {
 }
 
 func (c *chatResponder) full(res *orchestrator.Result, audio *audioOut) any {
-	return chatCompletion{
+	return &chatCompletion{
 		ID: c.id, Object: "chat.completion", Created: c.created, Model: c.model,
 		Choices: []chatChoice{{
 			Message:      chatResponseMessage{Role: "assistant", Content: res.Text, Audio: audio},
@@ -413,8 +418,8 @@ func (c *chatResponder) full(res *orchestrator.Result, audio *audioOut) any {
 	}
 }
 
-func (c *chatResponder) chunk(d chatDelta, finish *string) chatChunk {
-	ch := chatChunk{
+func (c *chatResponder) chunk(d chatDelta, finish *string) *chatChunk {
+	ch := &chatChunk{
 		ID: c.id, Object: "chat.completion.chunk", Created: c.created, Model: c.model,
 		Choices: []chatChunkChoice{{Delta: d, FinishReason: finish}},
 	}
@@ -442,7 +447,7 @@ func (c *chatResponder) audioChunk(a *audioDelta) any { return c.chunk(chatDelta
 func (c *chatResponder) finishChunk(reason string) any { return c.chunk(chatDelta{}, &reason) }
 
 func (c *chatResponder) usageChunk(u *usage) any {
-	return chatChunk{
+	return &chatChunk{
 		ID: c.id, Object: "chat.completion.chunk", Created: c.created, Model: c.model,
 		Choices: []chatChunkChoice{}, Usage: u,
 	}
@@ -458,15 +463,15 @@ type completionResponder struct {
 
 func (c *completionResponder) full(res *orchestrator.Result, _ *audioOut) any {
 	reason := finishReason(res)
-	return textCompletion{
+	return &textCompletion{
 		ID: c.id, Object: "text_completion", Created: c.created, Model: c.model,
 		Choices: []completionChoice{{Text: c.echo + res.Text, FinishReason: &reason}},
 		Usage:   usageOf(res),
 	}
 }
 
-func (c *completionResponder) chunk(text string, finish *string) textCompletion {
-	ch := textCompletion{
+func (c *completionResponder) chunk(text string, finish *string) *textCompletion {
+	ch := &textCompletion{
 		ID: c.id, Object: "text_completion", Created: c.created, Model: c.model,
 		Choices: []completionChoice{{Text: text, FinishReason: finish}},
 	}
@@ -494,7 +499,7 @@ func (c *completionResponder) audioChunk(*audioDelta) any { return nil }
 func (c *completionResponder) finishChunk(reason string) any { return c.chunk("", &reason) }
 
 func (c *completionResponder) usageChunk(u *usage) any {
-	return textCompletion{
+	return &textCompletion{
 		ID: c.id, Object: "text_completion", Created: c.created, Model: c.model,
 		Choices: []completionChoice{}, Usage: u,
 	}

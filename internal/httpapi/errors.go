@@ -85,7 +85,9 @@ func detailOf(e *apiError) errorDetail {
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	buf := jsonBuffers.Get().(*bytes.Buffer)
 	defer putJSONBuffer(buf)
-	if err := json.NewEncoder(buf).Encode(v); err != nil { // Encode adds the newline
+	if a, ok := v.(jsonAppender); ok {
+		buf.Write(append(a.appendJSON(buf.AvailableBuffer()), '\n'))
+	} else if err := json.NewEncoder(buf).Encode(v); err != nil { // Encode adds the newline
 		// Only our own response types reach here; they always marshal.
 		status = http.StatusInternalServerError
 		buf.Reset()

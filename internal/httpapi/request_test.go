@@ -231,3 +231,17 @@ func TestIgnoredParams(t *testing.T) {
 	require.Nil(t, e)
 	assert.Empty(t, j.ignored)
 }
+
+// BenchmarkParseChat: the request the head's benchmarks send
+// (scripts/bench-vs-nginx.sh).
+//
+//	go test -run '^$' -bench ParseChat -benchmem ./internal/httpapi/
+func BenchmarkParseChat(b *testing.B) {
+	body := []byte(`{"ignore_eos":true,"max_tokens":16,"messages":[{"content":"tell me a story about a fox","role":"user"}],"model":"troupe-omni-sim","stream":false}`)
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, e := parseChat(body, "troupe-omni-sim"); e != nil {
+			b.Fatal(e)
+		}
+	}
+}

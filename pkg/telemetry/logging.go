@@ -49,7 +49,10 @@ func TraceLogAttrs(traceparent string) (traceID, spanID slog.Attr, ok bool) {
 	return slog.String(LogKeyTraceID, traceparent[3:35]), slog.String(LogKeySpanID, traceparent[36:52]), true
 }
 
-type traceHandler struct{ inner slog.Handler }
+type traceHandler struct {
+	inner slog.Handler
+	flush func() // nil, or the buffered logger's: called after records at Warn and above
+}
 
 func (h traceHandler) Enabled(ctx context.Context, level slog.Level) bool {
 	return h.inner.Enabled(ctx, level)
@@ -70,7 +73,11 @@ func (h traceHandler) Handle(ctx context.Context, r slog.Record) error {
 			slog.String(LogKeySpanID, ids[32:]),
 		)
 	}
-	return h.inner.Handle(ctx, r)
+	err := h.inner.Handle(ctx, r)
+	if h.flush != nil && r.Level >= slog.LevelWarn {
+		h.flush()
+	}
+	return err
 }
 
 // endsWithTraceIDs reports whether r's last two attributes are trace_id
@@ -95,9 +102,9 @@ func endsWithTraceIDs(r slog.Record) bool {
 }
 
 func (h traceHandler) WithAttrs(attrs []slog.Attr) slog.Handler {
-	return traceHandler{inner: h.inner.WithAttrs(attrs)}
+	return traceHandler{inner: h.inner.WithAttrs(attrs), flush: h.flush}
 }
 
 func (h traceHandler) WithGroup(name string) slog.Handler {
-	return traceHandler{inner: h.inner.WithGroup(name)}
+	return traceHandler{inner: h.inner.WithGroup(name), flush: h.flush}
 }
