@@ -339,8 +339,13 @@ func skipValue(b []byte, i int) int {
 // parseChat validates a chat request for a pipeline serving model.
 func parseChat(body []byte, model string) (job, *apiError) {
 	var req chatRequest
-	if e := decodeBody(body, &req); e != nil {
-		return job{}, e
+	ignored, fast := decodeChatFast(body, &req)
+	if !fast {
+		req = chatRequest{}
+		if e := decodeBody(body, &req); e != nil {
+			return job{}, e
+		}
+		ignored = ignoredFields(body, chatFields)
 	}
 	j, e := req.samplingFields.job(model)
 	if e != nil {
@@ -400,7 +405,7 @@ func parseChat(body []byte, model string) (job, *apiError) {
 			return job{}, e
 		}
 	}
-	j.ignored = ignoredFields(body, chatFields)
+	j.ignored = ignored
 	return j, nil
 }
 
@@ -467,8 +472,11 @@ func chatPrompt(msgs []json.RawMessage) (string, []*stagepb.ChatMessage, *apiErr
 		if t := bytes.TrimSpace(raw); t[0] != '{' {
 			return "", nil, badRequest(param, "invalid_type", "invalid type for %q: expected an object, got %s", param, jsonKind(t))
 		}
-		if e := decodeValue(raw, &m, param); e != nil {
-			return "", nil, e
+		if !decodeMessageFast(raw, &m) {
+			m = chatMessage{}
+			if e := decodeValue(raw, &m, param); e != nil {
+				return "", nil, e
+			}
 		}
 		if m.Role == nil {
 			return "", nil, badRequest(param+".role", "missing_field", "missing required field %q", param+".role")

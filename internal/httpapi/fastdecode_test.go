@@ -1,0 +1,194 @@
+package httpapi
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"pgregory.net/rapid"
+)
+
+// jsonValue draws the JSON text of a value: mostly of the types a chat
+// request's fields take, some of other types, some in unusual forms.
+func jsonValue(t *rapid.T, label string, depth int) string {
+	kinds := []string{"null", "bool", "int", "number", "string", "escaped", "invalid-utf8", "array", "object", "message"}
+	if depth > 2 {
+		kinds = kinds[:7]
+	}
+	switch rapid.SampledFrom(kinds).Draw(t, label+"-kind") {
+	case "null":
+		return "null"
+	case "bool":
+		return rapid.SampledFrom([]string{"true", "false"}).Draw(t, label)
+	case "int":
+		return rapid.SampledFrom([]string{"0", "1", "16", "-3", "-0", "9223372036854775807", "9223372036854775808", "1048577"}).Draw(t, label)
+	case "number":
+		return rapid.SampledFrom([]string{"0.7", "1.5", "1e3", "-2.5E-2", "2", "1e400"}).Draw(t, label)
+	case "string":
+		return `"` + rapid.SampledFrom([]string{"", "troupe-omni-sim", "user", "assistant", "system", "text", "audio", "alloy", "wav", "pcm16", "auto", "none", "required", "json_object", "héllo 🦊"}).Draw(t, label) + `"`
+	case "invalid-utf8": // valid JSON, which encoding/json decodes with U+FFFD
+		return rapid.SampledFrom([]string{"\"\xff\"", "\"us\xc3er\""}).Draw(t, label)
+	case "escaped":
+		return rapid.SampledFrom([]string{`"a\nb"`, `"\u0075ser"`, `"tab\there"`, `"quote\"d"`, `"\ud83e\udd8a"`}).Draw(t, label)
+	case "array":
+		n := rapid.IntRange(0, 3).Draw(t, label+"-len")
+		els := make([]string, n)
+		for i := range els {
+			els[i] = jsonValue(t, label+"-el", depth+1)
+		}
+		return "[" + strings.Join(els, rapid.SampledFrom([]string{",", " , ", ",\n"}).Draw(t, label+"-sep")) + "]"
+	case "message":
+		return jsonObject(t, label, depth+1, []string{"role", "content", "name", "Role", "CONTENT", "tool_calls"})
+	}
+	return jsonObject(t, label, depth+1, []string{"include_usage", "type", "voice", "format", "id", "Include_Usage", "x"})
+}
+
+// fieldKinds are the JSON kinds the request's fields take.
+var fieldKinds = map[string]string{
+	"model": "string", "user": "string", "role": "string", "type": "string", "format": "string",
+	"stream": "bool", "ignore_eos": "bool", "logprobs": "bool", "include_usage": "bool",
+	"max_tokens": "int", "max_completion_tokens": "int", "seed": "int", "n": "int", "top_logprobs": "int",
+	"temperature": "number", "messages": "messages", "modalities": "strings",
+	"stream_options": "object", "audio": "object", "response_format": "object",
+}
+
+// typedValue draws a value of kind, now and then null.
+func typedValue(t *rapid.T, label, kind string, depth int) string {
+	if rapid.IntRange(0, 9).Draw(t, label+"-null") == 0 {
+		return "null"
+	}
+	switch kind {
+	case "string":
+		return rapid.SampledFrom([]string{`"user"`, `"troupe-omni-sim"`, `"wav"`, "\"\xff\"", `"a\nb"`, `""`}).Draw(t, label)
+	case "bool", "int", "number":
+		for {
+			v := jsonValue(t, label, depth)
+			switch {
+			case kind == "bool" && (v == "true" || v == "false"),
+				kind != "bool" && v != "" && (v[0] == '-' || v[0] >= '0' && v[0] <= '9'):
+				return v
+			}
+		}
+	case "messages":
+		n := rapid.IntRange(0, 3).Draw(t, label+"-len")
+		els := make([]string, n)
+		for i := range els {
+			els[i] = jsonObject(t, label+"-msg", depth+1, []string{"role", "content", "name", "Role"})
+		}
+		return "[" + strings.Join(els, ",") + "]"
+	case "strings":
+		return rapid.SampledFrom([]string{`[]`, `["text"]`, `["text", "audio"]`, `["\u0061udio"]`}).Draw(t, label)
+	}
+	return jsonObject(t, label, depth+1, []string{"include_usage", "type", "voice", "format", "Include_Usage", "x"})
+}
+
+// jsonObject draws an object whose keys are drawn from keys (repeats
+// included) and, now and then, an escaped key.
+func jsonObject(t *rapid.T, label string, depth int, keys []string) string {
+	n := rapid.IntRange(0, 6).Draw(t, label+"-members")
+	members := make([]string, n)
+	for i := range members {
+		key := `"` + rapid.SampledFrom(keys).Draw(t, label+"-key") + `"`
+		if rapid.IntRange(0, 20).Draw(t, label+"-escape") == 0 {
+			key = `"\u006dodel"`
+		}
+		space := rapid.SampledFrom([]string{"", " ", "\n\t"}).Draw(t, label+"-space")
+		value := jsonValue(t, label+"-"+key, depth)
+		if kind, ok := fieldKinds[strings.Trim(key, `"`)]; ok && rapid.IntRange(0, 3).Draw(t, label+"-typed") > 0 {
+			value = typedValue(t, label+"-"+key, kind, depth)
+		}
+		members[i] = space + key + space + ":" + space + value + space
+	}
+	return "{" + strings.Join(members, ",") + "}"
+}
+
+// TestFastDecodeIsEncodingJSON: whenever the fast decoder takes a chat
+// request (or a message), it decodes what encoding/json decodes, and
+// reports the ignored fields ignoredFields reports; it never takes one
+// that encoding/json refuses.
+func TestFastDecodeIsEncodingJSON(t *testing.T) {
+	requestKeys := append([]string{"top_p", "Model", "MESSAGES", "metadata", "frequency_penalty"}, chatFields...)
+	var taken, messagesTaken int
+	prop := func(t *rapid.T) {
+		// The usual shape most of the time, so the fast path is exercised.
+		var members []string
+		if rapid.Bool().Draw(t, "usual") {
+			members = append(members,
+				`"model":"troupe-omni-sim"`,
+				`"messages":[`+jsonObject(t, "msg", 1, []string{"role", "content", "name"})+`,{"role":"user","content":"hi"}]`)
+		}
+		body := jsonObject(t, "body", 0, requestKeys)
+		if len(members) > 0 {
+			if body == "{}" {
+				body = "{" + strings.Join(members, ",") + "}"
+			} else {
+				body = "{" + strings.Join(members, ",") + "," + body[1:]
+			}
+		}
+		require.True(t, json.Valid([]byte(body)), body)
+
+		var fast chatRequest
+		ignored, ok := decodeChatFast([]byte(body), &fast)
+		var slow chatRequest
+		err := json.Unmarshal([]byte(body), &slow)
+		if ok {
+			taken++
+			require.NoError(t, err, "the fast decoder took a body encoding/json refuses: %s", body)
+			require.Equal(t, slow, fast, body)
+			require.Equal(t, ignoredFields([]byte(body), chatFields), ignored, body)
+		}
+		if err != nil {
+			return
+		}
+		for _, raw := range slow.Messages {
+			var fastMsg chatMessage
+			ok := decodeMessageFast(raw, &fastMsg)
+			var slowMsg chatMessage
+			err := json.Unmarshal(raw, &slowMsg)
+			if ok {
+				messagesTaken++
+				require.NoError(t, err, "the fast decoder took a message encoding/json refuses: %s", raw)
+				require.Equal(t, slowMsg, fastMsg, string(raw))
+			}
+		}
+	}
+	for range 10 { // ten seeds: a mismatch may need a rare mix of fields
+		rapid.Check(t, prop)
+	}
+	t.Logf("fast path: %d requests, %d messages", taken, messagesTaken)
+	assert.Greater(t, taken, 5, "the fast path was hardly exercised")
+	assert.Greater(t, messagesTaken, 5, "the fast message path was hardly exercised")
+}
+
+func TestFastDecodeTakesTheUsualRequest(t *testing.T) {
+	body := `{"model":"troupe-omni-sim","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}],` +
+		`"max_tokens":16,"temperature":0.7,"seed":3,"stream":true,"stream_options":{"include_usage":true},"top_p":0.9,"user":"u1"}`
+	var req chatRequest
+	ignored, ok := decodeChatFast([]byte(body), &req)
+	require.True(t, ok)
+	assert.Equal(t, []string{"top_p"}, ignored)
+	assert.Equal(t, int64(16), *req.MaxTokens)
+	assert.True(t, *req.StreamOptions.IncludeUsage)
+	require.Len(t, req.Messages, 2)
+	var m chatMessage
+	require.True(t, decodeMessageFast(req.Messages[1], &m))
+	assert.Equal(t, "user", *m.Role)
+	assert.JSONEq(t, `"hi"`, string(m.Content))
+
+	for _, unusual := range []string{
+		`{"model":"m","model":"m"}`,    // a repeated key
+		`{"Model":"m"}`,                // another case
+		`{"model":"\u006d"}`,           // an escape
+		`{"max_tokens":1.5}`,           // a type encoding/json refuses, with its own error
+		`{"messages":{"role":"user"}}`, // an object for an array
+		`[{"model":"m"}]`,              // not an object
+		`{"model":"m"`,                 // not JSON
+		`{"stream_options":{"include_usage":1}}`,
+	} {
+		var req chatRequest
+		_, ok := decodeChatFast([]byte(unusual), &req)
+		assert.False(t, ok, unusual)
+	}
+}
