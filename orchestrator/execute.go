@@ -121,9 +121,11 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		}
 	}
 
-	in := &stagepb.GenerateRequest{RequestId: req.ID, Input: &stagepb.GenerateRequest_Text{Text: req.Prompt}, Sampling: req.Sampling, Voice: req.Voice}
+	in := &stagepb.GenerateRequest{RequestId: req.ID, Sampling: req.Sampling, Voice: req.Voice}
 	if len(req.Messages) > 0 {
 		in.Input = &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: req.Messages}}
+	} else {
+		in.Input = &stagepb.GenerateRequest_Text{Text: req.Prompt}
 	}
 	if sizeBound(req) > h.cfg.MaxMessageBytes/2 && proto.Size(in) > h.cfg.MaxMessageBytes {
 		// gRPC would refuse it too, as a failure of the replica.
