@@ -47,6 +47,9 @@ func FuzzParseChat(f *testing.F) {
 	f.Fuzz(func(t *testing.T, body []byte) {
 		j, e := parseChat(body, "troupe")
 		checkAPIError(t, e)
+		if _, mismatch := fastDecodeMismatch(body); mismatch != "" {
+			t.Fatal(mismatch)
+		}
 		if e == nil && len(j.messages) == 0 {
 			t.Fatalf("accepted a chat request without messages: %q", body)
 		}

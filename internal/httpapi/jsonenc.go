@@ -21,19 +21,7 @@ type jsonAppender interface {
 
 func (c *chatCompletion) appendJSON(b []byte) []byte {
 	b = appendHead(b, c.ID, c.Object, c.Created, c.Model)
-	b = append(b, `,"choices":`...)
-	if c.Choices == nil {
-		b = append(b, "null"...)
-	} else {
-		b = append(b, '[')
-		for i := range c.Choices {
-			if i > 0 {
-				b = append(b, ',')
-			}
-			b = c.Choices[i].appendJSON(b)
-		}
-		b = append(b, ']')
-	}
+	b = appendChoices(b, c.Choices, (*chatChoice).appendJSON)
 	b = append(b, `,"usage":`...)
 	b = c.Usage.appendJSON(b)
 	return append(b, '}')
@@ -75,19 +63,7 @@ func (c *chatChoice) appendJSON(b []byte) []byte {
 
 func (c *chatChunk) appendJSON(b []byte) []byte {
 	b = appendHead(b, c.ID, c.Object, c.Created, c.Model)
-	b = append(b, `,"choices":`...)
-	if c.Choices == nil {
-		b = append(b, "null"...)
-	} else {
-		b = append(b, '[')
-		for i := range c.Choices {
-			if i > 0 {
-				b = append(b, ',')
-			}
-			b = c.Choices[i].appendJSON(b)
-		}
-		b = append(b, ']')
-	}
+	b = appendChoices(b, c.Choices, (*chatChunkChoice).appendJSON)
 	return appendUsageField(b, c.Usage)
 }
 
@@ -138,29 +114,20 @@ func (c *chatChunkChoice) appendJSON(b []byte) []byte {
 
 func (c *textCompletion) appendJSON(b []byte) []byte {
 	b = appendHead(b, c.ID, c.Object, c.Created, c.Model)
-	b = append(b, `,"choices":`...)
-	if c.Choices == nil {
-		b = append(b, "null"...)
-	} else {
-		b = append(b, '[')
-		for i := range c.Choices {
-			if i > 0 {
-				b = append(b, ',')
-			}
-			ch := &c.Choices[i]
-			b = append(b, `{"index":`...)
-			b = strconv.AppendInt(b, int64(ch.Index), 10)
-			b = append(b, `,"text":`...)
-			b = appendString(b, ch.Text)
-			b = append(b, `,"logprobs":`...)
-			b = appendEmptyObjectPtr(b, ch.Logprobs)
-			b = append(b, `,"finish_reason":`...)
-			b = appendStringPtr(b, ch.FinishReason)
-			b = append(b, '}')
-		}
-		b = append(b, ']')
-	}
+	b = appendChoices(b, c.Choices, (*completionChoice).appendJSON)
 	return appendUsageField(b, c.Usage)
+}
+
+func (c *completionChoice) appendJSON(b []byte) []byte {
+	b = append(b, `{"index":`...)
+	b = strconv.AppendInt(b, int64(c.Index), 10)
+	b = append(b, `,"text":`...)
+	b = appendString(b, c.Text)
+	b = append(b, `,"logprobs":`...)
+	b = appendEmptyObjectPtr(b, c.Logprobs)
+	b = append(b, `,"finish_reason":`...)
+	b = appendStringPtr(b, c.FinishReason)
+	return append(b, '}')
 }
 
 func (u *usage) appendJSON(b []byte) []byte {
@@ -187,6 +154,23 @@ func appendHead(b []byte, id, object string, created int64, model string) []byte
 	b = strconv.AppendInt(b, created, 10)
 	b = append(b, `,"model":`...)
 	return appendString(b, model)
+}
+
+// appendChoices appends the choices field: null when nil, as
+// encoding/json writes a nil slice.
+func appendChoices[T any](b []byte, choices []T, appendOne func(*T, []byte) []byte) []byte {
+	b = append(b, `,"choices":`...)
+	if choices == nil {
+		return append(b, "null"...)
+	}
+	b = append(b, '[')
+	for i := range choices {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = appendOne(&choices[i], b)
+	}
+	return append(b, ']')
 }
 
 // appendUsageField ends a chunk with its usage: omitted (nil), null

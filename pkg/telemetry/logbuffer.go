@@ -25,14 +25,7 @@ const logBufferSize = 64 << 10
 // unbuffered). The logger and flush may be used concurrently.
 func NewBufferedLogger(w io.Writer, level slog.Leveler, json bool) (log *slog.Logger, flush func()) {
 	b := &logBuffer{w: w}
-	opts := &slog.HandlerOptions{Level: level}
-	var h slog.Handler
-	if json {
-		h = slog.NewJSONHandler(b, opts)
-	} else {
-		h = slog.NewTextHandler(b, opts)
-	}
-	return slog.New(traceHandler{inner: h, flush: b.flushNow}), b.close
+	return slog.New(traceHandler{inner: formatHandler(b, level, json), flush: b.flushNow}), b.close
 }
 
 // logBuffer is an io.Writer that holds what it is given until its timer

@@ -20,14 +20,16 @@ const (
 // to the logging call (InfoContext, ...) holds a valid span context, sampled
 // or not, so log lines and traceparent headers can be matched.
 func NewLogger(w io.Writer, level slog.Leveler, json bool) *slog.Logger {
+	return slog.New(NewLogHandler(formatHandler(w, level, json)))
+}
+
+// formatHandler is slog's text or JSON handler on w.
+func formatHandler(w io.Writer, level slog.Leveler, json bool) slog.Handler {
 	opts := &slog.HandlerOptions{Level: level}
-	var h slog.Handler
 	if json {
-		h = slog.NewJSONHandler(w, opts)
-	} else {
-		h = slog.NewTextHandler(w, opts)
+		return slog.NewJSONHandler(w, opts)
 	}
-	return slog.New(NewLogHandler(h))
+	return slog.NewTextHandler(w, opts)
 }
 
 // NewLogHandler wraps inner so that records logged with a context holding a
