@@ -179,12 +179,17 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 		if delta == "" {
 			return nil
 		}
-		return write(func() any {
-			if j.audio {
-				return resp.transcriptChunk(delta, audioID)
-			}
-			return resp.textChunk(delta)
-		})
+		if j.audio {
+			return write(func() any { return resp.transcriptChunk(delta, audioID) })
+		}
+		// A text delta, the event of every token: encoded around the
+		// delta without a value or an allocation (appendTextChunk).
+		mu.Lock()
+		defer mu.Unlock()
+		if err := stream.begin(resp); err != nil {
+			return err
+		}
+		return stream.event(resp.appendTextChunk(append(stream.scratch[:0], "data: "...), delta))
 	})
 	if err == nil && j.audio && samples == 0 {
 		err = errNoAudio
@@ -393,7 +398,8 @@ func (s *sseWriter) flush() error {
 type responder interface {
 	full(res *orchestrator.Result, audio *audioOut) any
 	roleChunk() any // nil: the endpoint has no opening chunk
-	textChunk(delta string) any
+	// appendTextChunk appends the encoded chunk of a text delta to b.
+	appendTextChunk(b []byte, delta string) []byte
 	transcriptChunk(delta, audioID string) any
 	audioChunk(a *audioDelta) any
 	finishChunk(reason string) any
@@ -405,6 +411,7 @@ type chatResponder struct {
 	created      int64
 	model        string
 	includeUsage bool
+	textChunk    chunkAround // made by the first appendTextChunk
 }
 
 func (c *chatResponder) full(res *orchestrator.Result, audio *audioOut) any {
@@ -434,7 +441,13 @@ func (c *chatResponder) roleChunk() any {
 	return c.chunk(chatDelta{Role: "assistant", Content: &empty}, nil)
 }
 
-func (c *chatResponder) textChunk(delta string) any { return c.chunk(chatDelta{Content: &delta}, nil) }
+func (c *chatResponder) appendTextChunk(b []byte, delta string) []byte {
+	if c.textChunk.prefix == nil {
+		empty := ""
+		c.textChunk = splitChunk(c.chunk(chatDelta{Content: &empty}, nil), `"choices":[{"index":0,"delta":{"content":`)
+	}
+	return c.textChunk.appendJSON(b, delta)
+}
 
 // transcriptChunk carries a piece of the text of an audio answer, both as
 // content and as the audio's transcript, as the whole answer carries it.
@@ -458,7 +471,8 @@ type completionResponder struct {
 	created      int64
 	model        string
 	includeUsage bool
-	echo         string // the prompt, sent before the text when echo is set
+	echo         string      // the prompt, sent before the text when echo is set
+	textChunk    chunkAround // made by the first appendTextChunk
 }
 
 func (c *completionResponder) full(res *orchestrator.Result, _ *audioOut) any {
@@ -490,9 +504,14 @@ func (c *completionResponder) roleChunk() any {
 	return c.chunk(c.echo, nil)
 }
 
-func (c *completionResponder) textChunk(delta string) any { return c.chunk(delta, nil) }
+func (c *completionResponder) appendTextChunk(b []byte, delta string) []byte {
+	if c.textChunk.prefix == nil {
+		c.textChunk = splitChunk(c.chunk("", nil), `"choices":[{"index":0,"text":`)
+	}
+	return c.textChunk.appendJSON(b, delta)
+}
 
-func (c *completionResponder) transcriptChunk(delta, _ string) any { return c.textChunk(delta) }
+func (c *completionResponder) transcriptChunk(delta, _ string) any { return c.chunk(delta, nil) }
 
 func (c *completionResponder) audioChunk(*audioDelta) any { return nil }
 

@@ -1,6 +1,7 @@
 package httpapi
 
 import (
+	"bytes"
 	"encoding/base64"
 	"encoding/json"
 	"strconv"
@@ -267,3 +268,30 @@ var htmlSafe = func() (t [utf8.RuneSelf]bool) {
 	}
 	return t
 }()
+
+// chunkAround is a streamed text chunk encoded around its delta: all of an
+// answer's text chunks differ only there, so a token's event is the
+// prefix, the quoted delta and the suffix, without building the chunk.
+type chunkAround struct {
+	prefix, suffix []byte
+}
+
+// splitChunk encodes chunk, whose delta text is "", and splits it around
+// that "", which follows the first occurrence of key: the strings before
+// it (id, object, model) are escaped, so key's quotes cannot occur in
+// them.
+func splitChunk(chunk jsonAppender, key string) chunkAround {
+	enc := chunk.appendJSON(nil)
+	i := bytes.Index(enc, []byte(key+`""`))
+	if i < 0 {
+		panic("httpapi: text chunk without " + key) // a bug of this package
+	}
+	i += len(key)
+	return chunkAround{prefix: enc[:i], suffix: enc[i+2:]}
+}
+
+func (c chunkAround) appendJSON(b []byte, delta string) []byte {
+	b = append(b, c.prefix...)
+	b = appendString(b, delta)
+	return append(b, c.suffix...)
+}

@@ -163,3 +163,33 @@ func BenchmarkAppendJSON(b *testing.B) {
 		}
 	})
 }
+
+// TestAppendTextChunkIsTheChunk: a token's event, encoded around its
+// delta, is the chunk encoding/json writes, for the first delta of an
+// answer and the ones after it.
+func TestAppendTextChunkIsTheChunk(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		id, _, created, model := anyHead(t)
+		includeUsage := rapid.Bool().Draw(t, "include-usage")
+		chat := &chatResponder{id: id, created: created, model: model, includeUsage: includeUsage}
+		text := &completionResponder{id: id, created: created, model: model, includeUsage: includeUsage}
+		for _, delta := range []string{anyString.Draw(t, "first"), anyString.Draw(t, "second")} {
+			want, err := json.Marshal(chat.chunk(chatDelta{Content: &delta}, nil))
+			require.NoError(t, err)
+			require.Equal(t, string(want), string(chat.appendTextChunk(nil, delta)))
+
+			want, err = json.Marshal(text.chunk(delta, nil))
+			require.NoError(t, err)
+			require.Equal(t, string(want), string(text.appendTextChunk([]byte("data: "), delta)[len("data: "):]))
+		}
+	})
+}
+
+func BenchmarkAppendTextChunk(b *testing.B) {
+	c := &chatResponder{id: "chatcmpl-0123456789abcdef0123456789abcdef", created: 1764633600, model: "troupe-omni-sim"}
+	b.ReportAllocs()
+	buf := c.appendTextChunk(nil, "")
+	for b.Loop() {
+		buf = c.appendTextChunk(buf[:0], " fox")
+	}
+}
