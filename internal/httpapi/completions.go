@@ -360,9 +360,9 @@ func (s *sseWriter) send(v any) error {
 // done ends the stream as OpenAI does.
 func (s *sseWriter) done() error { return s.event(append(s.scratch[:0], "data: [DONE]"...)) }
 
-// event writes ev, "data: " and the event's data, as one event. ev may be
-// s.scratch, which it keeps for the next event: the response writer copies
-// what it is given.
+// event ends ev ("data: " and the event's data) and writes it as one
+// event. ev may lie in s.scratch, which it keeps for the next event: the
+// response writer copies what it is given.
 func (s *sseWriter) event(ev []byte) error {
 	if s.broken {
 		return errors.New("httpapi: stream already broken")
