@@ -224,8 +224,9 @@ func isNull(raw json.RawMessage) bool {
 // ignoredFields lists the top-level fields of a valid JSON object that are
 // set (not null) and not among used, sorted. body has already been decoded
 // whole, so it is valid JSON: this only walks its top level, without
-// decoding a second time (every completion request, and every chat request the fast decoder leaves to encoding/json, pays for it). For a repeated key
-// the last occurrence counts, as in encoding/json.
+// decoding a second time (every completion request pays for it, and every
+// chat request the fast decoder leaves to encoding/json). For a repeated
+// key the last occurrence counts, as in encoding/json.
 func ignoredFields(body []byte, used []string) []string {
 	type field struct {
 		key []byte // unquoted; a subslice of body unless it had escapes
