@@ -23,30 +23,10 @@ func decodeChatFast(body []byte, req *chatRequest) (ignored []string, ok bool) {
 	if !json.Valid(body) {
 		return nil, false
 	}
-	var seen uint64 // bit i: chatFields[i]
 	var unknown [8][]byte
 	nUnknown := 0
-	ok = eachField(body, func(key, val []byte) bool {
-		i := slices.IndexFunc(chatFields, func(f string) bool { return f == string(key) })
-		if i < 0 {
-			if slices.ContainsFunc(chatFields, func(f string) bool { return bytes.EqualFold(key, []byte(f)) }) {
-				return false // encoding/json would match it to the field
-			}
-			if nUnknown == len(unknown) || slices.ContainsFunc(unknown[:nUnknown], func(k []byte) bool { return bytes.Equal(k, key) }) {
-				return false
-			}
-			unknown[nUnknown] = key
-			nUnknown++
-			if !isNullLiteral(val) {
-				ignored = append(ignored, string(key))
-			}
-			return true
-		}
-		if seen&(1<<i) != 0 {
-			return false
-		}
-		seen |= 1 << i
-		switch chatFields[i] {
+	ok = fastObject(body, chatFields, func(name string, val []byte) bool {
+		switch name {
 		case "messages":
 			return fastRawArray(val, &req.Messages)
 		case "modalities":
@@ -56,13 +36,25 @@ func decodeChatFast(body []byte, req *chatRequest) (ignored []string, ok bool) {
 		case "logprobs":
 			return fastBool(val, &req.Logprobs)
 		case "top_logprobs":
-			return fastInt(val, &req.TopLogprobs)
+			return fastNumber(val, &req.TopLogprobs, parseInt)
 		case "tool_choice":
 			return fastRaw(val, &req.ToolChoice)
 		case "function_call":
 			return fastRaw(val, &req.FunctionCall)
 		}
-		return req.samplingFields.decodeFast(chatFields[i], val)
+		return req.samplingFields.decodeFast(name, val)
+	}, func(key, val []byte) bool {
+		// A repeat would need its last occurrence to count: left to
+		// ignoredFields.
+		if nUnknown == len(unknown) || slices.ContainsFunc(unknown[:nUnknown], func(k []byte) bool { return bytes.Equal(k, key) }) {
+			return false
+		}
+		unknown[nUnknown] = key
+		nUnknown++
+		if !isNullLiteral(val) {
+			ignored = append(ignored, string(key))
+		}
+		return true
 	})
 	if !ok {
 		return nil, false
@@ -85,21 +77,21 @@ func (f *samplingFields) decodeFast(name string, val []byte) bool {
 		f.StreamOptions = &streamOptions{}
 		return fastObject(val, streamOptionsFields, func(_ string, v []byte) bool {
 			return fastBool(v, &f.StreamOptions.IncludeUsage)
-		})
+		}, nil)
 	case "max_tokens":
-		return fastInt(val, &f.MaxTokens)
+		return fastNumber(val, &f.MaxTokens, parseInt)
 	case "max_completion_tokens":
-		return fastInt(val, &f.MaxCompletionTokens)
+		return fastNumber(val, &f.MaxCompletionTokens, parseInt)
 	case "temperature":
-		return fastFloat(val, &f.Temperature)
+		return fastNumber(val, &f.Temperature, parseFloat)
 	case "seed":
-		return fastInt(val, &f.Seed)
+		return fastNumber(val, &f.Seed, parseInt)
 	case "stop":
 		return fastRaw(val, &f.Stop)
 	case "ignore_eos":
 		return fastBool(val, &f.IgnoreEOS)
 	case "n":
-		return fastInt(val, &f.N)
+		return fastNumber(val, &f.N, parseInt)
 	case "response_format":
 		if isNullLiteral(val) {
 			return true
@@ -107,7 +99,7 @@ func (f *samplingFields) decodeFast(name string, val []byte) bool {
 		f.ResponseFormat = &responseFormat{}
 		return fastObject(val, responseFormatFields, func(_ string, v []byte) bool {
 			return fastString(v, &f.ResponseFormat.Type)
-		})
+		}, nil)
 	case "prompt_logprobs":
 		return fastRaw(val, &f.PromptLogprobs)
 	case "user":
@@ -127,7 +119,7 @@ func fastAudio(val []byte, p **audioParam) bool {
 			return fastRaw(v, &a.Voice)
 		}
 		return fastString(v, &a.Format)
-	})
+	}, nil)
 }
 
 // decodeMessageFast decodes a message of the usual shape, as decodeValue
@@ -138,7 +130,7 @@ func decodeMessageFast(raw []byte, m *chatMessage) bool {
 			return fastString(v, &m.Role)
 		}
 		return fastRaw(v, &m.Content)
-	})
+	}, nil)
 }
 
 // The fields of the objects inside a request, as their types name them.
@@ -150,15 +142,19 @@ var (
 )
 
 // fastObject walks the JSON object obj, calling set for each of fields
-// present; other keys are skipped, as encoding/json skips keys no field
-// has. It reports false when obj is not an object, a field repeats, or a
-// key has another case than its field's.
-func fastObject(obj []byte, fields []string, set func(name string, val []byte) bool) bool {
-	var seen uint64
+// present and unknown for every other key (nil: skipped, as encoding/json
+// skips keys no field has). It reports false when obj is not an object, a
+// field repeats, a key has another case than its field's (encoding/json
+// would match it to the field), or a callback returns false.
+func fastObject(obj []byte, fields []string, set func(name string, val []byte) bool, unknown func(key, val []byte) bool) bool {
+	var seen uint64 // bit i: fields[i]
 	return eachField(obj, func(key, val []byte) bool {
 		i := slices.IndexFunc(fields, func(f string) bool { return f == string(key) })
 		if i < 0 {
-			return !slices.ContainsFunc(fields, func(f string) bool { return bytes.EqualFold(key, []byte(f)) })
+			if slices.ContainsFunc(fields, func(f string) bool { return bytes.EqualFold(key, []byte(f)) }) {
+				return false
+			}
+			return unknown == nil || unknown(key, val)
 		}
 		if seen&(1<<i) != 0 {
 			return false
@@ -233,35 +229,25 @@ func fastBool(val []byte, p **bool) bool {
 	return false
 }
 
-func fastInt(val []byte, p **int64) bool {
+// fastNumber decodes a number with parse, which is strconv's, as
+// encoding/json parses a number for an integer or a float field.
+func fastNumber[T int64 | float64](val []byte, p **T, parse func(string) (T, error)) bool {
 	if isNullLiteral(val) {
 		return true
 	}
 	if val[0] != '-' && (val[0] < '0' || val[0] > '9') {
 		return false
 	}
-	n, err := strconv.ParseInt(string(val), 10, 64)
-	if err != nil {
-		return false
-	}
-	*p = &n
-	return true
-}
-
-func fastFloat(val []byte, p **float64) bool {
-	if isNullLiteral(val) {
-		return true
-	}
-	if val[0] != '-' && (val[0] < '0' || val[0] > '9') {
-		return false
-	}
-	x, err := strconv.ParseFloat(string(val), 64)
+	x, err := parse(string(val))
 	if err != nil {
 		return false
 	}
 	*p = &x
 	return true
 }
+
+func parseInt(s string) (int64, error)     { return strconv.ParseInt(s, 10, 64) }
+func parseFloat(s string) (float64, error) { return strconv.ParseFloat(s, 64) }
 
 // fastRaw keeps val itself (null included), as json.RawMessage does.
 func fastRaw(val []byte, p *json.RawMessage) bool {

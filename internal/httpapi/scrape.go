@@ -128,7 +128,7 @@ func acceptsGzip(h http.Header) bool {
 
 var (
 	// BestSpeed: a scrape of 1,000 replicas is ~42 MB of text, which
-	// BestSpeed compresses to 1.4 MB in ~60 ms on the benchmark machine,
+	// BestSpeed compresses to 1.4 MB in ~45 ms on the benchmark machine,
 	// the default level to 1.2 MB in ~400 ms (docs/stats.md). klauspost's
 	// gzip (already in the build, for promhttp's zstd) takes 30 % less
 	// time than compress/gzip's for the same size.
