@@ -7,7 +7,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/troupe-serving/troupe/internal/router"
+	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 

@@ -17,8 +17,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/troupe-serving/troupe/internal/router"
-	"github.com/troupe-serving/troupe/internal/stats"
+	"github.com/troupe-serving/troupe/internal/core/router"
+	"github.com/troupe-serving/troupe/internal/core/stats"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 )

@@ -8,7 +8,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
-	"github.com/troupe-serving/troupe/internal/router"
+	"github.com/troupe-serving/troupe/internal/core/router"
 )
 
 // GatheredMetric finds the child of family whose labels include labels,

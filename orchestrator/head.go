@@ -24,8 +24,8 @@ import (
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
 
-	"github.com/troupe-serving/troupe/internal/router"
-	"github.com/troupe-serving/troupe/internal/stats"
+	"github.com/troupe-serving/troupe/internal/core/router"
+	"github.com/troupe-serving/troupe/internal/core/stats"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/troupe-serving/troupe/internal/fdtable"
+	"github.com/troupe-serving/troupe/internal/core/fdtable"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
@@ -32,7 +32,7 @@ import (
 // It runs under the head binary's process settings, which this process
 // (head, etcd and worker in one) would otherwise not have: GOGC 400
 // unless GOGC is set (headGCPercent in cmd/troupe; GOGC=100 gives Go's
-// default), and the descriptor table reserved at start (internal/fdtable;
+// default), and the descriptor table reserved at start (internal/core/fdtable;
 // TROUPE_BENCH_FDTABLE=0 leaves it to grow on demand).
 //
 //	go test -run '^$' -bench JoinToRoutable -benchtime 200x ./orchestrator/

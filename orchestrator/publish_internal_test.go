@@ -11,7 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 
-	"github.com/troupe-serving/troupe/internal/router"
+	"github.com/troupe-serving/troupe/internal/core/router"
 )
 
 // TestPublishCopiesOnlyTheChangedRecord: the view is every record the loop

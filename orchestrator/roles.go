@@ -3,7 +3,7 @@ package orchestrator
 import (
 	"fmt"
 
-	"github.com/troupe-serving/troupe/internal/router"
+	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 

@@ -21,4 +21,4 @@ echo "jaeger-smoke: running TestJaegerSmoke"
 TROUPE_JAEGER_BIN="$root/bin/jaeger" \
 TROUPE_JAEGER_CONFIG="$root/tools/jaeger/config.yaml" \
 TROUPE_BIN="$work/troupe" \
-  go test -count=1 -timeout 10m -run '^TestJaegerSmoke$' -v ./internal/jaeger/
+  go test -count=1 -timeout 10m -run '^TestJaegerSmoke$' -v ./internal/front/jaeger/

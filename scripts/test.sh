@@ -58,10 +58,10 @@ go test -race -count=1 -timeout 15m ./...
 # is busy (golang/go#75804, fixed in Go 1.27), which a loaded machine makes
 # likely. FUZZTIME (any -fuzztime value) overrides every target's budget.
 for target in \
-  "FuzzParseChat ./internal/httpapi 40000x" \
-  "FuzzParseCompletion ./internal/httpapi 30000x" \
-  "FuzzAdminPath ./internal/httpapi 10000x" \
-  "FuzzEncodeWAV ./internal/httpapi 30000x" \
+  "FuzzParseChat ./internal/front/httpapi 40000x" \
+  "FuzzParseCompletion ./internal/front/httpapi 30000x" \
+  "FuzzAdminPath ./internal/front/httpapi 10000x" \
+  "FuzzEncodeWAV ./internal/front/httpapi 30000x" \
   "FuzzDecodeMember ./membership 200000x" \
   "FuzzParsePipeline ./orchestrator 40000x"; do
   set -- $target

@@ -27,9 +27,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/keepalive"
 
-	"github.com/troupe-serving/troupe/internal/fdtable"
-	"github.com/troupe-serving/troupe/internal/httpapi"
-	"github.com/troupe-serving/troupe/internal/router"
+	"github.com/troupe-serving/troupe/internal/core/fdtable"
+	"github.com/troupe-serving/troupe/internal/front/httpapi"
+	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
@@ -115,7 +115,7 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	defer flushLog()
 	setHeadGC()
 	// Grow the descriptor table now, not at the join or request that
-	// crosses 256, 512, 1024... descriptors (see internal/fdtable).
+	// crosses 256, 512, 1024... descriptors (see internal/core/fdtable).
 	if err := fdtable.Reserve(fdtable.DefaultReserve); err != nil {
 		log.Warn("troupe head: descriptor table not reserved", "err", err)
 	}

@@ -10,7 +10,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/troupe-serving/troupe/internal/jaeger"
+	"github.com/troupe-serving/troupe/internal/front/jaeger"
 )
 
 // runTrace prints one trace from Jaeger's query service as a waterfall.

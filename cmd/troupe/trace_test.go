@@ -14,7 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/troupe-serving/troupe/internal/jaeger"
+	"github.com/troupe-serving/troupe/internal/front/jaeger"
 )
 
 // The trace recorded from Jaeger v2 by pkg/telemetry's smoke test.

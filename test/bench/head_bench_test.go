@@ -19,7 +19,7 @@ import (
 	"go.uber.org/goleak"
 	"golang.org/x/sync/errgroup"
 
-	"github.com/troupe-serving/troupe/internal/httpapi"
+	"github.com/troupe-serving/troupe/internal/front/httpapi"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
 	"github.com/troupe-serving/troupe/pkg/stagepb"

@@ -27,8 +27,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/troupe-serving/troupe/internal/jaeger"
-	"github.com/troupe-serving/troupe/internal/jaeger/jaegertest"
+	"github.com/troupe-serving/troupe/internal/front/jaeger"
+	"github.com/troupe-serving/troupe/internal/front/jaeger/jaegertest"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 

@@ -13,7 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/troupe-serving/troupe/internal/jaeger"
+	"github.com/troupe-serving/troupe/internal/front/jaeger"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 

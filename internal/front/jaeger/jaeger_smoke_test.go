@@ -19,8 +19,8 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/troupe-serving/troupe/internal/jaeger"
-	"github.com/troupe-serving/troupe/internal/jaeger/jaegertest"
+	"github.com/troupe-serving/troupe/internal/front/jaeger"
+	"github.com/troupe-serving/troupe/internal/front/jaeger/jaegertest"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 

@@ -17,7 +17,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/troupe-serving/troupe/internal/stats"
+	"github.com/troupe-serving/troupe/internal/core/stats"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 

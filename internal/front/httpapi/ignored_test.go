@@ -106,7 +106,7 @@ func TestIgnoredFieldsMatchesDecoding(t *testing.T) {
 
 // BenchmarkIgnoredFields is the check every chat request pays.
 //
-//	go test -run '^$' -bench IgnoredFields -benchmem ./internal/httpapi/
+//	go test -run '^$' -bench IgnoredFields -benchmem ./internal/front/httpapi/
 func BenchmarkIgnoredFields(b *testing.B) {
 	body := []byte(`{"model":"troupe-omni-sim","max_tokens":16,"ignore_eos":true,"stream":false,"messages":[{"role":"user","content":"tell me a story about a fox"}],"user":"u1"}`)
 	b.Run("walk", func(b *testing.B) {

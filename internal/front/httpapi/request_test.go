@@ -235,7 +235,7 @@ func TestIgnoredParams(t *testing.T) {
 // BenchmarkParseChat: the request the head's benchmarks send
 // (scripts/bench-vs-nginx.sh).
 //
-//	go test -run '^$' -bench ParseChat -benchmem ./internal/httpapi/
+//	go test -run '^$' -bench ParseChat -benchmem ./internal/front/httpapi/
 func BenchmarkParseChat(b *testing.B) {
 	body := []byte(`{"ignore_eos":true,"max_tokens":16,"messages":[{"content":"tell me a story about a fox","role":"user"}],"model":"troupe-omni-sim","stream":false}`)
 	b.ReportAllocs()

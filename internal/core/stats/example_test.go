@@ -8,7 +8,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	"github.com/troupe-serving/troupe/internal/stats"
+	"github.com/troupe-serving/troupe/internal/core/stats"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
