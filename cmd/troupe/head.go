@@ -28,8 +28,8 @@ import (
 	"google.golang.org/grpc/keepalive"
 
 	"github.com/troupe-serving/troupe/internal/core/fdtable"
-	"github.com/troupe-serving/troupe/internal/front/httpapi"
 	"github.com/troupe-serving/troupe/internal/core/router"
+	"github.com/troupe-serving/troupe/internal/front/httpapi"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
