@@ -51,8 +51,10 @@ step "go test -race (all packages)"
 go test -race -count=1 -timeout 15m ./...
 
 # Each fuzz target for a bounded number of inputs, about 10 s each on an
-# idle 2-core machine (go test -fuzz takes one target per run); the
-# checked-in corpora (testdata/fuzz/) already ran as plain tests above.
+# idle 2-core machine (go test -fuzz takes one target per run); their seed
+# inputs (f.Add; no corpus is checked in) already ran as plain tests above.
+# An input that fails is written to the package's testdata/fuzz/; commit it
+# and it runs as a plain test too.
 # Counts, not durations: Go 1.26's fuzz coordinator can fail a target with
 # "context deadline exceeded" when a -fuzztime duration ends while a worker
 # is busy (golang/go#75804, fixed in Go 1.27), which a loaded machine makes
