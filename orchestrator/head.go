@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/common/expfmt"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -490,7 +491,8 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 		h.log.Error("orchestrator: cannot dial replica", "stage", spec.StageName, "replica", spec.Key.Replica, "addr", spec.Addr, "err", err)
 		return
 	}
-	backoff := 100 * time.Millisecond
+	// Quick retries while a replica starts; after a minute, slow ones.
+	wait := backoff.ExponentialBackOff{InitialInterval: 100 * time.Millisecond, Multiplier: 2, MaxInterval: 2 * time.Second}
 	started := time.Now()
 	for attempt := 1; ; attempt++ {
 		pctx, cancel := context.WithTimeout(ctx, h.cfg.ProbeTimeout)
@@ -511,7 +513,10 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 			h.log.Warn("orchestrator: replica not serving yet", "stage", spec.StageName, "replica", spec.Key.Replica, "addr", spec.Addr,
 				"attempts", attempt, "status", health.GetStatus().String(), "err", err)
 		}
-		timer := time.NewTimer(backoff)
+		if time.Since(started) > time.Minute {
+			wait.MaxInterval = 30 * time.Second
+		}
+		timer := time.NewTimer(wait.NextBackOff())
 		select {
 		case <-ctx.Done():
 			timer.Stop()
@@ -519,12 +524,6 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 			return
 		case <-timer.C:
 		}
-		// Quick retries while a replica starts; after a minute, slow ones.
-		limit := 2 * time.Second
-		if time.Since(started) > time.Minute {
-			limit = 30 * time.Second
-		}
-		backoff = min(2*backoff, limit)
 	}
 }
 
