@@ -25,7 +25,7 @@ const listTimeout = 10 * time.Second
 type WatchConfig struct {
 	Cluster           string
 	Stages            []string      // known stage names; a record for another stage is invalid. Empty: any.
-	ReconcileInterval time.Duration // full re-list period; default 30s
+	ReconcileInterval time.Duration // full re-list period; default DefaultReconcileInterval
 	// OnInvalid is called, from Run's goroutine, once per malformed record
 	// (per key and mod revision). It must not block.
 	OnInvalid func(key string, err error)

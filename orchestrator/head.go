@@ -32,6 +32,13 @@ import (
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 
+// Defaults of Config.
+const (
+	DefaultProbeTimeout   = 3 * time.Second
+	DefaultLeaseLossGrace = 15 * time.Second
+	DefaultStallTimeout   = 5 * time.Second
+)
+
 // Config configures a Head.
 type Config struct {
 	Cluster           string
@@ -39,17 +46,17 @@ type Config struct {
 	Policy            string        // default policy of stages that name none; default round_robin
 	LogStats          bool          // register and record the stat families
 	DetachedSeriesTTL time.Duration // 0: keep a detached replica's series forever
-	ReconcileInterval time.Duration // membership full re-list period
-	ProbeTimeout      time.Duration // per Health call on join; default 3s
+	ReconcileInterval time.Duration // membership full re-list period; default membership.DefaultReconcileInterval
+	ProbeTimeout      time.Duration // per Health call on join; default DefaultProbeTimeout
 	// LeaseLossGrace is how long a replica whose record vanished but that
 	// still answers Health as serving (its lease was lost, for example when
 	// etcd froze past the TTL) stays routable while it re-registers.
-	// Default 15s.
+	// Default DefaultLeaseLossGrace.
 	LeaseLossGrace time.Duration
 	// StallTimeout fails a stage attempt that makes no progress (no chunk,
 	// and for a streamed stage no input sent) for this long, so a frozen
 	// replica's requests are retried elsewhere before its lease runs out.
-	// Default 5s.
+	// Default DefaultStallTimeout.
 	StallTimeout time.Duration
 	// MaxMigrations is how many times a stage-0 answer whose replica failed
 	// after text reached the client is continued on another replica, from
@@ -173,16 +180,16 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		cfg.Cluster = membership.DefaultCluster
 	}
 	if cfg.ProbeTimeout <= 0 {
-		cfg.ProbeTimeout = 3 * time.Second
+		cfg.ProbeTimeout = DefaultProbeTimeout
 	}
 	if cfg.MaxMessageBytes <= 0 {
 		cfg.MaxMessageBytes = stagepb.DefaultMaxMessageBytes
 	}
 	if cfg.LeaseLossGrace <= 0 {
-		cfg.LeaseLossGrace = 15 * time.Second
+		cfg.LeaseLossGrace = DefaultLeaseLossGrace
 	}
 	if cfg.StallTimeout <= 0 {
-		cfg.StallTimeout = 5 * time.Second
+		cfg.StallTimeout = DefaultStallTimeout
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
