@@ -48,7 +48,7 @@ func TestChatFromTroupeHead(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			chunks, err := collect(testCtx(t), e, chatReq(tc.sp, msgs...))
 			require.NoError(t, err)
-			x, err := sim.Expect(sim.RoleText, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: prompt}, Sampling: tc.sp})
+			x, err := sim.Expect(stagepb.RoleText, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: prompt}, Sampling: tc.sp})
 			require.NoError(t, err)
 			wantText, wantTokens, wantFinish := x.Text, x.GenerationTokens, x.Finish
 			assert.Equal(t, wantText, joinText(chunks))

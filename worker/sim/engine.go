@@ -202,8 +202,8 @@ func (e *Engine) Health() *stagepb.HealthResponse {
 		Status:               st,
 		SleepState:           s.SleepState,
 		Engine:               EngineName,
-		Role:                 string(e.cfg.Role),
-		InputRole:            e.cfg.Role.InputRole(),
+		Role:                 e.cfg.Role,
+		InputRole:            stagepb.InputRoleOf(e.cfg.Role),
 		NumSpeculativeTokens: uint32(e.cfg.NumSpeculativeTokens),
 		CacheConfig: &stagepb.CacheConfig{
 			BlockSize:           uint32(e.cfg.BlockSize),
@@ -384,4 +384,4 @@ func (m *mailbox) take() (chunks []*stagepb.GenerateChunk, final bool, err error
 // segments, each with the earlier input as context (worker.Continuer): the
 // codes and audio roles can, since each output depends only on the input
 // before it; the text role needs its whole prompt.
-func (e *Engine) ContinuesInput() bool { return e.cfg.Role != RoleText }
+func (e *Engine) ContinuesInput() bool { return e.cfg.Role != stagepb.RoleText }

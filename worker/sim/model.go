@@ -10,34 +10,16 @@ import (
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
-// Role says what a sim engine consumes and produces.
-type Role string
-
-const (
-	RoleText  Role = "text"  // text or token ids in, text out (a thinker)
-	RoleCodes Role = "codes" // text or token ids in, codec codes out (a talker)
-	RoleAudio Role = "audio" // codes in, PCM16 mono audio out (a vocoder)
-)
-
-// RoleForStage picks the role from a stage name: thinker → text,
-// talker → codes, vocoder → audio, anything else → text.
-func RoleForStage(stage string) Role {
+// RoleForStage picks the sim's role (a stagepb role) from a stage name:
+// thinker → text, talker → codes, vocoder → audio, anything else → text.
+func RoleForStage(stage string) string {
 	switch stage {
 	case "talker":
-		return RoleCodes
+		return stagepb.RoleCodes
 	case "vocoder":
-		return RoleAudio
+		return stagepb.RoleAudio
 	}
-	return RoleText
-}
-
-// ParseRole parses a --sim-role value.
-func ParseRole(s string) (Role, error) {
-	switch r := Role(s); r {
-	case RoleText, RoleCodes, RoleAudio:
-		return r, nil
-	}
-	return "", fmt.Errorf("sim: unknown role %q (want text, codes or audio)", s)
+	return stagepb.RoleText
 }
 
 // The sim's fixed model constants.
@@ -160,12 +142,12 @@ type plan struct {
 // ctxLen leading tokens of prompt are context: input that earlier segments
 // of a streamed request consumed (GenerateRequest.context). The codes role
 // makes output for the tokens after it only.
-func outputLength(role Role, prompt []uint32, ctxLen int, p params) (int, stagepb.FinishReason) {
-	if role == RoleAudio {
+func outputLength(role string, prompt []uint32, ctxLen int, p params) (int, stagepb.FinishReason) {
+	if role == stagepb.RoleAudio {
 		return len(prompt), stagepb.FinishReason_FINISH_REASON_STOP
 	}
 	limit, natural := p.maxTokens, 0
-	if role == RoleCodes {
+	if role == stagepb.RoleCodes {
 		if limit <= 0 {
 			limit = DefaultMaxCodes
 		}
@@ -183,12 +165,12 @@ func outputLength(role Role, prompt []uint32, ctxLen int, p params) (int, stagep
 }
 
 // buildPlan computes the output of one request.
-func buildPlan(role Role, prompt []uint32, ctxLen int, p params) plan {
+func buildPlan(role string, prompt []uint32, ctxLen int, p params) plan {
 	n, finish := outputLength(role, prompt, ctxLen, p)
 	switch role {
-	case RoleAudio:
+	case stagepb.RoleAudio:
 		return plan{ids: append([]uint32(nil), prompt...), finish: finish}
-	case RoleCodes:
+	case stagepb.RoleCodes:
 		return plan{ids: talkerCodes(prompt, ctxLen, p.seed, n), finish: finish}
 	}
 	return textPlan(promptKey(prompt), p, n, finish)
@@ -279,7 +261,7 @@ type Output struct {
 // for byte, or the InvalidArgument error it would return. It is a pure
 // function of the input, the seed (unset = 0), max_tokens, stop and
 // ignore_eos; temperature does not matter.
-func Expect(role Role, req *stagepb.GenerateRequest) (Output, error) {
+func Expect(role string, req *stagepb.GenerateRequest) (Output, error) {
 	prompt, ctxLen, err := promptOf(role, req)
 	if err != nil {
 		return Output{}, err
@@ -290,12 +272,12 @@ func Expect(role Role, req *stagepb.GenerateRequest) (Output, error) {
 	return pl.output(role), nil
 }
 
-func (pl plan) output(role Role) Output {
+func (pl plan) output(role string) Output {
 	out := Output{GenerationTokens: len(pl.ids), Finish: pl.finish}
 	switch role {
-	case RoleCodes:
+	case stagepb.RoleCodes:
 		out.Codes = append([]uint32(nil), pl.ids...)
-	case RoleAudio:
+	case stagepb.RoleAudio:
 		out.Audio = ExpectedAudio(pl.ids)
 	default:
 		out.Text = strings.Join(pl.pieces, "")
@@ -308,14 +290,14 @@ func (pl plan) output(role Role) Output {
 // given seed and max_tokens (0: DefaultMaxTextTokens), no stop strings:
 // the text, the number of generated tokens and the finish reason.
 func ExpectedText(prompt string, seed int64, maxTokens int) (text string, tokens int, finish stagepb.FinishReason) {
-	pl := buildPlan(RoleText, Tokenize(prompt), 0, params{maxTokens: max(0, maxTokens), seed: seed})
+	pl := buildPlan(stagepb.RoleText, Tokenize(prompt), 0, params{maxTokens: max(0, maxTokens), seed: seed})
 	return strings.Join(pl.pieces, ""), len(pl.ids), pl.finish
 }
 
 // ExpectedCodes is what a codes-role sim (a talker) answers to a text
 // prompt with the given seed and max_tokens (0: DefaultMaxCodes).
 func ExpectedCodes(text string, seed int64, maxTokens int) (codes []uint32, finish stagepb.FinishReason) {
-	pl := buildPlan(RoleCodes, Tokenize(text), 0, params{maxTokens: max(0, maxTokens), seed: seed})
+	pl := buildPlan(stagepb.RoleCodes, Tokenize(text), 0, params{maxTokens: max(0, maxTokens), seed: seed})
 	return pl.ids, pl.finish
 }
 
@@ -358,9 +340,9 @@ func appendTone(dst []byte, code uint32) []byte {
 // tokens, and how many of them are context (GenerateRequest.context: the
 // tokenized context, words of the input after it). Errors are
 // InvalidArgument.
-func promptOf(role Role, req *stagepb.GenerateRequest) (prompt []uint32, ctxLen int, err error) {
+func promptOf(role string, req *stagepb.GenerateRequest) (prompt []uint32, ctxLen int, err error) {
 	if c := req.GetContext(); c != "" {
-		if _, ok := req.GetInput().(*stagepb.GenerateRequest_Text); !ok || role == RoleAudio {
+		if _, ok := req.GetInput().(*stagepb.GenerateRequest_Text); !ok || role == stagepb.RoleAudio {
 			return nil, 0, invalidArgument("context is only taken with text input by the text and codes roles")
 		}
 		prompt = Tokenize(c)
@@ -371,7 +353,7 @@ func promptOf(role Role, req *stagepb.GenerateRequest) (prompt []uint32, ctxLen 
 		return prompt, ctxLen, nil
 	}
 	prompt, err = promptWithoutContext(role, req)
-	if c := req.GetContinuation(); c != "" && err == nil && role == RoleText {
+	if c := req.GetContinuation(); c != "" && err == nil && role == stagepb.RoleText {
 		// The answer so far is part of the prompt: the output continues it.
 		for _, w := range strings.Fields(c) {
 			prompt = append(prompt, WordID(w))
@@ -380,20 +362,20 @@ func promptOf(role Role, req *stagepb.GenerateRequest) (prompt []uint32, ctxLen 
 	return prompt, 0, err
 }
 
-func promptWithoutContext(role Role, req *stagepb.GenerateRequest) ([]uint32, error) {
+func promptWithoutContext(role string, req *stagepb.GenerateRequest) ([]uint32, error) {
 	switch in := req.GetInput().(type) {
 	case *stagepb.GenerateRequest_Text:
-		if role == RoleAudio {
+		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "text")
 		}
 		return Tokenize(in.Text), nil
 	case *stagepb.GenerateRequest_Chat:
-		if role == RoleAudio {
+		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "chat")
 		}
 		return Tokenize(ChatPrompt(in.Chat.GetMessages())), nil
 	case *stagepb.GenerateRequest_TokenIds:
-		if role == RoleAudio {
+		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "token_ids")
 		}
 		ids := in.TokenIds.GetIds()
@@ -407,7 +389,7 @@ func promptWithoutContext(role Role, req *stagepb.GenerateRequest) ([]uint32, er
 		}
 		return append([]uint32(nil), ids...), nil
 	case *stagepb.GenerateRequest_Codes:
-		if role != RoleAudio {
+		if role != stagepb.RoleAudio {
 			return nil, invalidInput(role, "codes")
 		}
 		codes := in.Codes.GetCodes()
@@ -443,17 +425,9 @@ func ChatPrompt(msgs []*stagepb.ChatMessage) string {
 	return b.String()
 }
 
-// InputRole is what a role takes: codes for audio, text otherwise.
-func (r Role) InputRole() string {
-	if r == RoleAudio {
-		return "codes"
-	}
-	return "text"
-}
-
-func invalidInput(role Role, got string) error {
+func invalidInput(role string, got string) error {
 	want := "text, chat or token_ids"
-	if role == RoleAudio {
+	if role == stagepb.RoleAudio {
 		want = "codes"
 	}
 	return invalidArgument(fmt.Sprintf("role %s takes %s input, got %s", role, want, got))

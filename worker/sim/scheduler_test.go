@@ -136,7 +136,7 @@ func TestPreemptionWhenKVPoolIsFull(t *testing.T) {
 	assert.Greater(t, sb.PrefixCacheQueries, uint64(4))
 	// Preemption does not change the output.
 	for _, s := range []*seq{a, b} {
-		want, err := Expect(RoleText, textRequest(s.id, sp))
+		want, err := Expect(stagepb.RoleText, textRequest(s.id, sp))
 		require.NoError(t, err)
 		assert.Equal(t, want.Text, text(d.chunks[s]))
 		assert.Equal(t, uint64(20), sums(d.chunks[s]).GenerationTokens)
@@ -232,7 +232,7 @@ func TestSpecDecodeCounts(t *testing.T) {
 	assert.Equal(t, uint64(60), st.GenerationTokens)
 	assert.Equal(t, st.GenerationTokens, 1+st.SpecDecodeNumDrafts+st.SpecDecodeNumAcceptedTokens)
 	assert.Less(t, len(d.chunks[s]), 60, "accepted drafts make fewer steps")
-	want, err := Expect(RoleText, textRequest("speculate about this", sp))
+	want, err := Expect(stagepb.RoleText, textRequest("speculate about this", sp))
 	require.NoError(t, err)
 	assert.Equal(t, want.Text, text(d.chunks[s]), "speculation must not change the output")
 }
