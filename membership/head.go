@@ -36,7 +36,7 @@ func (h Head) Validate() error {
 }
 
 // HeadsPrefix is the prefix under which every head of a cluster lives.
-func HeadsPrefix(cluster string) string { return "/troupe/" + cluster + "/heads/" }
+func HeadsPrefix(cluster string) string { return KeyRoot + cluster + "/heads/" }
 
 // HeadKey is the key of one head.
 func HeadKey(cluster, id string) string { return HeadsPrefix(cluster) + id }
