@@ -34,7 +34,7 @@ import (
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
-	"github.com/troupe-serving/troupe/worker/sim"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
 // headFlags are the flags of `troupe head`; `troupe up` reuses them.
@@ -215,7 +215,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		Cluster:           hf.cluster,
 		Pipeline:          pipeline,
 		Policy:            hf.policy,
-		Tokenizers:        map[string]func(string) []uint32{sim.EngineName: sim.Tokenize},
+		Tokenizers:        tokenizers.All(),
 		LogStats:          hf.logStats,
 		DetachedSeriesTTL: hf.detachedTTL,
 		ReconcileInterval: hf.reconcile,

@@ -21,6 +21,7 @@ import (
 	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/membership/membershiptest"
 	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 	"github.com/troupe-serving/troupe/worker"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
@@ -155,7 +156,7 @@ func (c *Cluster) startHead(t testing.TB, metrics, statsMetrics *prometheus.Regi
 		Pipeline:          c.opts.Pipeline,
 		Policy:            c.opts.Policy,
 		MaxMigrations:     c.opts.MaxMigrations,
-		Tokenizers:        map[string]func(string) []uint32{sim.EngineName: sim.Tokenize},
+		Tokenizers:        tokenizers.All(),
 		LogStats:          !c.opts.DisableStats,
 		Metrics:           metrics,
 		ReconcileInterval: 30 * time.Second,

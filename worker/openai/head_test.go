@@ -15,6 +15,7 @@ import (
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 	"github.com/troupe-serving/troupe/worker/openai"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
@@ -54,7 +55,7 @@ func TestChatFromTroupeHead(t *testing.T) {
 			assert.Equal(t, wantText, joinText(chunks))
 			last := chunks[len(chunks)-1]
 			assert.Equal(t, wantFinish, last.GetFinishReason())
-			assert.Equal(t, uint64(len(sim.Tokenize(prompt))), last.GetStats().GetPromptTokens(), "usage: prompt tokens as the upstream counted them")
+			assert.Equal(t, uint64(len(tokenizers.Sim(prompt))), last.GetStats().GetPromptTokens(), "usage: prompt tokens as the upstream counted them")
 			assert.Equal(t, uint64(wantTokens), last.GetStats().GetGenerationTokens())
 			assert.Equal(t, last.GetStats().GetPromptTokens(), last.GetStats().GetPromptTokensLocalCompute())
 			require.NotNil(t, last.GetTimings())

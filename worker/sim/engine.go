@@ -16,10 +16,11 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
 // EngineName is what Health reports as the engine.
-const EngineName = "sim"
+const EngineName = tokenizers.SimEngine
 
 // Engine runs the scheduler in one goroutine, started by New and stopped by
 // Close. Generate, Health, Sleep, WakeUp and Snapshot may be called

@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
 // RoleForStage picks the sim's role (a stagepb role) from a stage name:
@@ -22,10 +23,10 @@ func RoleForStage(stage string) string {
 	return stagepb.RoleText
 }
 
-// The sim's fixed model constants.
+// The sim's fixed model constants. Its tokenizer is tokenizers.Sim (text
+// prompts are tokenizers.SimBOS, then one token per word), which the head
+// runs too.
 const (
-	BOS            uint32 = 1     // token id prepended to every tokenized text prompt
-	VocabSize      uint32 = 32000 // token ids are in [0, VocabSize)
 	CodebookSize   uint32 = 1024  // codec codes are in [0, CodebookSize)
 	SampleRate            = 24000 // Hz, PCM16 mono little-endian
 	SamplesPerCode        = 960   // 40 ms of audio per codec code
@@ -44,25 +45,6 @@ var vocabulary = [...]string{
 	"people", "sing", "together", "in", "evening", "air", "clear", "sky", "holds", "stars",
 	"gentle", "waves", "return", "to", "shore", "while", "children", "laugh", "near", "fire",
 	"time", "turns", "softly", "again",
-}
-
-// Tokenize is the sim tokenizer: BOS, then one token per whitespace-separated
-// word; a word's id is a hash of its bytes. The empty text is [BOS].
-func Tokenize(text string) []uint32 {
-	words := strings.Fields(text)
-	ids := make([]uint32, 0, len(words)+1)
-	ids = append(ids, BOS)
-	for _, w := range words {
-		ids = append(ids, WordID(w))
-	}
-	return ids
-}
-
-// WordID is the token id of one word.
-func WordID(word string) uint32 {
-	h := fnv.New32a()
-	h.Write([]byte(word))
-	return 2 + h.Sum32()%(VocabSize-2)
 }
 
 // mix is the splitmix64 finalizer: a cheap, well-spread 64-bit hash.
@@ -218,7 +200,7 @@ func textPlan(key uint64, p params, n int, finish stagepb.FinishReason) plan {
 			full.WriteByte(' ')
 		}
 		full.WriteString(w)
-		ids = append(ids, WordID(w))
+		ids = append(ids, tokenizers.SimWordID(w))
 		ends = append(ends, full.Len())
 		text := full.String()
 		for _, s := range p.stop {
@@ -290,14 +272,14 @@ func (pl plan) output(role string) Output {
 // given seed and max_tokens (0: DefaultMaxTextTokens), no stop strings:
 // the text, the number of generated tokens and the finish reason.
 func ExpectedText(prompt string, seed int64, maxTokens int) (text string, tokens int, finish stagepb.FinishReason) {
-	pl := buildPlan(stagepb.RoleText, Tokenize(prompt), 0, params{maxTokens: max(0, maxTokens), seed: seed})
+	pl := buildPlan(stagepb.RoleText, tokenizers.Sim(prompt), 0, params{maxTokens: max(0, maxTokens), seed: seed})
 	return strings.Join(pl.pieces, ""), len(pl.ids), pl.finish
 }
 
 // ExpectedCodes is what a codes-role sim (a talker) answers to a text
 // prompt with the given seed and max_tokens (0: DefaultMaxCodes).
 func ExpectedCodes(text string, seed int64, maxTokens int) (codes []uint32, finish stagepb.FinishReason) {
-	pl := buildPlan(stagepb.RoleCodes, Tokenize(text), 0, params{maxTokens: max(0, maxTokens), seed: seed})
+	pl := buildPlan(stagepb.RoleCodes, tokenizers.Sim(text), 0, params{maxTokens: max(0, maxTokens), seed: seed})
 	return pl.ids, pl.finish
 }
 
@@ -345,10 +327,10 @@ func promptOf(role string, req *stagepb.GenerateRequest) (prompt []uint32, ctxLe
 		if _, ok := req.GetInput().(*stagepb.GenerateRequest_Text); !ok || role == stagepb.RoleAudio {
 			return nil, 0, invalidArgument("context is only taken with text input by the text and codes roles")
 		}
-		prompt = Tokenize(c)
+		prompt = tokenizers.Sim(c)
 		ctxLen = len(prompt)
 		for _, w := range strings.Fields(req.GetText()) {
-			prompt = append(prompt, WordID(w))
+			prompt = append(prompt, tokenizers.SimWordID(w))
 		}
 		return prompt, ctxLen, nil
 	}
@@ -356,7 +338,7 @@ func promptOf(role string, req *stagepb.GenerateRequest) (prompt []uint32, ctxLe
 	if c := req.GetContinuation(); c != "" && err == nil && role == stagepb.RoleText {
 		// The answer so far is part of the prompt: the output continues it.
 		for _, w := range strings.Fields(c) {
-			prompt = append(prompt, WordID(w))
+			prompt = append(prompt, tokenizers.SimWordID(w))
 		}
 	}
 	return prompt, 0, err
@@ -368,12 +350,12 @@ func promptWithoutContext(role string, req *stagepb.GenerateRequest) ([]uint32, 
 		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "text")
 		}
-		return Tokenize(in.Text), nil
+		return tokenizers.Sim(in.Text), nil
 	case *stagepb.GenerateRequest_Chat:
 		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "chat")
 		}
-		return Tokenize(ChatPrompt(in.Chat.GetMessages())), nil
+		return tokenizers.Sim(ChatPrompt(in.Chat.GetMessages())), nil
 	case *stagepb.GenerateRequest_TokenIds:
 		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "token_ids")
@@ -383,8 +365,8 @@ func promptWithoutContext(role string, req *stagepb.GenerateRequest) ([]uint32, 
 			return nil, invalidArgument("empty token_ids")
 		}
 		for _, id := range ids {
-			if id >= VocabSize {
-				return nil, invalidArgument(fmt.Sprintf("token id %d out of range [0, %d)", id, VocabSize))
+			if id >= tokenizers.SimVocabSize {
+				return nil, invalidArgument(fmt.Sprintf("token id %d out of range [0, %d)", id, tokenizers.SimVocabSize))
 			}
 		}
 		return append([]uint32(nil), ids...), nil

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
 func textRequest(text string, sp *stagepb.SamplingParams) *stagepb.GenerateRequest {
@@ -25,12 +26,12 @@ func codesRequest(c []uint32) *stagepb.GenerateRequest {
 }
 
 func TestTokenize(t *testing.T) {
-	assert.Equal(t, []uint32{BOS}, Tokenize(""))
-	assert.Equal(t, []uint32{BOS, WordID("hello"), WordID("world")}, Tokenize("  hello\tworld\n"))
-	assert.NotEqual(t, WordID("hello"), WordID("world"))
+	assert.Equal(t, []uint32{tokenizers.SimBOS}, tokenizers.Sim(""))
+	assert.Equal(t, []uint32{tokenizers.SimBOS, tokenizers.SimWordID("hello"), tokenizers.SimWordID("world")}, tokenizers.Sim("  hello\tworld\n"))
+	assert.NotEqual(t, tokenizers.SimWordID("hello"), tokenizers.SimWordID("world"))
 	for _, w := range vocabulary {
-		id := WordID(w)
-		assert.True(t, id > BOS && id < VocabSize, "id %d of %q out of range", id, w)
+		id := tokenizers.SimWordID(w)
+		assert.True(t, id > tokenizers.SimBOS && id < tokenizers.SimVocabSize, "id %d of %q out of range", id, w)
 	}
 }
 
@@ -124,7 +125,7 @@ func TestExpectedCodes(t *testing.T) {
 	codesB, _ := ExpectedCodes("hello there world", 3, 0)
 	assert.Equal(t, codesA, codesB)
 	assert.Equal(t, stagepb.FinishReason_FINISH_REASON_STOP, f)
-	assert.Len(t, codesA, 2*len(Tokenize("hello there world")))
+	assert.Len(t, codesA, 2*len(tokenizers.Sim("hello there world")))
 	for _, c := range codesA {
 		assert.Less(t, c, CodebookSize)
 	}
@@ -193,7 +194,7 @@ func TestExpectRejectsWrongInput(t *testing.T) {
 		assert.Contains(t, err.Error(), c.msg)
 	}
 	// Token ids are a prompt like the text they tokenize to.
-	ids := Tokenize("one two three")
+	ids := tokenizers.Sim("one two three")
 	a, err := Expect(stagepb.RoleText, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_TokenIds{TokenIds: &stagepb.TokenIds{Ids: ids}}})
 	require.NoError(t, err)
 	b, err := Expect(stagepb.RoleText, textRequest("one two three", nil))

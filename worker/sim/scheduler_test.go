@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
 // driver steps a scheduler by hand, so scheduling decisions can be checked
@@ -345,7 +346,7 @@ func TestKVEventsMirrorThePrefixCache(t *testing.T) {
 
 	// The blocks are named by the protocol's hash over the sim's tokens,
 	// which is what the head computes from the prompt.
-	want := stagepb.BlockHashes(Tokenize(prompts[0]), 4)
+	want := stagepb.BlockHashes(tokenizers.Sim(prompts[0]), 4)
 	require.NotEmpty(t, want)
 	d.add(prompts[0], nil)
 	d.runAll(nil)
