@@ -39,6 +39,20 @@ const (
 	DefaultStallTimeout   = 5 * time.Second
 )
 
+// Dialer opens a client connection to a replica's address, for example
+// grpc.NewClient with the head's dial options.
+type Dialer func(addr string) (*grpc.ClientConn, error)
+
+// BreakerConfig configures the circuit breaker: a replica whose attempts
+// fail Failures times in a row is ejected from routing for Backoff,
+// doubling with each ejection in a row up to MaxBackoff. A success closes
+// the breaker and resets the back-off. Zero fields take the defaults.
+type BreakerConfig struct {
+	Failures   int           // default 3
+	Backoff    time.Duration // default 1s
+	MaxBackoff time.Duration // default 30s, at least Backoff
+}
+
 // Config configures a Head.
 type Config struct {
 	Cluster           string
@@ -64,16 +78,16 @@ type Config struct {
 	// request ends with an error.
 	MaxMigrations int
 	// Breaker ejects a replica whose attempts fail repeatedly from routing
-	// for a back-off (see router.Breaker; the zero value: 3 failures in a
-	// row, 1s doubling to 30s).
-	Breaker router.Breaker
+	// for a back-off (the zero value: 3 failures in a row, 1s doubling to
+	// 30s).
+	Breaker BreakerConfig
 	// MaxMessageBytes caps each gRPC message to and from a replica (the
 	// client side of the replicas' own limit); default
 	// stagepb.DefaultMaxMessageBytes. A prompt whose request would exceed
 	// it is refused with ErrInputTooLarge before it is sent.
 	MaxMessageBytes int
 	Metrics         prometheus.Registerer
-	Dial            router.Dialer
+	Dial            Dialer // required
 	// TracerProvider makes the head's spans, whose context goes to the
 	// workers with each call (through the dialer's stats handler). nil: no
 	// spans, and the Generate calls to a replica that serves Multiplex
@@ -242,7 +256,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		cfg:       cfg,
 		log:       cfg.Logger,
 		stats:     st,
-		router:    router.NewWithBreaker(routing, cfg.Dial, cfg.Logger, cfg.Breaker),
+		router:    router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker)),
 		tracer:    cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
 		multiplex: multiplex,
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{

@@ -18,7 +18,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/troupe-serving/troupe/internal/core/router"
+	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/membership/membershiptest"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/pkg/tokenizers"
@@ -44,7 +44,7 @@ type Options struct {
 	HeadDialOptions []grpc.DialOption
 	Logger          *slog.Logger
 	// Breaker is the head's circuit breaker (zero: the defaults).
-	Breaker router.Breaker
+	Breaker orchestrator.BreakerConfig
 	// SeparateStats registers the head's per-replica stats on
 	// Cluster.StatsMetrics instead of Metrics, as troupe head does; /metrics
 	// then serves them with the Head as its httpapi.Exposer.
@@ -159,7 +159,7 @@ func (c *Cluster) startHead(t testing.TB, metrics, statsMetrics *prometheus.Regi
 		Tokenizers:        tokenizers.All(),
 		LogStats:          !c.opts.DisableStats,
 		Metrics:           metrics,
-		ReconcileInterval: 30 * time.Second,
+		ReconcileInterval: membership.DefaultReconcileInterval,
 		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
 		TracerProvider:    c.opts.HeadTracer,
 		Logger:            c.opts.Logger,
