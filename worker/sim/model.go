@@ -26,10 +26,11 @@ func RoleForStage(stage string) string {
 // The sim's fixed model constants. Its tokenizer is tokenizers.Sim (text
 // prompts are tokenizers.SimBOS, then one token per word), which the head
 // runs too.
+const CodebookSize uint32 = 1024 // codec codes are in [0, CodebookSize)
+
 const (
-	CodebookSize   uint32 = 1024  // codec codes are in [0, CodebookSize)
-	SampleRate            = 24000 // Hz, PCM16 mono little-endian
-	SamplesPerCode        = 960   // 40 ms of audio per codec code
+	SampleRate     = 24000 // Hz, PCM16 mono little-endian
+	SamplesPerCode = 960   // 40 ms of audio per codec code
 
 	// DefaultMaxTextTokens and DefaultMaxCodes replace max_tokens 0.
 	DefaultMaxTextTokens = 64
