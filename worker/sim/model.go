@@ -28,6 +28,7 @@ func RoleForStage(stage string) string {
 // runs too.
 const CodebookSize uint32 = 1024 // codec codes are in [0, CodebookSize)
 
+// The sim's audio and output lengths.
 const (
 	SampleRate     = 24000 // Hz, PCM16 mono little-endian
 	SamplesPerCode = 960   // 40 ms of audio per codec code
