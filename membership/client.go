@@ -100,7 +100,7 @@ func Dial(ctx context.Context, cfg ClientConfig) (*clientv3.Client, error) {
 	defer cancel()
 	// A linearizable read needs a leader: it proves the cluster can serve,
 	// not just that a port is open. Denied access still proves that.
-	_, err = cli.Get(checkCtx, "/troupe/", clientv3.WithCountOnly(), clientv3.WithLimit(1))
+	_, err = cli.Get(checkCtx, KeyRoot, clientv3.WithCountOnly(), clientv3.WithLimit(1))
 	if err != nil && !errors.Is(err, rpctypes.ErrPermissionDenied) {
 		_ = cli.Close()
 		if ctx.Err() != nil {

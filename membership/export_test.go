@@ -18,3 +18,14 @@ func SetWatchTestHooks(w *Watcher, listTimeout time.Duration, onResync func(rev 
 func SetDropWatchEvent(w *Watcher, drop func(*clientv3.Event) bool) {
 	w.dropEvent = drop
 }
+
+// NextBackoffs returns the first n delays of membership's retry schedule
+// from initial up to maxDelay.
+func NextBackoffs(initial, maxDelay time.Duration, n int) []time.Duration {
+	b := newBackoff(initial, maxDelay)
+	out := make([]time.Duration, n)
+	for i := range out {
+		out[i] = b.NextBackOff()
+	}
+	return out
+}

@@ -1,13 +1,11 @@
 package membership
 
 import (
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"strings"
 	"time"
 
@@ -36,7 +34,7 @@ func (h Head) Validate() error {
 }
 
 // HeadsPrefix is the prefix under which every head of a cluster lives.
-func HeadsPrefix(cluster string) string { return "/troupe/" + cluster + "/heads/" }
+func HeadsPrefix(cluster string) string { return KeyRoot + cluster + "/heads/" }
 
 // HeadKey is the key of one head.
 func HeadKey(cluster, id string) string { return HeadsPrefix(cluster) + id }
@@ -123,59 +121,3 @@ func RegisterHead(ctx context.Context, cli *clientv3.Client, cfg HeadConfig) (*H
 
 // Head returns the registered record.
 func (r *HeadRegistration) Head() Head { return r.head }
-
-// ListedHead is one record found by ListHeads.
-type ListedHead struct {
-	Key  string
-	Head Head // zero when Invalid is set
-	// Invalid says why the record cannot be used (bad JSON, key mismatch).
-	Invalid error
-	Lease   clientv3.LeaseID // NoLease when the key has none
-	// TTLLeft is the lease's remaining time; -1 when the key has no lease
-	// or the lease is gone.
-	TTLLeft        time.Duration
-	CreateRevision int64
-	ModRevision    int64
-}
-
-// ListHeads reads every head record of a cluster (one linearizable read)
-// and the remaining TTL of their leases, sorted by id; invalid records come
-// last, by key.
-func ListHeads(ctx context.Context, cli *clientv3.Client, cluster string) ([]ListedHead, error) {
-	if cluster == "" {
-		cluster = DefaultCluster
-	}
-	if err := ValidateCluster(cluster); err != nil {
-		return nil, err
-	}
-	prefix := HeadsPrefix(cluster)
-	resp, err := cli.Get(ctx, prefix, clientv3.WithPrefix())
-	if err != nil {
-		return nil, fmt.Errorf("membership: list %s: %w", prefix, err)
-	}
-	ttls := leaseTTLs{cli: cli, known: map[clientv3.LeaseID]time.Duration{}}
-	out := make([]ListedHead, 0, len(resp.Kvs))
-	for _, kv := range resp.Kvs {
-		l := ListedHead{
-			Key:            string(kv.Key),
-			Lease:          clientv3.LeaseID(kv.Lease),
-			CreateRevision: kv.CreateRevision,
-			ModRevision:    kv.ModRevision,
-		}
-		l.Head, l.Invalid = DecodeHead(cluster, l.Key, kv.Value)
-		if l.TTLLeft, err = ttls.left(ctx, l.Lease); err != nil {
-			return nil, err
-		}
-		out = append(out, l)
-	}
-	slices.SortFunc(out, func(a, b ListedHead) int {
-		if (a.Invalid != nil) != (b.Invalid != nil) {
-			if a.Invalid != nil {
-				return 1
-			}
-			return -1
-		}
-		return cmp.Or(cmp.Compare(a.Head.ID, b.Head.ID), cmp.Compare(a.Key, b.Key))
-	})
-	return out, nil
-}

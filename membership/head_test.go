@@ -56,9 +56,9 @@ func TestHeadRegistration(t *testing.T) {
 	list, err := membership.ListHeads(ctx, cli, "")
 	require.NoError(t, err)
 	require.Len(t, list, 3)
-	require.Equal(t, "head-a", list[0].Head.ID)
-	require.Equal(t, "10.0.0.1:8000", list[0].Head.Addr)
-	require.Equal(t, "head-b", list[1].Head.ID)
+	require.Equal(t, "head-a", list[0].Record.ID)
+	require.Equal(t, "10.0.0.1:8000", list[0].Record.Addr)
+	require.Equal(t, "head-b", list[1].Record.ID)
 	for _, l := range list[:2] {
 		require.NoError(t, l.Invalid)
 		require.Greater(t, l.TTLLeft, time.Duration(0))
@@ -76,7 +76,7 @@ func TestHeadRegistration(t *testing.T) {
 	list, err = membership.ListHeads(ctx, cli, "")
 	require.NoError(t, err)
 	require.Len(t, list, 2, "the closed head is gone at once")
-	require.Equal(t, "head-a", list[0].Head.ID)
+	require.Equal(t, "head-a", list[0].Record.ID)
 }
 
 // TestHeadReregistersAfterLeaseLoss: the head's record comes back under a

@@ -10,10 +10,10 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
-// Listed is one record found by List.
-type Listed struct {
+// Listed is one record found by List (a Member) or ListHeads (a Head).
+type Listed[R Member | Head] struct {
 	Key    string
-	Member Member // zero when Invalid is set
+	Record R // zero when Invalid is set
 	// Invalid says why the record cannot be used (bad JSON, key mismatch).
 	Invalid error
 	Lease   clientv3.LeaseID // NoLease when the key has none
@@ -24,37 +24,55 @@ type Listed struct {
 	ModRevision    int64
 }
 
-// List reads every record of a cluster (one linearizable read) and the
-// remaining TTL of their leases, sorted by stage and replica id; invalid
-// records come last, by key.
-func List(ctx context.Context, cli *clientv3.Client, cluster string) ([]Listed, error) {
+// List reads every member record of a cluster (one linearizable read) and
+// the remaining TTL of their leases, sorted by stage and replica id;
+// invalid records come last, by key.
+func List(ctx context.Context, cli *clientv3.Client, cluster string) ([]Listed[Member], error) {
+	return list(ctx, cli, cluster, MembersPrefix, DecodeMember, func(a, b Member) int {
+		return cmp.Or(cmp.Compare(a.Stage, b.Stage), cmp.Compare(a.ReplicaID, b.ReplicaID))
+	})
+}
+
+// ListHeads reads every head record of a cluster (one linearizable read)
+// and the remaining TTL of their leases, sorted by id; invalid records come
+// last, by key.
+func ListHeads(ctx context.Context, cli *clientv3.Client, cluster string) ([]Listed[Head], error) {
+	return list(ctx, cli, cluster, HeadsPrefix, DecodeHead, func(a, b Head) int { return cmp.Compare(a.ID, b.ID) })
+}
+
+// list reads the records under prefix(cluster), decodes each against its
+// key, and sorts the valid ones by order (then key) before the invalid
+// ones (by key).
+func list[R Member | Head](ctx context.Context, cli *clientv3.Client, cluster string,
+	prefix func(cluster string) string, decode func(cluster, key string, value []byte) (R, error), order func(a, b R) int,
+) ([]Listed[R], error) {
 	if cluster == "" {
 		cluster = DefaultCluster
 	}
 	if err := ValidateCluster(cluster); err != nil {
 		return nil, err
 	}
-	prefix := MembersPrefix(cluster)
-	resp, err := cli.Get(ctx, prefix, clientv3.WithPrefix())
+	p := prefix(cluster)
+	resp, err := cli.Get(ctx, p, clientv3.WithPrefix())
 	if err != nil {
-		return nil, fmt.Errorf("membership: list %s: %w", prefix, err)
+		return nil, fmt.Errorf("membership: list %s: %w", p, err)
 	}
-	out := make([]Listed, 0, len(resp.Kvs))
+	out := make([]Listed[R], 0, len(resp.Kvs))
 	ttls := leaseTTLs{cli: cli, known: map[clientv3.LeaseID]time.Duration{}}
 	for _, kv := range resp.Kvs {
-		l := Listed{
+		l := Listed[R]{
 			Key:            string(kv.Key),
 			Lease:          clientv3.LeaseID(kv.Lease),
 			CreateRevision: kv.CreateRevision,
 			ModRevision:    kv.ModRevision,
 		}
-		l.Member, l.Invalid = DecodeMember(cluster, l.Key, kv.Value)
+		l.Record, l.Invalid = decode(cluster, l.Key, kv.Value)
 		if l.TTLLeft, err = ttls.left(ctx, l.Lease); err != nil {
 			return nil, err
 		}
 		out = append(out, l)
 	}
-	slices.SortFunc(out, func(a, b Listed) int {
+	slices.SortFunc(out, func(a, b Listed[R]) int {
 		if (a.Invalid != nil) != (b.Invalid != nil) {
 			if a.Invalid != nil {
 				return 1
@@ -64,7 +82,7 @@ func List(ctx context.Context, cli *clientv3.Client, cluster string) ([]Listed, 
 		if a.Invalid != nil {
 			return cmp.Compare(a.Key, b.Key)
 		}
-		return cmp.Or(cmp.Compare(a.Member.Stage, b.Member.Stage), cmp.Compare(a.Member.ReplicaID, b.Member.ReplicaID))
+		return cmp.Or(order(a.Record, b.Record), cmp.Compare(a.Key, b.Key))
 	})
 	return out, nil
 }

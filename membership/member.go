@@ -105,8 +105,12 @@ func ValidateCluster(cluster string) error {
 	return nil
 }
 
+// KeyRoot is the etcd prefix of every key troupe writes: a cluster's
+// records live under KeyRoot<cluster>/ (see MembersPrefix, HeadsPrefix).
+const KeyRoot = "/troupe/"
+
 // MembersPrefix is the prefix under which every member of a cluster lives.
-func MembersPrefix(cluster string) string { return "/troupe/" + cluster + "/members/" }
+func MembersPrefix(cluster string) string { return KeyRoot + cluster + "/members/" }
 
 // StagePrefix is the prefix of one stage's members.
 func StagePrefix(cluster, stage string) string { return MembersPrefix(cluster) + stage + "/" }

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
-	"math/rand/v2"
 	"sync"
 	"time"
 
@@ -256,8 +255,8 @@ func (r *leased) run(ctx context.Context, lease clientv3.LeaseID) {
 		r.stale = lease
 		r.mu.Unlock()
 		if time.Since(started) >= ttl {
-			again.reset(500 * time.Millisecond)
-		} else if !again.sleep(ctx) {
+			again.Reset()
+		} else if !sleep(ctx, again) {
 			return
 		}
 		next, ok := r.reregister(ctx, lease)
@@ -303,10 +302,10 @@ func (r *leased) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 		}
 		switch {
 		case err == nil:
-			wait.reset(100 * time.Millisecond)
+			wait.Reset()
 		case ctx.Err() == nil:
 			r.lg.Warn("membership: update of the record failed; retrying", "key", r.key, "err", err)
-			retry.Reset(wait.delay())
+			retry.Reset(wait.NextBackOff())
 		}
 	}
 	// Drain: the client closes kac when the lease expires, is revoked, or
@@ -476,7 +475,7 @@ func (r *leased) reregister(ctx context.Context, old clientv3.LeaseID) (clientv3
 			r.lg.Error("membership: etcd client closed; registration stops", "key", r.key)
 			return clientv3.NoLease, false
 		}
-		if !wait.sleep(ctx) {
+		if !sleep(ctx, wait) {
 			return clientv3.NoLease, false
 		}
 	}
@@ -547,33 +546,3 @@ func (r *leased) emit(ev RegistrationEvent) {
 		r.lg.Debug("membership: registration event dropped; reader is behind", "type", ev.Type.String())
 	}
 }
-
-// backoff is an exponential backoff with full jitter between d/2 and d.
-type backoff struct {
-	next, max time.Duration
-}
-
-func newBackoff(initial, maxDelay time.Duration) *backoff {
-	return &backoff{next: initial, max: maxDelay}
-}
-
-// delay returns the next delay and doubles the one after.
-func (b *backoff) delay() time.Duration {
-	d := b.next/2 + rand.N(b.next/2+1)
-	b.next = min(b.next*2, b.max)
-	return d
-}
-
-// sleep waits the next delay; false when ctx ended first.
-func (b *backoff) sleep(ctx context.Context) bool {
-	t := time.NewTimer(b.delay())
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
-}
-
-func (b *backoff) reset(initial time.Duration) { b.next = initial }

@@ -349,7 +349,7 @@ func TestListShowsLeaseTTL(t *testing.T) {
 	var order []string
 	for _, l := range list[:3] {
 		require.NoError(t, l.Invalid)
-		order = append(order, fmt.Sprintf("%s/%d", l.Member.Stage, l.Member.ReplicaID))
+		order = append(order, fmt.Sprintf("%s/%d", l.Record.Stage, l.Record.ReplicaID))
 		require.Greater(t, l.TTLLeft, time.Duration(0))
 		require.LessOrEqual(t, l.TTLLeft, 20*time.Second)
 	}

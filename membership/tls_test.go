@@ -42,7 +42,7 @@ func TestDialMutualTLS(t *testing.T) {
 	cfg := membership.ClientConfig{Endpoints: srv.ClientURLs(), CACert: client.CA, Cert: client.Cert, Key: client.Key, DialTimeout: 10 * time.Second}
 	cli, err := membership.Dial(ctx, cfg)
 	require.NoError(t, err)
-	_, err = cli.Put(ctx, "/troupe/tls-check", "ok")
+	_, err = cli.Put(ctx, membership.KeyRoot+"tls-check", "ok")
 	require.NoError(t, err)
 	require.NoError(t, cli.Close())
 
@@ -106,7 +106,7 @@ func TestDialWithAuth(t *testing.T) {
 		cfg.Endpoints = e.Endpoints()
 		cli, err := membership.Dial(ctx, cfg)
 		require.NoError(t, err, name)
-		_, err = cli.Put(ctx, "/troupe/auth-check", name)
+		_, err = cli.Put(ctx, membership.KeyRoot+"auth-check", name)
 		assert.NoError(t, err, name)
 		require.NoError(t, cli.Close())
 	}

@@ -25,7 +25,7 @@ const listTimeout = 10 * time.Second
 type WatchConfig struct {
 	Cluster           string
 	Stages            []string      // known stage names; a record for another stage is invalid. Empty: any.
-	ReconcileInterval time.Duration // full re-list period; default 30s
+	ReconcileInterval time.Duration // full re-list period; default DefaultReconcileInterval
 	// OnInvalid is called, from Run's goroutine, once per malformed record
 	// (per key and mod revision). It must not block.
 	OnInvalid func(key string, err error)
@@ -142,7 +142,7 @@ func (w *Watcher) Run(ctx context.Context, out chan<- Event) error {
 				w.lg.Warn("membership: cannot list members; keeping the last known membership and retrying",
 					"prefix", w.prefix, "members", len(w.known), "err", err)
 			}
-			if !listWait.sleep(ctx) {
+			if !sleep(ctx, listWait) {
 				return ctx.Err()
 			}
 			continue
@@ -151,7 +151,7 @@ func (w *Watcher) Run(ctx context.Context, out chan<- Event) error {
 			w.lg.Info("membership: listing members again", "prefix", w.prefix, "revision", rev)
 			lastListWarn = time.Time{}
 		}
-		listWait.reset(100 * time.Millisecond)
+		listWait.Reset()
 
 		started := time.Now()
 		end, err := w.watch(ctx, out, rev+1)
@@ -169,9 +169,9 @@ func (w *Watcher) Run(ctx context.Context, out chan<- Event) error {
 		}
 		// A watch that breaks at once (no leader, denied) must not spin.
 		if time.Since(started) > 10*time.Second {
-			watchWait.reset(100 * time.Millisecond)
+			watchWait.Reset()
 		}
-		if !watchWait.sleep(ctx) {
+		if !sleep(ctx, watchWait) {
 			return ctx.Err()
 		}
 	}

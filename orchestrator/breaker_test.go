@@ -31,7 +31,7 @@ func replicaStatus(c *orchestratortest.Cluster, replica uint32) orchestrator.Rep
 func TestBrokenReplicaIsEjectedAndReturns(t *testing.T) {
 	c := orchestratortest.Start(t, orchestratortest.Options{
 		Pipeline: thinkerOnly, ReplicasPerStage: 2, Policy: router.PolicyRoundRobin,
-		Breaker: router.Breaker{Failures: 3, Backoff: 2 * time.Second},
+		Breaker: orchestrator.BreakerConfig{Failures: 3, Backoff: 2 * time.Second},
 	})
 	ctx := ctxT(t)
 	broken := c.Workers()[0]
@@ -90,7 +90,7 @@ func TestBrokenReplicaIsEjectedAndReturns(t *testing.T) {
 // keeps it.
 func TestOnlyReplicaIsNotEjected(t *testing.T) {
 	c := orchestratortest.Start(t, orchestratortest.Options{
-		Pipeline: thinkerOnly, Breaker: router.Breaker{Failures: 2, Backoff: time.Minute},
+		Pipeline: thinkerOnly, Breaker: orchestrator.BreakerConfig{Failures: 2, Backoff: time.Minute},
 	})
 	ctx := ctxT(t)
 	_, err := c.Workers()[0].Engine.Sleep(ctx, 1)

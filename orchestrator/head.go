@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/common/expfmt"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -31,6 +32,27 @@ import (
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 
+// Defaults of Config.
+const (
+	DefaultProbeTimeout   = 3 * time.Second
+	DefaultLeaseLossGrace = 15 * time.Second
+	DefaultStallTimeout   = 5 * time.Second
+)
+
+// Dialer opens a client connection to a replica's address, for example
+// grpc.NewClient with the head's dial options.
+type Dialer func(addr string) (*grpc.ClientConn, error)
+
+// BreakerConfig configures the circuit breaker: a replica whose attempts
+// fail Failures times in a row is ejected from routing for Backoff,
+// doubling with each ejection in a row up to MaxBackoff. A success closes
+// the breaker and resets the back-off. Zero fields take the defaults.
+type BreakerConfig struct {
+	Failures   int           // default 3
+	Backoff    time.Duration // default 1s
+	MaxBackoff time.Duration // default 30s, at least Backoff
+}
+
 // Config configures a Head.
 type Config struct {
 	Cluster           string
@@ -38,17 +60,17 @@ type Config struct {
 	Policy            string        // default policy of stages that name none; default round_robin
 	LogStats          bool          // register and record the stat families
 	DetachedSeriesTTL time.Duration // 0: keep a detached replica's series forever
-	ReconcileInterval time.Duration // membership full re-list period
-	ProbeTimeout      time.Duration // per Health call on join; default 3s
+	ReconcileInterval time.Duration // membership full re-list period; default membership.DefaultReconcileInterval
+	ProbeTimeout      time.Duration // per Health call on join; default DefaultProbeTimeout
 	// LeaseLossGrace is how long a replica whose record vanished but that
 	// still answers Health as serving (its lease was lost, for example when
 	// etcd froze past the TTL) stays routable while it re-registers.
-	// Default 15s.
+	// Default DefaultLeaseLossGrace.
 	LeaseLossGrace time.Duration
 	// StallTimeout fails a stage attempt that makes no progress (no chunk,
 	// and for a streamed stage no input sent) for this long, so a frozen
 	// replica's requests are retried elsewhere before its lease runs out.
-	// Default 5s.
+	// Default DefaultStallTimeout.
 	StallTimeout time.Duration
 	// MaxMigrations is how many times a stage-0 answer whose replica failed
 	// after text reached the client is continued on another replica, from
@@ -56,16 +78,16 @@ type Config struct {
 	// request ends with an error.
 	MaxMigrations int
 	// Breaker ejects a replica whose attempts fail repeatedly from routing
-	// for a back-off (see router.Breaker; the zero value: 3 failures in a
-	// row, 1s doubling to 30s).
-	Breaker router.Breaker
+	// for a back-off (the zero value: 3 failures in a row, 1s doubling to
+	// 30s).
+	Breaker BreakerConfig
 	// MaxMessageBytes caps each gRPC message to and from a replica (the
 	// client side of the replicas' own limit); default
 	// stagepb.DefaultMaxMessageBytes. A prompt whose request would exceed
 	// it is refused with ErrInputTooLarge before it is sent.
 	MaxMessageBytes int
 	Metrics         prometheus.Registerer
-	Dial            router.Dialer
+	Dial            Dialer // required
 	// TracerProvider makes the head's spans, whose context goes to the
 	// workers with each call (through the dialer's stats handler). nil: no
 	// spans, and the Generate calls to a replica that serves Multiplex
@@ -172,16 +194,16 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		cfg.Cluster = membership.DefaultCluster
 	}
 	if cfg.ProbeTimeout <= 0 {
-		cfg.ProbeTimeout = 3 * time.Second
+		cfg.ProbeTimeout = DefaultProbeTimeout
 	}
 	if cfg.MaxMessageBytes <= 0 {
 		cfg.MaxMessageBytes = stagepb.DefaultMaxMessageBytes
 	}
 	if cfg.LeaseLossGrace <= 0 {
-		cfg.LeaseLossGrace = 15 * time.Second
+		cfg.LeaseLossGrace = DefaultLeaseLossGrace
 	}
 	if cfg.StallTimeout <= 0 {
-		cfg.StallTimeout = 5 * time.Second
+		cfg.StallTimeout = DefaultStallTimeout
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -234,7 +256,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		cfg:       cfg,
 		log:       cfg.Logger,
 		stats:     st,
-		router:    router.NewWithBreaker(routing, cfg.Dial, cfg.Logger, cfg.Breaker),
+		router:    router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker)),
 		tracer:    cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
 		multiplex: multiplex,
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -490,7 +512,8 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 		h.log.Error("orchestrator: cannot dial replica", "stage", spec.StageName, "replica", spec.Key.Replica, "addr", spec.Addr, "err", err)
 		return
 	}
-	backoff := 100 * time.Millisecond
+	// Quick retries while a replica starts; after a minute, slow ones.
+	wait := backoff.ExponentialBackOff{InitialInterval: 100 * time.Millisecond, Multiplier: 2, MaxInterval: 2 * time.Second}
 	started := time.Now()
 	for attempt := 1; ; attempt++ {
 		pctx, cancel := context.WithTimeout(ctx, h.cfg.ProbeTimeout)
@@ -511,7 +534,10 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 			h.log.Warn("orchestrator: replica not serving yet", "stage", spec.StageName, "replica", spec.Key.Replica, "addr", spec.Addr,
 				"attempts", attempt, "status", health.GetStatus().String(), "err", err)
 		}
-		timer := time.NewTimer(backoff)
+		if time.Since(started) > time.Minute {
+			wait.MaxInterval = 30 * time.Second
+		}
+		timer := time.NewTimer(wait.NextBackOff())
 		select {
 		case <-ctx.Done():
 			timer.Stop()
@@ -519,12 +545,6 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 			return
 		case <-timer.C:
 		}
-		// Quick retries while a replica starts; after a minute, slow ones.
-		limit := 2 * time.Second
-		if time.Since(started) > time.Minute {
-			limit = 30 * time.Second
-		}
-		backoff = min(2*backoff, limit)
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/worker"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
@@ -46,7 +47,7 @@ func BenchmarkJoinToRoutable(b *testing.B) {
 		}
 	}
 	c := orchestratortest.Start(b, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1})
-	eng := sim.New(sim.Config{Role: sim.RoleText, Logger: slog.New(slog.DiscardHandler)})
+	eng := sim.New(sim.Config{Role: stagepb.RoleText, Logger: slog.New(slog.DiscardHandler)})
 	defer eng.Close()
 	srv, err := worker.New(worker.Config{Stage: "thinker", Engine: eng, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {

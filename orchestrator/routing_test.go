@@ -14,6 +14,7 @@ import (
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
 
@@ -113,7 +114,7 @@ func TestPrefixAwareConvergesAndSpreadsUnderOverload(t *testing.T) {
 			if source.want == "engine" {
 				// The same prompt again: the engine holds every full block
 				// of it (the sim caches whole 16-token blocks).
-				assert.Equal(t, int64(len(sim.Tokenize(last.Prompt))/sim.DefaultBlockSize), input)
+				assert.Equal(t, int64(len(tokenizers.Sim(last.Prompt))/sim.DefaultBlockSize), input)
 				assert.Equal(t, input, match)
 			}
 

@@ -30,7 +30,7 @@ func omni(streaming bool, chunk int) orchestrator.Pipeline {
 // expectedText is what the sim thinker answers.
 func expectedText(t *testing.T, prompt string, sp *stagepb.SamplingParams) string {
 	t.Helper()
-	out, err := sim.Expect(sim.RoleText, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: prompt}, Sampling: sp})
+	out, err := sim.Expect(stagepb.RoleText, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: prompt}, Sampling: sp})
 	require.NoError(t, err)
 	return out.Text
 }

@@ -87,7 +87,7 @@ func TestHeldOutputIsMergedAndDated(t *testing.T) {
 // Held output is sent within the hold even while the engine is still
 // working: the flush does not wait for the next output or the end.
 func TestHeldOutputIsSentWithinTheHold(t *testing.T) {
-	g := newGated(newSim(t, sim.Config{Role: sim.RoleText}))
+	g := newGated(newSim(t, sim.Config{Role: stagepb.RoleText}))
 	r := start(t, worker.Config{Stage: "thinker", Engine: g})
 	r.waitRegistered(t)
 	cli := dial(t, r.Advertise())
@@ -109,7 +109,7 @@ func TestHeldOutputIsSentWithinTheHold(t *testing.T) {
 	close(g.gate)
 	rest, err := recvAll(stream)
 	require.NoError(t, err)
-	want, err := sim.Expect(sim.RoleText, req)
+	want, err := sim.Expect(stagepb.RoleText, req)
 	require.NoError(t, err)
 	assert.Equal(t, want, concat(append([]*stagepb.GenerateChunk{first}, rest...)))
 }
@@ -118,7 +118,7 @@ func TestHeldOutputIsSentWithinTheHold(t *testing.T) {
 // sends them 10 or more at a time: the vocoder could not start on fewer.
 // The answer is the same, every output dated once.
 func TestCodesAreSentPerNextSegment(t *testing.T) {
-	r := start(t, worker.Config{Stage: "talker", Engine: newSim(t, sim.Config{Role: sim.RoleCodes})})
+	r := start(t, worker.Config{Stage: "talker", Engine: newSim(t, sim.Config{Role: stagepb.RoleCodes})})
 	r.waitRegistered(t)
 	cli := dial(t, r.Advertise())
 	req := textReq("a sentence long enough to make many codes for the vocoder to speak", nil)
@@ -128,7 +128,7 @@ func TestCodesAreSentPerNextSegment(t *testing.T) {
 	chunks, err := recvAll(stream)
 	require.NoError(t, err)
 
-	want, err := sim.Expect(sim.RoleCodes, req)
+	want, err := sim.Expect(stagepb.RoleCodes, req)
 	require.NoError(t, err)
 	require.Greater(t, len(want.Codes), 2*stagepb.DefaultSegmentCodes, "enough codes for several segments")
 	assert.Equal(t, want, concat(chunks))

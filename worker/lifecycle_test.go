@@ -27,7 +27,7 @@ func TestServesBeforeRegistering(t *testing.T) {
 
 	r := start(t, worker.Config{
 		Stage: "talker", ReplicaID: 4, Cluster: "blue", Listen: "127.0.0.1:0",
-		Engine:     newSim(t, sim.Config{Role: sim.RoleCodes, NumSpeculativeTokens: 2}),
+		Engine:     newSim(t, sim.Config{Role: stagepb.RoleCodes, NumSpeculativeTokens: 2}),
 		EtcdClient: cli, LeaseTTL: 5 * time.Second,
 		Model: "troupe-omni-sim", Version: "v-test", Labels: map[string]string{"zone": "a"},
 	})
@@ -137,7 +137,7 @@ func TestShutdownDeregistersThenFinishesInFlight(t *testing.T) {
 	close(g.gate)
 	chunks, err := recvAll(stream)
 	require.NoError(t, err)
-	want, err := sim.Expect(sim.RoleText, req)
+	want, err := sim.Expect(stagepb.RoleText, req)
 	require.NoError(t, err)
 	assert.Equal(t, want.Text, joinText(chunks))
 	assert.NoError(t, r.stop(t))

@@ -23,6 +23,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
@@ -329,11 +330,11 @@ func (s *Server) Run(ctx context.Context) error {
 	return nil
 }
 
-// Bounds of the backoff between failed re-registrations.
-const (
-	reregisterMinBackoff = 500 * time.Millisecond
-	reregisterMaxBackoff = 10 * time.Second
-)
+// newReregisterBackoff is the schedule of retries after a failed
+// re-registration: 500ms doubling to 10s.
+func newReregisterBackoff() *backoff.ExponentialBackOff {
+	return &backoff.ExponentialBackOff{InitialInterval: 500 * time.Millisecond, Multiplier: 2, MaxInterval: 10 * time.Second}
+}
 
 // maintain keeps the replica in rotation exactly while the engine is
 // available, until ctx ends or gRPC stops serving. It returns the live
@@ -341,7 +342,7 @@ const (
 // registration that failed (then nothing else).
 func (s *Server) maintain(ctx context.Context, served chan error) (reg *membership.Registration, serveErr, err error) {
 	inRotation := false
-	backoff := reregisterMinBackoff
+	wait := newReregisterBackoff()
 	var retry *time.Timer
 	defer func() {
 		if retry != nil {
@@ -357,7 +358,8 @@ func (s *Server) maintain(ctx context.Context, served chan error) (reg *membersh
 			first := s.member.Load() == nil
 			switch {
 			case rerr == nil:
-				reg, inRotation, backoff = r, true, reregisterMinBackoff
+				reg, inRotation = r, true
+				wait.Reset()
 				s.reg.Store(r)
 				if s.isDraining() { // the Drain RPC came while registering
 					s.deregister(r)
@@ -378,9 +380,9 @@ func (s *Server) maintain(ctx context.Context, served chan error) (reg *membersh
 			case first:
 				return nil, nil, rerr
 			default:
-				s.log.Warn("worker: re-registration failed; retrying", "err", rerr, "in", backoff)
-				retry = time.NewTimer(backoff)
-				backoff = min(2*backoff, reregisterMaxBackoff)
+				in := wait.NextBackOff()
+				s.log.Warn("worker: re-registration failed; retrying", "err", rerr, "in", in)
+				retry = time.NewTimer(in)
 			}
 		case !ok && inRotation:
 			s.log.Warn("worker: engine unavailable; leaving rotation", "reason", s.cfg.Engine.Health().GetStatusMessage())

@@ -62,8 +62,8 @@ func TestGenerateOverGRPC(t *testing.T) {
 }
 
 func TestWrongInputKindIsInvalidArgument(t *testing.T) {
-	vocoder := start(t, worker.Config{Stage: "vocoder", Engine: newSim(t, sim.Config{Role: sim.RoleAudio})})
-	thinker := start(t, worker.Config{Stage: "thinker", Engine: newSim(t, sim.Config{Role: sim.RoleText})})
+	vocoder := start(t, worker.Config{Stage: "vocoder", Engine: newSim(t, sim.Config{Role: stagepb.RoleAudio})})
+	thinker := start(t, worker.Config{Stage: "thinker", Engine: newSim(t, sim.Config{Role: stagepb.RoleText})})
 	vocoder.waitRegistered(t)
 	thinker.waitRegistered(t)
 	for _, c := range []struct {
@@ -121,7 +121,7 @@ func TestDrainRPCRefusesNewWorkAndFinishesInFlight(t *testing.T) {
 	close(g.gate)
 	chunks, err := recvAll(stream)
 	require.NoError(t, err)
-	want, err := sim.Expect(sim.RoleText, req)
+	want, err := sim.Expect(stagepb.RoleText, req)
 	require.NoError(t, err)
 	assert.Equal(t, want.Text, joinText(chunks))
 	assert.Equal(t, stagepb.FinishReason_FINISH_REASON_LENGTH, chunks[len(chunks)-1].GetFinishReason())
@@ -304,8 +304,8 @@ func TestNewRejectsBadConfig(t *testing.T) {
 // head's default body limit (gRPC alone stops at 4 MiB); MaxMessageBytes
 // sets the limit.
 func TestMessageLimit(t *testing.T) {
-	r := start(t, worker.Config{Stage: "thinker", Engine: newSim(t, sim.Config{Role: sim.RoleText})})
-	small := start(t, worker.Config{Stage: "thinker", Engine: newSim(t, sim.Config{Role: sim.RoleText}), MaxMessageBytes: 1 << 20})
+	r := start(t, worker.Config{Stage: "thinker", Engine: newSim(t, sim.Config{Role: stagepb.RoleText})})
+	small := start(t, worker.Config{Stage: "thinker", Engine: newSim(t, sim.Config{Role: stagepb.RoleText}), MaxMessageBytes: 1 << 20})
 	r.waitRegistered(t)
 	small.waitRegistered(t)
 	word := strings.Repeat("x", 6<<20) // one word: two tokens, however long

@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
 
@@ -210,7 +211,7 @@ func TestWorkerInFrontOfUpstream(t *testing.T) {
 	want, tokens, _ := sim.ExpectedText("system: be brief\nuser: hi", 8, 10)
 	assert.Equal(t, want, got.Choices[0].Message.Content)
 	assert.Equal(t, tokens, got.Usage.CompletionTokens)
-	assert.Equal(t, len(sim.Tokenize("system: be brief\nuser: hi")), got.Usage.PromptTokens)
+	assert.Equal(t, len(tokenizers.Sim("system: be brief\nuser: hi")), got.Usage.PromptTokens)
 }
 
 func TestWorkerEngineFlags(t *testing.T) {

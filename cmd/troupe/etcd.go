@@ -15,7 +15,7 @@ func runEtcd(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet("etcd")
 	dataDir := fs.String("data-dir", "", "directory for etcd's WAL and database (required)")
 	name := fs.String("name", "troupe", "member name")
-	listenClient := fs.String("listen-client-urls", "http://127.0.0.1:2379", "comma-separated URLs to serve clients on")
+	listenClient := fs.String("listen-client-urls", embedetcd.DefaultClientURL, "comma-separated URLs to serve clients on")
 	listenPeer := fs.String("listen-peer-urls", "", "comma-separated URLs to serve peers on (default: the client host, client port + 1)")
 	advertiseClient := fs.String("advertise-client-urls", "", "client URLs to advertise (default: the listen client URLs)")
 	advertisePeer := fs.String("initial-advertise-peer-urls", "", "peer URLs to advertise (default: the listen peer URLs)")

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/membership/embedetcd"
 )
 
 // etcdFlags are the etcd client flags shared by head, worker and members.
@@ -15,13 +16,13 @@ type etcdFlags struct {
 
 func addEtcdFlags(fs *flag.FlagSet) *etcdFlags {
 	f := &etcdFlags{}
-	fs.StringVar(&f.endpoints, "etcd-endpoints", "http://127.0.0.1:2379", "comma-separated etcd client URLs")
+	fs.StringVar(&f.endpoints, "etcd-endpoints", embedetcd.DefaultClientURL, "comma-separated etcd client URLs")
 	fs.StringVar(&f.cacert, "etcd-cacert", "", "CA bundle to verify etcd's certificate")
 	fs.StringVar(&f.cert, "etcd-cert", "", "client certificate for etcd")
 	fs.StringVar(&f.key, "etcd-key", "", "client key for etcd")
 	fs.StringVar(&f.user, "etcd-user", "", "etcd user name (or user:password)")
 	fs.StringVar(&f.password, "etcd-password", "", "etcd password")
-	fs.DurationVar(&f.dialTimeout, "etcd-dial-timeout", 5*time.Second, "how long to wait for etcd at start-up")
+	fs.DurationVar(&f.dialTimeout, "etcd-dial-timeout", membership.DefaultDialTimeout, "how long to wait for etcd at start-up")
 	return f
 }
 

@@ -34,7 +34,7 @@ import (
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
-	"github.com/troupe-serving/troupe/worker/sim"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
 // headFlags are the flags of `troupe head`; `troupe up` reuses them.
@@ -57,7 +57,7 @@ type headFlags struct {
 }
 
 func addHeadFlags(fs *flag.FlagSet) *headFlags {
-	f := &headFlags{maxBody: 16 << 20}
+	f := &headFlags{maxBody: httpapi.DefaultMaxBodyBytes}
 	fs.StringVar(&f.http, "http", "127.0.0.1:8000", "address of the HTTP API")
 	fs.StringVar(&f.adminHTTP, "admin-http", "", "serve admin routes and /metrics on this separate address")
 	fs.StringVar(&f.pipeline, "pipeline", "", "pipeline YAML file (default: thinker → talker → vocoder, model troupe-omni-sim)")
@@ -71,15 +71,15 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.Var(&f.maxBody, "max-body-bytes", "largest request body accepted (e.g. 16MiB)")
 	fs.IntVar(&f.maxInFlight, "max-in-flight", 1024, "completions the head runs at once; beyond it 429 with Retry-After (0: no limit)")
 	fs.DurationVar(&f.detachedTTL, "detached-series-ttl", 0, "delete the series of replicas detached longer than this (0: keep forever)")
-	fs.DurationVar(&f.reconcile, "reconcile-interval", 30*time.Second, "period of the full membership re-list that repairs drift")
-	fs.DurationVar(&f.stallTimeout, "stall-timeout", 5*time.Second, "fail and retry a stage attempt that makes no progress for this long")
-	fs.DurationVar(&f.leaseLossGrace, "lease-loss-grace", 15*time.Second, "keep routing to a replica whose record vanished but that still serves, while it re-registers")
+	fs.DurationVar(&f.reconcile, "reconcile-interval", membership.DefaultReconcileInterval, "period of the full membership re-list that repairs drift")
+	fs.DurationVar(&f.stallTimeout, "stall-timeout", orchestrator.DefaultStallTimeout, "fail and retry a stage attempt that makes no progress for this long")
+	fs.DurationVar(&f.leaseLossGrace, "lease-loss-grace", orchestrator.DefaultLeaseLossGrace, "keep routing to a replica whose record vanished but that still serves, while it re-registers")
 	fs.IntVar(&f.maxMigrations, "max-migrations", 1, "times an answer whose thinker failed after text reached the client is continued on another replica (0: it ends with an error)")
 	fs.StringVar(&f.headID, "head-id", "", "id of this head's record in etcd (/troupe/<cluster>/heads/<id>; default: <hostname>-<pid>-<4 random hex digits>)")
 	fs.StringVar(&f.advertise, "advertise", "", "API address recorded in the head's etcd record (default: the bound address; the hostname when listening on all interfaces)")
 	fs.DurationVar(&f.leaseTTL, "lease-ttl", membership.DefaultTTL, "etcd lease TTL of the head's record")
 	fs.DurationVar(&f.shutdownDelay, "shutdown-delay", 0, "on SIGTERM, answer /readyz 503 and keep serving this long before draining, so a load balancer stops sending first")
-	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests may finish before they are cut")
+	fs.DurationVar(&f.drainTimeout, "drain-timeout", httpapi.DefaultDrainTimeout, "on SIGTERM, how long in-flight requests may finish before they are cut")
 	f.tls = addTLSFlags(fs, "gRPC to workers")
 	f.otel = addOtelFlags(fs)
 	f.log = addLogFlags(fs)
@@ -215,7 +215,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		Cluster:           hf.cluster,
 		Pipeline:          pipeline,
 		Policy:            hf.policy,
-		Tokenizers:        map[string]func(string) []uint32{sim.EngineName: sim.Tokenize},
+		Tokenizers:        tokenizers.All(),
 		LogStats:          hf.logStats,
 		DetachedSeriesTTL: hf.detachedTTL,
 		ReconcileInterval: hf.reconcile,

@@ -64,9 +64,9 @@ func TestHeadsTable(t *testing.T) {
 	assert.Equal(t, "\n(no heads)\n", out.String())
 
 	out.Reset()
-	require.NoError(t, writeHeadsTable(&out, []membership.ListedHead{
-		{Key: "/troupe/default/heads/a", Head: membership.Head{ID: "a", Addr: "10.0.0.1:8000", Version: "v1", StartedAt: now.Add(-time.Minute)}, TTLLeft: 9 * time.Second},
-		{Key: "/troupe/default/heads/b", Head: membership.Head{ID: "b", Addr: "10.0.0.2:8000"}, TTLLeft: -1},
+	require.NoError(t, writeHeadsTable(&out, []membership.Listed[membership.Head]{
+		{Key: "/troupe/default/heads/a", Record: membership.Head{ID: "a", Addr: "10.0.0.1:8000", Version: "v1", StartedAt: now.Add(-time.Minute)}, TTLLeft: 9 * time.Second},
+		{Key: "/troupe/default/heads/b", Record: membership.Head{ID: "b", Addr: "10.0.0.2:8000"}, TTLLeft: -1},
 		{Key: "/troupe/default/heads/x", Invalid: errors.New("bad")},
 	}, now))
 	lines := strings.Split(strings.TrimSpace(out.String()), "\n")

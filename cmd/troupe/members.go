@@ -78,22 +78,22 @@ func runMembers(ctx context.Context, args []string, stdout io.Writer) error {
 	return writeHeadsTable(stdout, heads, now)
 }
 
-func writeMembersJSON(w io.Writer, cluster string, list []membership.Listed, heads []membership.ListedHead, now time.Time) error {
+func writeMembersJSON(w io.Writer, cluster string, list []membership.Listed[membership.Member], heads []membership.Listed[membership.Head], now time.Time) error {
 	out := membersJSON{Cluster: cluster, Members: []memberJSON{}, Heads: []headJSON{}, Invalid: []invalidJSON{}}
 	for _, l := range list {
 		if l.Invalid != nil {
 			out.Invalid = append(out.Invalid, invalidJSON{Key: l.Key, Error: l.Invalid.Error()})
 			continue
 		}
-		row := memberJSON{Key: l.Key, Member: l.Member, TTLSeconds: -1}
+		row := memberJSON{Key: l.Key, Member: l.Record, TTLSeconds: -1}
 		if l.Lease != 0 {
 			row.Lease = fmt.Sprintf("%x", int64(l.Lease))
 		}
 		if l.TTLLeft >= 0 {
 			row.TTLSeconds = int64(l.TTLLeft / time.Second)
 		}
-		if !l.Member.StartedAt.IsZero() {
-			row.AgeSeconds = now.Sub(l.Member.StartedAt).Round(time.Millisecond).Seconds()
+		if !l.Record.StartedAt.IsZero() {
+			row.AgeSeconds = now.Sub(l.Record.StartedAt).Round(time.Millisecond).Seconds()
 		}
 		out.Members = append(out.Members, row)
 	}
@@ -102,15 +102,15 @@ func writeMembersJSON(w io.Writer, cluster string, list []membership.Listed, hea
 			out.Invalid = append(out.Invalid, invalidJSON{Key: l.Key, Error: l.Invalid.Error()})
 			continue
 		}
-		row := headJSON{Key: l.Key, Head: l.Head, TTLSeconds: -1}
+		row := headJSON{Key: l.Key, Head: l.Record, TTLSeconds: -1}
 		if l.Lease != 0 {
 			row.Lease = fmt.Sprintf("%x", int64(l.Lease))
 		}
 		if l.TTLLeft >= 0 {
 			row.TTLSeconds = int64(l.TTLLeft / time.Second)
 		}
-		if !l.Head.StartedAt.IsZero() {
-			row.AgeSeconds = now.Sub(l.Head.StartedAt).Round(time.Millisecond).Seconds()
+		if !l.Record.StartedAt.IsZero() {
+			row.AgeSeconds = now.Sub(l.Record.StartedAt).Round(time.Millisecond).Seconds()
 		}
 		out.Heads = append(out.Heads, row)
 	}
@@ -119,8 +119,8 @@ func writeMembersJSON(w io.Writer, cluster string, list []membership.Listed, hea
 	return enc.Encode(out)
 }
 
-func writeMembersTable(w io.Writer, list []membership.Listed, now time.Time) error {
-	var valid, invalid []membership.Listed
+func writeMembersTable(w io.Writer, list []membership.Listed[membership.Member], now time.Time) error {
+	var valid, invalid []membership.Listed[membership.Member]
 	for _, l := range list {
 		if l.Invalid != nil {
 			invalid = append(invalid, l)
@@ -136,7 +136,7 @@ func writeMembersTable(w io.Writer, list []membership.Listed, now time.Time) err
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "STAGE\tREPLICA\tADDR\tENGINE\tVERSION\tLEASE TTL\tAGE")
 		for _, l := range valid {
-			m := l.Member
+			m := l.Record
 			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", m.Stage, m.ReplicaID, m.Addr,
 				orDash(m.Engine), orDash(m.Version), ttlText(l.TTLLeft), ageText(m.StartedAt, now))
 		}
@@ -153,8 +153,8 @@ func writeMembersTable(w io.Writer, list []membership.Listed, now time.Time) err
 }
 
 // writeHeadsTable prints the heads after the members, one table.
-func writeHeadsTable(w io.Writer, heads []membership.ListedHead, now time.Time) error {
-	var valid []membership.ListedHead
+func writeHeadsTable(w io.Writer, heads []membership.Listed[membership.Head], now time.Time) error {
+	var valid []membership.Listed[membership.Head]
 	for _, l := range heads {
 		if l.Invalid == nil {
 			valid = append(valid, l)
@@ -169,7 +169,7 @@ func writeHeadsTable(w io.Writer, heads []membership.ListedHead, now time.Time) 
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "HEAD\tAPI ADDR\tVERSION\tLEASE TTL\tAGE")
 		for _, l := range valid {
-			h := l.Head
+			h := l.Record
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", h.ID, h.Addr, orDash(h.Version), ttlText(l.TTLLeft), ageText(h.StartedAt, now))
 		}
 		if err := tw.Flush(); err != nil {

@@ -125,7 +125,7 @@ func runWorker(ctx context.Context, args []string, stdout io.Writer) error {
 func (f *workerFlags) simConfig(log *slog.Logger) (sim.Config, error) {
 	role := sim.RoleForStage(f.stage)
 	if f.simRole != "" {
-		r, err := sim.ParseRole(f.simRole)
+		r, err := stagepb.ParseRole(f.simRole)
 		if err != nil {
 			return sim.Config{}, err
 		}

@@ -30,13 +30,18 @@ import (
 	"google.golang.org/grpc/status"
 )
 
+// DefaultClientURL is where the server serves clients when
+// Config.ListenClientURLs is empty, and where troupe's clients look for
+// etcd by default.
+const DefaultClientURL = "http://127.0.0.1:2379"
+
 // Config says where the server keeps its data and listens.
 type Config struct {
 	// Name of the member; default "default".
 	Name string
 	// DataDir holds the WAL and the database. Required.
 	DataDir string
-	// ListenClientURLs default to http://127.0.0.1:2379. A port 0 binds a
+	// ListenClientURLs default to DefaultClientURL. A port 0 binds a
 	// free port; ClientURLs reports the bound one.
 	ListenClientURLs []string
 	// ListenPeerURLs default to the first client URL's host with the next
@@ -90,7 +95,7 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 		ec.Name = cfg.Name
 	}
 	var err error
-	if ec.ListenClientUrls, err = parseURLs("listen client", cfg.ListenClientURLs, "http://127.0.0.1:2379"); err != nil {
+	if ec.ListenClientUrls, err = parseURLs("listen client", cfg.ListenClientURLs, DefaultClientURL); err != nil {
 		return nil, err
 	}
 	peerDefault, err := nextPort(ec.ListenClientUrls[0])

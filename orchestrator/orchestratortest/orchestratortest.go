@@ -18,9 +18,10 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/troupe-serving/troupe/internal/core/router"
+	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/membership/membershiptest"
 	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 	"github.com/troupe-serving/troupe/worker"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
@@ -43,7 +44,7 @@ type Options struct {
 	HeadDialOptions []grpc.DialOption
 	Logger          *slog.Logger
 	// Breaker is the head's circuit breaker (zero: the defaults).
-	Breaker router.Breaker
+	Breaker orchestrator.BreakerConfig
 	// SeparateStats registers the head's per-replica stats on
 	// Cluster.StatsMetrics instead of Metrics, as troupe head does; /metrics
 	// then serves them with the Head as its httpapi.Exposer.
@@ -155,10 +156,10 @@ func (c *Cluster) startHead(t testing.TB, metrics, statsMetrics *prometheus.Regi
 		Pipeline:          c.opts.Pipeline,
 		Policy:            c.opts.Policy,
 		MaxMigrations:     c.opts.MaxMigrations,
-		Tokenizers:        map[string]func(string) []uint32{sim.EngineName: sim.Tokenize},
+		Tokenizers:        tokenizers.All(),
 		LogStats:          !c.opts.DisableStats,
 		Metrics:           metrics,
-		ReconcileInterval: 30 * time.Second,
+		ReconcileInterval: membership.DefaultReconcileInterval,
 		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },
 		TracerProvider:    c.opts.HeadTracer,
 		Logger:            c.opts.Logger,

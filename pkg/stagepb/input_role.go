@@ -1,5 +1,10 @@
 package stagepb
 
+import (
+	"fmt"
+	"slices"
+)
+
 // Roles say what a stage's engine gives (HealthResponse.role) and takes
 // (HealthResponse.input_role). A stage's input role must equal the role of
 // the stage before it; the first stage takes text from the client.
@@ -9,17 +14,33 @@ const (
 	RoleAudio = "audio" // PCM16 audio out; no engine takes it as input
 )
 
+// Roles lists every role, in pipeline order.
+var Roles = [...]string{RoleText, RoleCodes, RoleAudio}
+
+// ParseRole returns name when it names a role: text, codes or audio.
+func ParseRole(name string) (string, error) {
+	if !slices.Contains(Roles[:], name) {
+		return "", fmt.Errorf("stagepb: unknown role %q (want text, codes or audio)", name)
+	}
+	return name, nil
+}
+
+// InputRoleOf is what an engine of the given role takes unless it says
+// otherwise: codes for audio, text for every other role (the sim's rule).
+func InputRoleOf(role string) string {
+	if role == RoleAudio {
+		return RoleCodes
+	}
+	return RoleText
+}
+
 // EffectiveInputRole is what the engine that reported h takes: its
-// input_role, or, for workers that do not report one, codes for role audio
-// and text otherwise (the sim's rule).
+// input_role, or, for workers that do not report one, InputRoleOf its role.
 func (h *HealthResponse) EffectiveInputRole() string {
 	if r := h.GetInputRole(); r != "" {
 		return r
 	}
-	if h.GetRole() == RoleAudio {
-		return RoleCodes
-	}
-	return RoleText
+	return InputRoleOf(h.GetRole())
 }
 
 // EffectiveRole is what the engine that reported h gives: its role, text

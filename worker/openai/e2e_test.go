@@ -17,6 +17,7 @@ import (
 
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 	"github.com/troupe-serving/troupe/worker/openai"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
@@ -71,7 +72,7 @@ func TestThroughTwoHeads(t *testing.T) {
 		require.NoError(t, stream.Close())
 		assert.Equal(t, want, text.String())
 		assert.Equal(t, int64(wantTokens), usage.CompletionTokens)
-		assert.Equal(t, int64(len(sim.Tokenize(sim.ChatPrompt(msgs)))), usage.PromptTokens)
+		assert.Equal(t, int64(len(tokenizers.Sim(sim.ChatPrompt(msgs)))), usage.PromptTokens)
 		assert.Greater(t, deltas, 1, "streamed through both heads")
 	})
 

@@ -15,6 +15,7 @@ import (
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 	"github.com/troupe-serving/troupe/worker/openai"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
@@ -48,13 +49,13 @@ func TestChatFromTroupeHead(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			chunks, err := collect(testCtx(t), e, chatReq(tc.sp, msgs...))
 			require.NoError(t, err)
-			x, err := sim.Expect(sim.RoleText, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: prompt}, Sampling: tc.sp})
+			x, err := sim.Expect(stagepb.RoleText, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: prompt}, Sampling: tc.sp})
 			require.NoError(t, err)
 			wantText, wantTokens, wantFinish := x.Text, x.GenerationTokens, x.Finish
 			assert.Equal(t, wantText, joinText(chunks))
 			last := chunks[len(chunks)-1]
 			assert.Equal(t, wantFinish, last.GetFinishReason())
-			assert.Equal(t, uint64(len(sim.Tokenize(prompt))), last.GetStats().GetPromptTokens(), "usage: prompt tokens as the upstream counted them")
+			assert.Equal(t, uint64(len(tokenizers.Sim(prompt))), last.GetStats().GetPromptTokens(), "usage: prompt tokens as the upstream counted them")
 			assert.Equal(t, uint64(wantTokens), last.GetStats().GetGenerationTokens())
 			assert.Equal(t, last.GetStats().GetPromptTokens(), last.GetStats().GetPromptTokensLocalCompute())
 			require.NotNil(t, last.GetTimings())

@@ -21,11 +21,11 @@ const (
 // Config configures a sim Engine. Zero fields take the defaults above; the
 // delays default to 0, which makes the engine run as fast as it can.
 type Config struct {
-	Role                 Role // default RoleText
-	MaxNumSeqs           int  // most requests running at once
-	MaxNumBatchedTokens  int  // token budget of one engine step (chunked prefill)
-	NumKVBlocks          int  // KV cache size in blocks
-	BlockSize            int  // tokens per KV block
+	Role                 string // a stagepb role; default stagepb.RoleText
+	MaxNumSeqs           int    // most requests running at once
+	MaxNumBatchedTokens  int    // token budget of one engine step (chunked prefill)
+	NumKVBlocks          int    // KV cache size in blocks
+	BlockSize            int    // tokens per KV block
 	DisablePrefixCaching bool
 	// PrefillTokensPerSec is the prefill throughput: a step that computes n
 	// prompt tokens takes n/PrefillTokensPerSec longer. 0: instant.
@@ -43,7 +43,7 @@ type Config struct {
 func (c Config) Validate() error {
 	var errs []error
 	if c.Role != "" {
-		if _, err := ParseRole(string(c.Role)); err != nil {
+		if _, err := stagepb.ParseRole(c.Role); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -76,8 +76,8 @@ func (c Config) Validate() error {
 // withDefaults fills zero fields and clamps what Validate would refuse, so
 // that New never builds an engine that cannot make progress.
 func (c Config) withDefaults() Config {
-	if _, err := ParseRole(string(c.Role)); err != nil {
-		c.Role = RoleText
+	if _, err := stagepb.ParseRole(c.Role); err != nil {
+		c.Role = stagepb.RoleText
 	}
 	if c.MaxNumSeqs <= 0 {
 		c.MaxNumSeqs = DefaultMaxNumSeqs

@@ -16,10 +16,11 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
 // EngineName is what Health reports as the engine.
-const EngineName = "sim"
+const EngineName = tokenizers.SimEngine
 
 // Engine runs the scheduler in one goroutine, started by New and stopped by
 // Close. Generate, Health, Sleep, WakeUp and Snapshot may be called
@@ -202,8 +203,8 @@ func (e *Engine) Health() *stagepb.HealthResponse {
 		Status:               st,
 		SleepState:           s.SleepState,
 		Engine:               EngineName,
-		Role:                 string(e.cfg.Role),
-		InputRole:            e.cfg.Role.InputRole(),
+		Role:                 e.cfg.Role,
+		InputRole:            stagepb.InputRoleOf(e.cfg.Role),
 		NumSpeculativeTokens: uint32(e.cfg.NumSpeculativeTokens),
 		CacheConfig: &stagepb.CacheConfig{
 			BlockSize:           uint32(e.cfg.BlockSize),
@@ -384,4 +385,4 @@ func (m *mailbox) take() (chunks []*stagepb.GenerateChunk, final bool, err error
 // segments, each with the earlier input as context (worker.Continuer): the
 // codes and audio roles can, since each output depends only on the input
 // before it; the text role needs its whole prompt.
-func (e *Engine) ContinuesInput() bool { return e.cfg.Role != RoleText }
+func (e *Engine) ContinuesInput() bool { return e.cfg.Role != stagepb.RoleText }

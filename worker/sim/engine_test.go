@@ -42,7 +42,7 @@ func generate(ctx context.Context, e *Engine, req *stagepb.GenerateRequest) ([]*
 }
 
 // checkChunks checks a finished stream against Expect and the stats rules.
-func checkChunks(t *testing.T, role Role, req *stagepb.GenerateRequest, chunks []*stagepb.GenerateChunk) {
+func checkChunks(t *testing.T, role string, req *stagepb.GenerateRequest, chunks []*stagepb.GenerateChunk) {
 	t.Helper()
 	want, err := Expect(role, req)
 	require.NoError(t, err)
@@ -80,14 +80,14 @@ func checkChunks(t *testing.T, role Role, req *stagepb.GenerateRequest, chunks [
 func TestEngineOutputMatchesExpect(t *testing.T) {
 	ctx := context.Background()
 	for _, c := range []struct {
-		role Role
+		role string
 		req  *stagepb.GenerateRequest
 	}{
-		{RoleText, textRequest("what is the weather like", &stagepb.SamplingParams{Seed: proto.Int64(42)})},
-		{RoleText, textRequest("what is the weather like", &stagepb.SamplingParams{MaxTokens: 5})},
-		{RoleText, textRequest("count", &stagepb.SamplingParams{MaxTokens: 30, IgnoreEos: true, Stop: []string{"e"}})},
-		{RoleCodes, textRequest("the sun is out today", nil)},
-		{RoleAudio, codesRequest([]uint32{3, 14, 15, 92, 65})},
+		{stagepb.RoleText, textRequest("what is the weather like", &stagepb.SamplingParams{Seed: proto.Int64(42)})},
+		{stagepb.RoleText, textRequest("what is the weather like", &stagepb.SamplingParams{MaxTokens: 5})},
+		{stagepb.RoleText, textRequest("count", &stagepb.SamplingParams{MaxTokens: 30, IgnoreEos: true, Stop: []string{"e"}})},
+		{stagepb.RoleCodes, textRequest("the sun is out today", nil)},
+		{stagepb.RoleAudio, codesRequest([]uint32{3, 14, 15, 92, 65})},
 	} {
 		t.Run(string(c.role), func(t *testing.T) {
 			e := newEngine(t, Config{Role: c.role})
@@ -157,7 +157,7 @@ func TestEngineConcurrentRequestsAreDeterministic(t *testing.T) {
 				errs <- err
 				return
 			}
-			want, _ := Expect(RoleText, req)
+			want, _ := Expect(stagepb.RoleText, req)
 			if got := text(chunks); got != want.Text {
 				errs <- fmt.Errorf("request %d: got %q, want %q", i, got, want.Text)
 			}
@@ -256,7 +256,7 @@ func TestEngineSleepAndWake(t *testing.T) {
 	chunks, err = generate(ctx, e, req)
 	require.NoError(t, err)
 	assert.Equal(t, uint64(0), sums(chunks).PrefixCacheHits, "level 2 discards the prefix cache")
-	checkChunks(t, RoleText, req, chunks)
+	checkChunks(t, stagepb.RoleText, req, chunks)
 }
 
 func TestEngineRefusesSleepWithRequestsInFlight(t *testing.T) {

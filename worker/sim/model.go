@@ -8,45 +8,30 @@ import (
 	"strings"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
-// Role says what a sim engine consumes and produces.
-type Role string
-
-const (
-	RoleText  Role = "text"  // text or token ids in, text out (a thinker)
-	RoleCodes Role = "codes" // text or token ids in, codec codes out (a talker)
-	RoleAudio Role = "audio" // codes in, PCM16 mono audio out (a vocoder)
-)
-
-// RoleForStage picks the role from a stage name: thinker → text,
-// talker → codes, vocoder → audio, anything else → text.
-func RoleForStage(stage string) Role {
+// RoleForStage picks the sim's role (a stagepb role) from a stage name:
+// thinker → text, talker → codes, vocoder → audio, anything else → text.
+func RoleForStage(stage string) string {
 	switch stage {
 	case "talker":
-		return RoleCodes
+		return stagepb.RoleCodes
 	case "vocoder":
-		return RoleAudio
+		return stagepb.RoleAudio
 	}
-	return RoleText
+	return stagepb.RoleText
 }
 
-// ParseRole parses a --sim-role value.
-func ParseRole(s string) (Role, error) {
-	switch r := Role(s); r {
-	case RoleText, RoleCodes, RoleAudio:
-		return r, nil
-	}
-	return "", fmt.Errorf("sim: unknown role %q (want text, codes or audio)", s)
-}
+// The sim's fixed model constants. Its tokenizer is tokenizers.Sim (text
+// prompts are tokenizers.SimBOS, then one token per word), which the head
+// runs too.
+const CodebookSize uint32 = 1024 // codec codes are in [0, CodebookSize)
 
-// The sim's fixed model constants.
+// The sim's audio and output lengths.
 const (
-	BOS            uint32 = 1     // token id prepended to every tokenized text prompt
-	VocabSize      uint32 = 32000 // token ids are in [0, VocabSize)
-	CodebookSize   uint32 = 1024  // codec codes are in [0, CodebookSize)
-	SampleRate            = 24000 // Hz, PCM16 mono little-endian
-	SamplesPerCode        = 960   // 40 ms of audio per codec code
+	SampleRate     = 24000 // Hz, PCM16 mono little-endian
+	SamplesPerCode = 960   // 40 ms of audio per codec code
 
 	// DefaultMaxTextTokens and DefaultMaxCodes replace max_tokens 0.
 	DefaultMaxTextTokens = 64
@@ -62,25 +47,6 @@ var vocabulary = [...]string{
 	"people", "sing", "together", "in", "evening", "air", "clear", "sky", "holds", "stars",
 	"gentle", "waves", "return", "to", "shore", "while", "children", "laugh", "near", "fire",
 	"time", "turns", "softly", "again",
-}
-
-// Tokenize is the sim tokenizer: BOS, then one token per whitespace-separated
-// word; a word's id is a hash of its bytes. The empty text is [BOS].
-func Tokenize(text string) []uint32 {
-	words := strings.Fields(text)
-	ids := make([]uint32, 0, len(words)+1)
-	ids = append(ids, BOS)
-	for _, w := range words {
-		ids = append(ids, WordID(w))
-	}
-	return ids
-}
-
-// WordID is the token id of one word.
-func WordID(word string) uint32 {
-	h := fnv.New32a()
-	h.Write([]byte(word))
-	return 2 + h.Sum32()%(VocabSize-2)
 }
 
 // mix is the splitmix64 finalizer: a cheap, well-spread 64-bit hash.
@@ -160,12 +126,12 @@ type plan struct {
 // ctxLen leading tokens of prompt are context: input that earlier segments
 // of a streamed request consumed (GenerateRequest.context). The codes role
 // makes output for the tokens after it only.
-func outputLength(role Role, prompt []uint32, ctxLen int, p params) (int, stagepb.FinishReason) {
-	if role == RoleAudio {
+func outputLength(role string, prompt []uint32, ctxLen int, p params) (int, stagepb.FinishReason) {
+	if role == stagepb.RoleAudio {
 		return len(prompt), stagepb.FinishReason_FINISH_REASON_STOP
 	}
 	limit, natural := p.maxTokens, 0
-	if role == RoleCodes {
+	if role == stagepb.RoleCodes {
 		if limit <= 0 {
 			limit = DefaultMaxCodes
 		}
@@ -183,12 +149,12 @@ func outputLength(role Role, prompt []uint32, ctxLen int, p params) (int, stagep
 }
 
 // buildPlan computes the output of one request.
-func buildPlan(role Role, prompt []uint32, ctxLen int, p params) plan {
+func buildPlan(role string, prompt []uint32, ctxLen int, p params) plan {
 	n, finish := outputLength(role, prompt, ctxLen, p)
 	switch role {
-	case RoleAudio:
+	case stagepb.RoleAudio:
 		return plan{ids: append([]uint32(nil), prompt...), finish: finish}
-	case RoleCodes:
+	case stagepb.RoleCodes:
 		return plan{ids: talkerCodes(prompt, ctxLen, p.seed, n), finish: finish}
 	}
 	return textPlan(promptKey(prompt), p, n, finish)
@@ -236,7 +202,7 @@ func textPlan(key uint64, p params, n int, finish stagepb.FinishReason) plan {
 			full.WriteByte(' ')
 		}
 		full.WriteString(w)
-		ids = append(ids, WordID(w))
+		ids = append(ids, tokenizers.SimWordID(w))
 		ends = append(ends, full.Len())
 		text := full.String()
 		for _, s := range p.stop {
@@ -279,7 +245,7 @@ type Output struct {
 // for byte, or the InvalidArgument error it would return. It is a pure
 // function of the input, the seed (unset = 0), max_tokens, stop and
 // ignore_eos; temperature does not matter.
-func Expect(role Role, req *stagepb.GenerateRequest) (Output, error) {
+func Expect(role string, req *stagepb.GenerateRequest) (Output, error) {
 	prompt, ctxLen, err := promptOf(role, req)
 	if err != nil {
 		return Output{}, err
@@ -290,12 +256,12 @@ func Expect(role Role, req *stagepb.GenerateRequest) (Output, error) {
 	return pl.output(role), nil
 }
 
-func (pl plan) output(role Role) Output {
+func (pl plan) output(role string) Output {
 	out := Output{GenerationTokens: len(pl.ids), Finish: pl.finish}
 	switch role {
-	case RoleCodes:
+	case stagepb.RoleCodes:
 		out.Codes = append([]uint32(nil), pl.ids...)
-	case RoleAudio:
+	case stagepb.RoleAudio:
 		out.Audio = ExpectedAudio(pl.ids)
 	default:
 		out.Text = strings.Join(pl.pieces, "")
@@ -308,14 +274,14 @@ func (pl plan) output(role Role) Output {
 // given seed and max_tokens (0: DefaultMaxTextTokens), no stop strings:
 // the text, the number of generated tokens and the finish reason.
 func ExpectedText(prompt string, seed int64, maxTokens int) (text string, tokens int, finish stagepb.FinishReason) {
-	pl := buildPlan(RoleText, Tokenize(prompt), 0, params{maxTokens: max(0, maxTokens), seed: seed})
+	pl := buildPlan(stagepb.RoleText, tokenizers.Sim(prompt), 0, params{maxTokens: max(0, maxTokens), seed: seed})
 	return strings.Join(pl.pieces, ""), len(pl.ids), pl.finish
 }
 
 // ExpectedCodes is what a codes-role sim (a talker) answers to a text
 // prompt with the given seed and max_tokens (0: DefaultMaxCodes).
 func ExpectedCodes(text string, seed int64, maxTokens int) (codes []uint32, finish stagepb.FinishReason) {
-	pl := buildPlan(RoleCodes, Tokenize(text), 0, params{maxTokens: max(0, maxTokens), seed: seed})
+	pl := buildPlan(stagepb.RoleCodes, tokenizers.Sim(text), 0, params{maxTokens: max(0, maxTokens), seed: seed})
 	return pl.ids, pl.finish
 }
 
@@ -358,42 +324,42 @@ func appendTone(dst []byte, code uint32) []byte {
 // tokens, and how many of them are context (GenerateRequest.context: the
 // tokenized context, words of the input after it). Errors are
 // InvalidArgument.
-func promptOf(role Role, req *stagepb.GenerateRequest) (prompt []uint32, ctxLen int, err error) {
+func promptOf(role string, req *stagepb.GenerateRequest) (prompt []uint32, ctxLen int, err error) {
 	if c := req.GetContext(); c != "" {
-		if _, ok := req.GetInput().(*stagepb.GenerateRequest_Text); !ok || role == RoleAudio {
+		if _, ok := req.GetInput().(*stagepb.GenerateRequest_Text); !ok || role == stagepb.RoleAudio {
 			return nil, 0, invalidArgument("context is only taken with text input by the text and codes roles")
 		}
-		prompt = Tokenize(c)
+		prompt = tokenizers.Sim(c)
 		ctxLen = len(prompt)
 		for _, w := range strings.Fields(req.GetText()) {
-			prompt = append(prompt, WordID(w))
+			prompt = append(prompt, tokenizers.SimWordID(w))
 		}
 		return prompt, ctxLen, nil
 	}
 	prompt, err = promptWithoutContext(role, req)
-	if c := req.GetContinuation(); c != "" && err == nil && role == RoleText {
+	if c := req.GetContinuation(); c != "" && err == nil && role == stagepb.RoleText {
 		// The answer so far is part of the prompt: the output continues it.
 		for _, w := range strings.Fields(c) {
-			prompt = append(prompt, WordID(w))
+			prompt = append(prompt, tokenizers.SimWordID(w))
 		}
 	}
 	return prompt, 0, err
 }
 
-func promptWithoutContext(role Role, req *stagepb.GenerateRequest) ([]uint32, error) {
+func promptWithoutContext(role string, req *stagepb.GenerateRequest) ([]uint32, error) {
 	switch in := req.GetInput().(type) {
 	case *stagepb.GenerateRequest_Text:
-		if role == RoleAudio {
+		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "text")
 		}
-		return Tokenize(in.Text), nil
+		return tokenizers.Sim(in.Text), nil
 	case *stagepb.GenerateRequest_Chat:
-		if role == RoleAudio {
+		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "chat")
 		}
-		return Tokenize(ChatPrompt(in.Chat.GetMessages())), nil
+		return tokenizers.Sim(ChatPrompt(in.Chat.GetMessages())), nil
 	case *stagepb.GenerateRequest_TokenIds:
-		if role == RoleAudio {
+		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "token_ids")
 		}
 		ids := in.TokenIds.GetIds()
@@ -401,13 +367,13 @@ func promptWithoutContext(role Role, req *stagepb.GenerateRequest) ([]uint32, er
 			return nil, invalidArgument("empty token_ids")
 		}
 		for _, id := range ids {
-			if id >= VocabSize {
-				return nil, invalidArgument(fmt.Sprintf("token id %d out of range [0, %d)", id, VocabSize))
+			if id >= tokenizers.SimVocabSize {
+				return nil, invalidArgument(fmt.Sprintf("token id %d out of range [0, %d)", id, tokenizers.SimVocabSize))
 			}
 		}
 		return append([]uint32(nil), ids...), nil
 	case *stagepb.GenerateRequest_Codes:
-		if role != RoleAudio {
+		if role != stagepb.RoleAudio {
 			return nil, invalidInput(role, "codes")
 		}
 		codes := in.Codes.GetCodes()
@@ -443,17 +409,9 @@ func ChatPrompt(msgs []*stagepb.ChatMessage) string {
 	return b.String()
 }
 
-// InputRole is what a role takes: codes for audio, text otherwise.
-func (r Role) InputRole() string {
-	if r == RoleAudio {
-		return "codes"
-	}
-	return "text"
-}
-
-func invalidInput(role Role, got string) error {
+func invalidInput(role string, got string) error {
 	want := "text, chat or token_ids"
-	if role == RoleAudio {
+	if role == stagepb.RoleAudio {
 		want = "codes"
 	}
 	return invalidArgument(fmt.Sprintf("role %s takes %s input, got %s", role, want, got))

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
 func textRequest(text string, sp *stagepb.SamplingParams) *stagepb.GenerateRequest {
@@ -25,12 +26,12 @@ func codesRequest(c []uint32) *stagepb.GenerateRequest {
 }
 
 func TestTokenize(t *testing.T) {
-	assert.Equal(t, []uint32{BOS}, Tokenize(""))
-	assert.Equal(t, []uint32{BOS, WordID("hello"), WordID("world")}, Tokenize("  hello\tworld\n"))
-	assert.NotEqual(t, WordID("hello"), WordID("world"))
+	assert.Equal(t, []uint32{tokenizers.SimBOS}, tokenizers.Sim(""))
+	assert.Equal(t, []uint32{tokenizers.SimBOS, tokenizers.SimWordID("hello"), tokenizers.SimWordID("world")}, tokenizers.Sim("  hello\tworld\n"))
+	assert.NotEqual(t, tokenizers.SimWordID("hello"), tokenizers.SimWordID("world"))
 	for _, w := range vocabulary {
-		id := WordID(w)
-		assert.True(t, id > BOS && id < VocabSize, "id %d of %q out of range", id, w)
+		id := tokenizers.SimWordID(w)
+		assert.True(t, id > tokenizers.SimBOS && id < tokenizers.SimVocabSize, "id %d of %q out of range", id, w)
 	}
 }
 
@@ -52,13 +53,13 @@ func TestExpectedTextIsPure(t *testing.T) {
 	assert.NotEqual(t, a, other)
 
 	// Temperature does not matter.
-	x, err := Expect(RoleText, textRequest("tell me a story", &stagepb.SamplingParams{Seed: proto.Int64(7), Temperature: proto.Float32(1.7)}))
+	x, err := Expect(stagepb.RoleText, textRequest("tell me a story", &stagepb.SamplingParams{Seed: proto.Int64(7), Temperature: proto.Float32(1.7)}))
 	require.NoError(t, err)
 	assert.Equal(t, a, x.Text)
 
 	// No seed means seed 0.
 	zero, _, _ := ExpectedText("tell me a story", 0, 0)
-	y, err := Expect(RoleText, textRequest("tell me a story", nil))
+	y, err := Expect(stagepb.RoleText, textRequest("tell me a story", nil))
 	require.NoError(t, err)
 	assert.Equal(t, zero, y.Text)
 }
@@ -88,7 +89,7 @@ func TestExpectedTextLengths(t *testing.T) {
 		require.Equal(t, stagepb.FinishReason_FINISH_REASON_STOP, f)
 
 		// ignore_eos runs to max_tokens and extends the same text.
-		out, err := Expect(RoleText, textRequest("why is the sky blue", &stagepb.SamplingParams{Seed: proto.Int64(seed), MaxTokens: 50, IgnoreEos: true}))
+		out, err := Expect(stagepb.RoleText, textRequest("why is the sky blue", &stagepb.SamplingParams{Seed: proto.Int64(seed), MaxTokens: 50, IgnoreEos: true}))
 		require.NoError(t, err)
 		require.Equal(t, 50, out.GenerationTokens)
 		require.Len(t, out.TokenIDs, 50)
@@ -98,13 +99,13 @@ func TestExpectedTextLengths(t *testing.T) {
 }
 
 func TestStopStrings(t *testing.T) {
-	full, err := Expect(RoleText, textRequest("a long answer", &stagepb.SamplingParams{MaxTokens: 40, IgnoreEos: true}))
+	full, err := Expect(stagepb.RoleText, textRequest("a long answer", &stagepb.SamplingParams{MaxTokens: 40, IgnoreEos: true}))
 	require.NoError(t, err)
 	words := strings.Fields(full.Text)
 	// A stop string spanning two words, first found at its first occurrence.
 	stop := words[5] + " " + words[6]
 	at := strings.Index(full.Text, stop)
-	out, err := Expect(RoleText, textRequest("a long answer", &stagepb.SamplingParams{MaxTokens: 40, IgnoreEos: true, Stop: []string{"never there", stop}}))
+	out, err := Expect(stagepb.RoleText, textRequest("a long answer", &stagepb.SamplingParams{MaxTokens: 40, IgnoreEos: true, Stop: []string{"never there", stop}}))
 	require.NoError(t, err)
 	assert.Equal(t, full.Text[:at], out.Text)
 	assert.Equal(t, stagepb.FinishReason_FINISH_REASON_STOP, out.Finish)
@@ -114,7 +115,7 @@ func TestStopStrings(t *testing.T) {
 	assert.Equal(t, full.TokenIDs[:completed], out.TokenIDs)
 
 	// A stop string that never occurs changes nothing; empty ones are ignored.
-	same, err := Expect(RoleText, textRequest("a long answer", &stagepb.SamplingParams{MaxTokens: 40, IgnoreEos: true, Stop: []string{"", "zzz"}}))
+	same, err := Expect(stagepb.RoleText, textRequest("a long answer", &stagepb.SamplingParams{MaxTokens: 40, IgnoreEos: true, Stop: []string{"", "zzz"}}))
 	require.NoError(t, err)
 	assert.Equal(t, full, same)
 }
@@ -124,7 +125,7 @@ func TestExpectedCodes(t *testing.T) {
 	codesB, _ := ExpectedCodes("hello there world", 3, 0)
 	assert.Equal(t, codesA, codesB)
 	assert.Equal(t, stagepb.FinishReason_FINISH_REASON_STOP, f)
-	assert.Len(t, codesA, 2*len(Tokenize("hello there world")))
+	assert.Len(t, codesA, 2*len(tokenizers.Sim("hello there world")))
 	for _, c := range codesA {
 		assert.Less(t, c, CodebookSize)
 	}
@@ -134,7 +135,7 @@ func TestExpectedCodes(t *testing.T) {
 	other, _ := ExpectedCodes("hello there world", 4, 0)
 	assert.NotEqual(t, codesA, other)
 
-	out, err := Expect(RoleCodes, textRequest("hello there world", &stagepb.SamplingParams{Seed: proto.Int64(3)}))
+	out, err := Expect(stagepb.RoleCodes, textRequest("hello there world", &stagepb.SamplingParams{Seed: proto.Int64(3)}))
 	require.NoError(t, err)
 	assert.Equal(t, codesA, out.Codes)
 }
@@ -165,7 +166,7 @@ func TestExpectedAudioIsTones(t *testing.T) {
 	}
 	assert.Equal(t, CodeFrequency(12), 2*CodeFrequency(0))
 
-	out, err := Expect(RoleAudio, codesRequest(codes))
+	out, err := Expect(stagepb.RoleAudio, codesRequest(codes))
 	require.NoError(t, err)
 	assert.Equal(t, pcm, out.Audio)
 	assert.Equal(t, len(codes), out.GenerationTokens)
@@ -174,17 +175,17 @@ func TestExpectedAudioIsTones(t *testing.T) {
 
 func TestExpectRejectsWrongInput(t *testing.T) {
 	cases := []struct {
-		role Role
+		role string
 		req  *stagepb.GenerateRequest
 		msg  string
 	}{
-		{RoleAudio, textRequest("hi", nil), "role audio takes codes input, got text"},
-		{RoleText, codesRequest([]uint32{1}), "role text takes text, chat or token_ids input, got codes"},
-		{RoleCodes, codesRequest([]uint32{1}), "role codes takes text, chat or token_ids input, got codes"},
-		{RoleAudio, codesRequest(nil), "empty codes"},
-		{RoleAudio, codesRequest([]uint32{CodebookSize}), "out of range"},
-		{RoleText, &stagepb.GenerateRequest{}, "no input"},
-		{RoleText, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_TokenIds{TokenIds: &stagepb.TokenIds{}}}, "empty token_ids"},
+		{stagepb.RoleAudio, textRequest("hi", nil), "role audio takes codes input, got text"},
+		{stagepb.RoleText, codesRequest([]uint32{1}), "role text takes text, chat or token_ids input, got codes"},
+		{stagepb.RoleCodes, codesRequest([]uint32{1}), "role codes takes text, chat or token_ids input, got codes"},
+		{stagepb.RoleAudio, codesRequest(nil), "empty codes"},
+		{stagepb.RoleAudio, codesRequest([]uint32{CodebookSize}), "out of range"},
+		{stagepb.RoleText, &stagepb.GenerateRequest{}, "no input"},
+		{stagepb.RoleText, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_TokenIds{TokenIds: &stagepb.TokenIds{}}}, "empty token_ids"},
 	}
 	for _, c := range cases {
 		_, err := Expect(c.role, c.req)
@@ -193,23 +194,23 @@ func TestExpectRejectsWrongInput(t *testing.T) {
 		assert.Contains(t, err.Error(), c.msg)
 	}
 	// Token ids are a prompt like the text they tokenize to.
-	ids := Tokenize("one two three")
-	a, err := Expect(RoleText, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_TokenIds{TokenIds: &stagepb.TokenIds{Ids: ids}}})
+	ids := tokenizers.Sim("one two three")
+	a, err := Expect(stagepb.RoleText, &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_TokenIds{TokenIds: &stagepb.TokenIds{Ids: ids}}})
 	require.NoError(t, err)
-	b, err := Expect(RoleText, textRequest("one two three", nil))
+	b, err := Expect(stagepb.RoleText, textRequest("one two three", nil))
 	require.NoError(t, err)
 	assert.Equal(t, b, a)
 }
 
 func TestRoles(t *testing.T) {
-	assert.Equal(t, RoleText, RoleForStage("thinker"))
-	assert.Equal(t, RoleCodes, RoleForStage("talker"))
-	assert.Equal(t, RoleAudio, RoleForStage("vocoder"))
-	assert.Equal(t, RoleText, RoleForStage("summarizer"))
-	r, err := ParseRole("audio")
+	assert.Equal(t, stagepb.RoleText, RoleForStage("thinker"))
+	assert.Equal(t, stagepb.RoleCodes, RoleForStage("talker"))
+	assert.Equal(t, stagepb.RoleAudio, RoleForStage("vocoder"))
+	assert.Equal(t, stagepb.RoleText, RoleForStage("summarizer"))
+	r, err := stagepb.ParseRole("audio")
 	require.NoError(t, err)
-	assert.Equal(t, RoleAudio, r)
-	_, err = ParseRole("video")
+	assert.Equal(t, stagepb.RoleAudio, r)
+	_, err = stagepb.ParseRole("video")
 	assert.ErrorContains(t, err, `unknown role "video"`)
 }
 

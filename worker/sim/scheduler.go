@@ -26,7 +26,7 @@ const (
 // scheduler goroutine, except box, which is how outputs leave it.
 type seq struct {
 	id        string
-	role      Role
+	role      string
 	key       uint64 // promptKey of the prompt
 	seed      int64
 	plan      plan
@@ -50,7 +50,7 @@ type seq struct {
 	box   *mailbox
 }
 
-func newSeq(id string, role Role, prompt []uint32, pl plan, seed int64) *seq {
+func newSeq(id string, role string, prompt []uint32, pl plan, seed int64) *seq {
 	return &seq{
 		id: id, role: role, key: promptKey(prompt), seed: seed, plan: pl,
 		promptLen: len(prompt), tokens: slices.Clip(append([]uint32(nil), prompt...)),
@@ -428,9 +428,9 @@ func (s *seq) render(from, to int) *stagepb.GenerateChunk {
 	s.delta = &stagepb.EngineStats{}
 	ids := s.plan.ids[from:to]
 	switch s.role {
-	case RoleCodes:
+	case stagepb.RoleCodes:
 		c.Codes = slices.Clone(ids)
-	case RoleAudio:
+	case stagepb.RoleAudio:
 		pcm := make([]byte, 0, len(ids)*SamplesPerCode*2)
 		for _, code := range ids {
 			pcm = appendTone(pcm, code)

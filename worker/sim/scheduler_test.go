@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
 // driver steps a scheduler by hand, so scheduling decisions can be checked
@@ -136,7 +137,7 @@ func TestPreemptionWhenKVPoolIsFull(t *testing.T) {
 	assert.Greater(t, sb.PrefixCacheQueries, uint64(4))
 	// Preemption does not change the output.
 	for _, s := range []*seq{a, b} {
-		want, err := Expect(RoleText, textRequest(s.id, sp))
+		want, err := Expect(stagepb.RoleText, textRequest(s.id, sp))
 		require.NoError(t, err)
 		assert.Equal(t, want.Text, text(d.chunks[s]))
 		assert.Equal(t, uint64(20), sums(d.chunks[s]).GenerationTokens)
@@ -232,7 +233,7 @@ func TestSpecDecodeCounts(t *testing.T) {
 	assert.Equal(t, uint64(60), st.GenerationTokens)
 	assert.Equal(t, st.GenerationTokens, 1+st.SpecDecodeNumDrafts+st.SpecDecodeNumAcceptedTokens)
 	assert.Less(t, len(d.chunks[s]), 60, "accepted drafts make fewer steps")
-	want, err := Expect(RoleText, textRequest("speculate about this", sp))
+	want, err := Expect(stagepb.RoleText, textRequest("speculate about this", sp))
 	require.NoError(t, err)
 	assert.Equal(t, want.Text, text(d.chunks[s]), "speculation must not change the output")
 }
@@ -345,7 +346,7 @@ func TestKVEventsMirrorThePrefixCache(t *testing.T) {
 
 	// The blocks are named by the protocol's hash over the sim's tokens,
 	// which is what the head computes from the prompt.
-	want := stagepb.BlockHashes(Tokenize(prompts[0]), 4)
+	want := stagepb.BlockHashes(tokenizers.Sim(prompts[0]), 4)
 	require.NotEmpty(t, want)
 	d.add(prompts[0], nil)
 	d.runAll(nil)

@@ -101,3 +101,15 @@ func TestBreakerConcurrentFailuresEjectOnce(t *testing.T) {
 	assert.Equal(t, 1, ejected)
 	assert.Equal(t, int32(1), reps[0].ejections.Load())
 }
+
+// TestBreakerSchedule: the k-th ejection in a row lasts Backoff·2^(k-1),
+// capped at MaxBackoff, however long the run of ejections.
+func TestBreakerSchedule(t *testing.T) {
+	b := Breaker{}.withDefaults()
+	for i, want := range []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second, 16 * time.Second, 30 * time.Second, 30 * time.Second} {
+		assert.Equal(t, want, b.ejection(i+1), "ejection %d", i+1)
+	}
+	assert.Equal(t, 30*time.Second, b.ejection(1_000_000))
+	odd := Breaker{Failures: 1, Backoff: 3 * time.Millisecond, MaxBackoff: 10 * time.Millisecond}
+	assert.Equal(t, []time.Duration{3 * time.Millisecond, 6 * time.Millisecond, 10 * time.Millisecond}, []time.Duration{odd.ejection(1), odd.ejection(2), odd.ejection(3)})
+}

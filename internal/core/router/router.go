@@ -25,6 +25,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/connectivity"
 
@@ -232,6 +233,18 @@ func (b Breaker) withDefaults() Breaker {
 	return b
 }
 
+// ejection is the back-off of the k-th ejection in a row (k >= 1): the
+// k-th step of the schedule. The schedule is replayed from the count,
+// which lives in an atomic, so RecordFailure stays lock-free; it reaches
+// MaxBackoff within 63 doublings.
+func (b Breaker) ejection(k int) time.Duration {
+	s := backoff.ExponentialBackOff{InitialInterval: b.Backoff, Multiplier: 2, MaxInterval: b.MaxBackoff}
+	for range min(k, 64) - 1 {
+		s.NextBackOff()
+	}
+	return s.NextBackOff()
+}
+
 // Ejection is what RecordFailure did: Ejected reports a new ejection
 // lasting Backoff; Spared reports that the breaker tripped but the replica
 // was kept because no other replica of its stage is routable (ejecting the
@@ -275,12 +288,7 @@ func (r *Router) RecordFailure(rep *Replica) Ejection {
 		e.Spared = true
 		return e
 	}
-	k := int(rep.ejections.Load()) + 1
-	e.Backoff = r.breaker.Backoff
-	for i := 1; i < k && e.Backoff < r.breaker.MaxBackoff; i++ {
-		e.Backoff *= 2
-	}
-	e.Backoff = min(e.Backoff, r.breaker.MaxBackoff)
+	e.Backoff = r.breaker.ejection(int(rep.ejections.Load()) + 1)
 	// Of concurrent failures (a dead replica fails all its attempts at
 	// once), only the one that swaps the deadline ejects.
 	if !rep.ejectedUntil.CompareAndSwap(until, now.Add(e.Backoff).UnixNano()) {

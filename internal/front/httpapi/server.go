@@ -56,6 +56,9 @@ var _ Backend = (*orchestrator.Head)(nil)
 const (
 	DefaultMaxBodyBytes   = 16 << 20
 	DefaultRequestTimeout = 10 * time.Minute
+	// DefaultDrainTimeout is how long in-flight requests may finish once
+	// the servers shut down (troupe head --drain-timeout).
+	DefaultDrainTimeout = 30 * time.Second
 	// adminTimeout bounds a sleep or wake_up call to a replica.
 	adminTimeout = 30 * time.Second
 	// maxRequestIDLen bounds an X-Request-Id taken from the client.

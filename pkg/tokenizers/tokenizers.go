@@ -1,0 +1,58 @@
+// Package tokenizers holds the engines' tokenizers the head can run itself,
+// by engine name as Health reports it, so prefix_aware names an engine's
+// prompt blocks as the engine does (docs/routing.md). Today that is the
+// sim's deterministic word tokenizer, which the sim engine (worker/sim)
+// takes from here too. It is a bottom layer: it imports nothing of troupe.
+package tokenizers
+
+import (
+	"hash/fnv"
+	"maps"
+	"strings"
+)
+
+// SimEngine is the sim engine's name, as its Health reports it.
+const SimEngine = "sim"
+
+// The sim tokenizer's ids.
+const (
+	SimBOS       uint32 = 1     // prepended to every tokenized text
+	SimVocabSize uint32 = 32000 // token ids are in [0, SimVocabSize)
+)
+
+// Sim is the sim's tokenizer: SimBOS, then one token per
+// whitespace-separated word (SimWordID). The empty text is [SimBOS].
+func Sim(text string) []uint32 {
+	words := strings.Fields(text)
+	ids := make([]uint32, 0, len(words)+1)
+	ids = append(ids, SimBOS)
+	for _, w := range words {
+		ids = append(ids, SimWordID(w))
+	}
+	return ids
+}
+
+// SimWordID is the sim's token id of one word: a hash of its bytes, in
+// (SimBOS, SimVocabSize).
+func SimWordID(word string) uint32 {
+	h := fnv.New32a()
+	h.Write([]byte(word))
+	return 2 + h.Sum32()%(SimVocabSize-2)
+}
+
+// byEngine is every tokenizer by engine name. It is fixed: nothing
+// registers at run time, so what the head runs is known from the code.
+var byEngine = map[string]func(text string) []uint32{
+	SimEngine: Sim,
+}
+
+// ByEngine returns the tokenizer of the named engine; ok is false for an
+// engine whose tokenizer troupe does not have.
+func ByEngine(engine string) (tokenize func(text string) []uint32, ok bool) {
+	tokenize, ok = byEngine[engine]
+	return tokenize, ok
+}
+
+// All returns every tokenizer by engine name, in a new map the caller owns
+// (orchestrator.Config.Tokenizers takes it).
+func All() map[string]func(text string) []uint32 { return maps.Clone(byEngine) }
