@@ -263,10 +263,13 @@ type attemptRun struct {
 	last      time.Time // of the latest output
 }
 
+// newAttempt is attempt number of sr on the replica d chose.
 func (h *Head) newAttempt(sr *stageRun, tr *stageTrail, d router.Decision, number int) *attemptRun {
-	d0 := tr.delivered
+	// A retry skips what earlier attempts forwarded; a continuation makes
+	// only what follows, so it skips nothing of its own.
+	done, at := tr.delivered, tr.movedAt
 	return &attemptRun{sr: sr, tr: tr, d: d, rep: d.Replica, name: h.cfg.Pipeline.Stages[sr.stage].Name, number: number, in: tr.in,
-		skip: outputCursor{text: d0.text - tr.movedAt.text, codes: d0.codes - tr.movedAt.codes, pcm: d0.pcm - tr.movedAt.pcm}}
+		skip: outputCursor{text: done.text - at.text, codes: done.codes - at.codes, pcm: done.pcm - at.pcm}}
 }
 
 // attempt runs a stage on the replica the router chose: open the call,
