@@ -226,9 +226,9 @@ func (r *Result) add(stage int, out *stageOutput) {
 	}
 }
 
-// firstAudio is the time to first audio of a request (troupe_pipeline's
-// TTFA): from its start to the first audio the last stage made. Safe for
-// concurrent use.
+// firstAudio is the time to first audio of a request
+// (stats.PipelineResult.TTFA): from the start of its stages to the first
+// audio the last stage made. Safe for concurrent use.
 type firstAudio struct {
 	start time.Time
 	at    atomic.Int64 // time.Duration since start; 0: no audio yet

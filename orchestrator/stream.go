@@ -62,8 +62,8 @@ func (h *Head) executeStreamed(ctx context.Context, req Request, n int, prompt *
 	return res, run.audio.since(), nil
 }
 
-// streamedStage is stage of a streamed request as the attempt loop runs
-// it. Stage 0 is a Generate of the prompt, routed on its text; a later
+// streamedStage describes stage of a streamed request for the attempt
+// loop. Stage 0 is a Generate of the prompt, routed on its text; a later
 // stage is fed by the stage before, routed on the session key and load
 // only (its input is not known when it starts).
 func (h *Head) streamedStage(ctx context.Context, run *streamedRun, stage int, prompt *stagepb.GenerateRequest) *stageRun {
