@@ -409,26 +409,6 @@ func (h *Head) open(ctx context.Context, a *attemptRun, progress func()) (stream
 	return h.openGenerate(ctx, a.rep, a.in)
 }
 
-// chunkStream is the receiving side of Generate and GenerateStream.
-type chunkStream interface {
-	Recv() (*stagepb.GenerateChunk, error)
-}
-
-// openGenerate starts req on rep: over the replica's Multiplex stream when
-// the worker serves it and no trace goes to workers (a call on the stream
-// carries no trace context of its own), else as a Generate RPC of its own.
-func (h *Head) openGenerate(ctx context.Context, rep *router.Replica, req *stagepb.GenerateRequest) (chunkStream, func(), error) {
-	if h.multiplex && rep.Engine.Multiplex {
-		call, err := rep.Mux.Generate(ctx, req, h.callOptions()...)
-		if err != nil {
-			return nil, func() {}, err
-		}
-		return call, call.Close, nil
-	}
-	stream, err := rep.Client.Generate(ctx, req, h.callOptions()...)
-	return stream, func() {}, err
-}
-
 // callOptions set the gRPC message limits of a call to a replica (gRPC's
 // default would stop at 4 MiB received).
 func (h *Head) callOptions() []grpc.CallOption { return h.calls }
