@@ -187,8 +187,56 @@ type joinTimes struct {
 
 // New builds a head. It starts nothing; call Run.
 func New(cli *clientv3.Client, cfg Config) (*Head, error) {
-	if err := cfg.Pipeline.Validate(); err != nil {
+	cfg, multiplex, err := withDefaults(cfg)
+	if err != nil {
 		return nil, err
+	}
+	routing, err := stageRouting(cfg)
+	if err != nil {
+		return nil, err
+	}
+	st, pipe, err := newStats(cfg)
+	if err != nil {
+		return nil, err
+	}
+	h := &Head{
+		pipeline:  pipe,
+		cfg:       cfg,
+		log:       cfg.Logger,
+		stats:     st,
+		router:    router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker)),
+		tracer:    cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
+		multiplex: multiplex,
+		known:     map[router.Key]*tracked{},
+		calls:     []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
+	}
+	for _, st := range cfg.Pipeline.Stages {
+		h.stageSpans = append(h.stageSpans, telemetry.StageSpanName(st.Name))
+	}
+	if err := h.registerMetrics(routing); err != nil {
+		return nil, err
+	}
+	h.watcher = membership.NewWatcher(cli, membership.WatchConfig{
+		Cluster:           cfg.Cluster,
+		Stages:            cfg.Pipeline.StageNames(),
+		ReconcileInterval: cfg.ReconcileInterval,
+		OnInvalid:         func(string, error) { h.invalid.Inc() },
+		Logger:            cfg.Logger,
+	})
+	empty := []*tracked{}
+	h.view.Store(&empty)
+	outputs := make([]string, len(cfg.Pipeline.Stages))
+	h.outputs.Store(&outputs)
+	ch := make(chan struct{})
+	h.changed.Store(&ch)
+	return h, nil
+}
+
+// withDefaults checks cfg and fills in its defaults. multiplex: no tracer
+// provider was given, so no trace goes to workers.
+func withDefaults(cfg Config) (_ Config, multiplex bool, _ error) {
+	if err := cfg.Pipeline.Validate(); err != nil {
+		return cfg, false, err
 	}
 	if cfg.Cluster == "" {
 		cfg.Cluster = membership.DefaultCluster
@@ -208,19 +256,24 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	multiplex := cfg.TracerProvider == nil
+	multiplex = cfg.TracerProvider == nil
 	if multiplex {
 		cfg.TracerProvider = noop.NewTracerProvider()
 	}
 	if cfg.Metrics == nil {
-		return nil, errors.New("orchestrator: a metrics registerer is required")
+		return cfg, false, errors.New("orchestrator: a metrics registerer is required")
 	}
 	if cfg.Dial == nil {
-		return nil, errors.New("orchestrator: a dialer is required")
+		return cfg, false, errors.New("orchestrator: a dialer is required")
 	}
 	if err := cfg.Pipeline.ValidateRouting(cfg.Policy); err != nil {
-		return nil, err
+		return cfg, false, err
 	}
+	return cfg, multiplex, nil
+}
+
+// stageRouting is each stage's routing: its policy and session affinity.
+func stageRouting(cfg Config) ([]router.StageRouting, error) {
 	tokenizers := make(map[string]router.Tokenizer, len(cfg.Tokenizers))
 	for name, t := range cfg.Tokenizers {
 		tokenizers[name] = t
@@ -233,6 +286,12 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		}
 		routing[i] = router.StageRouting{Policy: p, SessionAffinity: st.Affinity()}
 	}
+	return routing, nil
+}
+
+// newStats builds the stat logger (on cfg.StatsMetrics, else cfg.Metrics)
+// and, when stats are logged, the pipeline's metrics.
+func newStats(cfg Config) (*stats.Logger, *stats.Pipeline, error) {
 	statsReg := cfg.StatsMetrics
 	if statsReg == nil {
 		statsReg = cfg.Metrics
@@ -243,40 +302,32 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		StageNames:        cfg.Pipeline.StageNames(),
 	})
 	if err != nil {
-		return nil, fmt.Errorf("orchestrator: stats: %w", err)
+		return nil, nil, fmt.Errorf("orchestrator: stats: %w", err)
 	}
 	var pipe *stats.Pipeline
 	if cfg.LogStats {
 		if pipe, err = stats.NewPipeline(cfg.Metrics, cfg.Pipeline.Model, len(cfg.Pipeline.Stages)); err != nil {
-			return nil, fmt.Errorf("orchestrator: %w", err)
+			return nil, nil, fmt.Errorf("orchestrator: %w", err)
 		}
 	}
-	h := &Head{
-		pipeline:  pipe,
-		cfg:       cfg,
-		log:       cfg.Logger,
-		stats:     st,
-		router:    router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker)),
-		tracer:    cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
-		multiplex: multiplex,
-		events: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "troupe_membership_events_total",
-			Help: "Membership events applied by the head, by type.",
-		}, []string{"type"}),
-		invalid: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "troupe_membership_invalid_records_total",
-			Help: "Malformed membership records skipped by the head.",
-		}),
-		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "troupe_head_attach_errors_total",
-			Help: "Joins the head refused (index conflict, stats binding, dial, roles that do not fit the pipeline), by step.",
-		}, []string{"step"}),
-		known: map[router.Key]*tracked{},
-		calls: []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
-	}
-	for _, st := range cfg.Pipeline.Stages {
-		h.stageSpans = append(h.stageSpans, telemetry.StageSpanName(st.Name))
-	}
+	return st, pipe, nil
+}
+
+// registerMetrics makes the head's own metrics, binds every child it
+// knows of at 0, and registers them on cfg.Metrics.
+func (h *Head) registerMetrics(routing []router.StageRouting) error {
+	h.events = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "troupe_membership_events_total",
+		Help: "Membership events applied by the head, by type.",
+	}, []string{"type"})
+	h.invalid = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "troupe_membership_invalid_records_total",
+		Help: "Malformed membership records skipped by the head.",
+	})
+	h.errors = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "troupe_head_attach_errors_total",
+		Help: "Joins the head refused (index conflict, stats binding, dial, roles that do not fit the pipeline), by step.",
+	}, []string{"step"})
 	for _, t := range []string{"join", "leave"} {
 		h.events.WithLabelValues(t)
 	}
@@ -307,24 +358,11 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		}
 	}
 	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections} {
-		if err := cfg.Metrics.Register(c); err != nil {
-			return nil, fmt.Errorf("orchestrator: register metrics: %w", err)
+		if err := h.cfg.Metrics.Register(c); err != nil {
+			return fmt.Errorf("orchestrator: register metrics: %w", err)
 		}
 	}
-	h.watcher = membership.NewWatcher(cli, membership.WatchConfig{
-		Cluster:           cfg.Cluster,
-		Stages:            cfg.Pipeline.StageNames(),
-		ReconcileInterval: cfg.ReconcileInterval,
-		OnInvalid:         func(string, error) { h.invalid.Inc() },
-		Logger:            cfg.Logger,
-	})
-	empty := []*tracked{}
-	h.view.Store(&empty)
-	outputs := make([]string, len(cfg.Pipeline.Stages))
-	h.outputs.Store(&outputs)
-	ch := make(chan struct{})
-	h.changed.Store(&ch)
-	return h, nil
+	return nil
 }
 
 // TracerProvider is the provider the head's spans come from.

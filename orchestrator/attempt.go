@@ -1,0 +1,697 @@
+package orchestrator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/grpc"
+	grpccodes "google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/troupe-serving/troupe/internal/core/router"
+	"github.com/troupe-serving/troupe/internal/core/stats"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/telemetry"
+)
+
+// stageRun is one stage of a request as the attempt loop runs it: every
+// stage, of a sequential or a streamed request, is one.
+type stageRun struct {
+	req   Request
+	stage int
+	n     int // stages the request runs
+	// in is the stage's request: sent as a Generate, which a migration
+	// continues; or, for a stage fed by the stage before (input not nil),
+	// the header of its GenerateStream, which the first piece completes.
+	in *stagepb.GenerateRequest
+	// input is the input log of a stage fed by the stage before while both
+	// run (the later stages of a streamed request); nil otherwise.
+	input *stageInput
+	route *router.Request // what the stage is routed on
+	// forward passes the stage's output on, to the client or the next
+	// stage; nil when nobody reads it before the stage ends.
+	forward forwarder
+	// flush, when not nil, is Request.Flush for a stage whose output the
+	// client reads: the attempt reads ahead and flushes when it waits.
+	flush func() error
+	// streamed: a stage of a streamed request, whose attempt spans mark
+	// the first output forwarded.
+	streamed bool
+}
+
+// forwarder passes the new part of an output chunk on (to the client, or to
+// the next stage). visible reports whether the output reached the client,
+// after which the attempt cannot be retried.
+type forwarder func(o output) (visible bool, err error)
+
+// output is what an attempt forwards of one chunk: its output less what an
+// earlier attempt of the stage already forwarded.
+type output struct {
+	text       string
+	codes      []uint32
+	pcm        []byte
+	sampleRate int
+}
+
+// stageOutput accumulates one stage attempt's output.
+type stageOutput struct {
+	text             strings.Builder
+	codes            []uint32
+	pcm              []byte
+	sampleRate       int
+	finish           string
+	promptTokens     int
+	generationTokens int
+	computedTokens   int // prompt tokens the engine computed (not cache hits)
+}
+
+// stageTrail is what a stage's attempts leave to the next attempt.
+type stageTrail struct {
+	in        *stagepb.GenerateRequest // the next attempt's request: stageRun.in, or the continuation after a migration
+	delivered outputCursor             // the output every attempt so far forwarded
+	movedAt   outputCursor             // delivered at the latest migration: the continuation's output comes after it
+	moved     migrated                 // what failed replicas gave the client before a migration
+}
+
+const maxAttempts = 2
+
+// runStage runs one stage of a request: the one attempt loop of every
+// stage, each attempt on a replica the router picks (pick). After a failed
+// attempt one of two rules may go on:
+//
+//   - migration (migrate): a stage-0 replica that failed after its text
+//     reached the client has the answer continued on another replica, up
+//     to Config.MaxMigrations times;
+//   - retry (retryable): any other failure is tried once more on another
+//     replica, unless output already reached the client, the client's own
+//     context ended, or the input was refused.
+//
+// A retry re-drives the stage from its start and skips the output earlier
+// attempts forwarded (outputCursor), so neither the client nor the next
+// stage gets anything twice; a continuation makes only what follows the
+// delivered text, so it skips nothing of its own.
+func (h *Head) runStage(ctx context.Context, sr *stageRun) (*stageOutput, error) {
+	tr := &stageTrail{in: sr.in}
+	var failed []*router.Replica
+	var lastErr error
+	for n := 1; n <= maxAttempts+tr.moved.count; n++ {
+		d, err := h.pick(sr, failed, lastErr)
+		if err != nil {
+			return nil, err
+		}
+		a := h.newAttempt(sr, tr, d, n)
+		out, err := h.attempt(ctx, a)
+		if err == nil {
+			return tr.moved.prepend(out), nil
+		}
+		lastErr = err
+		if finished, ok := h.migrate(ctx, sr, tr, a, err); ok {
+			if finished != nil {
+				return finished, nil
+			}
+		} else if !retryable(ctx, err, a.produced) {
+			return nil, err
+		}
+		failed = append(failed, d.Replica)
+	}
+	return nil, lastErr
+}
+
+// pick chooses the replica of a stage's next attempt, none of those that
+// failed, and counts the decision. When none is left the stage fails with
+// the last attempt's error, or ErrNoReplica before any attempt.
+func (h *Head) pick(sr *stageRun, failed []*router.Replica, lastErr error) (router.Decision, error) {
+	d, err := h.router.Pick(sr.stage, sr.route, failed)
+	if err != nil {
+		if lastErr != nil {
+			return d, lastErr
+		}
+		return d, newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[sr.stage].Name)
+	}
+	h.countDecision(sr.stage, d)
+	return d, nil
+}
+
+// countDecision counts a pick in troupe_router_decisions_total.
+func (h *Head) countDecision(stage int, d router.Decision) {
+	if int(d.Reason) >= len(router.Reasons) {
+		return
+	}
+	if c := h.decisions[stage][d.Reason]; c != nil {
+		c.Inc()
+		return
+	}
+	h.decisionVec.WithLabelValues(strconv.Itoa(stage), d.Policy, d.Reason.String()).Inc()
+}
+
+// retryable is the retry rule of every stage attempt: a failure is tried
+// once more on another replica unless output already reached the client,
+// the client's own context ended, or the input was refused.
+func retryable(ctx context.Context, err error, produced bool) bool {
+	return !produced && ctx.Err() == nil && !errors.Is(err, ErrBadRequest) &&
+		!errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled)
+}
+
+// migrate is the migration rule: it decides whether attempt a's failure
+// continues the answer on another replica. Only a failure of a stage-0
+// replica (ErrStageFailed) after text reached the client migrates, within
+// Config.MaxMigrations. It adds what a gave the client to tr.moved and
+// sets tr.in to the request that continues the stage's request after all
+// of it; finished is the whole answer instead when what was delivered
+// already reached max_tokens. ok is false when the failure does not
+// migrate.
+func (h *Head) migrate(ctx context.Context, sr *stageRun, tr *stageTrail, a *attemptRun, err error) (finished *stageOutput, ok bool) {
+	if sr.stage != 0 || !a.produced || tr.moved.count >= h.cfg.MaxMigrations || ctx.Err() != nil || !errors.Is(err, ErrStageFailed) {
+		return nil, false
+	}
+	m := &tr.moved
+	m.count++
+	m.text += a.got.text
+	m.tokens += a.got.tokens
+	next, done := m.continuation(sr.in)
+	if done {
+		return m.prepend(&stageOutput{finish: stagepb.FinishReason_FINISH_REASON_LENGTH.Name()}), true
+	}
+	h.log.Warn("orchestrator: replica failed after text reached the client; continuing the answer on another replica",
+		"stage", h.cfg.Pipeline.Stages[sr.stage].Name, "replica", a.rep.Key.Replica, "delivered_chars", len(m.text), "err", err)
+	tr.in, tr.movedAt = next, tr.delivered
+	return nil, true
+}
+
+// migrated is the part of an answer that replicas which then failed had
+// already delivered to the client.
+type migrated struct {
+	count  int // migrations so far
+	text   string
+	tokens int
+}
+
+// continuation is the request that continues the answer after what was
+// delivered: the same input, the delivered text as the continuation, and
+// what is left of max_tokens. done reports that nothing is left.
+func (m migrated) continuation(in *stagepb.GenerateRequest) (next *stagepb.GenerateRequest, done bool) {
+	next = proto.Clone(in).(*stagepb.GenerateRequest)
+	next.Continuation = m.text
+	if sp := next.GetSampling(); sp != nil && sp.GetMaxTokens() > 0 {
+		if int(sp.GetMaxTokens()) <= m.tokens {
+			return nil, true
+		}
+		sp.MaxTokens -= uint32(m.tokens)
+	}
+	return next, false
+}
+
+// prepend puts the delivered part in front of the continuation's output,
+// so the result is the whole answer the client saw.
+func (m migrated) prepend(out *stageOutput) *stageOutput {
+	if m.count == 0 {
+		return out
+	}
+	whole := m.text + out.text.String()
+	out.text.Reset()
+	out.text.WriteString(whole)
+	out.generationTokens += m.tokens
+	return out
+}
+
+// outputCursor counts the output units a stage has forwarded: text bytes,
+// codes and PCM bytes. A retried attempt skips what an earlier one
+// forwarded, so nothing is delivered twice.
+type outputCursor struct{ text, codes, pcm int }
+
+// cut removes from c's output the units still to skip and returns the rest.
+func (s *outputCursor) cut(c *stagepb.GenerateChunk) (text string, codes []uint32, pcm []byte) {
+	text, codes, pcm = c.GetText(), c.GetCodes(), c.GetAudioPcm16()
+	n := min(s.text, len(text))
+	text, s.text = text[n:], s.text-n
+	n = min(s.codes, len(codes))
+	codes, s.codes = codes[n:], s.codes-n
+	n = min(s.pcm, len(pcm))
+	pcm, s.pcm = pcm[n:], s.pcm-n
+	return text, codes, pcm
+}
+
+// attemptRun is one attempt of a stage on the replica the router picked:
+// what the pieces of attempt share.
+type attemptRun struct {
+	sr       *stageRun
+	tr       *stageTrail
+	d        router.Decision
+	rep      *router.Replica
+	name     string                   // the stage's
+	number   int                      // 1 for a stage's first attempt
+	in       *stagepb.GenerateRequest // tr.in when the attempt started
+	skip     outputCursor             // what earlier attempts forwarded and this one must not
+	got      migrated                 // the text this attempt gave the client, and its tokens
+	produced bool                     // output reached the client: a retry would repeat it
+	fault    bool                     // the attempt failed through the replica: it feeds the circuit breaker
+
+	span      trace.Span
+	recording bool // as in Execute: no attribute work when unsampled
+	out       *stageOutput
+	fin       stats.Finished
+	start     time.Time
+	last      time.Time // of the latest output
+}
+
+// newAttempt is attempt number of sr on the replica d chose.
+func (h *Head) newAttempt(sr *stageRun, tr *stageTrail, d router.Decision, number int) *attemptRun {
+	// A retry skips what earlier attempts forwarded; a continuation makes
+	// only what follows, so it skips nothing of its own.
+	done, at := tr.delivered, tr.movedAt
+	return &attemptRun{sr: sr, tr: tr, d: d, rep: d.Replica, name: h.cfg.Pipeline.Stages[sr.stage].Name, number: number, in: tr.in,
+		skip: outputCursor{text: done.text - at.text, codes: done.codes - at.codes, pcm: done.pcm - at.pcm}}
+}
+
+// attempt runs a stage on the replica the router chose: open the call,
+// receive its chunks, account and forward each, and classify the end.
+// a.produced reports whether any output reached the client.
+//
+// The attempt fails with errStalled when, once it has started to work, it
+// makes no progress for the stall timeout: no chunk received, and no input
+// sent.
+func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err error) {
+	ctx = h.startAttemptSpan(ctx, a)
+	defer a.span.End()
+	ctx, cancel := context.WithCancelCause(ctx)
+	wait := func() {}
+	defer func() { cancel(context.Canceled); wait() }()
+	stall := newStallWatch(h.cfg.StallTimeout, cancel)
+	defer stall.stop()
+
+	a.rep.Acquire()
+	defer a.rep.Release()
+	defer a.rep.Track(cancel)()
+	defer func() { h.recordOutcome(a.sr.stage, a.rep, err, a.fault) }()
+	h.startAccounting(a)
+	defer func() { h.finishAccounting(a, err) }()
+
+	stream, w, err := h.open(ctx, a, stall.progress)
+	wait = w
+	if err != nil {
+		return nil, h.stageError(ctx, a, err)
+	}
+	recv, w := readFrom(ctx, stream, w, a.sr.flush)
+	wait = w
+	if err := h.receive(ctx, a, recv, stall.progress); err != nil {
+		return nil, err
+	}
+	return a.ended(ctx)
+}
+
+// startAttemptSpan starts the attempt's span, with its attributes when it
+// records.
+func (h *Head) startAttemptSpan(ctx context.Context, a *attemptRun) context.Context {
+	ctx, a.span = h.tracer.Start(ctx, h.stageSpans[a.sr.stage], internalSpan)
+	a.recording = a.span.IsRecording()
+	if a.recording {
+		d := a.d
+		a.span.SetAttributes(telemetry.StageAttributes(a.sr.stage, a.name, uint64(a.rep.Key.Replica), a.rep.EngineIndex, a.number)...)
+		a.span.SetAttributes(telemetry.RouteAttributes(d.Policy, d.Reason.String(), d.PrefixSource, d.MatchBlocks, d.InputBlocks)...)
+		a.span.SetAttributes(requestAttributes(Request{Operation: a.sr.req.Operation, Sampling: a.sampling()}, h.cfg.Pipeline.Model)...)
+	}
+	return ctx
+}
+
+// sampling is what the attempt reports of its sampling parameters (span
+// attributes, stats): its request's, or for a stage fed by the stage
+// before, the client's.
+func (a *attemptRun) sampling() *stagepb.SamplingParams {
+	if a.sr.input != nil {
+		return a.sr.req.Sampling
+	}
+	return a.in.GetSampling()
+}
+
+// stallWatch cancels an attempt that makes no progress for the stall
+// timeout. Its clock starts with the first sign of work (a chunk, or input
+// sent to a streamed stage): before it a replica may rightly be busy for
+// long (a queue, the prefill of a huge prompt). A replica that dies or
+// freezes before its first chunk is caught by its lease instead: the leave
+// probe finds it does not answer and aborts its attempts.
+type stallWatch struct {
+	timer   *time.Timer
+	timeout time.Duration
+}
+
+func newStallWatch(timeout time.Duration, cancel context.CancelCauseFunc) *stallWatch {
+	t := time.AfterFunc(timeout, func() { cancel(errStalled) })
+	t.Stop()
+	return &stallWatch{timer: t, timeout: timeout}
+}
+
+// progress (re)starts the clock.
+func (s *stallWatch) progress() { s.timer.Reset(s.timeout) }
+
+func (s *stallWatch) stop() { s.timer.Stop() }
+
+// Causes of a stage attempt cancelled by the head, not by the client: both
+// are stage failures, retried under the usual rule.
+var (
+	errStalled = errors.New("orchestrator: no progress within the stall timeout")
+	// errReplicaGone: the replica's record went away and it does not
+	// answer Health.
+	errReplicaGone = errors.New("orchestrator: replica left and does not answer")
+)
+
+// startAccounting starts the attempt's record for the stats: failed until
+// a finish reason comes.
+func (h *Head) startAccounting(a *attemptRun) {
+	a.out = &stageOutput{}
+	// troupe runs one sequence per request (the API refuses n != 1), so n
+	// is 1 for every stage request.
+	a.fin = stats.Finished{Reason: stagepb.FinishReason_FINISH_REASON_ERROR, MaxTokensParam: int(a.sampling().GetMaxTokens()), N: 1}
+	if sc := a.span.SpanContext(); sc.IsSampled() {
+		a.fin.TraceID = sc.TraceID().String()
+	}
+	a.start = time.Now()
+}
+
+// finishAccounting records the ended attempt in the stats and on its span.
+func (h *Head) finishAccounting(a *attemptRun, err error) {
+	out, fin := a.out, &a.fin
+	fin.E2E = time.Since(a.start)
+	fin.PromptTokens, fin.GenerationTokens = out.promptTokens, out.generationTokens
+	fin.PrefillComputedTokens = out.computedTokens
+	if rerr := h.stats.RecordFinished(a.rep.EngineIndex, *fin); rerr != nil {
+		h.log.Debug("orchestrator: record finished", "err", rerr)
+	}
+	if a.recording {
+		a.span.SetAttributes(telemetry.GenAIUsageAttributes(int64(out.promptTokens), int64(out.generationTokens), fin.Reason.Name())...)
+		a.span.AddEvent("finish", trace.WithAttributes(attribute.String("finish_reason", fin.Reason.Name())))
+	}
+	if err != nil {
+		a.span.RecordError(err)
+		a.span.SetStatus(codes.Error, err.Error())
+	}
+}
+
+// open starts the attempt's call: a GenerateStream fed from the stage's
+// input log (see openStreamed), or a Generate of the attempt's request.
+// wait, called after ctx is cancelled, waits for whatever goroutine the
+// call started. progress is called after each piece of input sent.
+func (h *Head) open(ctx context.Context, a *attemptRun, progress func()) (stream chunkStream, wait func(), err error) {
+	if a.sr.input != nil {
+		return h.openStreamed(ctx, a, progress)
+	}
+	if a.tr.moved.count > 0 {
+		a.span.SetAttributes(attribute.Bool("troupe.migration", true), attribute.Int("troupe.migration.delivered_chars", len(a.tr.moved.text)))
+	}
+	return h.openGenerate(ctx, a.rep, a.in)
+}
+
+// callOptions set the gRPC message limits of a call to a replica (gRPC's
+// default would stop at 4 MiB received).
+func (h *Head) callOptions() []grpc.CallOption { return h.calls }
+
+// readFrom is how the attempt receives from stream, whose wait is wait:
+// straight from it, or, when the client reads the output (flush not nil),
+// through a read-ahead that flushes whenever no chunk is at hand. The
+// returned wait waits for the stream's goroutines and the read-ahead's.
+func readFrom(ctx context.Context, stream chunkStream, wait func(), flush func() error) (recv func() (*stagepb.GenerateChunk, error), _ func()) {
+	if flush == nil {
+		return stream.Recv, wait
+	}
+	ra := startReadAhead(ctx, stream)
+	// The read-ahead's Recv ends first: a Multiplex call is closed (wait)
+	// only once nothing reads it.
+	return func() (*stagepb.GenerateChunk, error) { return ra.next(ctx, flush) },
+		func() { <-ra.done; wait() }
+}
+
+// receive reads the attempt's chunks until its stream ends: each one
+// counts as progress, is accounted, and its output is kept and forwarded.
+func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb.GenerateChunk, error), progress func()) error {
+	for {
+		chunk, err := recv()
+		if err == io.EOF {
+			return nil
+		}
+		if errors.Is(err, errNotFlushed) {
+			a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
+			return fmt.Errorf("orchestrator: stage %q: output not delivered: %w", a.name, err)
+		}
+		if err != nil {
+			return h.stageError(ctx, a, err)
+		}
+		progress()
+		h.account(a, chunk)
+		if stagepb.HasOutput(chunk) {
+			a.dateOutputs(chunk)
+			a.keep(chunk)
+			if a.sr.forward != nil {
+				if err := a.forward(chunk); err != nil {
+					a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
+					return fmt.Errorf("orchestrator: stage %q: output not delivered: %w", a.name, err)
+				}
+			}
+		}
+		a.finishedBy(chunk)
+	}
+}
+
+// account applies what a chunk tells of the replica: its KV events to the
+// prefix index, its stats to the stat logger, the replica's load and the
+// attempt's token counts.
+func (h *Head) account(a *attemptRun, chunk *stagepb.GenerateChunk) {
+	if ev := chunk.GetKvEvents(); ev != nil {
+		h.router.ApplyKVEvents(a.rep, ev)
+	}
+	s := chunk.GetStats()
+	if s == nil {
+		return
+	}
+	if err := h.stats.Record(a.rep.EngineIndex, s); err != nil {
+		h.log.Debug("orchestrator: record stats", "err", err)
+	}
+	a.rep.SetLoad(int64(s.GetNumRequestsRunning()) + int64(s.GetNumRequestsWaitingCapacity()) + int64(s.GetNumRequestsWaitingDeferred()))
+	a.out.promptTokens += int(s.GetPromptTokens())
+	a.out.generationTokens += int(s.GetGenerationTokens())
+	a.out.computedTokens += int(s.GetPromptTokensLocalCompute())
+}
+
+// dateOutputs dates a chunk's outputs for time to first token and the
+// inter-token latencies: a chunk of held output dates each of its outputs
+// by its age; any other chunk is one output, made about now.
+func (a *attemptRun) dateOutputs(chunk *stagepb.GenerateChunk) {
+	now := time.Now()
+	ages := chunk.GetOutputAgesUs()
+	for i := range max(len(ages), 1) {
+		at := now
+		if i < len(ages) {
+			at = now.Add(-time.Duration(ages[i]) * time.Microsecond)
+		}
+		if a.last.IsZero() {
+			a.fin.TTFT = max(at.Sub(a.start), 0)
+			if a.recording {
+				a.span.AddEvent("first_token", trace.WithTimestamp(at))
+			}
+			if len(ages) > 1 {
+				a.fin.InterTokenLatencies = make([]time.Duration, 0, len(ages)-1)
+			}
+		} else {
+			a.fin.InterTokenLatencies = append(a.fin.InterTokenLatencies, max(at.Sub(a.last), 0))
+		}
+		a.last = at
+	}
+}
+
+// keep adds a chunk's output to the attempt's.
+func (a *attemptRun) keep(chunk *stagepb.GenerateChunk) {
+	out := a.out
+	out.text.WriteString(chunk.GetText())
+	out.codes = append(out.codes, chunk.GetCodes()...)
+	out.pcm = append(out.pcm, chunk.GetAudioPcm16()...)
+	if r := chunk.GetSampleRate(); r > 0 {
+		out.sampleRate = int(r)
+	}
+}
+
+// forward passes on the part of a chunk's output that no earlier attempt
+// forwarded, and keeps count of what was forwarded and what reached the
+// client (for a retry's skip and a migration).
+func (a *attemptRun) forward(chunk *stagepb.GenerateChunk) error {
+	text, codes, pcm := a.skip.cut(chunk)
+	if text == "" && len(codes) == 0 && len(pcm) == 0 {
+		return nil
+	}
+	d := &a.tr.delivered
+	if a.sr.streamed && *d == (outputCursor{}) {
+		a.span.AddEvent("first_output_forwarded")
+	}
+	d.text += len(text)
+	d.codes += len(codes)
+	d.pcm += len(pcm)
+	visible, err := a.sr.forward(output{text: text, codes: codes, pcm: pcm, sampleRate: int(chunk.GetSampleRate())})
+	if visible {
+		a.produced = true
+		if text != "" {
+			a.got.text += text
+			a.got.tokens += int(chunk.GetStats().GetGenerationTokens())
+		}
+	}
+	return err
+}
+
+// finishedBy takes the finish reason and timings of the chunk that ends
+// the stage, if it is one.
+func (a *attemptRun) finishedBy(chunk *stagepb.GenerateChunk) {
+	r := chunk.GetFinishReason()
+	if r == stagepb.FinishReason_FINISH_REASON_UNSPECIFIED {
+		return
+	}
+	a.fin.Reason = r
+	a.out.finish = r.Name()
+	if t := chunk.GetTimings(); t != nil {
+		a.fin.Queue = seconds(t.GetQueueSeconds())
+		a.fin.Prefill = seconds(t.GetPrefillSeconds())
+		a.fin.Decode = seconds(t.GetDecodeSeconds())
+	}
+}
+
+func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+
+// ended is the attempt's result once its stream ended: its output when the
+// stage finished, else a failure of the replica.
+func (a *attemptRun) ended(ctx context.Context) (*stageOutput, error) {
+	switch a.fin.Reason {
+	case stagepb.FinishReason_FINISH_REASON_STOP, stagepb.FinishReason_FINISH_REASON_LENGTH:
+		return a.out, nil
+	case stagepb.FinishReason_FINISH_REASON_ABORT:
+		a.fault = ctx.Err() == nil
+		return nil, newError(ErrStageFailed, nil, "stage %q failed on replica %d: it aborted the request", a.name, a.rep.Key.Replica)
+	default:
+		a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
+		a.fault = ctx.Err() == nil
+		return nil, newError(ErrStageFailed, nil, "stage %q failed on replica %d: it ended its stream without finishing", a.name, a.rep.Key.Replica)
+	}
+}
+
+// stageError classifies a gRPC failure of attempt a and sets its finish
+// reason, and its fault when the replica is to blame (see recordOutcome).
+func (h *Head) stageError(ctx context.Context, a *attemptRun, err error) error {
+	rep := a.rep
+	// gRPC enforces the request's deadline with its own timer (and the
+	// worker sees it too), so DeadlineExceeded can arrive a moment before
+	// ctx reports it: both mean the client's time ran out, not a failure.
+	if cause := context.Cause(ctx); errors.Is(cause, errStalled) || errors.Is(cause, errReplicaGone) {
+		a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
+		a.fault = true
+		what := "stopped making progress"
+		if errors.Is(cause, errReplicaGone) {
+			what = "left the membership and does not answer"
+		}
+		return newError(ErrStageFailed, fmt.Errorf("replica %d (%s): %w", rep.Key.Replica, rep.Addr, cause),
+			"stage %q failed on replica %d: it %s", a.name, rep.Key.Replica, what)
+	}
+	_, hasDeadline := ctx.Deadline()
+	if ctx.Err() != nil || (hasDeadline && status.Code(err) == grpccodes.DeadlineExceeded) {
+		a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
+		cause := context.Cause(ctx)
+		if cause == nil {
+			cause = context.DeadlineExceeded
+		}
+		return fmt.Errorf("orchestrator: stage %q: %w", a.name, cause)
+	}
+	a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
+	e := replicaError(fmt.Sprintf("stage %q", a.name), rep.Key.Replica, rep.Addr, err)
+	a.fault = errors.Is(e, ErrStageFailed)
+	return e
+}
+
+// recordOutcome feeds an attempt's outcome to rep's circuit breaker: a
+// success closes it, a fault of the replica counts towards an ejection.
+// Other failures (the client left, its input was refused, the next stage
+// failed) say nothing about rep and leave the breaker alone.
+func (h *Head) recordOutcome(stage int, rep *router.Replica, err error, fault bool) {
+	if err == nil {
+		if h.router.RecordSuccess(rep) {
+			h.log.Info("orchestrator: ejected replica answers again; routing to it",
+				"stage", rep.StageName, "replica", rep.Key.Replica, "addr", rep.Addr)
+		}
+		return
+	}
+	if !fault {
+		return
+	}
+	e := h.router.RecordFailure(rep)
+	switch {
+	case e.Ejected:
+		h.ejections[stage].Inc()
+		h.log.Warn("orchestrator: replica fails repeatedly; ejected from routing",
+			"stage", rep.StageName, "replica", rep.Key.Replica, "addr", rep.Addr,
+			"consecutive_failures", e.Failures, "backoff", e.Backoff, "err", err)
+	case e.Spared && e.Failures == h.router.BreakerFailures():
+		h.log.Warn("orchestrator: replica fails repeatedly but is its stage's only routable one; kept in routing",
+			"stage", rep.StageName, "replica", rep.Key.Replica, "addr", rep.Addr, "err", err)
+	}
+}
+
+// readAheadChunks is how many chunks a stage whose output goes to the
+// client may have received and not yet delivered: the read-ahead lets the
+// head see that more output is there before it flushes, and the bound
+// keeps a client that stops reading slowing the stage down.
+const readAheadChunks = 16
+
+// errNotFlushed wraps the error of Request.Flush.
+var errNotFlushed = errors.New("orchestrator: flush failed")
+
+// readAhead receives a stage attempt's chunks ahead of the loop that
+// delivers them. Its goroutine ends when the stream does (an error, io.EOF
+// or the attempt's context cancelled); done is closed then.
+type readAhead struct {
+	ch   chan recvResult
+	done chan struct{}
+}
+
+type recvResult struct {
+	chunk *stagepb.GenerateChunk
+	err   error
+}
+
+func startReadAhead(ctx context.Context, s chunkStream) *readAhead {
+	ra := &readAhead{ch: make(chan recvResult, readAheadChunks), done: make(chan struct{})}
+	go func() {
+		defer close(ra.done)
+		for {
+			c, err := s.Recv()
+			select {
+			case ra.ch <- recvResult{c, err}:
+			case <-ctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	return ra
+}
+
+// next returns the next chunk; when none has come yet, it first flushes
+// what was delivered, then waits.
+func (ra *readAhead) next(ctx context.Context, flush func() error) (*stagepb.GenerateChunk, error) {
+	select {
+	case r := <-ra.ch:
+		return r.chunk, r.err
+	default:
+	}
+	if err := flush(); err != nil {
+		return nil, fmt.Errorf("%w: %w", errNotFlushed, err)
+	}
+	select {
+	case r := <-ra.ch:
+		return r.chunk, r.err
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
