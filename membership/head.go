@@ -133,7 +133,9 @@ type ListedHead struct {
 	Lease   clientv3.LeaseID // NoLease when the key has none
 	// TTLLeft is the lease's remaining time; -1 when the key has no lease
 	// or the lease is gone.
-	TTLLeft        time.Duration
+	TTLLeft time.Duration
+	// TTL is the lease's granted TTL; -1 like TTLLeft.
+	TTL            time.Duration
 	CreateRevision int64
 	ModRevision    int64
 }
@@ -153,7 +155,7 @@ func ListHeads(ctx context.Context, cli *clientv3.Client, cluster string) ([]Lis
 	if err != nil {
 		return nil, fmt.Errorf("membership: list %s: %w", prefix, err)
 	}
-	ttls := leaseTTLs{cli: cli, known: map[clientv3.LeaseID]time.Duration{}}
+	ttls := leaseTTLs{cli: cli, known: map[clientv3.LeaseID][2]time.Duration{}}
 	out := make([]ListedHead, 0, len(resp.Kvs))
 	for _, kv := range resp.Kvs {
 		l := ListedHead{
@@ -163,7 +165,7 @@ func ListHeads(ctx context.Context, cli *clientv3.Client, cluster string) ([]Lis
 			ModRevision:    kv.ModRevision,
 		}
 		l.Head, l.Invalid = DecodeHead(cluster, l.Key, kv.Value)
-		if l.TTLLeft, err = ttls.left(ctx, l.Lease); err != nil {
+		if l.TTLLeft, l.TTL, err = ttls.left(ctx, l.Lease); err != nil {
 			return nil, err
 		}
 		out = append(out, l)
