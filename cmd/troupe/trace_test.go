@@ -22,7 +22,7 @@ const recordedTraceID = "42062905e4d1f4777ffc2d79537e9403"
 
 func recordedJaeger(t *testing.T) (url string, body []byte) {
 	t.Helper()
-	body, err := os.ReadFile(filepath.Join("..", "..", "internal", "jaeger", "testdata", "jaeger_trace.json"))
+	body, err := os.ReadFile(filepath.Join("..", "..", "internal", "front", "jaeger", "testdata", "jaeger_trace.json"))
 	require.NoError(t, err)
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/api/v3/traces/"+recordedTraceID {
