@@ -63,6 +63,7 @@ func TestHeadRegistration(t *testing.T) {
 		require.NoError(t, l.Invalid)
 		require.Greater(t, l.TTLLeft, time.Duration(0))
 		require.LessOrEqual(t, l.TTLLeft, 7*time.Second)
+		require.Equal(t, 7*time.Second, l.TTL, "the granted TTL")
 	}
 	require.Error(t, list[2].Invalid)
 	require.Equal(t, time.Duration(-1), list[2].TTLLeft)

@@ -19,7 +19,10 @@ type Listed[R Member | Head] struct {
 	Lease   clientv3.LeaseID // NoLease when the key has none
 	// TTLLeft is the lease's remaining time; -1 when the key has no lease
 	// or the lease is gone.
-	TTLLeft        time.Duration
+	TTLLeft time.Duration
+	// TTL is the lease's granted TTL (what the holder asked for, e.g.
+	// --lease-ttl); -1 like TTLLeft.
+	TTL            time.Duration
 	CreateRevision int64
 	ModRevision    int64
 }
@@ -58,7 +61,7 @@ func list[R Member | Head](ctx context.Context, cli *clientv3.Client, cluster st
 		return nil, fmt.Errorf("membership: list %s: %w", p, err)
 	}
 	out := make([]Listed[R], 0, len(resp.Kvs))
-	ttls := leaseTTLs{cli: cli, known: map[clientv3.LeaseID]time.Duration{}}
+	ttls := leaseTTLs{cli: cli, known: map[clientv3.LeaseID][2]time.Duration{}}
 	for _, kv := range resp.Kvs {
 		l := Listed[R]{
 			Key:            string(kv.Key),
@@ -67,7 +70,7 @@ func list[R Member | Head](ctx context.Context, cli *clientv3.Client, cluster st
 			ModRevision:    kv.ModRevision,
 		}
 		l.Record, l.Invalid = decode(cluster, l.Key, kv.Value)
-		if l.TTLLeft, err = ttls.left(ctx, l.Lease); err != nil {
+		if l.TTLLeft, l.TTL, err = ttls.left(ctx, l.Lease); err != nil {
 			return nil, err
 		}
 		out = append(out, l)
@@ -87,29 +90,29 @@ func list[R Member | Head](ctx context.Context, cli *clientv3.Client, cluster st
 	return out, nil
 }
 
-// leaseTTLs asks each lease's remaining time once per listing.
+// leaseTTLs asks each lease's remaining and granted time once per listing.
 type leaseTTLs struct {
 	cli   *clientv3.Client
-	known map[clientv3.LeaseID]time.Duration
+	known map[clientv3.LeaseID][2]time.Duration
 }
 
-// left is the lease's remaining time, -1 for no lease or a lease that is
-// gone. It fails only when ctx ended.
-func (t leaseTTLs) left(ctx context.Context, lease clientv3.LeaseID) (time.Duration, error) {
+// left is the lease's remaining time and its granted TTL, -1 each for no
+// lease or a lease that is gone. It fails only when ctx ended.
+func (t leaseTTLs) left(ctx context.Context, lease clientv3.LeaseID) (left, granted time.Duration, err error) {
 	if lease == clientv3.NoLease {
-		return -1, nil
+		return -1, -1, nil
 	}
-	if ttl, ok := t.known[lease]; ok {
-		return ttl, nil
+	if k, ok := t.known[lease]; ok {
+		return k[0], k[1], nil
 	}
-	ttl := time.Duration(-1)
+	left, granted = -1, -1
 	tr, err := t.cli.TimeToLive(ctx, lease)
 	if err != nil && ctx.Err() != nil {
-		return 0, fmt.Errorf("membership: lease TTL: %w", err)
+		return 0, 0, fmt.Errorf("membership: lease TTL: %w", err)
 	}
 	if err == nil && tr.TTL >= 0 {
-		ttl = time.Duration(tr.TTL) * time.Second
+		left, granted = time.Duration(tr.TTL)*time.Second, time.Duration(tr.GrantedTTL)*time.Second
 	}
-	t.known[lease] = ttl
-	return ttl, nil
+	t.known[lease] = [2]time.Duration{left, granted}
+	return left, granted, nil
 }

@@ -352,11 +352,13 @@ func TestListShowsLeaseTTL(t *testing.T) {
 		order = append(order, fmt.Sprintf("%s/%d", l.Record.Stage, l.Record.ReplicaID))
 		require.Greater(t, l.TTLLeft, time.Duration(0))
 		require.LessOrEqual(t, l.TTLLeft, 20*time.Second)
+		require.Equal(t, 20*time.Second, l.TTL, "the granted TTL, not the time left")
 	}
 	require.Equal(t, []string{"talker/0", "talker/1", "thinker/0"}, order)
 	require.Error(t, list[3].Invalid)
 	require.Equal(t, "/troupe/default/members/thinker/9", list[3].Key)
 	require.Equal(t, time.Duration(-1), list[3].TTLLeft, "no lease")
+	require.Equal(t, time.Duration(-1), list[3].TTL, "no lease")
 }
 
 // drained is closed once ch is closed; it reads and drops what ch holds.

@@ -7,6 +7,9 @@ import (
 	"strings"
 	"time"
 
+	grpccodes "google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -64,7 +67,7 @@ func (h *Head) changeSleep(ctx context.Context, key router.Key, verb string, cal
 	before, _ := h.lookup(key)
 	st, err := call(rep.Client)
 	if err != nil {
-		return 0, replicaError(fmt.Sprintf("%s of stage %d", verb, key.Stage), key.Replica, rep.Addr, err)
+		return 0, adminError(fmt.Sprintf("%s of stage %s", verb, h.cfg.Pipeline.Stages[key.Stage].Name), key.Replica, rep.Addr, err)
 	}
 	wctx, cancel := context.WithTimeout(ctx, recordWait)
 	defer cancel()
@@ -83,4 +86,22 @@ func (h *Head) changeSleep(ctx context.Context, key router.Key, verb string, cal
 			return st, nil
 		}
 	}
+}
+
+// adminError classifies a replica's answer to Sleep or WakeUp. Two status
+// messages are written for the operator and shown (the engines write them
+// without addresses): FailedPrecondition, what the replica's state forbids
+// now (asleep at another level, requests in flight), is a conflict (409);
+// Unimplemented, an engine without sleep mode, says what would give it one
+// (502). Everything else is a replica failure as in Execute.
+func adminError(what string, replica uint32, addr string, err error) *Error {
+	st := status.Convert(err)
+	cause := fmt.Errorf("replica %d (%s): %w", replica, addr, err)
+	switch st.Code() {
+	case grpccodes.FailedPrecondition:
+		return newError(ErrConflict, cause, "%s refused by replica %d: %s", what, replica, st.Message())
+	case grpccodes.Unimplemented:
+		return newError(ErrStageFailed, cause, "%s failed on replica %d: %s", what, replica, st.Message())
+	}
+	return replicaError(what, replica, addr, err)
 }

@@ -27,7 +27,16 @@ var (
 	ErrInputTooLarge = errors.New("orchestrator: input too large")
 	// ErrUnknownReplica: the admin call names no attached replica (404).
 	ErrUnknownReplica = errors.New("orchestrator: unknown replica")
+	// ErrConflict: an admin call asks for what the replica's state
+	// forbids, e.g. a sleep at another level than the one it sleeps at
+	// (409); the replica's message says what to do first.
+	ErrConflict = errors.New("orchestrator: conflict")
 )
+
+// AsleepError is the cause of an ErrNoReplica whose stage has replicas,
+// every one asleep: no retry helps until one is woken (errors.As finds it
+// in an *Error).
+type AsleepError = router.AsleepError
 
 // Error is a failure of the head as Execute and the admin calls report it.
 // Its two texts have two readers: Error() is for the head's log and may

@@ -4,9 +4,10 @@
 # containers:
 #
 #   1. chat       20 chat requests return text and a base64 WAV
-#   2. late join  --scale thinker=3: the new replica is registered and its
+#   2. late join  TROUPE_THINKERS=3: the new replica is registered and its
 #                 series exist at 0 before it serves; then it serves, and
-#                 replica 0's counters only grew
+#                 replica 0's counters only grew; a later `up` with the
+#                 same TROUPE_THINKERS (as when adding a profile) keeps it
 #   3. crash      docker kill a thinker: requests keep succeeding; it is
 #                 detached within the lease TTL, its series kept
 #   4. partition  docker network disconnect the talker: detached, lease gone
@@ -75,12 +76,8 @@ export TROUPE_HEAD_B_PUBLISH="127.0.0.1:"
 export TROUPE_LB_PUBLISH="127.0.0.1:"
 export TROUPE_LB_STATS_PUBLISH="127.0.0.1:"
 export TROUPE_LEASE_TTL="$lease_ttl"
-# scripts/images.sh builds, and the compose file runs, these images.
-tag="${TROUPE_TAG:-dev}"
-export TROUPE_IMAGE="${TROUPE_IMAGE:-troupe:$tag}"
-export JAEGER_IMAGE="${JAEGER_IMAGE:-troupe-jaeger:$tag}"
-export PROMETHEUS_IMAGE="${PROMETHEUS_IMAGE:-troupe-prometheus:$tag}"
-export HAPROXY_IMAGE="${HAPROXY_IMAGE:-troupe-haproxy:$tag}"
+# scripts/images.sh builds, and the compose file runs, the images of this tag.
+export TROUPE_TAG="${TROUPE_TAG:-dev}"
 
 log() { echo "e2e: $*" >&2; }
 
@@ -375,7 +372,9 @@ scrape
 before0="$(counters 0 0)"
 old_ids="$(replicas | jq -c '[.data[] | select(.stage_name == "thinker") | .replica]')"
 t0="$(now)"
-compose up -d --scale thinker=3 --no-recreate >/dev/null 2>&1 || fail "compose up --scale thinker=3 failed"
+# The documented way (docker-compose.yml, docs/deploy.md): TROUPE_THINKERS,
+# which a later `up` keeps; `--scale` alone is undone by the next `up`.
+TROUPE_THINKERS=3 compose up -d --no-recreate >/dev/null 2>&1 || fail "TROUPE_THINKERS=3 compose up failed"
 t_started="$(now)"
 new_id=""
 find_new() {
@@ -416,7 +415,13 @@ done
 new_c="$(container_at thinker "$(replica_field thinker "$new_id" addr)")" || fail "no container for thinker/$new_id"
 started="$(date -d "$(docker inspect -f '{{.State.StartedAt}}' "$new_c")" +%s.%N 2>/dev/null || echo "$t_started")"
 t_join="$(awk -v a="$started" -v b="$t_seen" 'BEGIN { printf "%.1f", b - a }')"
-pass "thinker/$new_id in /v1/replicas ${t_join}s after its container started (scale-up command ${t_up_cmd}s), attached=1 awake=1 tokens=0 before serving; thinker/0 counters $before0 -> $after0"
+# Another `up` with the same TROUPE_THINKERS (what the docs say to do when
+# adding a profile) leaves the third thinker running and attached.
+TROUPE_THINKERS=3 compose up -d --no-recreate >/dev/null 2>&1 || fail "a second TROUPE_THINKERS=3 compose up failed"
+n_thinkers="$(docker ps -q --filter "label=com.docker.compose.project=$project" --filter "label=com.docker.compose.service=thinker" | wc -l)"
+[ "$n_thinkers" -eq 3 ] || fail "a second up left $n_thinkers thinker containers running, want 3"
+[ "$(state thinker "$new_id")" = attached ] || fail "after a second up, thinker/$new_id is $(state thinker "$new_id"), want attached"
+pass "thinker/$new_id in /v1/replicas ${t_join}s after its container started (scale-up command ${t_up_cmd}s), attached=1 awake=1 tokens=0 before serving; thinker/0 counters $before0 -> $after0; kept by a second up"
 
 # ---- 3. crash ----------------------------------------------------------------
 

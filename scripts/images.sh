@@ -11,14 +11,11 @@
 #   TROUPE_TAG=v1 scripts/images.sh   # tag :v1 instead of :dev
 #
 # Environment:
-#   TROUPE_TAG     image tag (default dev)
-#   TROUPE_IMAGE   troupe image name (default troupe:$TROUPE_TAG)
-#   JAEGER_IMAGE   Jaeger image name (default troupe-jaeger:$TROUPE_TAG)
-#   PROMETHEUS_IMAGE  Prometheus image name (default troupe-prometheus:$TROUPE_TAG)
+#   TROUPE_TAG     the tag of all four images (default dev); docker-compose.yml
+#                  runs the images of the same TROUPE_TAG
 #   PROMETHEUS_BIN    the Prometheus binary to package (default: `prometheus`
 #                  on PATH, from Debian's prometheus package; installed with
 #                  apt-get when missing and running as root)
-#   HAPROXY_IMAGE  HAProxy image name (default troupe-haproxy:$TROUPE_TAG)
 #   HAPROXY_BIN    the HAProxy binary to package (default: /usr/sbin/haproxy
 #                  from Debian's haproxy package, installed with apt-get
 #                  when missing and running as root)
@@ -32,10 +29,10 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
 tag="${TROUPE_TAG:-dev}"
-troupe_image="${TROUPE_IMAGE:-troupe:$tag}"
-jaeger_image="${JAEGER_IMAGE:-troupe-jaeger:$tag}"
-prometheus_image="${PROMETHEUS_IMAGE:-troupe-prometheus:$tag}"
-haproxy_image="${HAPROXY_IMAGE:-troupe-haproxy:$tag}"
+troupe_image="troupe:$tag"
+jaeger_image="troupe-jaeger:$tag"
+prometheus_image="troupe-prometheus:$tag"
+haproxy_image="troupe-haproxy:$tag"
 nice_level="${NICE:-10}"
 jaeger_bin="${JAEGER_BIN:-$root/bin/jaeger}"
 what="${1:-all}"

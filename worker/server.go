@@ -660,11 +660,21 @@ func (svc *service) Sleep(ctx context.Context, req *stagepb.SleepRequest) (*stag
 	if _, err := stagepb.SleepStateForLevel(int(req.GetLevel())); err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "worker: %v", err)
 	}
-	st, err := s.changeSleep(ctx, func() (stagepb.SleepState, error) { return s.cfg.Engine.Sleep(ctx, int(req.GetLevel())) })
+	level := int(req.GetLevel())
+	st, err := s.changeSleep(ctx, func() (stagepb.SleepState, error) {
+		cur := s.cfg.Engine.Health().GetSleepState()
+		if err := sleepTransition(cur, level); err != nil {
+			return cur, err
+		}
+		if cur != stagepb.SleepState_SLEEP_STATE_AWAKE {
+			return cur, nil // asleep at this level already: nothing to do
+		}
+		return s.cfg.Engine.Sleep(ctx, level)
+	})
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	s.log.Info("worker: asleep", "level", req.GetLevel())
+	s.log.Info("worker: asleep", "level", level)
 	return &stagepb.SleepResponse{SleepState: st}, nil
 }
 
@@ -675,6 +685,33 @@ func (svc *service) WakeUp(ctx context.Context, _ *stagepb.WakeUpRequest) (*stag
 		return nil, toStatus(err)
 	}
 	return &stagepb.WakeUpResponse{SleepState: st}, nil
+}
+
+// sleepTransition says whether a replica in state cur may be put to sleep
+// at level. An awake replica may; one asleep at that level already is left
+// as it is (a repeated call succeeds, idempotent); one asleep at the other
+// level is refused with FailedPrecondition, whose message the head shows
+// the API client (409): going from level 2 to 1 would need the weights
+// reloaded, and vLLM ignores a sleep while asleep, so the answer would
+// claim a state the engine is not in. Wake it first.
+func sleepTransition(cur stagepb.SleepState, level int) error {
+	want, err := stagepb.SleepStateForLevel(level)
+	if err != nil || cur == stagepb.SleepState_SLEEP_STATE_AWAKE || cur == want {
+		return err
+	}
+	return status.Errorf(codes.FailedPrecondition,
+		"the replica is asleep at level %d (%s); wake it up first (POST …/wake_up), then put it to sleep at level %d",
+		sleepLevel(cur), cur.Name(), level)
+}
+
+// sleepLevel is the level a sleep state is reached by (0 for awake).
+func sleepLevel(st stagepb.SleepState) int {
+	for level := stagepb.SleepLevelOffload; level <= stagepb.SleepLevelDiscard; level++ {
+		if s, _ := stagepb.SleepStateForLevel(level); s == st {
+			return level
+		}
+	}
+	return 0
 }
 
 // changeSleep runs change (the engine's Sleep or WakeUp) and writes the

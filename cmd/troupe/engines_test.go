@@ -175,6 +175,28 @@ func TestUpSpeech(t *testing.T) {
 		"messages":[{"role":"user","content":"hello"}],"max_tokens":12}`)
 	assert.Equal(t, want, female.Choices[0].Message.Content)
 	assert.NotEqual(t, msg.Audio.Data, female.Choices[0].Message.Audio.Data, "voice en+f3 sounds different")
+
+	// A voice espeak-ng does not have is the client's mistake, named by
+	// its field, in words for the client rather than espeak-ng's stderr.
+	resp, err := http.Post(base+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"troupe-omni-sim","modalities":["text","audio"],
+		"audio":{"voice":"zzvoice","format":"wav"},"messages":[{"role":"user","content":"hello"}],"max_tokens":4}`))
+	require.NoError(t, err)
+	data, err := io.ReadAll(resp.Body)
+	require.NoError(t, resp.Body.Close())
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusBadRequest, resp.StatusCode, "%s", data)
+	var bad struct {
+		Error struct {
+			Message string  `json:"message"`
+			Param   *string `json:"param"`
+			Code    string  `json:"code"`
+		} `json:"error"`
+	}
+	require.NoError(t, json.Unmarshal(data, &bad), "%s", data)
+	require.NotNil(t, bad.Error.Param, "%s", data)
+	assert.Equal(t, "audio.voice", *bad.Error.Param)
+	assert.Equal(t, "invalid_value", bad.Error.Code)
+	assert.Equal(t, "voice \"zzvoice\" is not an espeak-ng voice: want one such as en, en-us or en+f3 (`espeak-ng --voices` lists them)", bad.Error.Message)
 }
 
 // TestWorkerInFrontOfUpstream: the CLI wiring of --engine openai. Head B's

@@ -65,15 +65,16 @@ func TestHeadsTable(t *testing.T) {
 
 	out.Reset()
 	require.NoError(t, writeHeadsTable(&out, []membership.Listed[membership.Head]{
-		{Key: "/troupe/default/heads/a", Record: membership.Head{ID: "a", Addr: "10.0.0.1:8000", Version: "v1", StartedAt: now.Add(-time.Minute)}, TTLLeft: 9 * time.Second},
-		{Key: "/troupe/default/heads/b", Record: membership.Head{ID: "b", Addr: "10.0.0.2:8000"}, TTLLeft: -1},
+		{Key: "/troupe/default/heads/a", Record: membership.Head{ID: "a", Addr: "10.0.0.1:8000", Version: "v1", StartedAt: now.Add(-time.Minute)}, TTL: 10 * time.Second, TTLLeft: 9 * time.Second},
+		{Key: "/troupe/default/heads/b", Record: membership.Head{ID: "b", Addr: "10.0.0.2:8000"}, TTL: -1, TTLLeft: -1},
 		{Key: "/troupe/default/heads/x", Invalid: errors.New("bad")},
 	}, now))
 	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
 	require.Len(t, lines, 4, out.String())
-	assert.Regexp(t, `^HEAD +API ADDR +VERSION +LEASE TTL +AGE$`, lines[0])
-	assert.Regexp(t, `^a +10\.0\.0\.1:8000 +v1 +9s +1m0s$`, lines[1])
-	assert.Regexp(t, `^b +10\.0\.0\.2:8000 +- +- +-$`, lines[2])
+	// LEASE TTL is the granted TTL, EXPIRES IN the time it has left.
+	assert.Regexp(t, `^HEAD +API ADDR +VERSION +LEASE TTL +EXPIRES IN +AGE$`, lines[0])
+	assert.Regexp(t, `^a +10\.0\.0\.1:8000 +v1 +10s +9s +1m0s$`, lines[1])
+	assert.Regexp(t, `^b +10\.0\.0\.2:8000 +- +- +- +-$`, lines[2])
 	assert.Equal(t, "invalid record at /troupe/default/heads/x: bad", lines[3])
 }
 

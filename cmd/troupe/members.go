@@ -14,10 +14,12 @@ import (
 // memberJSON is one row of `troupe members --json`.
 type memberJSON struct {
 	Key string `json:"key"`
+	// Member's fields, sleep_state (the table's SLEEP) among them.
 	membership.Member
-	Lease      string  `json:"lease,omitempty"`       // hex, as etcdctl prints it
-	TTLSeconds int64   `json:"lease_ttl_seconds"`     // -1: no lease or gone
-	AgeSeconds float64 `json:"age_seconds,omitempty"` // since started_at
+	Lease            string  `json:"lease,omitempty"`          // hex, as etcdctl prints it
+	TTLSeconds       int64   `json:"lease_ttl_seconds"`        // granted; -1: no lease or gone
+	ExpiresInSeconds int64   `json:"lease_expires_in_seconds"` // left; -1: no lease or gone
+	AgeSeconds       float64 `json:"age_seconds,omitempty"`    // since started_at
 }
 
 type invalidJSON struct {
@@ -29,9 +31,10 @@ type invalidJSON struct {
 type headJSON struct {
 	Key string `json:"key"`
 	membership.Head
-	Lease      string  `json:"lease,omitempty"`
-	TTLSeconds int64   `json:"lease_ttl_seconds"`
-	AgeSeconds float64 `json:"age_seconds,omitempty"`
+	Lease            string  `json:"lease,omitempty"`
+	TTLSeconds       int64   `json:"lease_ttl_seconds"`
+	ExpiresInSeconds int64   `json:"lease_expires_in_seconds"`
+	AgeSeconds       float64 `json:"age_seconds,omitempty"`
 }
 
 type membersJSON struct {
@@ -85,12 +88,9 @@ func writeMembersJSON(w io.Writer, cluster string, list []membership.Listed[memb
 			out.Invalid = append(out.Invalid, invalidJSON{Key: l.Key, Error: l.Invalid.Error()})
 			continue
 		}
-		row := memberJSON{Key: l.Key, Member: l.Record, TTLSeconds: -1}
+		row := memberJSON{Key: l.Key, Member: l.Record, TTLSeconds: seconds(l.TTL), ExpiresInSeconds: seconds(l.TTLLeft)}
 		if l.Lease != 0 {
 			row.Lease = fmt.Sprintf("%x", int64(l.Lease))
-		}
-		if l.TTLLeft >= 0 {
-			row.TTLSeconds = int64(l.TTLLeft / time.Second)
 		}
 		if !l.Record.StartedAt.IsZero() {
 			row.AgeSeconds = now.Sub(l.Record.StartedAt).Round(time.Millisecond).Seconds()
@@ -102,12 +102,9 @@ func writeMembersJSON(w io.Writer, cluster string, list []membership.Listed[memb
 			out.Invalid = append(out.Invalid, invalidJSON{Key: l.Key, Error: l.Invalid.Error()})
 			continue
 		}
-		row := headJSON{Key: l.Key, Head: l.Record, TTLSeconds: -1}
+		row := headJSON{Key: l.Key, Head: l.Record, TTLSeconds: seconds(l.TTL), ExpiresInSeconds: seconds(l.TTLLeft)}
 		if l.Lease != 0 {
 			row.Lease = fmt.Sprintf("%x", int64(l.Lease))
-		}
-		if l.TTLLeft >= 0 {
-			row.TTLSeconds = int64(l.TTLLeft / time.Second)
 		}
 		if !l.Record.StartedAt.IsZero() {
 			row.AgeSeconds = now.Sub(l.Record.StartedAt).Round(time.Millisecond).Seconds()
@@ -134,11 +131,11 @@ func writeMembersTable(w io.Writer, list []membership.Listed[membership.Member],
 		}
 	} else {
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "STAGE\tREPLICA\tADDR\tENGINE\tVERSION\tLEASE TTL\tAGE")
+		fmt.Fprintln(tw, "STAGE\tREPLICA\tADDR\tENGINE\tVERSION\tSLEEP\tLEASE TTL\tEXPIRES IN\tAGE")
 		for _, l := range valid {
 			m := l.Record
-			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", m.Stage, m.ReplicaID, m.Addr,
-				orDash(m.Engine), orDash(m.Version), ttlText(l.TTLLeft), ageText(m.StartedAt, now))
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", m.Stage, m.ReplicaID, m.Addr,
+				orDash(m.Engine), orDash(m.Version), orDash(m.SleepState), ttlText(l.TTL), ttlText(l.TTLLeft), ageText(m.StartedAt, now))
 		}
 		if err := tw.Flush(); err != nil {
 			return err
@@ -167,10 +164,10 @@ func writeHeadsTable(w io.Writer, heads []membership.Listed[membership.Head], no
 	} else {
 		fmt.Fprintln(w)
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "HEAD\tAPI ADDR\tVERSION\tLEASE TTL\tAGE")
+		fmt.Fprintln(tw, "HEAD\tAPI ADDR\tVERSION\tLEASE TTL\tEXPIRES IN\tAGE")
 		for _, l := range valid {
 			h := l.Record
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", h.ID, h.Addr, orDash(h.Version), ttlText(l.TTLLeft), ageText(h.StartedAt, now))
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", h.ID, h.Addr, orDash(h.Version), ttlText(l.TTL), ttlText(l.TTLLeft), ageText(h.StartedAt, now))
 		}
 		if err := tw.Flush(); err != nil {
 			return err
@@ -184,6 +181,14 @@ func writeHeadsTable(w io.Writer, heads []membership.Listed[membership.Head], no
 		}
 	}
 	return nil
+}
+
+// seconds is a lease duration in whole seconds, -1 staying -1.
+func seconds(d time.Duration) int64 {
+	if d < 0 {
+		return -1
+	}
+	return int64(d / time.Second)
 }
 
 func ttlText(d time.Duration) string {

@@ -65,7 +65,7 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.StringVar(&f.model, "model", "", "model name recorded in the member record (informational)")
 	fs.DurationVar(&f.leaseTTL, "lease-ttl", membership.DefaultTTL, "etcd lease TTL of the registration")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", worker.DefaultDrainTimeout, "how long in-flight requests may finish at shutdown")
-	fs.Var(&f.maxMessage, "max-message-bytes", "largest gRPC request accepted, prompt included; at least the head's --max-body-bytes plus 1MiB")
+	fs.Var(&f.maxMessage, "max-message-bytes", "largest gRPC request accepted, prompt included: a `size` such as 17MiB, at least the head's --max-body-bytes plus 1MiB")
 	fs.IntVar(&f.numSpec, "num-speculative-tokens", 0, "speculative decoding draft positions K (0: off)")
 	fs.StringVar(&f.simRole, "sim-role", "", "sim: text, codes or audio (default: from the stage name)")
 	fs.IntVar(&f.maxNumSeqs, "max-num-seqs", sim.DefaultMaxNumSeqs, "sim: most requests running at once")

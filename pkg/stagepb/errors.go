@@ -51,6 +51,22 @@ func ContextLengthError(maxModelLen, promptTokens, requested int) error {
 	return withInfo.Err()
 }
 
+// ReasonInvalidVoice: the request's voice (audio.voice) is not one the
+// engine has. The head answers 400 invalid_value with param audio.voice.
+const ReasonInvalidVoice = "INVALID_VOICE"
+
+// InvalidVoiceError is the refusal of a voice the engine does not have:
+// InvalidArgument with an ErrorInfo of ReasonInvalidVoice. message is
+// written for the API client.
+func InvalidVoiceError(message string) error {
+	st := status.New(codes.InvalidArgument, message)
+	withInfo, err := st.WithDetails(&errdetails.ErrorInfo{Reason: ReasonInvalidVoice, Domain: ErrorDomain})
+	if err != nil { // only for a detail that cannot be marshalled
+		return st.Err()
+	}
+	return withInfo.Err()
+}
+
 // ErrorReason is the troupe reason an error's status carries (an ErrorInfo
 // detail of ErrorDomain), or "" when it carries none.
 func ErrorReason(err error) string {

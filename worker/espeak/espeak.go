@@ -120,7 +120,7 @@ func (e *Engine) gauges() *stagepb.EngineStats {
 
 // Sleep is not supported: espeak-ng holds nothing worth freeing.
 func (e *Engine) Sleep(context.Context, int) (stagepb.SleepState, error) {
-	return stagepb.SleepState_SLEEP_STATE_AWAKE, status.Error(codes.Unimplemented, "espeak: the espeak engine has no sleep mode")
+	return stagepb.SleepState_SLEEP_STATE_AWAKE, status.Error(codes.Unimplemented, "the espeak engine has no sleep mode")
 }
 
 // WakeUp is a no-op: the engine never sleeps.
@@ -135,7 +135,7 @@ func (e *Engine) Voice(v string) (string, error) {
 		return e.cfg.Voice, nil
 	}
 	if !voiceRE.MatchString(v) {
-		return "", status.Errorf(codes.InvalidArgument, "espeak: invalid voice %q: want an espeak-ng voice such as en, en-us or en+f3", v)
+		return "", unknownVoice(v)
 	}
 	return v, nil
 }
@@ -266,9 +266,16 @@ func (e *Engine) processError(voice string, err error, stderr string) error {
 		msg = msg[:i]
 	}
 	if strings.Contains(stderr, "voice does not exist") || strings.Contains(stderr, "voice file") {
-		return status.Errorf(codes.InvalidArgument, "espeak: voice %q: %s", voice, msg)
+		e.cfg.Logger.Info("espeak: unknown voice", "voice", voice, "stderr", msg)
+		return unknownVoice(voice)
 	}
 	return status.Errorf(codes.Internal, "espeak: %s: %v: %s", e.bin, err, msg)
+}
+
+// unknownVoice refuses a voice espeak-ng does not have, in words for the
+// API client (espeak-ng's own stderr goes to the worker's log).
+func unknownVoice(voice string) error {
+	return stagepb.InvalidVoiceError(fmt.Sprintf("voice %q is not an espeak-ng voice: want one such as en, en-us or en+f3 (`espeak-ng --voices` lists them)", voice))
 }
 
 // limitedBuffer keeps the first limit bytes written to it.

@@ -149,9 +149,13 @@ func TestVoices(t *testing.T) {
 	_, err = speak(ctx, e, "hi", "zzvoice")
 	assert.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
 	assert.Contains(t, status.Convert(err).Message(), "zzvoice")
+	// Written for the API client, marked for the head to name the field.
+	assert.Equal(t, "voice \"zzvoice\" is not an espeak-ng voice: want one such as en, en-us or en+f3 (`espeak-ng --voices` lists them)", status.Convert(err).Message())
+	assert.Equal(t, stagepb.ReasonInvalidVoice, stagepb.ErrorReason(err))
 
 	_, err = speak(ctx, e, "hi", "../../etc/passwd")
 	assert.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+	assert.Equal(t, stagepb.ReasonInvalidVoice, stagepb.ErrorReason(err))
 }
 
 func TestInput(t *testing.T) {

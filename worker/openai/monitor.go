@@ -308,7 +308,10 @@ func (u *upstream) admin(ctx context.Context, path string) error {
 	defer closeBody(resp)
 	switch {
 	case resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusMethodNotAllowed:
-		return status.Errorf(codes.Unimplemented, "openai: upstream %s has no sleep mode (POST %s: %d); vLLM needs --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1", u.root, path, resp.StatusCode)
+		// The message reaches the operator through the head's admin
+		// answer: what to do, and no address (the log has it).
+		u.log.Warn("openai: upstream has no sleep mode", "upstream", u.root, "path", path, "status", resp.StatusCode)
+		return status.Errorf(codes.Unimplemented, "upstream has no sleep mode (POST %s: %d); vLLM needs --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1", path, resp.StatusCode)
 	case resp.StatusCode/100 != 2:
 		return statusError(resp)
 	}

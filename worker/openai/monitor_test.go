@@ -158,6 +158,11 @@ func TestFlappingUpstream(t *testing.T) {
 	_, err = c.Head.Sleep(testCtx(t), 0, id, 1)
 	require.ErrorIs(t, err, orchestrator.ErrStageFailed)
 	assert.Contains(t, err.Error(), "has no sleep mode")
+	// The client's message carries the actionable reason, not the
+	// upstream's address.
+	var oe *orchestrator.Error
+	require.ErrorAs(t, err, &oe)
+	assert.Equal(t, fmt.Sprintf("sleep of stage thinker failed on replica %d: upstream has no sleep mode (POST /sleep?level=1: 404); vLLM needs --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1", id), oe.Message)
 }
 
 // TestScrapedLoad: the upstream's vLLM metrics become the replica's engine

@@ -36,6 +36,22 @@ import (
 // ErrNoReplica is wrapped when a stage has no routable replica.
 var ErrNoReplica = errors.New("router: no routable replica")
 
+// AsleepError is the no-replica error of a stage whose every replica is
+// attached and healthy but asleep: nothing changes until someone wakes one
+// (an admin call), so a client's retry cannot help. errors.Is matches it
+// to ErrNoReplica.
+type AsleepError struct {
+	Stage    int
+	Replicas []uint32 // the sleeping replicas' ids, ascending
+}
+
+func (e *AsleepError) Error() string {
+	return fmt.Sprintf("%v for stage %d: every replica is asleep (%d)", ErrNoReplica, e.Stage, len(e.Replicas))
+}
+
+// Is reports the error as an ErrNoReplica.
+func (e *AsleepError) Is(target error) bool { return target == ErrNoReplica }
+
 // Key names one replica: the stage's index in the pipeline and the replica
 // id the worker registered under.
 type Key struct {
@@ -503,7 +519,22 @@ func (s *Snapshot) CheckRoutable(stage int) error {
 	return s.noReplica(stage)
 }
 
+// noReplica is the error of a stage with no routable replica: an
+// *AsleepError when every replica it has is healthy but asleep (ejected,
+// unhealthy or leaving ones clear themselves, sleepers do not).
 func (s *Snapshot) noReplica(stage int) error {
+	reps := s.Stage(stage)
+	asleep := make([]uint32, 0, len(reps))
+	for _, r := range reps {
+		if r.removed.Load() || !r.Healthy() || r.Ejected() || r.SleepState() == stagepb.SleepState_SLEEP_STATE_AWAKE {
+			break
+		}
+		asleep = append(asleep, r.Key.Replica)
+	}
+	if len(reps) > 0 && len(asleep) == len(reps) {
+		slices.Sort(asleep)
+		return &AsleepError{Stage: stage, Replicas: asleep}
+	}
 	return fmt.Errorf("%w for stage %d (%d attached)", ErrNoReplica, stage, len(s.Stage(stage)))
 }
 

@@ -21,6 +21,7 @@ import (
 
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
 
@@ -538,9 +539,29 @@ func TestAdmin(t *testing.T) {
 	resp, body = a.do(t, "GET", "/readyz", nil, nil)
 	assert.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
 	assert.Contains(t, string(body), "thinker")
+	// Every thinker asleep: a retry cannot help, so no Retry-After; the
+	// answer says how to wake one.
 	resp, body = a.post(t, "/v1/completions", `{"model":"troupe-omni-sim","prompt":"hi","max_tokens":2}`)
-	wantError(t, resp, body, http.StatusServiceUnavailable, typeServer, "no_replica")
-	assert.Equal(t, "1", resp.Header.Get("Retry-After"))
+	d := wantError(t, resp, body, http.StatusServiceUnavailable, typeServer, "stage_asleep")
+	assert.Empty(t, resp.Header.Get("Retry-After"), "nothing changes by itself while the stage sleeps")
+	assert.Equal(t, fmt.Sprintf(`stage "thinker" has no routable replica: every replica of it is asleep (replica %d); wake one with POST /v1/replicas/0/%d/wake_up`,
+		thinker.Replica, thinker.Replica), d.Message)
+
+	// Sleep transitions: the same level again is a no-op (200, same
+	// state); another level is 409 until the replica is woken.
+	resp, body = a.do(t, "POST", path+"/sleep?level=2", nil, nil)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
+	require.NoError(t, json.Unmarshal(body, &ans))
+	assert.Equal(t, "discard_all", ans.SleepState)
+	resp, body = a.do(t, "POST", path+"/sleep?level=1", nil, nil)
+	d = wantError(t, resp, body, http.StatusConflict, typeInvalidRequest, "conflict")
+	assert.Equal(t, fmt.Sprintf("sleep of stage thinker refused by replica %d: the replica is asleep at level 2 (discard_all); wake it up first (POST …/wake_up), then put it to sleep at level 1", thinker.Replica), d.Message)
+	assertNoInternals(t, d.Message)
+	for _, w := range c.Workers() {
+		if w.Stage == "thinker" {
+			assert.Equal(t, stagepb.SleepState_SLEEP_STATE_DISCARD_ALL, w.Engine.Health().GetSleepState(), "the refused call left the engine as it was")
+		}
+	}
 
 	// The stage by index this time.
 	resp, body = a.do(t, "POST", fmt.Sprintf("/v1/replicas/0/%d/wake_up", thinker.Replica), nil, nil)
@@ -558,9 +579,16 @@ func TestAdmin(t *testing.T) {
 	require.NoError(t, json.Unmarshal(body, &ans))
 	assert.Equal(t, "weights_offloaded", ans.SleepState)
 	c.WaitState(t, "talker", byStage["talker"].Replica, "sleeping")
+	resp, body = a.do(t, "POST", fmt.Sprintf("/v1/replicas/talker/%d/sleep?level=2", byStage["talker"].Replica), nil, nil)
+	wantError(t, resp, body, http.StatusConflict, typeInvalidRequest, "conflict")
 	resp, body = a.do(t, "POST", fmt.Sprintf("/v1/replicas/talker/%d/wake_up", byStage["talker"].Replica), nil, nil)
 	require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
 	c.WaitReady(t)
+	// Waking an awake replica is a no-op.
+	resp, body = a.do(t, "POST", fmt.Sprintf("/v1/replicas/talker/%d/wake_up", byStage["talker"].Replica), nil, nil)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
+	require.NoError(t, json.Unmarshal(body, &ans))
+	assert.Equal(t, "awake", ans.SleepState)
 
 	for _, tc := range []struct {
 		path   string

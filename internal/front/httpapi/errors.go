@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 
 	"github.com/troupe-serving/troupe/orchestrator"
@@ -138,16 +139,27 @@ func fromBackend(err error, requestID string) *apiError {
 	if errors.As(err, &oe) {
 		msg = oe.Message
 	}
+	var asleep *orchestrator.AsleepError
 	switch {
+	case errors.As(err, &asleep):
+		// No Retry-After: nothing changes by itself while every replica sleeps.
+		return &apiError{Status: http.StatusServiceUnavailable, Type: typeServer, Code: "stage_asleep",
+			Message: msg + ": " + asleepHint(asleep)}
 	case errors.Is(err, orchestrator.ErrNoReplica):
 		return &apiError{Status: http.StatusServiceUnavailable, Type: typeServer, Code: "no_replica",
 			Message: msg + "; retry shortly", RetryAfter: retryAfterSeconds}
+	case errors.Is(err, orchestrator.ErrConflict):
+		return &apiError{Status: http.StatusConflict, Type: typeInvalidRequest, Code: "conflict", Message: msg}
 	case errors.Is(err, orchestrator.ErrBadRequest):
-		code := "invalid_request"
-		if oe != nil && oe.Reason == stagepb.ReasonContextLengthExceeded {
+		code, param := "invalid_request", ""
+		switch {
+		case oe == nil:
+		case oe.Reason == stagepb.ReasonContextLengthExceeded:
 			code = "context_length_exceeded"
+		case oe.Reason == stagepb.ReasonInvalidVoice:
+			code, param = "invalid_value", "audio.voice"
 		}
-		return &apiError{Status: http.StatusBadRequest, Type: typeInvalidRequest, Code: code, Message: msg}
+		return &apiError{Status: http.StatusBadRequest, Type: typeInvalidRequest, Code: code, Param: param, Message: msg}
 	case errors.Is(err, orchestrator.ErrInputTooLarge):
 		return &apiError{Status: http.StatusRequestEntityTooLarge, Type: typeInvalidRequest, Code: "request_too_large", Message: msg}
 	case errors.Is(err, orchestrator.ErrUnknownReplica):
@@ -161,4 +173,19 @@ func fromBackend(err error, requestID string) *apiError {
 	default:
 		return &apiError{Status: http.StatusInternalServerError, Type: typeServer, Code: "internal_error", Message: msg + " (request id " + requestID + ")"}
 	}
+}
+
+// asleepHint tells the client of a stage whose replicas all sleep how to
+// wake one, through the admin route.
+func asleepHint(e *orchestrator.AsleepError) string {
+	ids := make([]string, len(e.Replicas))
+	for i, id := range e.Replicas {
+		ids[i] = strconv.FormatUint(uint64(id), 10)
+	}
+	noun := "replica"
+	if len(ids) > 1 {
+		noun = "replicas"
+	}
+	return fmt.Sprintf("every replica of it is asleep (%s %s); wake one with POST /v1/replicas/%d/%d/wake_up",
+		noun, strings.Join(ids, ", "), e.Stage, e.Replicas[0])
 }

@@ -121,6 +121,11 @@ func TestRequestLogLine(t *testing.T) {
 	r.Pattern = "GET /healthz"
 	s.logRequest(r, "id", "", sw, time.Millisecond)
 	assert.Empty(t, buf.String())
+	// An unready head's 503 to a readiness probe is no warning: `troupe
+	// up` polls /readyz before its banner while the replicas join.
+	r.Pattern, sw.status = "GET /readyz", http.StatusServiceUnavailable
+	s.logRequest(r, "id", "", sw, time.Millisecond)
+	assert.Empty(t, buf.String())
 	r.Pattern, sw.status = "POST /v1/chat/completions", http.StatusBadGateway
 	s.logRequest(r, "id", "", sw, time.Millisecond)
 	assert.Contains(t, buf.String(), "level=WARN")

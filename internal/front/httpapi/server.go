@@ -343,17 +343,19 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMu
 }
 
 // logRequest writes the request's log line: info, warn for a 5xx, debug
-// for the probes and /metrics. tp is the response's traceparent header
+// for the probes and /metrics whatever their status (a 503 of /readyz is
+// the probe's answer, polled by balancers and by `troupe up` while the
+// cluster forms, not a fault anyone acts on). tp is the response's traceparent header
 // ("" when none): its trace and span ids are the line's trace_id and
 // span_id, so the log handler need not format them again (see
 // telemetry.TraceLogAttrs).
 func (s *Server) logRequest(r *http.Request, id, tp string, sw *statusWriter, elapsed time.Duration) {
 	level := slog.LevelInfo
 	switch {
-	case sw.status >= 500:
-		level = slog.LevelWarn
 	case r.Pattern == "GET /healthz" || r.Pattern == "GET /readyz" || r.Pattern == "GET /metrics":
 		level = slog.LevelDebug
+	case sw.status >= 500:
+		level = slog.LevelWarn
 	}
 	ctx, h := r.Context(), s.log.Handler()
 	if !h.Enabled(ctx, level) {
