@@ -67,9 +67,9 @@ type Config struct {
 	Metrics         prometheus.Registerer
 	Dial            router.Dialer
 	// TracerProvider makes the head's spans, whose context goes to the
-	// workers with each call (through the dialer's stats handler). nil: no
-	// spans, and the Generate calls to a replica that serves Multiplex
-	// share one stream (a call on it carries no trace context).
+	// workers with each call: in the call's Multiplex frame, or through
+	// the dialer's stats handler for a worker that does not serve
+	// Multiplex. nil: no spans, and calls carry no trace context.
 	TracerProvider trace.TracerProvider
 	Logger         *slog.Logger
 	// Tokenizers, by engine name as Health reports it, let prefix_aware
@@ -97,9 +97,9 @@ type Head struct {
 	pipeline *stats.Pipeline
 	router   *router.Router
 	tracer   trace.Tracer
-	// multiplex: no trace goes to workers, so calls may share a
-	// replica's Multiplex stream (see openGenerate).
-	multiplex bool
+	// callTracer makes the client span of a call over Multiplex and
+	// sends its context with it; nil: no trace goes to workers.
+	callTracer trace.Tracer
 	// decisions[stage][reason] are the pre-bound children of
 	// troupe_router_decisions_total; nil where the stage's configuration
 	// never gives that reason (decisionVec makes them if it ever does).
@@ -186,9 +186,11 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	multiplex := cfg.TracerProvider == nil
-	if multiplex {
+	var callTracer trace.Tracer
+	if cfg.TracerProvider == nil {
 		cfg.TracerProvider = noop.NewTracerProvider()
+	} else {
+		callTracer = cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/pkg/stagemux")
 	}
 	if cfg.Metrics == nil {
 		return nil, errors.New("orchestrator: a metrics registerer is required")
@@ -230,13 +232,13 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		}
 	}
 	h := &Head{
-		pipeline:  pipe,
-		cfg:       cfg,
-		log:       cfg.Logger,
-		stats:     st,
-		router:    router.NewWithBreaker(routing, cfg.Dial, cfg.Logger, cfg.Breaker),
-		tracer:    cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
-		multiplex: multiplex,
+		pipeline:   pipe,
+		cfg:        cfg,
+		log:        cfg.Logger,
+		stats:      st,
+		router:     router.NewWithBreaker(routing, cfg.Dial, cfg.Logger, cfg.Breaker),
+		tracer:     cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
+		callTracer: callTracer,
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "troupe_membership_events_total",
 			Help: "Membership events applied by the head, by type.",
