@@ -296,12 +296,13 @@ type chunkStream interface {
 	Recv() (*stagepb.GenerateChunk, error)
 }
 
-// openGenerate starts req on rep: over the replica's Multiplex stream when
-// the worker serves it and no trace goes to workers (a call on the stream
-// carries no trace context of its own), else as a Generate RPC of its own.
+// openGenerate starts req on rep: over the replica's Multiplex stream,
+// carrying its deadline and, from a tracing head, its trace context; as a
+// Generate RPC of its own only to an older worker, which does not serve
+// Multiplex.
 func (h *Head) openGenerate(ctx context.Context, rep *router.Replica, req *stagepb.GenerateRequest) (chunkStream, func(), error) {
-	if h.multiplex && rep.Engine.Multiplex {
-		call, err := rep.Mux.Generate(ctx, req, h.callOptions()...)
+	if rep.Engine.Multiplex {
+		call, err := rep.Mux.Generate(ctx, req, h.callTracer, h.callOptions()...)
 		if err != nil {
 			return nil, func() {}, err
 		}

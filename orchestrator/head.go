@@ -89,9 +89,9 @@ type Config struct {
 	Metrics         prometheus.Registerer
 	Dial            Dialer // required
 	// TracerProvider makes the head's spans, whose context goes to the
-	// workers with each call (through the dialer's stats handler). nil: no
-	// spans, and the Generate calls to a replica that serves Multiplex
-	// share one stream (a call on it carries no trace context).
+	// workers with each call: in the call's Multiplex frame, or through
+	// the dialer's stats handler for a worker that does not serve
+	// Multiplex. nil: no spans, and calls carry no trace context.
 	TracerProvider trace.TracerProvider
 	Logger         *slog.Logger
 	// Tokenizers, by engine name as Health reports it, let prefix_aware
@@ -119,9 +119,9 @@ type Head struct {
 	pipeline *stats.Pipeline
 	router   *router.Router
 	tracer   trace.Tracer
-	// multiplex: no trace goes to workers, so calls may share a
-	// replica's Multiplex stream (see openGenerate).
-	multiplex bool
+	// callTracer makes the client span of a call over Multiplex and
+	// sends its context with it; nil: no trace goes to workers.
+	callTracer trace.Tracer
 	// decisions[stage][reason] are the pre-bound children of
 	// troupe_router_decisions_total; nil where the stage's configuration
 	// never gives that reason (decisionVec makes them if it ever does).
@@ -187,7 +187,7 @@ type joinTimes struct {
 
 // New builds a head. It starts nothing; call Run.
 func New(cli *clientv3.Client, cfg Config) (*Head, error) {
-	cfg, multiplex, err := withDefaults(cfg)
+	cfg, callTracer, err := withDefaults(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -200,15 +200,15 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		return nil, err
 	}
 	h := &Head{
-		pipeline:  pipe,
-		cfg:       cfg,
-		log:       cfg.Logger,
-		stats:     st,
-		router:    router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker)),
-		tracer:    cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
-		multiplex: multiplex,
-		known:     map[router.Key]*tracked{},
-		calls:     []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
+		pipeline:   pipe,
+		cfg:        cfg,
+		log:        cfg.Logger,
+		stats:      st,
+		router:     router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker)),
+		tracer:     cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
+		callTracer: callTracer,
+		known:      map[router.Key]*tracked{},
+		calls:      []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
 	}
 	for _, st := range cfg.Pipeline.Stages {
 		h.stageSpans = append(h.stageSpans, telemetry.StageSpanName(st.Name))
@@ -232,11 +232,11 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	return h, nil
 }
 
-// withDefaults checks cfg and fills in its defaults. multiplex: no tracer
-// provider was given, so no trace goes to workers.
-func withDefaults(cfg Config) (_ Config, multiplex bool, _ error) {
+// withDefaults checks cfg and fills in its defaults. callTracer makes the
+// client spans of Multiplex calls; nil when no tracer provider was given.
+func withDefaults(cfg Config) (_ Config, callTracer trace.Tracer, _ error) {
 	if err := cfg.Pipeline.Validate(); err != nil {
-		return cfg, false, err
+		return cfg, nil, err
 	}
 	if cfg.Cluster == "" {
 		cfg.Cluster = membership.DefaultCluster
@@ -256,20 +256,21 @@ func withDefaults(cfg Config) (_ Config, multiplex bool, _ error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	multiplex = cfg.TracerProvider == nil
-	if multiplex {
+	if cfg.TracerProvider == nil {
 		cfg.TracerProvider = noop.NewTracerProvider()
+	} else {
+		callTracer = cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/pkg/stagemux")
 	}
 	if cfg.Metrics == nil {
-		return cfg, false, errors.New("orchestrator: a metrics registerer is required")
+		return cfg, nil, errors.New("orchestrator: a metrics registerer is required")
 	}
 	if cfg.Dial == nil {
-		return cfg, false, errors.New("orchestrator: a dialer is required")
+		return cfg, nil, errors.New("orchestrator: a dialer is required")
 	}
 	if err := cfg.Pipeline.ValidateRouting(cfg.Policy); err != nil {
-		return cfg, false, err
+		return cfg, nil, err
 	}
-	return cfg, multiplex, nil
+	return cfg, callTracer, nil
 }
 
 // stageRouting is each stage's routing: its policy and session affinity.

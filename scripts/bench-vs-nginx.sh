@@ -22,10 +22,14 @@
 #   scripts/bench-vs-nginx.sh                # about 3 minutes
 #   DURATION=4s ROUNDS=1 scripts/bench-vs-nginx.sh
 #   BASELINE=main scripts/bench-vs-nginx.sh  # also a head built from a git rev
+#   WORKER_FLAGS="--decode-latency 5ms --prefill-tps 5000" scripts/bench-vs-nginx.sh
 #
 # BASELINE (a git revision) adds a second head, built from that revision,
 # on the same etcd and worker, loaded in the same alternation (target
 # "baseline"): before/after figures of one run on one machine.
+# WORKER_FLAGS go to every troupe worker (the sim's pace); the nginx
+# backend answers at once whatever they say, so compare troupe with
+# baseline then, not with nginx.
 # Both proxies log every request (nginx's default access log to a file,
 # the head's request log to stderr, redirected to a file).
 set -euo pipefail
@@ -37,6 +41,7 @@ ROUNDS=${ROUNDS:-2}
 MODES=${MODES:-"non-stream stream audio"}
 PORT=${PORT:-18400} # PORT..PORT+5 on 127.0.0.1
 BASELINE=${BASELINE:-}
+WORKER_FLAGS=${WORKER_FLAGS:-} # e.g. "--decode-latency 5ms --prefill-tps 5000"
 
 if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
 	echo "installing nginx (Debian package)..." >&2
@@ -110,7 +115,7 @@ pids+=("$nginx_master")
 pids+=($!)
 printf 'model: troupe-omni-sim\nstages:\n  - name: thinker\n  - name: talker\n  - name: vocoder\n' >"$tmp/pipeline.yaml"
 for stage in thinker talker vocoder; do
-	"$tmp/troupe" worker --etcd-endpoints "$etcd" --stage "$stage" --listen 127.0.0.1:0 >"$tmp/worker-$stage.log" 2>&1 &
+	"$tmp/troupe" worker --etcd-endpoints "$etcd" --stage "$stage" --listen 127.0.0.1:0 $WORKER_FLAGS >"$tmp/worker-$stage.log" 2>&1 &
 	pids+=($!)
 done
 "$tmp/troupe" head --etcd-endpoints "$etcd" --pipeline "$tmp/pipeline.yaml" --http "$head" >"$tmp/head.log" 2>&1 &

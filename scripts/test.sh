@@ -65,7 +65,8 @@ for target in \
   "FuzzAdminPath ./internal/front/httpapi 10000x" \
   "FuzzEncodeWAV ./internal/front/httpapi 30000x" \
   "FuzzDecodeMember ./membership 200000x" \
-  "FuzzParsePipeline ./orchestrator 40000x"; do
+  "FuzzParsePipeline ./orchestrator 40000x" \
+  "FuzzMuxFrameReader ./pkg/stagemux 60000x"; do
   set -- $target
   budget=${FUZZTIME:-$3}
   step "fuzz $1 ($budget)"

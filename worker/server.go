@@ -115,6 +115,11 @@ type Config struct {
 	// ServerOptions are added after the Server's own (so they win): the
 	// hook for interceptors and stats handlers, e.g. otelgrpc's.
 	ServerOptions []grpc.ServerOption
+	// TracerProvider makes the server span of each call that comes over
+	// Multiplex (otelgrpc, in ServerOptions, makes those of the others:
+	// give both the same provider). nil: such calls get no span, and the
+	// trace context they carry still parents the engine's phases.
+	TracerProvider trace.TracerProvider
 }
 
 // Server is one stage replica. New binds its listener; Run serves it.
@@ -567,7 +572,7 @@ func (svc *service) Generate(req *stagepb.GenerateRequest, stream grpc.ServerStr
 // Multiplex implements StageService: Generate calls over one stream (see
 // stagemux.Serve). A stopping worker ends it once no call runs.
 func (svc *service) Multiplex(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame]) error {
-	return stagemux.Serve(stream, svc.Generate, svc.s.idle)
+	return stagemux.Serve(stream, svc.Generate, svc.s.idle, svc.s.cfg.TracerProvider)
 }
 
 // checkInput refuses an input kind the engine cannot take (see

@@ -4,13 +4,18 @@ import (
 	"context"
 	"errors"
 	"io"
+	"math"
 	"sync"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -20,8 +25,11 @@ type GenerateFunc func(req *stagepb.GenerateRequest, stream grpc.ServerStreaming
 
 // Serve runs one Multiplex stream on the worker. Each request frame is a
 // call of generate in a goroutine of its own, whose stream's context ends
-// with the call's cancel frame or with the stream; its chunks go out as
-// chunk frames, then an end frame with the status generate returned.
+// with the call's cancel frame, its deadline (the frame's timeout_us) or
+// the stream, and holds the trace context the frame carries; its chunks go
+// out as chunk frames, then an end frame with the status generate
+// returned. tp, when not nil, makes each call's server span, a child of
+// the head's client span, as otelgrpc makes a Generate call's.
 //
 // Serve returns once the stream is over and every call it started has
 // returned: when the head half-closes it (running calls finish first),
@@ -29,7 +37,11 @@ type GenerateFunc func(req *stagepb.GenerateRequest, stream grpc.ServerStreaming
 // (the worker stopped taking calls and none runs: ending the stream tells
 // the head so). A frame the head should never send ends the stream with
 // InvalidArgument.
-func Serve(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame], generate GenerateFunc, stop <-chan struct{}) error {
+func Serve(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame], generate GenerateFunc, stop <-chan struct{}, tp trace.TracerProvider) error {
+	var tracer trace.Tracer
+	if tp != nil {
+		tracer = tp.Tracer("github.com/troupe-serving/troupe/pkg/stagemux")
+	}
 	ctx, cancel := context.WithCancel(stream.Context())
 	var sendMu sync.Mutex
 	send := func(f *stagepb.MuxFrame) error {
@@ -92,7 +104,7 @@ func Serve(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame], 
 			var callCtx context.Context
 			var callCancel context.CancelFunc
 			if !dup {
-				callCtx, callCancel = context.WithCancel(ctx)
+				callCtx, callCancel = callContext(ctx, f.GetTimeoutUs())
 				cancels[id] = callCancel
 			}
 			mu.Unlock()
@@ -102,12 +114,20 @@ func Serve(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame], 
 			calls.Add(1)
 			go func() {
 				defer calls.Done()
+				var span trace.Span
+				if md := f.GetMetadata(); len(md) > 0 {
+					callCtx = propagator.Extract(callCtx, propagation.MapCarrier(md))
+				}
+				if tracer != nil {
+					callCtx, span = tracer.Start(callCtx, GenerateMethod, trace.WithSpanKind(trace.SpanKindServer), trace.WithAttributes(rpcAttributes...))
+				}
 				cs := &callStream{ctx: callCtx, id: id, send: send}
 				err := generate(req, cs)
 				mu.Lock()
 				delete(cancels, id)
 				mu.Unlock()
 				callCancel()
+				endSpan(span, err, serverSpanStatus)
 				cs.end(err)
 			}()
 		case f.GetCancel() && f.GetRequest() == nil && f.GetChunk() == nil && f.GetEnd() == nil:
@@ -120,6 +140,16 @@ func Serve(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame], 
 			return status.Errorf(codes.InvalidArgument, "stagemux: frame %d from the head is not one request or one cancel", id)
 		}
 	}
+}
+
+// callContext is the context of a call under the stream's ctx: cancelled
+// by its cancel frame, and past its deadline timeoutUs microseconds from
+// now (0, or more than a Duration holds: none).
+func callContext(ctx context.Context, timeoutUs uint64) (context.Context, context.CancelFunc) {
+	if timeoutUs == 0 || timeoutUs > math.MaxInt64/uint64(time.Microsecond) {
+		return context.WithCancel(ctx)
+	}
+	return context.WithTimeout(ctx, time.Duration(timeoutUs)*time.Microsecond)
 }
 
 // callStream is the server stream generate sees for one call. A chunk

@@ -14,6 +14,10 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/baggage"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/goleak"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -35,11 +39,12 @@ type service struct {
 	generate GenerateFunc
 	stop     chan struct{}
 	streams  atomic.Int32
+	tp       trace.TracerProvider // makes the calls' server spans; nil: none
 }
 
 func (s *service) Multiplex(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame]) error {
 	s.streams.Add(1)
-	return Serve(stream, s.generate, s.stop)
+	return Serve(stream, s.generate, s.stop, s.tp)
 }
 
 // start serves svc and returns a client of it; both end with the test.
@@ -131,7 +136,7 @@ func TestConcurrentCallsShareOneStreamAndKeepTheirOrder(t *testing.T) {
 	for i := range calls {
 		g.Go(func() error {
 			name := "call" + strconv.Itoa(i)
-			call, err := mux.Generate(ctx, request(name, chunks))
+			call, err := mux.Generate(ctx, request(name, chunks), nil)
 			if err != nil {
 				return err
 			}
@@ -180,11 +185,11 @@ func TestACallThatIsNotReadHoldsUpNoOther(t *testing.T) {
 	defer mux.Close()
 	ctx := testContext(t)
 
-	flood, err := mux.Generate(ctx, request("flood", 0))
+	flood, err := mux.Generate(ctx, request("flood", 0), nil)
 	require.NoError(t, err)
 	defer flood.Close()
 	for i := range 5 { // while flood's output piles up unread
-		call, err := mux.Generate(ctx, request("quick", 3))
+		call, err := mux.Generate(ctx, request("quick", 3), nil)
 		require.NoError(t, err)
 		texts, err := drain(call)
 		require.NoError(t, err, "call %d", i)
@@ -217,7 +222,7 @@ func TestCallEndsWithTheWorkersStatus(t *testing.T) {
 	mux := NewClient(start(t, svc))
 	defer mux.Close()
 
-	call, err := mux.Generate(testContext(t), request("x", 1))
+	call, err := mux.Generate(testContext(t), request("x", 1), nil)
 	require.NoError(t, err)
 	texts, err := drain(call)
 	assert.Equal(t, []string{"partial"}, texts)
@@ -240,7 +245,7 @@ func TestCallEndsWithTheStatusDetails(t *testing.T) {
 	}}
 	mux := NewClient(start(t, svc))
 	defer mux.Close()
-	call, err := mux.Generate(testContext(t), request("x", 1))
+	call, err := mux.Generate(testContext(t), request("x", 1), nil)
 	require.NoError(t, err)
 	_, err = drain(call)
 	st := status.Convert(err)
@@ -269,7 +274,7 @@ func TestCancellingACallCancelsItOnTheWorker(t *testing.T) {
 	ctx := testContext(t)
 
 	callCtx, cancel := context.WithCancel(ctx)
-	call, err := mux.Generate(callCtx, request("slow", 1))
+	call, err := mux.Generate(callCtx, request("slow", 1), nil)
 	require.NoError(t, err)
 	select {
 	case <-started:
@@ -288,7 +293,7 @@ func TestCancellingACallCancelsItOnTheWorker(t *testing.T) {
 	}
 
 	// The stream outlives the cancelled call.
-	call, err = mux.Generate(ctx, request("quick", 2))
+	call, err = mux.Generate(ctx, request("quick", 2), nil)
 	require.NoError(t, err)
 	texts, err := drain(call)
 	require.NoError(t, err)
@@ -302,7 +307,7 @@ func TestAWorkerThatStopsEndsTheStreamAndTheNextCallOpensAnother(t *testing.T) {
 	defer mux.Close()
 	ctx := testContext(t)
 
-	call, err := mux.Generate(ctx, request("a", 1))
+	call, err := mux.Generate(ctx, request("a", 1), nil)
 	require.NoError(t, err)
 	_, err = drain(call)
 	require.NoError(t, err)
@@ -314,7 +319,7 @@ func TestAWorkerThatStopsEndsTheStreamAndTheNextCallOpensAnother(t *testing.T) {
 	var last error
 	for i := 0; svc.streams.Load() < 2; i++ {
 		require.NoError(t, ctx.Err(), "no second stream opened")
-		call, err := mux.Generate(ctx, request("b", 1))
+		call, err := mux.Generate(ctx, request("b", 1), nil)
 		if err == nil {
 			_, err = drain(call)
 		}
@@ -342,7 +347,7 @@ func TestAStreamThatBreaksFailsItsCallsAsUnavailable(t *testing.T) {
 	defer mux.Close()
 	ctx := testContext(t)
 
-	call, err := mux.Generate(ctx, request("x", 1))
+	call, err := mux.Generate(ctx, request("x", 1), nil)
 	require.NoError(t, err)
 	<-started
 	stop() // the worker's process is gone: its connections close
@@ -360,13 +365,13 @@ func TestCloseFailsRunningCallsAndLaterOnes(t *testing.T) {
 	}}
 	mux := NewClient(start(t, svc))
 	ctx := testContext(t)
-	call, err := mux.Generate(ctx, request("x", 1))
+	call, err := mux.Generate(ctx, request("x", 1), nil)
 	require.NoError(t, err)
 	<-started
 	mux.Close()
 	_, err = drain(call)
 	require.Error(t, err)
-	_, err = mux.Generate(ctx, request("y", 1))
+	_, err = mux.Generate(ctx, request("y", 1), nil)
 	assert.Equal(t, codes.Canceled, status.Code(err), "a call after Close: %v", err)
 	mux.Close() // again: harmless
 }
@@ -447,7 +452,7 @@ func TestCallsThatEndAnyWayLeakNothing(t *testing.T) {
 			defer wg.Done()
 			callCtx, cancel := context.WithCancel(ctx)
 			defer cancel()
-			call, err := mux.Generate(callCtx, request("x", 1+i%5))
+			call, err := mux.Generate(callCtx, request("x", 1+i%5), nil)
 			if err != nil {
 				return
 			}
@@ -465,4 +470,195 @@ func TestCallsThatEndAnyWayLeakNothing(t *testing.T) {
 	}
 	wg.Wait()
 	mux.Close()
+}
+
+// A call's deadline reaches the worker as gRPC's grpc-timeout would: the
+// call's context there ends with it, and the call ends DeadlineExceeded.
+func TestACallCarriesItsDeadlineToTheWorker(t *testing.T) {
+	deadlines := make(chan time.Time, 1)
+	svc := &service{generate: func(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
+		dl, ok := stream.Context().Deadline()
+		if !ok {
+			return status.Error(codes.Internal, "no deadline")
+		}
+		deadlines <- dl
+		<-stream.Context().Done()
+		return status.FromContextError(stream.Context().Err()).Err()
+	}}
+	mux := NewClient(start(t, svc))
+	defer mux.Close()
+	ctx, cancel := context.WithTimeout(testContext(t), 300*time.Millisecond)
+	defer cancel()
+	want, _ := ctx.Deadline()
+	call, err := mux.Generate(ctx, request("x", 1), nil)
+	require.NoError(t, err)
+	_, err = drain(call)
+	assert.Equal(t, codes.DeadlineExceeded, status.Code(err), "%v", err)
+	got := <-deadlines
+	assert.WithinDuration(t, want, got, 100*time.Millisecond, "the worker's deadline is the head's")
+
+	// A call whose deadline passed is not sent, as gRPC sends none.
+	_, err = mux.Generate(ctx, request("late", 1), nil)
+	assert.Equal(t, codes.DeadlineExceeded, status.Code(err), "%v", err)
+}
+
+// A traced call has the spans otelgrpc gives a Generate call: the head's
+// client span under the caller's, the worker's server span under it, and
+// the call's context (its baggage too) on the worker. An untraced one
+// carries no trace context.
+func TestATracedCallsWorkerSpanIsAChildOfItsClientSpan(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	headTP := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()), sdktrace.WithSpanProcessor(rec))
+	workerTP := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.ParentBased(sdktrace.NeverSample())), sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() {
+		_ = headTP.Shutdown(context.Background())
+		_ = workerTP.Shutdown(context.Background())
+	})
+	type seen struct {
+		span    trace.SpanContext
+		baggage string
+	}
+	calls := make(chan seen, 2)
+	svc := &service{tp: workerTP, generate: func(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
+		ctx := stream.Context()
+		calls <- seen{trace.SpanContextFromContext(ctx), baggage.FromContext(ctx).Member("tenant").Value()}
+		if req.GetText() == "refused" {
+			return status.Error(codes.InvalidArgument, "engine: no")
+		}
+		return echo(req, stream)
+	}}
+	mux := NewClient(start(t, svc))
+	defer mux.Close()
+
+	member, err := baggage.NewMember("tenant", "acme")
+	require.NoError(t, err)
+	bag, err := baggage.New(member)
+	require.NoError(t, err)
+	ctx, parent := headTP.Tracer("test").Start(baggage.ContextWithBaggage(testContext(t), bag), "stage")
+	tracer := headTP.Tracer("stagemux")
+	for _, text := range []string{"ok", "refused"} {
+		call, err := mux.Generate(ctx, request(text, 2), tracer)
+		require.NoError(t, err)
+		_, _ = drain(call)
+		got := <-calls
+		assert.Equal(t, "acme", got.baggage, "%s: the baggage went with the call", text)
+		assert.Equal(t, parent.SpanContext().TraceID(), got.span.TraceID(), "%s: the worker is in the head's trace", text)
+	}
+	parent.End()
+
+	call, err := mux.Generate(testContext(t), request("untraced", 1), nil)
+	require.NoError(t, err)
+	_, err = drain(call)
+	require.NoError(t, err)
+	untraced := <-calls
+	assert.False(t, untraced.span.IsSampled(), "an untraced call's worker span follows no sampled parent")
+
+	byID := map[trace.SpanID]sdktrace.ReadOnlySpan{}
+	var clients, servers []sdktrace.ReadOnlySpan
+	for _, s := range rec.Ended() {
+		byID[s.SpanContext().SpanID()] = s
+		switch s.SpanKind() {
+		case trace.SpanKindClient:
+			clients = append(clients, s)
+		case trace.SpanKindServer:
+			servers = append(servers, s)
+		}
+	}
+	require.Len(t, clients, 2, "a client span per traced call")
+	require.Len(t, servers, 2, "a server span per traced call, none for the untraced one")
+	for _, s := range append(clients, servers...) {
+		assert.Equal(t, GenerateMethod, s.Name())
+	}
+	for _, srv := range servers {
+		client := byID[srv.Parent().SpanID()]
+		require.NotNil(t, client, "the server span's parent is a client span")
+		assert.Equal(t, trace.SpanKindClient, client.SpanKind())
+		assert.Equal(t, parent.SpanContext().SpanID(), client.Parent().SpanID(), "the client span is under the caller's")
+	}
+	statuses := map[string]string{}
+	for _, s := range append(clients, servers...) {
+		for _, a := range s.Attributes() {
+			if a.Key == "rpc.response.status_code" {
+				statuses[s.SpanKind().String()+" "+a.Value.AsString()+" "+s.Status().Code.String()] = ""
+			}
+		}
+	}
+	assert.Equal(t, map[string]string{
+		"client OK Unset": "", "client INVALID_ARGUMENT Error": "",
+		"server OK Unset": "", "server INVALID_ARGUMENT Unset": "", // otelgrpc's server rule: the client's fault
+	}, statuses)
+}
+
+// All of a connection's calls together hold at most its budget of unread
+// output: past it the call holding the most fails, the others go on.
+func TestACallsOfAConnectionHoldAtMostItsBudget(t *testing.T) {
+	chunk := make([]byte, 256<<10)
+	const chunks = 5 // 1.25 MiB a call: under the call's limit, two over the connection's
+	svc := &service{generate: func(req *stagepb.GenerateRequest, stream grpc.ServerStreamingServer[stagepb.GenerateChunk]) error {
+		if req.GetText() != "flood" {
+			return echo(req, stream)
+		}
+		for range chunks {
+			if err := stream.Send(&stagepb.GenerateChunk{AudioPcm16: chunk}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}}
+	mux := NewClient(start(t, svc))
+	mux.limits = limits{call: 2 << 20, stream: 2 << 20}
+	defer mux.Close()
+	ctx := testContext(t)
+
+	floods := make([]*Call, 2)
+	for i := range floods {
+		call, err := mux.Generate(ctx, request("flood", 0), nil)
+		require.NoError(t, err)
+		defer call.Close()
+		floods[i] = call
+	}
+	// Neither is read: wait until the reader has seen each end, or failed
+	// the call.
+	ended := func(c *Call) bool {
+		c.st.mu.Lock()
+		defer c.st.mu.Unlock()
+		_, running := c.st.calls[c.id]
+		return !running
+	}
+	require.Eventually(t, func() bool { return ended(floods[0]) && ended(floods[1]) }, 10*time.Second, time.Millisecond)
+	assert.LessOrEqual(t, mux.cur.queued.Load(), int64(2<<20))
+
+	var failed, whole int
+	for _, c := range floods {
+		var got int
+		var err error
+		for {
+			var ch *stagepb.GenerateChunk
+			if ch, err = c.Recv(); err != nil {
+				break
+			}
+			got += len(ch.GetAudioPcm16())
+		}
+		switch {
+		case errors.Is(err, io.EOF):
+			assert.Equal(t, chunks*len(chunk), got)
+			whole++
+		default:
+			assert.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+			assert.Contains(t, err.Error(), "connection's output wait to be read")
+			failed++
+		}
+	}
+	assert.Equal(t, 1, failed, "one call failed for the connection's budget")
+	assert.Equal(t, 1, whole, "the other had all its output")
+
+	call, err := mux.Generate(ctx, request("quick", 2), nil)
+	require.NoError(t, err)
+	texts, err := drain(call)
+	require.NoError(t, err)
+	assert.Len(t, texts, 2)
+	for _, c := range floods {
+		c.Close()
+	}
+	assert.Zero(t, mux.cur.queued.Load(), "closed calls hold nothing")
 }

@@ -188,12 +188,20 @@ func (ServingStatus) EnumDescriptor() ([]byte, []int) {
 // the head, a request or a cancel; from the worker, a chunk, an end, or
 // both (the call's last chunk, then its end).
 type MuxFrame struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Id            uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
-	Request       *GenerateRequest       `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"` // head to worker: start call id
-	Cancel        bool                   `protobuf:"varint,3,opt,name=cancel,proto3" json:"cancel,omitempty"`  // head to worker: abort call id
-	Chunk         *GenerateChunk         `protobuf:"bytes,4,opt,name=chunk,proto3" json:"chunk,omitempty"`     // worker to head: a chunk of call id
-	End           *MuxEnd                `protobuf:"bytes,5,opt,name=end,proto3" json:"end,omitempty"`         // worker to head: call id ended; its last frame
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Id      uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	Request *GenerateRequest       `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"` // head to worker: start call id
+	Cancel  bool                   `protobuf:"varint,3,opt,name=cancel,proto3" json:"cancel,omitempty"`  // head to worker: abort call id
+	Chunk   *GenerateChunk         `protobuf:"bytes,4,opt,name=chunk,proto3" json:"chunk,omitempty"`     // worker to head: a chunk of call id
+	End     *MuxEnd                `protobuf:"bytes,5,opt,name=end,proto3" json:"end,omitempty"`         // worker to head: call id ended; its last frame
+	// Head to worker, with request: the time left to the call, in
+	// microseconds, as gRPC's grpc-timeout header gives it; the worker ends
+	// the call with DeadlineExceeded past it. 0: no deadline.
+	TimeoutUs uint64 `protobuf:"varint,6,opt,name=timeout_us,json=timeoutUs,proto3" json:"timeout_us,omitempty"`
+	// Head to worker, with request: the call's trace context, as W3C
+	// propagation names it (traceparent, tracestate, baggage); empty when
+	// the head sends no trace to workers.
+	Metadata      map[string]string `protobuf:"bytes,7,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -259,6 +267,20 @@ func (x *MuxFrame) GetChunk() *GenerateChunk {
 func (x *MuxFrame) GetEnd() *MuxEnd {
 	if x != nil {
 		return x.End
+	}
+	return nil
+}
+
+func (x *MuxFrame) GetTimeoutUs() uint64 {
+	if x != nil {
+		return x.TimeoutUs
+	}
+	return 0
+}
+
+func (x *MuxFrame) GetMetadata() map[string]string {
+	if x != nil {
+		return x.Metadata
 	}
 	return nil
 }
@@ -1800,13 +1822,19 @@ var File_stage_proto protoreflect.FileDescriptor
 
 const file_stage_proto_rawDesc = "" +
 	"\n" +
-	"\vstage.proto\x12\x0ftroupe.stage.v1\"\xcf\x01\n" +
+	"\vstage.proto\x12\x0ftroupe.stage.v1\"\xf0\x02\n" +
 	"\bMuxFrame\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12:\n" +
 	"\arequest\x18\x02 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12\x16\n" +
 	"\x06cancel\x18\x03 \x01(\bR\x06cancel\x124\n" +
 	"\x05chunk\x18\x04 \x01(\v2\x1e.troupe.stage.v1.GenerateChunkR\x05chunk\x12)\n" +
-	"\x03end\x18\x05 \x01(\v2\x17.troupe.stage.v1.MuxEndR\x03end\"]\n" +
+	"\x03end\x18\x05 \x01(\v2\x17.troupe.stage.v1.MuxEndR\x03end\x12\x1d\n" +
+	"\n" +
+	"timeout_us\x18\x06 \x01(\x04R\ttimeoutUs\x12C\n" +
+	"\bmetadata\x18\a \x03(\v2'.troupe.stage.v1.MuxFrame.MetadataEntryR\bmetadata\x1a;\n" +
+	"\rMetadataEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"]\n" +
 	"\x06MuxEnd\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\rR\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12%\n" +
@@ -1967,7 +1995,7 @@ func file_stage_proto_rawDescGZIP() []byte {
 }
 
 var file_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
 var file_stage_proto_goTypes = []any{
 	(FinishReason)(0),       // 0: troupe.stage.v1.FinishReason
 	(SleepState)(0),         // 1: troupe.stage.v1.SleepState
@@ -1994,46 +2022,48 @@ var file_stage_proto_goTypes = []any{
 	(*WakeUpResponse)(nil),  // 22: troupe.stage.v1.WakeUpResponse
 	(*DrainRequest)(nil),    // 23: troupe.stage.v1.DrainRequest
 	(*DrainResponse)(nil),   // 24: troupe.stage.v1.DrainResponse
+	nil,                     // 25: troupe.stage.v1.MuxFrame.MetadataEntry
 }
 var file_stage_proto_depIdxs = []int32{
 	10, // 0: troupe.stage.v1.MuxFrame.request:type_name -> troupe.stage.v1.GenerateRequest
 	15, // 1: troupe.stage.v1.MuxFrame.chunk:type_name -> troupe.stage.v1.GenerateChunk
 	4,  // 2: troupe.stage.v1.MuxFrame.end:type_name -> troupe.stage.v1.MuxEnd
-	8,  // 3: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
-	6,  // 4: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
-	7,  // 5: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
-	9,  // 6: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
-	5,  // 7: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
-	10, // 8: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
-	0,  // 9: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
-	12, // 10: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
-	14, // 11: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
-	13, // 12: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
-	2,  // 13: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
-	1,  // 14: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	17, // 15: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
-	12, // 16: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
-	1,  // 17: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	1,  // 18: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	10, // 19: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
-	16, // 20: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
-	19, // 21: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
-	21, // 22: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
-	23, // 23: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
-	11, // 24: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
-	3,  // 25: troupe.stage.v1.StageService.Multiplex:input_type -> troupe.stage.v1.MuxFrame
-	15, // 26: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
-	18, // 27: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
-	20, // 28: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
-	22, // 29: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
-	24, // 30: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
-	15, // 31: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
-	3,  // 32: troupe.stage.v1.StageService.Multiplex:output_type -> troupe.stage.v1.MuxFrame
-	26, // [26:33] is the sub-list for method output_type
-	19, // [19:26] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	25, // 3: troupe.stage.v1.MuxFrame.metadata:type_name -> troupe.stage.v1.MuxFrame.MetadataEntry
+	8,  // 4: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
+	6,  // 5: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
+	7,  // 6: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
+	9,  // 7: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
+	5,  // 8: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
+	10, // 9: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
+	0,  // 10: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
+	12, // 11: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
+	14, // 12: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
+	13, // 13: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
+	2,  // 14: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
+	1,  // 15: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	17, // 16: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
+	12, // 17: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
+	1,  // 18: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	1,  // 19: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	10, // 20: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
+	16, // 21: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
+	19, // 22: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
+	21, // 23: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
+	23, // 24: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
+	11, // 25: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
+	3,  // 26: troupe.stage.v1.StageService.Multiplex:input_type -> troupe.stage.v1.MuxFrame
+	15, // 27: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
+	18, // 28: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
+	20, // 29: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
+	22, // 30: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
+	24, // 31: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
+	15, // 32: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
+	3,  // 33: troupe.stage.v1.StageService.Multiplex:output_type -> troupe.stage.v1.MuxFrame
+	27, // [27:34] is the sub-list for method output_type
+	20, // [20:27] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_stage_proto_init() }
@@ -2054,7 +2084,7 @@ func file_stage_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_stage_proto_rawDesc), len(file_stage_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   22,
+			NumMessages:   23,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -65,7 +65,9 @@ type StageServiceClient interface {
 	// Generate would; cancel aborts it. Worker to head: the call's chunks,
 	// as Generate streams them, then its end with its status (code 0: the
 	// call ended cleanly), in the frame of the last chunk when that chunk
-	// has a finish reason. A worker that stops (drained, or its drain timed
+	// has a finish reason. A request frame carries what a Generate call's
+	// headers would: its deadline (timeout_us) and its trace context
+	// (metadata). A worker that stops (drained, or its drain timed
 	// out) ends the stream once none of its calls runs; a call whose request
 	// it never read is lost with the stream, and the head fails it as it
 	// fails a broken Generate stream (nothing was produced: it is retried).
@@ -195,7 +197,9 @@ type StageServiceServer interface {
 	// Generate would; cancel aborts it. Worker to head: the call's chunks,
 	// as Generate streams them, then its end with its status (code 0: the
 	// call ended cleanly), in the frame of the last chunk when that chunk
-	// has a finish reason. A worker that stops (drained, or its drain timed
+	// has a finish reason. A request frame carries what a Generate call's
+	// headers would: its deadline (timeout_us) and its trace context
+	// (metadata). A worker that stops (drained, or its drain timed
 	// out) ends the stream once none of its calls runs; a call whose request
 	// it never read is lost with the stream, and the head fails it as it
 	// fails a broken Generate stream (nothing was produced: it is retried).
