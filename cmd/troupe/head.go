@@ -57,7 +57,7 @@ type headFlags struct {
 }
 
 func addHeadFlags(fs *flag.FlagSet) *headFlags {
-	f := &headFlags{maxBody: 16 << 20}
+	f := &headFlags{maxBody: stagepb.DefaultMaxBodyBytes}
 	fs.StringVar(&f.http, "http", "127.0.0.1:8000", "address of the HTTP API")
 	fs.StringVar(&f.adminHTTP, "admin-http", "", "serve admin routes and /metrics on this separate address")
 	fs.StringVar(&f.pipeline, "pipeline", "", "pipeline YAML file (default: thinker → talker → vocoder, model troupe-omni-sim)")
