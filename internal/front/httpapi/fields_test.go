@@ -23,7 +23,7 @@ import (
 // names.
 func jsonFields(t reflect.Type) (fields []reflect.StructField, names []string) {
 	for _, f := range reflect.VisibleFields(t) {
-		if f.Anonymous && f.Type.Kind() == reflect.Struct || !f.IsExported() {
+		if f.Anonymous && isStruct(f.Type) || !f.IsExported() {
 			continue
 		}
 		tag := f.Tag.Get("json")
