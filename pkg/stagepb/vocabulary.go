@@ -106,15 +106,21 @@ func (r FinishReason) Name() string {
 	return "error"
 }
 
-// gRPC message limits between head and replicas. gRPC's own default (4
+// The size limits of a request, from the head's HTTP body to the gRPC
+// messages between head and replicas: the one place their defaults are
+// written, below every package that applies them. gRPC's own default (4
 // MiB received) is below the head's default HTTP body limit, so both ends
 // set theirs from these.
 const (
+	// DefaultMaxBodyBytes is the head's default HTTP body limit (troupe
+	// head --max-body-bytes, httpapi.Config.MaxBodyBytes), and so the
+	// largest prompt by default.
+	DefaultMaxBodyBytes = 16 << 20
 	// MessageHeadroom is what a Generate request needs beyond its prompt
 	// (request id, sampling parameters); a limit derived from an HTTP body
 	// limit adds it.
 	MessageHeadroom = 1 << 20
 	// DefaultMaxMessageBytes is both ends' default: a prompt as large as
-	// the head's default body limit (16 MiB), plus headroom.
-	DefaultMaxMessageBytes = 16<<20 + MessageHeadroom
+	// the head's default body limit, plus headroom.
+	DefaultMaxMessageBytes = DefaultMaxBodyBytes + MessageHeadroom
 )

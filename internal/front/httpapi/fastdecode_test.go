@@ -43,19 +43,20 @@ func jsonValue(t *rapid.T, label string, depth int) string {
 		}
 		return "[" + strings.Join(els, rapid.SampledFrom([]string{",", " , ", ",\n"}).Draw(t, label+"-sep")) + "]"
 	case "message":
-		return jsonObject(t, label, depth+1, []string{"role", "content", "name", "Role", "CONTENT", "tool_calls"})
+		return jsonObject(t, label, depth+1, messageKeys)
 	}
-	return jsonObject(t, label, depth+1, []string{"include_usage", "type", "voice", "format", "id", "Include_Usage", "x"})
+	return jsonObject(t, label, depth+1, objectKeys)
 }
 
-// fieldKinds are the JSON kinds the request's fields take.
-var fieldKinds = map[string]string{
-	"model": "string", "user": "string", "role": "string", "type": "string", "format": "string",
-	"stream": "bool", "ignore_eos": "bool", "logprobs": "bool", "include_usage": "bool",
-	"max_tokens": "int", "max_completion_tokens": "int", "seed": "int", "n": "int", "top_logprobs": "int",
-	"temperature": "number", "messages": "messages", "modalities": "strings",
-	"stream_options": "object", "audio": "object", "response_format": "object",
-}
+// fieldKinds are the JSON kinds the request's fields take (from the
+// structs); messageKeys and objectKeys the keys drawn for a message and
+// for the other objects inside a request: their fields, in another case
+// too, and keys no field has.
+var (
+	fieldKinds  = requestKinds()
+	messageKeys = append(withOtherCase(messageDecoder.names), "name", "tool_calls", "CONTENT")
+	objectKeys  = append(withOtherCase(nestedNames()), "id", "x")
+)
 
 // typedValue draws a value of kind, now and then null.
 func typedValue(t *rapid.T, label, kind string, depth int) string {
@@ -78,13 +79,13 @@ func typedValue(t *rapid.T, label, kind string, depth int) string {
 		n := rapid.IntRange(0, 3).Draw(t, label+"-len")
 		els := make([]string, n)
 		for i := range els {
-			els[i] = jsonObject(t, label+"-msg", depth+1, []string{"role", "content", "name", "Role"})
+			els[i] = jsonObject(t, label+"-msg", depth+1, messageKeys)
 		}
 		return "[" + strings.Join(els, ",") + "]"
 	case "strings":
 		return rapid.SampledFrom([]string{`[]`, `["text"]`, `["text", "audio"]`, `["\u0061udio"]`}).Draw(t, label)
 	}
-	return jsonObject(t, label, depth+1, []string{"include_usage", "type", "voice", "format", "Include_Usage", "x"})
+	return jsonObject(t, label, depth+1, objectKeys)
 }
 
 // jsonObject draws an object whose keys are drawn from keys (repeats

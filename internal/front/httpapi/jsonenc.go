@@ -12,8 +12,10 @@ import (
 // encoded by hand rather than by encoding/json's reflection, which was a
 // twentieth of the head's CPU per request (docs/benchmarks.md). The output
 // is byte for byte what encoding/json writes for the same value, escaping
-// included (TestAppendJSONIsEncodingJSON); other responses, rarer, go
-// through encoding/json.
+// included (TestAppendJSONIsEncodingJSON, whose values are drawn field by
+// field from the response structs); other responses, rarer, go through
+// encoding/json. A field added to a response struct must be added here:
+// TestAppendJSONCoversEveryField sets every field and fails until it is.
 
 // jsonAppender is a response that appends its own JSON encoding to dst.
 type jsonAppender interface {

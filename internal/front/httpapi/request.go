@@ -24,6 +24,12 @@ const (
 	maxTemperature = 2.0
 )
 
+// The request structs below are the one table of the request's fields:
+// the fast decoder, the fields each endpoint reads (chatFields,
+// completionFields) and the tests are derived from their json tags and Go
+// types (fastdecode.go). A field added here is decoded and counted as read
+// without another edit.
+
 // samplingFields are the generation parameters shared by chat and text
 // completions. Pointers tell an absent field from a zero one.
 type samplingFields struct {
@@ -54,14 +60,6 @@ type responseFormat struct {
 	Type *string `json:"type"`
 }
 
-// commonFields are the top-level fields samplingFields reads; with an
-// endpoint's own, every other field of a request is accepted, ignored and
-// reported in the X-Troupe-Ignored-Params header.
-var commonFields = []string{
-	"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
-	"seed", "stop", "ignore_eos", "n", "response_format", "prompt_logprobs", "user",
-}
-
 // chatRequest is the body of POST /v1/chat/completions. Arrays are decoded
 // element by element, so an error names the element's index.
 type chatRequest struct {
@@ -74,8 +72,6 @@ type chatRequest struct {
 	ToolChoice   json.RawMessage   `json:"tool_choice"`
 	FunctionCall json.RawMessage   `json:"function_call"` // deprecated form of tool_choice
 }
-
-var chatFields = append([]string{"messages", "modalities", "audio", "logprobs", "top_logprobs", "tool_choice", "function_call"}, commonFields...)
 
 type chatMessage struct {
 	Role    *string         `json:"role"`
@@ -101,8 +97,6 @@ type completionRequest struct {
 	Suffix   *string         `json:"suffix"`
 	BestOf   *int64          `json:"best_of"`
 }
-
-var completionFields = append([]string{"prompt", "echo", "logprobs", "suffix", "best_of"}, commonFields...)
 
 // job is a parsed, validated request, ready for the head.
 type job struct {

@@ -8,6 +8,8 @@ import (
 
 // OpenAI response shapes. Fields that OpenAI sends as null (logprobs,
 // refusal) are sent as null, so strict clients find every key they expect.
+// The answers and chunks are encoded by hand (jsonenc.go): a field added
+// here goes there too, or TestAppendJSONCoversEveryField fails.
 
 type usage struct {
 	PromptTokens     int `json:"prompt_tokens"`

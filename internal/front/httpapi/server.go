@@ -54,7 +54,7 @@ var _ Backend = (*orchestrator.Head)(nil)
 
 // Defaults of Config.
 const (
-	DefaultMaxBodyBytes   = 16 << 20
+	DefaultMaxBodyBytes   = stagepb.DefaultMaxBodyBytes
 	DefaultRequestTimeout = 10 * time.Minute
 	// DefaultDrainTimeout is how long in-flight requests may finish once
 	// the servers shut down (troupe head --drain-timeout).
@@ -65,10 +65,11 @@ const (
 	maxRequestIDLen = 128
 )
 
-// Config configures a Server. The zero value works: no auth, 16 MiB bodies,
-// no /metrics, trace ids that are never sampled.
+// Config configures a Server. The zero value works: no auth, bodies up to
+// DefaultMaxBodyBytes, no /metrics, trace ids that are never sampled.
 type Config struct {
-	// MaxBodyBytes caps request bodies (413 above it); <= 0 means 16 MiB.
+	// MaxBodyBytes caps request bodies (413 above it); <= 0 means
+	// DefaultMaxBodyBytes.
 	MaxBodyBytes int64
 	// APIKey, when not empty, must be sent as "Authorization: Bearer <key>"
 	// on every route except /metrics, /healthz and /readyz.
