@@ -288,7 +288,7 @@ func (h *Head) runStage(ctx context.Context, req Request, stage int, in *stagepb
 	var lastErr error
 	var moved migrated // what failed attempts delivered before a migration
 	base := in         // the request a migration continues
-	route := &router.Request{Text: in.GetText(), SessionKey: req.SessionKey}
+	route := routeOf(in, req.SessionKey)
 	for attempt := 1; attempt <= maxAttempts+moved.count; attempt++ {
 		d, err := h.router.Pick(stage, route, failed)
 		if err != nil {

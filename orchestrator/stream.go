@@ -238,7 +238,7 @@ func (h *Head) runStreamedStage(ctx context.Context, run *streamedRun, stage int
 	// are routed on the session key and load.
 	route := &router.Request{SessionKey: run.req.SessionKey}
 	if stage == 0 {
-		route.Text = run.prompt.GetText()
+		route = routeOf(run.prompt, run.req.SessionKey)
 	}
 	for attempt := 1; attempt <= maxAttempts+moved.count; attempt++ {
 		d, err := h.router.Pick(stage, route, failed)

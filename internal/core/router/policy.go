@@ -145,8 +145,12 @@ const (
 // used by one goroutine at a time and caches the block hashes it computes,
 // so a retry does not hash the input again.
 type Request struct {
-	// Text is the stage's input text; empty when the input is not text.
+	// Text is the stage's input text as the engine reads it (a chat
+	// rendered as the engine renders it); empty when the input is not text.
 	Text string
+	// Tokens is the stage's input as token ids, when the client sent ids
+	// instead of text (Text is then empty).
+	Tokens []uint32
 	// SessionKey, when not empty, asks for session affinity.
 	SessionKey string
 

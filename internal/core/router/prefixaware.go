@@ -13,6 +13,10 @@ import (
 // 16-token KV block holds.
 const HeadBlockBytes = 64
 
+// HeadBlockTokens is the block size of the head's own prefix hashes of an
+// input sent as token ids.
+const HeadBlockTokens = 16
+
 // Defaults of the balance threshold (see PrefixAware).
 const (
 	DefaultBalanceAbs = 8
@@ -104,9 +108,14 @@ func (p *PrefixAware) hashesOf(req *Request, s scheme) []uint64 {
 		}
 	}
 	var hs []uint64
-	if s.engine == "" {
+	switch {
+	case len(req.Tokens) > 0 && s.engine == "":
+		hs = HeadTokenBlockHashes(req.Tokens)
+	case len(req.Tokens) > 0:
+		hs = stagepb.BlockHashes(req.Tokens, s.blockSize) // the engine's own ids
+	case s.engine == "":
 		hs = HeadBlockHashes(req.Text)
-	} else {
+	default:
 		hs = stagepb.BlockHashes(p.tokenizers[s.engine](req.Text), s.blockSize)
 	}
 	req.hashes = append(req.hashes, schemeHashes{scheme: s, hashes: hs})
@@ -122,6 +131,27 @@ func HeadBlockHashes(text string) []uint64 {
 		h := fnv.New64a()
 		h.Write(parent[:])
 		h.Write([]byte(text[j*HeadBlockBytes : (j+1)*HeadBlockBytes]))
+		sum := h.Sum64()
+		out = append(out, sum)
+		binary.LittleEndian.PutUint64(parent[:], sum)
+	}
+	return out
+}
+
+// HeadTokenBlockHashes are the head's block hashes of an input of token
+// ids: FNV-1a over each full HeadBlockTokens block of little-endian ids,
+// chained through the previous hash.
+func HeadTokenBlockHashes(ids []uint32) []uint64 {
+	out := make([]uint64, 0, len(ids)/HeadBlockTokens)
+	var parent [8]byte
+	var b [4]byte
+	for j := 0; (j+1)*HeadBlockTokens <= len(ids); j++ {
+		h := fnv.New64a()
+		h.Write(parent[:])
+		for _, id := range ids[j*HeadBlockTokens : (j+1)*HeadBlockTokens] {
+			binary.LittleEndian.PutUint32(b[:], id)
+			h.Write(b[:])
+		}
 		sum := h.Sum64()
 		out = append(out, sum)
 		binary.LittleEndian.PutUint64(parent[:], sum)

@@ -1,0 +1,41 @@
+package orchestrator
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/worker/sim"
+)
+
+// The head's rendering of a chat is the sim's, byte for byte, so the
+// blocks it names are the blocks the sim reports.
+func TestChatRenderingIsTheSims(t *testing.T) {
+	for _, msgs := range [][]*stagepb.ChatMessage{
+		nil,
+		{{Role: "user", Content: "hello"}},
+		{{Role: "system", Content: "be brief\nand kind"}, {Role: "user", Content: ""}, {Role: "assistant", Content: "ok  fine"}, {Role: "user", Content: "é"}},
+	} {
+		assert.Equal(t, sim.ChatPrompt(msgs), chatRendering(msgs))
+	}
+}
+
+func TestRouteOfEachInput(t *testing.T) {
+	chat := []*stagepb.ChatMessage{{Role: "system", Content: "s"}, {Role: "user", Content: "u"}}
+	r := routeOf(&stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: chat}}}, "k")
+	assert.Equal(t, "system: s\nuser: u", r.Text)
+	assert.Equal(t, "k", r.SessionKey)
+
+	r = routeOf(&stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: "t"}}, "")
+	assert.Equal(t, "t", r.Text)
+
+	r = routeOf(&stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_TokenIds{TokenIds: &stagepb.TokenIds{Ids: []uint32{1, 2, 3}}}}, "")
+	require.Equal(t, []uint32{1, 2, 3}, r.Tokens)
+	assert.Empty(t, r.Text)
+
+	r = routeOf(&stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: []uint32{1}}}}, "")
+	assert.Empty(t, r.Text)
+	assert.Empty(t, r.Tokens)
+}
