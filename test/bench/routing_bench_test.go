@@ -38,6 +38,13 @@ var routingCases = []routingCase{
 	{name: "prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto"}},
 	{name: "prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head"}},
 	{name: "session_affinity", stage: orchestrator.Stage{Policy: "power_of_two"}, sessions: true},
+	// One system prompt carries half the conversations (a hot prefix).
+	{name: "hot-round_robin", stage: orchestrator.Stage{Policy: "round_robin"}, chat: &routingHotChat},
+	{name: "hot-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto"}, chat: &routingHotChat},
+	{name: "hot-prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head"}, chat: &routingHotChat},
+	// Three heads behind a round-robin balancer.
+	{name: "3heads-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto"}, heads: 3},
+	{name: "3heads-prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head"}, heads: 3},
 }
 
 // The routing workload: 4 thinker replicas whose KV pools each hold about
@@ -67,6 +74,11 @@ var (
 		MaxTurns:      16,
 		UserWords:     160,
 	}
+	routingHotChat = func() ChatConfig {
+		c := routingChat
+		c.HotShare = 0.5
+		return c
+	}()
 )
 
 type routingResult struct {
@@ -291,20 +303,36 @@ func runRouting(b *testing.B, rc routingCase) routingResult {
 	return res
 }
 
+// workloadOf is a case's workload: "hot" for the cases named hot-…, ""
+// for the default workload (which several heads run too).
+func workloadOf(name string) string {
+	if strings.HasPrefix(name, "hot-") {
+		return "hot"
+	}
+	return ""
+}
+
 // routingTable renders the results as the markdown table of
 // docs/benchmarks.md, with the ratios to round robin (NaN when round robin
-// did not run).
+// did not run); a case is compared with the round robin of its workload.
 func routingTable(rs []routingResult) string {
-	base := routingResult{hitRate: math.NaN(), ttftP50: -1}
+	bases := map[string]routingResult{}
 	for _, r := range rs {
-		if r.name == "round_robin" {
-			base = r
+		if strings.HasSuffix(r.name, "round_robin") {
+			bases[workloadOf(r.name)] = r
 		}
 	}
 	var sb strings.Builder
 	sb.WriteString("| policy | requests | req/s | tokens/s | hit rate | hit rate ÷ RR | TTFT p50 (ms) | RR ÷ TTFT p50 | TTFT p99 (ms) | e2e p50 (ms) | busiest ÷ idlest |\n")
 	sb.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range rs {
+		base, ok := bases[workloadOf(r.name)]
+		if !ok {
+			base = bases[""]
+		}
+		if base.name == "" {
+			base = routingResult{hitRate: math.NaN(), ttftP50: -1}
+		}
 		fmt.Fprintf(&sb, "| %s | %d | %.1f | %.0f | %.1f%% | %.2f× | %.1f | %.2f× | %.1f | %.1f | %.2f |\n",
 			r.name, r.requests, r.reqPerSec, r.tokPerSec, 100*r.hitRate, r.hitRate/base.hitRate,
 			ms(r.ttftP50), ms(base.ttftP50)/ms(r.ttftP50), ms(r.ttftP99), ms(r.e2e), r.busiest/r.idlest)

@@ -101,10 +101,14 @@ const (
 	// ReasonLoadFallback: the preferred replica (longest match, or the
 	// session's) was overloaded relative to the others, so load decided.
 	ReasonLoadFallback
+	// ReasonPrefixReplicated: prefix_aware found the longest match's replica
+	// above its share of the load (a hot prefix), so the request went to
+	// another replica that holds, or now gets, a copy of the prefix.
+	ReasonPrefixReplicated
 )
 
 // Reasons lists every reason in label order (the value is the index).
-var Reasons = [...]Reason{ReasonRotation, ReasonLoad, ReasonPrefixMatch, ReasonAffinity, ReasonLoadFallback}
+var Reasons = [...]Reason{ReasonRotation, ReasonLoad, ReasonPrefixMatch, ReasonAffinity, ReasonLoadFallback, ReasonPrefixReplicated}
 
 // String is the reason's label value.
 func (r Reason) String() string {
@@ -119,6 +123,8 @@ func (r Reason) String() string {
 		return "affinity"
 	case ReasonLoadFallback:
 		return "load_fallback"
+	case ReasonPrefixReplicated:
+		return "prefix_replicated"
 	}
 	return "unknown"
 }

@@ -428,3 +428,41 @@ func TestPrefixAwareRoutesTokenIDs(t *testing.T) {
 	assert.Equal(t, PrefixEngine, d.PrefixSource)
 	assert.Equal(t, len(shared)/4, d.MatchBlocks)
 }
+
+// A prefix that carries half the traffic is served from more than one
+// replica: its holder takes no more than its share of the load, the rest
+// goes to copies (prefix_replicated), and the load stays balanced while
+// most requests still find their prefix.
+func TestPrefixAwareReplicatesAHotPrefix(t *testing.T) {
+	p := NewPrefixAware(PolicyOptions{})
+	c := replicas(4)
+	systems := make([]string, 4)
+	for i := range systems {
+		systems[i] = strings.Repeat(fmt.Sprintf("system prompt %d says something long. ", i), 20)
+	}
+	served := map[*Replica]int{}
+	reasons := map[Reason]int{}
+	var running []*Replica // each request runs for the next 12 picks
+	for i := range 2000 {
+		sys := systems[0]
+		if i%2 == 1 {
+			sys = systems[1+i/2%3]
+		}
+		d := p.Pick(&Request{Text: sys + fmt.Sprintf("user %d: a question", i)}, c)
+		d.Replica.Acquire()
+		running = append(running, d.Replica)
+		if len(running) > 12 {
+			running[0].Release()
+			running = running[1:]
+		}
+		served[d.Replica]++
+		reasons[d.Reason]++
+	}
+	busiest, idlest := 0, len(c)*2000
+	for _, r := range c {
+		busiest, idlest = max(busiest, served[r]), min(idlest, served[r])
+	}
+	assert.LessOrEqual(t, float64(busiest), 1.5*float64(idlest), "served: %v", served)
+	assert.Positive(t, reasons[ReasonPrefixReplicated], "reasons: %v", reasons)
+	assert.Greater(t, reasons[ReasonPrefixMatch]+reasons[ReasonPrefixReplicated], 1900, "reasons: %v", reasons)
+}

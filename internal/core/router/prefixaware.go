@@ -1,9 +1,11 @@
 package router
 
 import (
+	"cmp"
 	"encoding/binary"
 	"hash/fnv"
 	"math/rand/v2"
+	"slices"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -19,8 +21,12 @@ const HeadBlockTokens = 16
 
 // Defaults of the balance threshold (see PrefixAware).
 const (
-	DefaultBalanceAbs = 8
-	DefaultBalanceRel = 1.5
+	DefaultBalanceAbs         = 8
+	DefaultBalanceRel         = 1.5
+	DefaultReplicateFactor    = 1.25
+	DefaultReplicateSlack     = 1
+	DefaultRootBlocks         = 4
+	DefaultReplicateMaxBlocks = 32
 )
 
 // PrefixAware sends a request to the replica holding the longest cached
@@ -48,6 +54,15 @@ type PrefixAware struct {
 	// the least loaded replica's and more than BalanceRel times it.
 	BalanceAbs int64
 	BalanceRel float64
+	// A replica above the bound (see bound) takes no request for its cache:
+	// the request goes to another replica, which holds or gets a copy of
+	// the prefix (ReasonPrefixReplicated).
+	ReplicateFactor    float64
+	ReplicateSlack     int64
+	ReplicateMaxBlocks int
+	// RootBlocks is how many leading head blocks name a prefix for the
+	// rendezvous order.
+	RootBlocks int
 
 	source     string
 	tokenizers map[string]Tokenizer
@@ -61,11 +76,15 @@ func NewPrefixAware(opts PolicyOptions) *PrefixAware {
 		src = PrefixSourceAuto
 	}
 	return &PrefixAware{
-		BalanceAbs: DefaultBalanceAbs,
-		BalanceRel: DefaultBalanceRel,
-		source:     src,
-		tokenizers: opts.Tokenizers,
-		index:      NewPrefixIndex(opts.IndexCapacity),
+		BalanceAbs:         DefaultBalanceAbs,
+		BalanceRel:         DefaultBalanceRel,
+		ReplicateFactor:    DefaultReplicateFactor,
+		ReplicateSlack:     DefaultReplicateSlack,
+		RootBlocks:         DefaultRootBlocks,
+		ReplicateMaxBlocks: DefaultReplicateMaxBlocks,
+		source:             src,
+		tokenizers:         opts.Tokenizers,
+		index:              NewPrefixIndex(opts.IndexCapacity),
 	}
 }
 
@@ -74,7 +93,7 @@ func (*PrefixAware) Name() string { return PolicyPrefixAware }
 
 // Reasons implements Policy.
 func (*PrefixAware) Reasons() []Reason {
-	return []Reason{ReasonLoad, ReasonPrefixMatch, ReasonLoadFallback}
+	return []Reason{ReasonLoad, ReasonPrefixMatch, ReasonLoadFallback, ReasonPrefixReplicated}
 }
 
 // Index is the policy's prefix index.
@@ -228,18 +247,56 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		return best
 	}
 	d := Decision{Policy: PolicyPrefixAware, Reason: ReasonLoad}
-	chosen := least
-	if best := longest(func(*Replica) bool { return true }); best >= 0 {
-		if !p.overloaded(cs[best].r, cs[least].r) {
-			chosen, d.Reason = best, ReasonPrefixMatch
-		} else {
-			// Load rules the preferred replica out, and every other one
-			// as loaded; among the rest the cache still decides (a shorter
-			// match, such as a shared system prompt, beats none).
-			d.Reason = ReasonLoadFallback
-			if alt := longest(func(r *Replica) bool { return !p.overloaded(r, cs[least].r) }); alt >= 0 {
-				chosen = alt
+	var total int64
+	for _, x := range cs {
+		total += score(x.r)
+	}
+	bound := p.bound(total, len(cs))
+	within := func(r *Replica) bool { return float64(score(r)+1) <= bound }
+	// With no match anywhere, or when the preferred replica is above the
+	// bound, the prefix's rendezvous order decides: every head ranks the
+	// replicas alike for the same prefix, so they agree without talking.
+	rendezvous := func() int {
+		if req.Text == "" && len(req.Tokens) == 0 {
+			return least // nothing to agree on
+		}
+		for _, i := range p.rank(req, len(cs), func(i int) Key { return cs[i].r.Key }) {
+			if within(cs[i].r) {
+				return i
 			}
+		}
+		return least
+	}
+	chosen := least
+	best := longest(func(*Replica) bool { return true })
+	switch {
+	case best < 0:
+		chosen = rendezvous()
+	case p.overloaded(cs[best].r, cs[least].r):
+		// Load rules the preferred replica out, and every other one
+		// as loaded; among the rest the cache still decides (a shorter
+		// match, such as a shared system prompt, beats none).
+		d.Reason = ReasonLoadFallback
+		if alt := longest(func(r *Replica) bool { return !p.overloaded(r, cs[least].r) }); alt >= 0 {
+			chosen = alt
+		}
+	default:
+		chosen, d.Reason = best, ReasonPrefixMatch
+		if within(cs[best].r) {
+			break
+		}
+		// The preferred replica is busier than its share: its prefix is
+		// hot. Serve the request from another replica, one that already
+		// holds a copy if any is within the bound, else the next in the
+		// prefix's rendezvous order, which now gets a copy; but only
+		// when that costs at most ReplicateMaxBlocks blocks of recompute
+		// (a shared prefix, not a long private history).
+		alt := longest(within)
+		if alt < 0 {
+			alt = rendezvous()
+		}
+		if alt != best && within(cs[alt].r) && cs[best].match-cs[alt].match <= p.ReplicateMaxBlocks {
+			chosen, d.Reason = alt, ReasonPrefixReplicated
 		}
 	}
 	x := cs[chosen]
@@ -254,6 +311,42 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		p.index.Insert(x.r.Key, p.hashesOf(req, x.s))
 	}
 	return d
+}
+
+// bound is the most load (this request included) a replica may carry and
+// still take a request because of its cache or its rendezvous rank: the
+// stage's average times ReplicateFactor, and at least ReplicateSlack above
+// the average, so that a light load is not spread for nothing.
+func (p *PrefixAware) bound(total int64, n int) float64 {
+	avg := float64(total+1) / float64(n)
+	return max(p.ReplicateFactor*avg, avg+float64(p.ReplicateSlack))
+}
+
+// rank orders candidates by their rendezvous weight for req's prefix: the
+// hash of its first RootBlocks head blocks (text or token ids), so inputs
+// that share those blocks, such as a system prompt, rank replicas alike on
+// every head. An input shorter than a block ranks by its whole text.
+func (p *PrefixAware) rank(req *Request, n int, key func(int) Key) []int {
+	hs := p.hashesOf(req, scheme{})
+	var root uint64
+	if len(hs) > 0 {
+		root = hs[min(max(p.RootBlocks, 1), len(hs))-1]
+	} else {
+		h := fnv.New64a()
+		h.Write([]byte(req.Text))
+		for _, id := range req.Tokens {
+			h.Write(binary.LittleEndian.AppendUint32(nil, id))
+		}
+		root = h.Sum64()
+	}
+	idx := make([]int, n)
+	ws := make([]uint64, n)
+	for i := range idx {
+		idx[i] = i
+		ws[i] = weight(root, key(i))
+	}
+	slices.SortFunc(idx, func(a, b int) int { return cmp.Compare(ws[b], ws[a]) })
+	return idx
 }
 
 // overloaded reports whether r is too far above the least loaded replica to
