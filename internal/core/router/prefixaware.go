@@ -6,6 +6,7 @@ import (
 	"hash/fnv"
 	"math/rand/v2"
 	"slices"
+	"time"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -64,6 +65,11 @@ type PrefixAware struct {
 	// rendezvous order.
 	RootBlocks int
 
+	// MaxAge: load reports older than this are unknown (see scorer).
+	MaxAge time.Duration
+	// Affinity is session affinity on top of it, when the stage has it.
+	Affinity Affinity
+
 	source     string
 	tokenizers map[string]Tokenizer
 	index      *PrefixIndex
@@ -75,13 +81,16 @@ func NewPrefixAware(opts PolicyOptions) *PrefixAware {
 	if src == "" {
 		src = PrefixSourceAuto
 	}
+	b := opts.Balance.WithDefaults()
 	return &PrefixAware{
-		BalanceAbs:         DefaultBalanceAbs,
-		BalanceRel:         DefaultBalanceRel,
-		ReplicateFactor:    DefaultReplicateFactor,
-		ReplicateSlack:     DefaultReplicateSlack,
-		RootBlocks:         DefaultRootBlocks,
-		ReplicateMaxBlocks: DefaultReplicateMaxBlocks,
+		BalanceAbs:         b.Abs,
+		BalanceRel:         b.Rel,
+		ReplicateFactor:    b.ReplicateFactor,
+		ReplicateSlack:     b.ReplicateSlack,
+		ReplicateMaxBlocks: b.ReplicateMaxBlocks,
+		RootBlocks:         b.RootBlocks,
+		MaxAge:             opts.SignalMaxAge,
+		Affinity:           Affinity{MaxAge: opts.SignalMaxAge, LoadFactor: b.AffinityLoadFactor},
 		source:             src,
 		tokenizers:         opts.Tokenizers,
 		index:              NewPrefixIndex(opts.IndexCapacity),
@@ -185,6 +194,8 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		s             scheme
 		match, blocks int
 	}
+	sc := newScorer(c, p.MaxAge)
+	score := sc.score
 	cs := make([]cand, len(c))
 	groups := map[scheme][]int{} // replicas that share a scheme are matched in one pass
 	for i, r := range c {
@@ -272,12 +283,12 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	switch {
 	case best < 0:
 		chosen = rendezvous()
-	case p.overloaded(cs[best].r, cs[least].r):
+	case p.overloaded(score(cs[best].r), score(cs[least].r)):
 		// Load rules the preferred replica out, and every other one
 		// as loaded; among the rest the cache still decides (a shorter
 		// match, such as a shared system prompt, beats none).
 		d.Reason = ReasonLoadFallback
-		if alt := longest(func(r *Replica) bool { return !p.overloaded(r, cs[least].r) }); alt >= 0 {
+		if alt := longest(func(r *Replica) bool { return !p.overloaded(score(r), score(cs[least].r)) }); alt >= 0 {
 			chosen = alt
 		}
 	default:
@@ -349,10 +360,9 @@ func (p *PrefixAware) rank(req *Request, n int, key func(int) Key) []int {
 	return idx
 }
 
-// overloaded reports whether r is too far above the least loaded replica to
-// take more cached work.
-func (p *PrefixAware) overloaded(r, least *Replica) bool {
-	s, m := score(r), score(least)
+// overloaded reports whether a replica of load s is too far above the least
+// loaded replica's m to take more cached work.
+func (p *PrefixAware) overloaded(s, m int64) bool {
 	return s >= m+p.BalanceAbs && float64(s) > p.BalanceRel*float64(m)
 }
 
@@ -363,6 +373,7 @@ func (p *PrefixAware) Forget(k Key) { p.index.Forget(k) }
 // in the engine-reported mode; reports of other replicas are ignored.
 func (p *PrefixAware) ApplyKVEvents(r *Replica, ev *stagepb.KvEvents) {
 	if p.schemeOf(r).engine != "" {
+		r.cacheAt.Store(time.Now().UnixNano())
 		p.index.Apply(r.Key, ev)
 	}
 }
