@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -17,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
+	"github.com/troupe-serving/troupe/internal/front/httpapi"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
 	"github.com/troupe-serving/troupe/worker/sim"
@@ -134,7 +136,7 @@ func runRouting(b *testing.B, rc routingCase) routingResult {
 	// Every head serves its own HTTP API; the client rotates across them,
 	// as a round-robin load balancer in front of several heads would.
 	registries := []*prometheus.Registry{c.Metrics}
-	bases := []string{serveHTTP(b, c.Head)}
+	bases := []string{serveRoutingHTTP(b, c.Head)}
 	for range max(rc.heads, 1) - 1 {
 		h, reg := c.AddHead(b)
 		require.Eventually(b, func() bool {
@@ -147,7 +149,7 @@ func runRouting(b *testing.B, rc routingCase) routingResult {
 			return n == routingReplicas
 		}, time.Minute, 10*time.Millisecond, "the extra head sees every replica")
 		registries = append(registries, reg)
-		bases = append(bases, serveHTTP(b, h))
+		bases = append(bases, serveRoutingHTTP(b, h))
 	}
 	httpClient := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}}
 	defer httpClient.CloseIdleConnections()
@@ -310,6 +312,27 @@ func workloadOf(name string) string {
 		return "hot"
 	}
 	return ""
+}
+
+// serveRoutingHTTP serves a head's HTTP API as `troupe head` does, with
+// its default session header, until the benchmark ends.
+func serveRoutingHTTP(b *testing.B, h *orchestrator.Head) string {
+	b.Helper()
+	api := httpapi.New(h, httpapi.Config{Logger: slog.New(slog.DiscardHandler), SessionHeader: "X-Session-ID"})
+	srv := httpapi.NewHTTPServer("127.0.0.1:0", api.Handler())
+	lis, err := net.Listen("tcp", srv.Addr)
+	require.NoError(b, err)
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(lis) }()
+	b.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if err := srv.Shutdown(ctx); err != nil {
+			_ = srv.Close()
+		}
+		require.ErrorIs(b, <-served, http.ErrServerClosed)
+	})
+	return "http://" + lis.Addr().String()
 }
 
 // routingTable renders the results as the markdown table of
