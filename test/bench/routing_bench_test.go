@@ -47,6 +47,12 @@ var routingCases = []routingCase{
 	// Three heads behind a round-robin balancer.
 	{name: "3heads-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto"}, heads: 3},
 	{name: "3heads-prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head"}, heads: 3},
+	// A root past the shared system prompts (32 head blocks, 2 KB): each
+	// conversation gets its own rendezvous home, which every head agrees on.
+	{name: "root32-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto", Balance: &orchestrator.Balance{RootBlocks: 32}}},
+	{name: "root32-prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head", Balance: &orchestrator.Balance{RootBlocks: 32}}},
+	{name: "3heads-root32-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto", Balance: &orchestrator.Balance{RootBlocks: 32}}, heads: 3},
+	{name: "3heads-root32-prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head", Balance: &orchestrator.Balance{RootBlocks: 32}}, heads: 3},
 }
 
 // The routing workload: 4 thinker replicas whose KV pools each hold about

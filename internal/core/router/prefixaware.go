@@ -193,6 +193,7 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		r             *Replica
 		s             scheme
 		match, blocks int
+		floor         float64 // the home's: counts as holding at least this share
 	}
 	sc := newScorer(c, p.MaxAge)
 	score := sc.score
@@ -214,9 +215,9 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	}
 	ratio := func(x cand) float64 {
 		if x.blocks <= 0 {
-			return 0
+			return x.floor
 		}
-		return float64(x.match) / float64(x.blocks)
+		return max(x.floor, float64(x.match)/float64(x.blocks))
 	}
 	least, n := 0, 1
 	for i := 1; i < len(cs); i++ {
@@ -236,7 +237,7 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	longest := func(ok func(*Replica) bool) int {
 		best, n := -1, 0
 		for i, x := range cs {
-			if x.match == 0 || !ok(x.r) {
+			if (x.match == 0 && x.floor == 0) || !ok(x.r) {
 				continue
 			}
 			if best < 0 {
@@ -278,6 +279,15 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		}
 		return least
 	}
+	// An input longer than its root has a home: the first replica in its
+	// rendezvous order within the bound, which counts as holding at least
+	// the root. Where this head knows no more of the input than a prefix
+	// many inputs share (a system prompt, held by many replicas), every
+	// head then sends it home, where other heads may have put the rest of
+	// it; what this head knows beyond the root still wins.
+	if hs := p.hashesOf(req, scheme{}); p.RootBlocks > 0 && len(hs) > p.RootBlocks {
+		cs[rendezvous()].floor = float64(p.RootBlocks) / float64(len(hs))
+	}
 	chosen := least
 	best := longest(func(*Replica) bool { return true })
 	switch {
@@ -311,6 +321,9 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		}
 	}
 	x := cs[chosen]
+	if x.match == 0 && d.Reason == ReasonPrefixMatch {
+		d.Reason = ReasonLoad // the home, holding nothing known: placed, not matched
+	}
 	d.Replica = x.r
 	d.MatchBlocks, d.InputBlocks = x.match, x.blocks
 	d.PrefixSource = PrefixHead
