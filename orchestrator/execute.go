@@ -150,7 +150,7 @@ func (h *Head) executeSequential(ctx context.Context, req Request, n int, in *st
 	audio := newFirstAudio()
 	res := &Result{}
 	for i := range n {
-		sr := &stageRun{req: req, stage: i, n: n, in: in, route: &router.Request{Text: in.GetText(), SessionKey: req.SessionKey},
+		sr := &stageRun{req: req, stage: i, n: n, in: in, route: routeOf(in, req.SessionKey),
 			forward: sequentialForwarder(req, onText, i, n, audio)}
 		// One stage after another: what the client does not read as it is
 		// made, nobody reads before the stage ends.

@@ -98,6 +98,10 @@ type Config struct {
 	// name an engine's blocks as the engine does, so engines that report
 	// their cache (KvEvents) get the engine-reported mode. Optional.
 	Tokenizers map[string]func(text string) []uint32
+	// SignalMaxAge is how old a replica's load report may be before the
+	// policies count it as unknown (--signal-max-age; 0:
+	// router.DefaultSignalMaxAge).
+	SignalMaxAge time.Duration
 	// StatsMetrics is where the per-replica stat families (a stats.Logger,
 	// registered as one Collector) go; nil: Metrics. Gathering them builds
 	// a dto.Metric per series (hundreds of milliseconds for 1,000
@@ -281,7 +285,7 @@ func stageRouting(cfg Config) ([]router.StageRouting, error) {
 	}
 	routing := make([]router.StageRouting, len(cfg.Pipeline.Stages))
 	for i, st := range cfg.Pipeline.Stages {
-		p, err := router.NewPolicy(st.EffectivePolicy(cfg.Policy), router.PolicyOptions{PrefixSource: st.PrefixSource, Tokenizers: tokenizers})
+		p, err := router.NewPolicy(st.EffectivePolicy(cfg.Policy), router.PolicyOptions{PrefixSource: st.PrefixSource, Tokenizers: tokenizers, SignalMaxAge: cfg.SignalMaxAge, Balance: st.RouterBalance()})
 		if err != nil {
 			return nil, fmt.Errorf("orchestrator: stage %q: %w", st.Name, err)
 		}
@@ -858,6 +862,13 @@ type ReplicaStatus struct {
 	Reason      string       `json:"reason,omitempty"` // why it is unhealthy, when the head knows
 	JoinedAt    time.Time    `json:"joined_at"`
 	InFlight    int64        `json:"in_flight"`
+	// Load is running+waiting from the replica's latest load report, and
+	// LoadAgeSeconds that report's age; CacheReportAgeSeconds is the age
+	// of its engine's latest cache report. Absent: never reported. A load
+	// report older than --signal-max-age counts as unknown in routing.
+	Load                  *int64   `json:"load,omitempty"`
+	LoadAgeSeconds        *float64 `json:"load_age_s,omitempty"`
+	CacheReportAgeSeconds *float64 `json:"cache_report_age_s,omitempty"`
 	// LeaseLostUntil is set while the replica's record is gone but it still
 	// serves (its lease was lost): it stays routed until then, waiting for
 	// it to re-register.
@@ -889,6 +900,9 @@ func (h *Head) Replicas() []ReplicaStatus {
 			s.LeaseLostUntil = &until
 		}
 		rep, ok := snap.Lookup(t.key)
+		if ok {
+			s.Load, s.LoadAgeSeconds, s.CacheReportAgeSeconds = signalAges(rep, time.Now())
+		}
 		switch {
 		case t.detached:
 			s.State = StateDetached
@@ -913,6 +927,23 @@ func (h *Head) Replicas() []ReplicaStatus {
 		out = append(out, s)
 	}
 	return out
+}
+
+// signalAges are a replica's latest load report and the ages of its load
+// and cache reports, nil where it never reported (ReplicaStatus).
+func signalAges(rep *router.Replica, now time.Time) (load *int64, loadAge, cacheAge *float64) {
+	age := func(t time.Time) *float64 {
+		if t.IsZero() {
+			return nil
+		}
+		s := now.Sub(t).Seconds()
+		return &s
+	}
+	if at := rep.LoadAt(); !at.IsZero() {
+		n := rep.Load()
+		load = &n
+	}
+	return load, age(rep.LoadAt()), age(rep.CacheReportAt())
 }
 
 // Ready reports whether every stage has a routable replica; otherwise it

@@ -41,6 +41,34 @@ type Stage struct {
 	// SessionAffinity sends requests that carry a session key to their
 	// session's replica. Nil means true.
 	SessionAffinity *bool `yaml:"session_affinity,omitempty"`
+	// Balance tunes how the stage trades cache hits for balance; absent
+	// keys take the defaults (docs/routing.md).
+	Balance *Balance `yaml:"balance,omitempty"`
+}
+
+// Balance are a stage's balance constants (router.Balance); zero or
+// absent: the default.
+type Balance struct {
+	Abs                int64   `yaml:"abs,omitempty"`
+	Rel                float64 `yaml:"rel,omitempty"`
+	ReplicateFactor    float64 `yaml:"replicate_factor,omitempty"`
+	ReplicateSlack     int64   `yaml:"replicate_slack,omitempty"`
+	ReplicateMaxBlocks int     `yaml:"replicate_max_blocks,omitempty"`
+	RootBlocks         int     `yaml:"root_blocks,omitempty"`
+	AffinityLoadFactor float64 `yaml:"affinity_load_factor,omitempty"`
+}
+
+// RouterBalance is the stage's balance as the router takes it.
+func (s Stage) RouterBalance() router.Balance {
+	if s.Balance == nil {
+		return router.Balance{}
+	}
+	b := *s.Balance
+	return router.Balance{
+		Abs: b.Abs, Rel: b.Rel,
+		ReplicateFactor: b.ReplicateFactor, ReplicateSlack: b.ReplicateSlack, ReplicateMaxBlocks: b.ReplicateMaxBlocks,
+		RootBlocks: b.RootBlocks, AffinityLoadFactor: b.AffinityLoadFactor,
+	}
 }
 
 // Affinity reports whether the stage uses session affinity.
@@ -61,6 +89,9 @@ func (s Stage) EffectivePolicy(def string) string {
 func (s Stage) checkRouting(i int, def string) error {
 	policy := s.EffectivePolicy(def)
 	if err := router.CheckPolicy(policy); err != nil {
+		return fmt.Errorf("orchestrator: pipeline: stage %d (%s): %w", i, s.Name, err)
+	}
+	if err := s.RouterBalance().Check(); err != nil {
 		return fmt.Errorf("orchestrator: pipeline: stage %d (%s): %w", i, s.Name, err)
 	}
 	if s.PrefixSource == "" {

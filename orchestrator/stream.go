@@ -75,7 +75,7 @@ func (h *Head) streamedStage(ctx context.Context, run *streamedRun, stage int, p
 		sr.flush = req.Flush
 	}
 	if stage == 0 {
-		sr.route.Text = prompt.GetText()
+		sr.route = routeOf(prompt, req.SessionKey)
 		return sr
 	}
 	sr.input = run.inputs[stage]

@@ -45,7 +45,7 @@ type headFlags struct {
 	maxBody                                            byteSize
 	maxInFlight                                        int
 	detachedTTL, reconcile                             time.Duration
-	stallTimeout, leaseLossGrace                       time.Duration
+	stallTimeout, leaseLossGrace, signalMaxAge         time.Duration
 	maxMigrations                                      int
 	leaseTTL, shutdownDelay, drainTimeout              time.Duration
 	tls                                                *tlsFlags
@@ -73,6 +73,7 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.DurationVar(&f.detachedTTL, "detached-series-ttl", 0, "delete the series of replicas detached longer than this (0: keep forever)")
 	fs.DurationVar(&f.reconcile, "reconcile-interval", membership.DefaultReconcileInterval, "period of the full membership re-list that repairs drift")
 	fs.DurationVar(&f.stallTimeout, "stall-timeout", orchestrator.DefaultStallTimeout, "fail and retry a stage attempt that makes no progress for this long")
+	fs.DurationVar(&f.signalMaxAge, "signal-max-age", router.DefaultSignalMaxAge, "a replica's load report older than this counts as unknown in routing")
 	fs.DurationVar(&f.leaseLossGrace, "lease-loss-grace", orchestrator.DefaultLeaseLossGrace, "keep routing to a replica whose record vanished but that still serves, while it re-registers")
 	fs.IntVar(&f.maxMigrations, "max-migrations", 1, "times an answer whose thinker failed after text reached the client is continued on another replica (0: it ends with an error)")
 	fs.StringVar(&f.headID, "head-id", "", "id of this head's record in etcd (/troupe/<cluster>/heads/<id>; default: <hostname>-<pid>-<4 random hex digits>)")
@@ -221,6 +222,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		ReconcileInterval: hf.reconcile,
 		MaxMessageBytes:   grpcMessageLimit(hf.maxBody),
 		StallTimeout:      hf.stallTimeout,
+		SignalMaxAge:      hf.signalMaxAge,
 		LeaseLossGrace:    hf.leaseLossGrace,
 		MaxMigrations:     hf.maxMigrations,
 		Metrics:           metrics,

@@ -2,14 +2,41 @@
 // by engine name as Health reports it, so prefix_aware names an engine's
 // prompt blocks as the engine does (docs/routing.md). Today that is the
 // sim's deterministic word tokenizer, which the sim engine (worker/sim)
-// takes from here too. It is a bottom layer: it imports nothing of troupe.
+// takes from here too, and the one rendering of a conversation as text
+// (ChatText) that the sim reads and the head routes on. It is a bottom
+// layer: it imports only pkg/stagepb.
 package tokenizers
 
 import (
 	"hash/fnv"
 	"maps"
 	"strings"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
+
+// ChatText is a conversation as an engine without a chat template reads it
+// (the sim does): one "role: content" line per message, joined by "\n". The
+// head routes a chat request on it, so its blocks are the ones the sim
+// caches; a chat input and the text input ChatText(messages) give the same
+// output.
+func ChatText(msgs []*stagepb.ChatMessage) string {
+	n := 0
+	for _, m := range msgs {
+		n += len(m.GetRole()) + len(m.GetContent()) + 3
+	}
+	var b strings.Builder
+	b.Grow(n)
+	for i, m := range msgs {
+		if i > 0 {
+			b.WriteByte('\n')
+		}
+		b.WriteString(m.GetRole())
+		b.WriteString(": ")
+		b.WriteString(m.GetContent())
+	}
+	return b.String()
+}
 
 // SimEngine is the sim engine's name, as its Health reports it.
 const SimEngine = "sim"

@@ -1,11 +1,14 @@
 package tokenizers_test
 
 import (
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
@@ -29,4 +32,16 @@ func TestByEngine(t *testing.T) {
 	delete(all, tokenizers.SimEngine) // the caller's copy
 	_, ok = tokenizers.ByEngine(tokenizers.SimEngine)
 	assert.True(t, ok, "All returns a copy")
+}
+
+// ChatText is one "role: content" line per message, the contents as they
+// are (newlines and spaces kept), so a conversation's text is a prefix of
+// the text of any conversation that continues it.
+func TestChatText(t *testing.T) {
+	short := []*stagepb.ChatMessage{{Role: "system", Content: "be brief\nand kind"}, {Role: "user", Content: ""}}
+	long := append(slices.Clone(short), &stagepb.ChatMessage{Role: "assistant", Content: "ok  fine"}, &stagepb.ChatMessage{Role: "user", Content: "é"})
+	assert.Equal(t, "", tokenizers.ChatText(nil))
+	assert.Equal(t, "system: be brief\nand kind\nuser: ", tokenizers.ChatText(short))
+	assert.Equal(t, "system: be brief\nand kind\nuser: \nassistant: ok  fine\nuser: é", tokenizers.ChatText(long))
+	assert.True(t, strings.HasPrefix(tokenizers.ChatText(long), tokenizers.ChatText(short)))
 }

@@ -3,6 +3,7 @@ package bench
 import (
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 )
@@ -18,6 +19,15 @@ type ChatConfig struct {
 	// MaxTurns]; then its user leaves and a new one arrives.
 	MinTurns, MaxTurns int
 	UserWords          int // words per user message
+	// HotShare, when above 0, is the share of conversations that start
+	// with system prompt 0 (a hot prefix); the rest pick among the others.
+	// 0: every system prompt is equally likely.
+	HotShare float64
+}
+
+// Message is one message of a conversation.
+type Message struct {
+	Role, Content string
 }
 
 // ChatWorkload is chat traffic in the shape of real chat: many users, each
@@ -41,6 +51,7 @@ type conversation struct {
 	system int
 	left   int // turns still to send
 	prompt strings.Builder
+	msgs   []Message
 	busy   bool // a turn is in flight
 }
 
@@ -49,7 +60,10 @@ type Turn struct {
 	Session string // the conversation's id: a session key
 	System  int    // which system prompt it uses
 	Prompt  string
-	conv    *conversation
+	// Messages is the same conversation as chat messages: Prompt is
+	// their "role: content" lines joined by "\n".
+	Messages []Message
+	conv     *conversation
 }
 
 // NewChatWorkload opens cfg.Conversations conversations.
@@ -74,13 +88,19 @@ func (w *ChatWorkload) words(n int) string {
 }
 
 func (w *ChatWorkload) open() *conversation {
-	c := &conversation{
-		id:     fmt.Sprint("user-", w.nextID),
-		system: w.rng.IntN(len(w.systems)),
-		left:   w.cfg.MinTurns + w.rng.IntN(w.cfg.MaxTurns-w.cfg.MinTurns+1),
+	c := &conversation{id: fmt.Sprint("user-", w.nextID)}
+	switch {
+	case w.cfg.HotShare <= 0 || len(w.systems) == 1:
+		c.system = w.rng.IntN(len(w.systems))
+	case w.rng.Float64() < w.cfg.HotShare:
+		c.system = 0
+	default:
+		c.system = 1 + w.rng.IntN(len(w.systems)-1)
 	}
+	c.left = w.cfg.MinTurns + w.rng.IntN(w.cfg.MaxTurns-w.cfg.MinTurns+1)
 	w.nextID++
 	c.prompt.WriteString("system: " + w.systems[c.system])
+	c.msgs = append(c.msgs, Message{"system", w.systems[c.system]})
 	return c
 }
 
@@ -102,8 +122,10 @@ func (w *ChatWorkload) Next() (Turn, bool) {
 	c := idle[w.rng.IntN(len(idle))]
 	c.busy = true
 	c.left--
-	c.prompt.WriteString("\nuser: " + w.words(w.cfg.UserWords))
-	return Turn{Session: c.id, System: c.system, Prompt: c.prompt.String(), conv: c}, true
+	user := w.words(w.cfg.UserWords)
+	c.prompt.WriteString("\nuser: " + user)
+	c.msgs = append(c.msgs, Message{"user", user})
+	return Turn{Session: c.id, System: c.system, Prompt: c.prompt.String(), Messages: slices.Clone(c.msgs), conv: c}, true
 }
 
 // Reply records the assistant's answer to t. A conversation that has sent
@@ -114,6 +136,7 @@ func (w *ChatWorkload) Reply(t Turn, answer string) {
 	c := t.conv
 	c.busy = false
 	c.prompt.WriteString("\nassistant: " + answer)
+	c.msgs = append(c.msgs, Message{"assistant", answer})
 	if c.left > 0 {
 		return
 	}

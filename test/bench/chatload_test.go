@@ -21,6 +21,11 @@ func TestChatWorkloadShape(t *testing.T) {
 		require.True(t, ok)
 		twin, _ := again.Next()
 		assert.Equal(t, turn.Prompt, twin.Prompt, "deterministic for a seed")
+		lines := make([]string, len(turn.Messages))
+		for i, m := range turn.Messages {
+			lines[i] = m.Role + ": " + m.Content
+		}
+		assert.Equal(t, turn.Prompt, strings.Join(lines, "\n"), "the messages render as the prompt")
 
 		require.True(t, strings.HasPrefix(turn.Prompt, "system: "))
 		systems[strings.SplitN(turn.Prompt, "\n", 2)[0]] = true
@@ -45,4 +50,17 @@ func TestChatWorkloadShape(t *testing.T) {
 	}
 	_, ok := w.Next()
 	assert.False(t, ok)
+}
+
+func TestChatWorkloadHotShare(t *testing.T) {
+	w := NewChatWorkload(ChatConfig{Seed: 3, SystemPrompts: 3, SystemWords: 4, Conversations: 400, MinTurns: 1, MaxTurns: 1, UserWords: 1, HotShare: 0.5})
+	bySystem := map[int]int{}
+	for range 400 {
+		turn, ok := w.Next()
+		require.True(t, ok)
+		bySystem[turn.System]++
+	}
+	assert.InDelta(t, 200, bySystem[0], 40, "about half the conversations start with the hot prefix")
+	assert.InDelta(t, 100, bySystem[1], 35)
+	assert.InDelta(t, 100, bySystem[2], 35)
 }

@@ -5,17 +5,22 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"net"
+	"net/http"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
+	"github.com/troupe-serving/troupe/internal/front/httpapi"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
-	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
 
@@ -24,6 +29,8 @@ type routingCase struct {
 	name     string
 	stage    orchestrator.Stage
 	sessions bool // send each conversation's id as its session key
+	heads    int  // heads behind a round-robin balancer (0: one)
+	chat     *ChatConfig
 }
 
 var routingCases = []routingCase{
@@ -33,6 +40,19 @@ var routingCases = []routingCase{
 	{name: "prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto"}},
 	{name: "prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head"}},
 	{name: "session_affinity", stage: orchestrator.Stage{Policy: "power_of_two"}, sessions: true},
+	// One system prompt carries half the conversations (a hot prefix).
+	{name: "hot-round_robin", stage: orchestrator.Stage{Policy: "round_robin"}, chat: &routingHotChat},
+	{name: "hot-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto"}, chat: &routingHotChat},
+	{name: "hot-prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head"}, chat: &routingHotChat},
+	// Three heads behind a round-robin balancer.
+	{name: "3heads-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto"}, heads: 3},
+	{name: "3heads-prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head"}, heads: 3},
+	// A root past the shared system prompts (32 head blocks, 2 KB): each
+	// conversation gets its own rendezvous home, which every head agrees on.
+	{name: "root32-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto", Balance: &orchestrator.Balance{RootBlocks: 32}}},
+	{name: "root32-prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head", Balance: &orchestrator.Balance{RootBlocks: 32}}},
+	{name: "3heads-root32-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto", Balance: &orchestrator.Balance{RootBlocks: 32}}, heads: 3},
+	{name: "3heads-root32-prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head", Balance: &orchestrator.Balance{RootBlocks: 32}}, heads: 3},
 }
 
 // The routing workload: 4 thinker replicas whose KV pools each hold about
@@ -62,6 +82,11 @@ var (
 		MaxTurns:      16,
 		UserWords:     160,
 	}
+	routingHotChat = func() ChatConfig {
+		c := routingChat
+		c.HotShare = 0.5
+		return c
+	}()
 )
 
 type routingResult struct {
@@ -114,10 +139,43 @@ func runRouting(b *testing.B, rc routingCase) routingResult {
 		Sim:              routingSim,
 	})
 	c.WaitReady(b)
+	// Every head serves its own HTTP API; the client rotates across them,
+	// as a round-robin load balancer in front of several heads would.
+	registries := []*prometheus.Registry{c.Metrics}
+	bases := []string{serveRoutingHTTP(b, c.Head)}
+	for range max(rc.heads, 1) - 1 {
+		h, reg := c.AddHead(b)
+		require.Eventually(b, func() bool {
+			n := 0
+			for _, r := range h.Replicas() {
+				if r.State == "attached" {
+					n++
+				}
+			}
+			return n == routingReplicas
+		}, time.Minute, 10*time.Millisecond, "the extra head sees every replica")
+		registries = append(registries, reg)
+		bases = append(bases, serveRoutingHTTP(b, h))
+	}
+	httpClient := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}}
+	defer httpClient.CloseIdleConnections()
+	clients := make([]openai.Client, len(bases))
+	for i, base := range bases {
+		clients[i] = openai.NewClient(
+			option.WithBaseURL(base+"/v1/"),
+			option.WithAPIKey("unused"),
+			option.WithHTTPClient(httpClient),
+			option.WithMaxRetries(0),
+		)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 
-	w := NewChatWorkload(routingChat)
+	chatCfg := routingChat
+	if rc.chat != nil {
+		chatCfg = *rc.chat
+	}
+	w := NewChatWorkload(chatCfg)
 	var (
 		mu         sync.Mutex
 		ttfts, e2e []time.Duration
@@ -136,28 +194,55 @@ func runRouting(b *testing.B, rc routingCase) routingResult {
 			res.skipped++
 			continue
 		}
-		req := orchestrator.Request{
-			ID:       fmt.Sprint("r", i),
-			Prompt:   turn.Prompt,
-			Sampling: &stagepb.SamplingParams{MaxTokens: routingMaxTok, IgnoreEos: true},
+		params := openai.ChatCompletionNewParams{
+			Model:               "troupe-omni-sim",
+			MaxCompletionTokens: openai.Int(routingMaxTok),
+			StreamOptions:       openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)},
 		}
+		for _, m := range turn.Messages {
+			switch m.Role {
+			case "system":
+				params.Messages = append(params.Messages, openai.SystemMessage(m.Content))
+			case "user":
+				params.Messages = append(params.Messages, openai.UserMessage(m.Content))
+			default:
+				params.Messages = append(params.Messages, openai.AssistantMessage(m.Content))
+			}
+		}
+		opts := []option.RequestOption{option.WithJSONSet("ignore_eos", true)}
 		if rc.sessions {
-			req.SessionKey = turn.Session
+			opts = append(opts, option.WithHeader("X-Session-ID", turn.Session))
 		}
+		client := clients[i%len(clients)]
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			t0 := time.Now()
 			var first time.Duration
-			out, err := c.Head.Execute(ctx, req, func(string) error {
+			var text strings.Builder
+			var used int64
+			stream := client.Chat.Completions.NewStreaming(ctx, params, opts...)
+			for stream.Next() {
+				chunk := stream.Current()
+				if chunk.Usage.CompletionTokens > 0 {
+					used = chunk.Usage.CompletionTokens
+				}
+				if len(chunk.Choices) == 0 || chunk.Choices[0].Delta.Content == "" {
+					continue
+				}
 				if first == 0 {
 					first = time.Since(t0)
 				}
-				return nil
-			})
+				text.WriteString(chunk.Choices[0].Delta.Content)
+			}
+			err := stream.Err()
+			_ = stream.Close()
 			total := time.Since(t0)
 			mu.Lock()
 			defer mu.Unlock()
+			if err == nil && first == 0 {
+				err = fmt.Errorf("bench: request %d streamed no text", i)
+			}
 			if err != nil {
 				if firstErr == nil {
 					firstErr = err
@@ -165,8 +250,8 @@ func runRouting(b *testing.B, rc routingCase) routingResult {
 				return
 			}
 			ttfts, e2e = append(ttfts, first), append(e2e, total)
-			tokens += out.CompletionTokens
-			w.Reply(turn, out.Text)
+			tokens += int(used)
+			w.Reply(turn, text.String())
 		}()
 	}
 	wg.Wait()
@@ -181,30 +266,32 @@ func runRouting(b *testing.B, rc routingCase) routingResult {
 	res.ttftP50, res.ttftP99 = percentile(ttfts, 0.50), percentile(ttfts, 0.99)
 	res.e2e = percentile(e2e, 0.50)
 
-	mfs, err := c.Metrics.Gather()
-	require.NoError(b, err)
 	var hits, queries float64
 	perReplica := map[string]float64{}
 	res.reasons = map[string]float64{}
-	for _, mf := range mfs {
-		for _, m := range mf.GetMetric() {
-			var replica string
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "replica" {
-					replica = l.GetValue()
-				}
-			}
-			switch mf.GetName() {
-			case "troupe_prefix_cache_hits_total":
-				hits += m.GetCounter().GetValue()
-			case "troupe_prefix_cache_queries_total":
-				queries += m.GetCounter().GetValue()
-			case "troupe_request_success_total":
-				perReplica[replica] += m.GetCounter().GetValue()
-			case "troupe_router_decisions_total":
+	for _, reg := range registries {
+		mfs, err := reg.Gather()
+		require.NoError(b, err)
+		for _, mf := range mfs {
+			for _, m := range mf.GetMetric() {
+				var replica string
 				for _, l := range m.GetLabel() {
-					if l.GetName() == "reason" && m.GetCounter().GetValue() > 0 {
-						res.reasons[l.GetValue()] += m.GetCounter().GetValue()
+					if l.GetName() == "replica" {
+						replica = l.GetValue()
+					}
+				}
+				switch mf.GetName() {
+				case "troupe_prefix_cache_hits_total":
+					hits += m.GetCounter().GetValue()
+				case "troupe_prefix_cache_queries_total":
+					queries += m.GetCounter().GetValue()
+				case "troupe_request_success_total":
+					perReplica[replica] += m.GetCounter().GetValue()
+				case "troupe_router_decisions_total":
+					for _, l := range m.GetLabel() {
+						if l.GetName() == "reason" && m.GetCounter().GetValue() > 0 {
+							res.reasons[l.GetValue()] += m.GetCounter().GetValue()
+						}
 					}
 				}
 			}
@@ -224,20 +311,57 @@ func runRouting(b *testing.B, rc routingCase) routingResult {
 	return res
 }
 
+// workloadOf is a case's workload: "hot" for the cases named hot-…, ""
+// for the default workload (which several heads run too).
+func workloadOf(name string) string {
+	if strings.HasPrefix(name, "hot-") {
+		return "hot"
+	}
+	return ""
+}
+
+// serveRoutingHTTP serves a head's HTTP API as `troupe head` does, with
+// its default session header, until the benchmark ends.
+func serveRoutingHTTP(b *testing.B, h *orchestrator.Head) string {
+	b.Helper()
+	api := httpapi.New(h, httpapi.Config{Logger: slog.New(slog.DiscardHandler), SessionHeader: "X-Session-ID"})
+	srv := httpapi.NewHTTPServer("127.0.0.1:0", api.Handler())
+	lis, err := net.Listen("tcp", srv.Addr)
+	require.NoError(b, err)
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(lis) }()
+	b.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if err := srv.Shutdown(ctx); err != nil {
+			_ = srv.Close()
+		}
+		require.ErrorIs(b, <-served, http.ErrServerClosed)
+	})
+	return "http://" + lis.Addr().String()
+}
+
 // routingTable renders the results as the markdown table of
 // docs/benchmarks.md, with the ratios to round robin (NaN when round robin
-// did not run).
+// did not run); a case is compared with the round robin of its workload.
 func routingTable(rs []routingResult) string {
-	base := routingResult{hitRate: math.NaN(), ttftP50: -1}
+	bases := map[string]routingResult{}
 	for _, r := range rs {
-		if r.name == "round_robin" {
-			base = r
+		if strings.HasSuffix(r.name, "round_robin") {
+			bases[workloadOf(r.name)] = r
 		}
 	}
 	var sb strings.Builder
 	sb.WriteString("| policy | requests | req/s | tokens/s | hit rate | hit rate ÷ RR | TTFT p50 (ms) | RR ÷ TTFT p50 | TTFT p99 (ms) | e2e p50 (ms) | busiest ÷ idlest |\n")
 	sb.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range rs {
+		base, ok := bases[workloadOf(r.name)]
+		if !ok {
+			base = bases[""]
+		}
+		if base.name == "" {
+			base = routingResult{hitRate: math.NaN(), ttftP50: -1}
+		}
 		fmt.Fprintf(&sb, "| %s | %d | %.1f | %.0f | %.1f%% | %.2f× | %.1f | %.2f× | %.1f | %.1f | %.2f |\n",
 			r.name, r.requests, r.reqPerSec, r.tokPerSec, 100*r.hitRate, r.hitRate/base.hitRate,
 			ms(r.ttftP50), ms(base.ttftP50)/ms(r.ttftP50), ms(r.ttftP99), ms(r.e2e), r.busiest/r.idlest)

@@ -43,7 +43,7 @@ func TestThroughTwoHeads(t *testing.T) {
 	ctx := testCtx(t)
 
 	msgs := []*stagepb.ChatMessage{msg("system", "be brief"), msg("user", "what is a river")}
-	want, wantTokens, _ := sim.ExpectedText(sim.ChatPrompt(msgs), 4, 12)
+	want, wantTokens, _ := sim.ExpectedText(tokenizers.ChatText(msgs), 4, 12)
 	params := oa.ChatCompletionNewParams{
 		Model:               "troupe-omni-sim",
 		Messages:            []oa.ChatCompletionMessageParamUnion{oa.SystemMessage("be brief"), oa.UserMessage("what is a river")},
@@ -72,7 +72,7 @@ func TestThroughTwoHeads(t *testing.T) {
 		require.NoError(t, stream.Close())
 		assert.Equal(t, want, text.String())
 		assert.Equal(t, int64(wantTokens), usage.CompletionTokens)
-		assert.Equal(t, int64(len(tokenizers.Sim(sim.ChatPrompt(msgs)))), usage.PromptTokens)
+		assert.Equal(t, int64(len(tokenizers.Sim(tokenizers.ChatText(msgs)))), usage.PromptTokens)
 		assert.Greater(t, deltas, 1, "streamed through both heads")
 	})
 

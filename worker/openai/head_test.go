@@ -37,7 +37,7 @@ func TestChatFromTroupeHead(t *testing.T) {
 	assert.Equal(t, "text", h.GetInputRole())
 
 	msgs := []*stagepb.ChatMessage{msg("system", "be brief"), msg("user", "tell me about rivers")}
-	prompt := sim.ChatPrompt(msgs)
+	prompt := tokenizers.ChatText(msgs)
 	for _, tc := range []struct {
 		name string
 		sp   *stagepb.SamplingParams

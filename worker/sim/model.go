@@ -357,7 +357,7 @@ func promptWithoutContext(role string, req *stagepb.GenerateRequest) ([]uint32, 
 		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "chat")
 		}
-		return tokenizers.Sim(ChatPrompt(in.Chat.GetMessages())), nil
+		return tokenizers.Sim(tokenizers.ChatText(in.Chat.GetMessages())), nil
 	case *stagepb.GenerateRequest_TokenIds:
 		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "token_ids")
@@ -391,22 +391,6 @@ func promptWithoutContext(role string, req *stagepb.GenerateRequest) ([]uint32, 
 	default:
 		return nil, invalidArgument(fmt.Sprintf("unsupported input %T", in))
 	}
-}
-
-// ChatPrompt is how the sim reads a conversation (it has no chat
-// template): one "role: content" line per message, joined by "\n". A chat
-// input and the text input ChatPrompt(messages) give the same output.
-func ChatPrompt(msgs []*stagepb.ChatMessage) string {
-	var b strings.Builder
-	for i, m := range msgs {
-		if i > 0 {
-			b.WriteByte('\n')
-		}
-		b.WriteString(m.GetRole())
-		b.WriteString(": ")
-		b.WriteString(m.GetContent())
-	}
-	return b.String()
 }
 
 func invalidInput(role string, got string) error {

@@ -4,6 +4,7 @@ import (
 	"hash/fnv"
 	"math"
 	"slices"
+	"time"
 )
 
 // AffinityLoadFactor is c of consistent hashing with bounded loads: no
@@ -19,21 +20,30 @@ const AffinityLoadFactor = 1.25
 // takes only the sessions that now weigh most on it (a fair share), and a
 // replica that leaves gives up only its own. Weights depend on nothing but
 // the two keys: every head agrees, and a restart changes nothing.
-// Affinity is stateless and safe for concurrent use.
-type Affinity struct{}
+// Affinity is stateless and safe for concurrent use. Load reports older
+// than MaxAge are unknown (see scorer; 0: DefaultSignalMaxAge).
+type Affinity struct {
+	MaxAge     time.Duration
+	LoadFactor float64 // 0: AffinityLoadFactor
+}
 
 // Pick returns the session's replica among candidates (not empty), and
 // whether it is the session's first choice (false: the first choice was
 // over the load bound).
-func (Affinity) Pick(session string, c []*Replica) (*Replica, bool) {
+func (a Affinity) Pick(session string, c []*Replica) (*Replica, bool) {
 	ranked := Rank(session, c)
+	sc := newScorer(c, a.MaxAge)
 	var total int64
 	for _, r := range c {
-		total += score(r)
+		total += sc.score(r)
 	}
-	bound := int64(math.Ceil(AffinityLoadFactor * float64(total+1) / float64(len(c))))
+	factor := a.LoadFactor
+	if factor == 0 {
+		factor = AffinityLoadFactor
+	}
+	bound := int64(math.Ceil(factor * float64(total+1) / float64(len(c))))
 	for i, r := range ranked {
-		if score(r)+1 <= bound {
+		if sc.score(r)+1 <= bound {
 			return r, i == 0
 		}
 	}

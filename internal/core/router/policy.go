@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"sync/atomic"
+	"time"
 )
 
 // Policy picks one replica among candidates that are all routable. A
@@ -56,21 +57,89 @@ type PolicyOptions struct {
 	// IndexCapacity bounds the prefix index in blocks (default
 	// DefaultIndexCapacity).
 	IndexCapacity int
+	// SignalMaxAge is how old a load report may be before it counts as
+	// unknown (default DefaultSignalMaxAge).
+	SignalMaxAge time.Duration
+	// Balance are the balance constants; zero fields take the defaults.
+	Balance Balance
+}
+
+// Balance are the constants that trade cache hits for balance (pipeline
+// `balance:`, docs/routing.md). A zero field means its default.
+type Balance struct {
+	// prefix_aware leaves a replica for load when its load is at least Abs
+	// above the least loaded replica's and more than Rel times it.
+	Abs int64
+	Rel float64
+	// prefix_aware's bound: max(ReplicateFactor × average load, average +
+	// ReplicateSlack); above it a replica's prefix is served from a copy
+	// when that loses at most ReplicateMaxBlocks blocks of match.
+	ReplicateFactor    float64
+	ReplicateSlack     int64
+	ReplicateMaxBlocks int
+	// RootBlocks is how many leading head blocks name a prefix for the
+	// rendezvous order.
+	RootBlocks int
+	// AffinityLoadFactor bounds session affinity: no replica takes a
+	// session's request while above this times the average load.
+	AffinityLoadFactor float64
+}
+
+// WithDefaults fills zero fields with the defaults.
+func (b Balance) WithDefaults() Balance {
+	if b.Abs == 0 {
+		b.Abs = DefaultBalanceAbs
+	}
+	if b.Rel == 0 {
+		b.Rel = DefaultBalanceRel
+	}
+	if b.ReplicateFactor == 0 {
+		b.ReplicateFactor = DefaultReplicateFactor
+	}
+	if b.ReplicateSlack == 0 {
+		b.ReplicateSlack = DefaultReplicateSlack
+	}
+	if b.ReplicateMaxBlocks == 0 {
+		b.ReplicateMaxBlocks = DefaultReplicateMaxBlocks
+	}
+	if b.RootBlocks == 0 {
+		b.RootBlocks = DefaultRootBlocks
+	}
+	if b.AffinityLoadFactor == 0 {
+		b.AffinityLoadFactor = AffinityLoadFactor
+	}
+	return b
+}
+
+// Check reports a constant out of range: negative, or a factor below 1
+// (which would refuse every replica).
+func (b Balance) Check() error {
+	switch {
+	case b.Abs < 0, b.ReplicateSlack < 0, b.ReplicateMaxBlocks < 0, b.RootBlocks < 0:
+		return fmt.Errorf("router: balance: counts must not be negative: %+v", b)
+	case b.Rel != 0 && b.Rel < 1, b.ReplicateFactor != 0 && b.ReplicateFactor < 1, b.AffinityLoadFactor != 0 && b.AffinityLoadFactor < 1:
+		return fmt.Errorf("router: balance: factors must be at least 1: %+v", b)
+	}
+	return nil
 }
 
 // NewPolicy returns a new instance of the named policy for one stage; ""
 // is round_robin.
 func NewPolicy(name string, opts PolicyOptions) (Policy, error) {
+	if err := opts.Balance.Check(); err != nil {
+		return nil, err
+	}
 	if opts.PrefixSource != "" && opts.PrefixSource != PrefixSourceAuto && opts.PrefixSource != PrefixSourceHead {
 		return nil, fmt.Errorf("router: unknown prefix source %q (want one of %v)", opts.PrefixSource, PrefixSources)
 	}
+	aff := Affinity{MaxAge: opts.SignalMaxAge, LoadFactor: opts.Balance.AffinityLoadFactor}
 	switch name {
 	case PolicyRoundRobin, "":
-		return &RoundRobin{}, nil
+		return &RoundRobin{Affinity: aff}, nil
 	case PolicyLeastLoaded:
-		return LeastLoaded{}, nil
+		return LeastLoaded{MaxAge: opts.SignalMaxAge, Affinity: aff}, nil
 	case PolicyPowerOfTwo:
-		return PowerOfTwo{}, nil
+		return PowerOfTwo{MaxAge: opts.SignalMaxAge, Affinity: aff}, nil
 	case PolicyPrefixAware:
 		return NewPrefixAware(opts), nil
 	}
@@ -101,10 +170,14 @@ const (
 	// ReasonLoadFallback: the preferred replica (longest match, or the
 	// session's) was overloaded relative to the others, so load decided.
 	ReasonLoadFallback
+	// ReasonPrefixReplicated: prefix_aware found the longest match's replica
+	// above its share of the load (a hot prefix), so the request went to
+	// another replica that holds, or now gets, a copy of the prefix.
+	ReasonPrefixReplicated
 )
 
 // Reasons lists every reason in label order (the value is the index).
-var Reasons = [...]Reason{ReasonRotation, ReasonLoad, ReasonPrefixMatch, ReasonAffinity, ReasonLoadFallback}
+var Reasons = [...]Reason{ReasonRotation, ReasonLoad, ReasonPrefixMatch, ReasonAffinity, ReasonLoadFallback, ReasonPrefixReplicated}
 
 // String is the reason's label value.
 func (r Reason) String() string {
@@ -119,6 +192,8 @@ func (r Reason) String() string {
 		return "affinity"
 	case ReasonLoadFallback:
 		return "load_fallback"
+	case ReasonPrefixReplicated:
+		return "prefix_replicated"
 	}
 	return "unknown"
 }
@@ -145,8 +220,12 @@ const (
 // used by one goroutine at a time and caches the block hashes it computes,
 // so a retry does not hash the input again.
 type Request struct {
-	// Text is the stage's input text; empty when the input is not text.
+	// Text is the stage's input text as the engine reads it (a chat
+	// rendered as the engine renders it); empty when the input is not text.
 	Text string
+	// Tokens is the stage's input as token ids, when the client sent ids
+	// instead of text (Text is then empty).
+	Tokens []uint32
 	// SessionKey, when not empty, asks for session affinity.
 	SessionKey string
 
@@ -155,7 +234,9 @@ type Request struct {
 
 // RoundRobin cycles through a stage's routable replicas.
 type RoundRobin struct {
-	next atomic.Uint64
+	// Affinity is session affinity on top of it, when the stage has it.
+	Affinity Affinity
+	next     atomic.Uint64
 }
 
 // Name implements Policy.
@@ -170,14 +251,75 @@ func (p *RoundRobin) Pick(_ *Request, c []*Replica) Decision {
 	return Decision{Replica: c[n%uint64(len(c))], Policy: PolicyRoundRobin, Reason: ReasonRotation}
 }
 
-// score is the load a policy compares: what the replica reported plus what
-// this head has sent it since, so a burst does not all land on one replica
-// between two stats updates.
-func score(r *Replica) int64 { return r.Load() + r.InFlight() }
+// DefaultSignalMaxAge is how old an engine's load report may be before a
+// policy counts it as unknown (--signal-max-age).
+const DefaultSignalMaxAge = 10 * time.Second
+
+// scorer gives the load a policy compares at one pick: what the replica
+// reported plus what this head has sent it since, so a burst does not all
+// land on one replica between two stats updates. A report older than
+// maxAge is unknown (stale): such a replica counts as loaded as the busiest replica
+// with a fresh report, plus one, plus what this head has in flight on it,
+// so it is never ranked best on the strength of a stale report, yet an
+// idle one still gets a request (whose chunks bring a fresh report) when
+// every other replica is busier than that.
+type scorer struct {
+	now      int64 // unix nanoseconds
+	maxAge   int64
+	maxFresh int64
+}
+
+func newScorer(c []*Replica, maxAge time.Duration) scorer {
+	if maxAge <= 0 {
+		maxAge = DefaultSignalMaxAge
+	}
+	s := scorer{now: time.Now().UnixNano(), maxAge: int64(maxAge)}
+	for _, r := range c {
+		if s.fresh(r) {
+			s.maxFresh = max(s.maxFresh, r.Load())
+		}
+	}
+	return s
+}
+
+// affinityOf is session affinity as configured with a stage's policy.
+func affinityOf(p Policy) Affinity {
+	switch p := p.(type) {
+	case LeastLoaded:
+		return p.Affinity
+	case PowerOfTwo:
+		return p.Affinity
+	case *PrefixAware:
+		return p.Affinity
+	case *RoundRobin:
+		return p.Affinity
+	}
+	return Affinity{}
+}
+
+// fresh reports whether r's load report is recent enough to use. A replica
+// that never reported (an engine without stats) has no report to age: its
+// reported load counts as 0 and this head's in-flight count is all that is
+// known, as for every replica of such an engine.
+func (s scorer) fresh(r *Replica) bool {
+	at := r.loadAt.Load()
+	return at == 0 || s.now-at <= s.maxAge
+}
+
+func (s scorer) score(r *Replica) int64 {
+	if s.fresh(r) {
+		return r.Load() + r.InFlight()
+	}
+	return s.maxFresh + 1 + r.InFlight()
+}
 
 // LeastLoaded takes the replica with the least running+waiting work; ties go
-// to the lowest replica id.
-type LeastLoaded struct{}
+// to the lowest replica id. Reports older than MaxAge are unknown (see
+// scorer; 0: DefaultSignalMaxAge).
+type LeastLoaded struct {
+	MaxAge   time.Duration
+	Affinity Affinity // session affinity on top of it
+}
 
 // Name implements Policy.
 func (LeastLoaded) Name() string { return PolicyLeastLoaded }
@@ -186,15 +328,15 @@ func (LeastLoaded) Name() string { return PolicyLeastLoaded }
 func (LeastLoaded) Reasons() []Reason { return []Reason{ReasonLoad} }
 
 // Pick implements Policy.
-func (LeastLoaded) Pick(_ *Request, c []*Replica) Decision {
-	return Decision{Replica: leastLoaded(c), Policy: PolicyLeastLoaded, Reason: ReasonLoad}
+func (p LeastLoaded) Pick(_ *Request, c []*Replica) Decision {
+	return Decision{Replica: leastLoaded(c, newScorer(c, p.MaxAge)), Policy: PolicyLeastLoaded, Reason: ReasonLoad}
 }
 
-func leastLoaded(c []*Replica) *Replica {
+func leastLoaded(c []*Replica, sc scorer) *Replica {
 	var best *Replica
 	var bestScore int64
 	for _, r := range c {
-		if s := score(r); best == nil || s < bestScore {
+		if s := sc.score(r); best == nil || s < bestScore {
 			best, bestScore = r, s
 		}
 	}
@@ -202,7 +344,11 @@ func leastLoaded(c []*Replica) *Replica {
 }
 
 // PowerOfTwo samples two replicas at random and takes the less loaded one.
-type PowerOfTwo struct{}
+// Reports older than MaxAge are unknown (see scorer).
+type PowerOfTwo struct {
+	MaxAge   time.Duration
+	Affinity Affinity // session affinity on top of it
+}
 
 // Name implements Policy.
 func (PowerOfTwo) Name() string { return PolicyPowerOfTwo }
@@ -211,7 +357,7 @@ func (PowerOfTwo) Name() string { return PolicyPowerOfTwo }
 func (PowerOfTwo) Reasons() []Reason { return []Reason{ReasonLoad} }
 
 // Pick implements Policy.
-func (PowerOfTwo) Pick(_ *Request, c []*Replica) Decision {
+func (p PowerOfTwo) Pick(_ *Request, c []*Replica) Decision {
 	d := Decision{Replica: c[0], Policy: PolicyPowerOfTwo, Reason: ReasonLoad}
 	if len(c) == 1 {
 		return d
@@ -222,7 +368,8 @@ func (PowerOfTwo) Pick(_ *Request, c []*Replica) Decision {
 		j++
 	}
 	d.Replica = c[i]
-	if score(c[j]) < score(c[i]) {
+	sc := newScorer(c, p.MaxAge)
+	if sc.score(c[j]) < sc.score(c[i]) {
 		d.Replica = c[j]
 	}
 	return d

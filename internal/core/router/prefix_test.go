@@ -395,3 +395,74 @@ func BenchmarkPrefixAwarePick(b *testing.B) {
 		}
 	})
 }
+
+// A token-id input routes by its ids: the engine's blocks of them where
+// the engine reports, the head's fixed-size id blocks otherwise.
+func TestPrefixAwareRoutesTokenIDs(t *testing.T) {
+	shared := make([]uint32, 4*HeadBlockTokens)
+	for i := range shared {
+		shared[i] = uint32(1000 + i)
+	}
+	ids := func(tail uint32) []uint32 { return append(slices.Clone(shared), tail, tail+1, tail+2) }
+
+	p := NewPrefixAware(PolicyOptions{})
+	c := replicas(3)
+	home := p.Pick(&Request{Tokens: ids(1)}, c).Replica
+	d := p.Pick(&Request{Tokens: ids(7)}, c)
+	assert.Equal(t, ReasonPrefixMatch, d.Reason)
+	assert.Same(t, home, d.Replica)
+	assert.Equal(t, 4, d.MatchBlocks)
+	assert.Equal(t, HeadTokenBlockHashes(ids(7)), HeadTokenBlockHashes(ids(9)), "a partial last block is not hashed")
+	assert.NotEqual(t, HeadTokenBlockHashes(shared)[1], HeadTokenBlockHashes(shared[HeadBlockTokens:])[0], "hashes are chained")
+
+	// Engine-reported: the ids are the engine's own, hashed as it does
+	// (no tokenizer is needed, but the engine must be one the head names).
+	e := NewPrefixAware(PolicyOptions{Tokenizers: map[string]Tokenizer{"toy": func(string) []uint32 { return nil }}})
+	for _, r := range c {
+		r.Engine = EngineInfo{Name: "toy", BlockSize: 4, KVEvents: true}
+	}
+	e.ApplyKVEvents(c[2], &stagepb.KvEvents{Seq: 1, Stored: stagepb.BlockHashes(shared, 4)})
+	d = e.Pick(&Request{Tokens: ids(1)}, c)
+	assert.Equal(t, ReasonPrefixMatch, d.Reason)
+	assert.Same(t, c[2], d.Replica)
+	assert.Equal(t, PrefixEngine, d.PrefixSource)
+	assert.Equal(t, len(shared)/4, d.MatchBlocks)
+}
+
+// A prefix that carries half the traffic is served from more than one
+// replica: its holder takes no more than its share of the load, the rest
+// goes to copies (prefix_replicated), and the load stays balanced while
+// most requests still find their prefix.
+func TestPrefixAwareReplicatesAHotPrefix(t *testing.T) {
+	p := NewPrefixAware(PolicyOptions{})
+	c := replicas(4)
+	systems := make([]string, 4)
+	for i := range systems {
+		systems[i] = strings.Repeat(fmt.Sprintf("system prompt %d says something long. ", i), 20)
+	}
+	served := map[*Replica]int{}
+	reasons := map[Reason]int{}
+	var running []*Replica // each request runs for the next 12 picks
+	for i := range 2000 {
+		sys := systems[0]
+		if i%2 == 1 {
+			sys = systems[1+i/2%3]
+		}
+		d := p.Pick(&Request{Text: sys + fmt.Sprintf("user %d: a question", i)}, c)
+		d.Replica.Acquire()
+		running = append(running, d.Replica)
+		if len(running) > 12 {
+			running[0].Release()
+			running = running[1:]
+		}
+		served[d.Replica]++
+		reasons[d.Reason]++
+	}
+	busiest, idlest := 0, len(c)*2000
+	for _, r := range c {
+		busiest, idlest = max(busiest, served[r]), min(idlest, served[r])
+	}
+	assert.LessOrEqual(t, float64(busiest), 1.5*float64(idlest), "served: %v", served)
+	assert.Positive(t, reasons[ReasonPrefixReplicated], "reasons: %v", reasons)
+	assert.Greater(t, reasons[ReasonPrefixMatch]+reasons[ReasonPrefixReplicated], 1900, "reasons: %v", reasons)
+}

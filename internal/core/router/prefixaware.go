@@ -1,9 +1,12 @@
 package router
 
 import (
+	"cmp"
 	"encoding/binary"
 	"hash/fnv"
 	"math/rand/v2"
+	"slices"
+	"time"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -13,10 +16,18 @@ import (
 // 16-token KV block holds.
 const HeadBlockBytes = 64
 
+// HeadBlockTokens is the block size of the head's own prefix hashes of an
+// input sent as token ids.
+const HeadBlockTokens = 16
+
 // Defaults of the balance threshold (see PrefixAware).
 const (
-	DefaultBalanceAbs = 8
-	DefaultBalanceRel = 1.5
+	DefaultBalanceAbs         = 8
+	DefaultBalanceRel         = 1.5
+	DefaultReplicateFactor    = 1.25
+	DefaultReplicateSlack     = 1
+	DefaultRootBlocks         = 4
+	DefaultReplicateMaxBlocks = 32
 )
 
 // PrefixAware sends a request to the replica holding the longest cached
@@ -44,6 +55,20 @@ type PrefixAware struct {
 	// the least loaded replica's and more than BalanceRel times it.
 	BalanceAbs int64
 	BalanceRel float64
+	// A replica above the bound (see bound) takes no request for its cache:
+	// the request goes to another replica, which holds or gets a copy of
+	// the prefix (ReasonPrefixReplicated).
+	ReplicateFactor    float64
+	ReplicateSlack     int64
+	ReplicateMaxBlocks int
+	// RootBlocks is how many leading head blocks name a prefix for the
+	// rendezvous order.
+	RootBlocks int
+
+	// MaxAge: load reports older than this are unknown (see scorer).
+	MaxAge time.Duration
+	// Affinity is session affinity on top of it, when the stage has it.
+	Affinity Affinity
 
 	source     string
 	tokenizers map[string]Tokenizer
@@ -56,12 +81,19 @@ func NewPrefixAware(opts PolicyOptions) *PrefixAware {
 	if src == "" {
 		src = PrefixSourceAuto
 	}
+	b := opts.Balance.WithDefaults()
 	return &PrefixAware{
-		BalanceAbs: DefaultBalanceAbs,
-		BalanceRel: DefaultBalanceRel,
-		source:     src,
-		tokenizers: opts.Tokenizers,
-		index:      NewPrefixIndex(opts.IndexCapacity),
+		BalanceAbs:         b.Abs,
+		BalanceRel:         b.Rel,
+		ReplicateFactor:    b.ReplicateFactor,
+		ReplicateSlack:     b.ReplicateSlack,
+		ReplicateMaxBlocks: b.ReplicateMaxBlocks,
+		RootBlocks:         b.RootBlocks,
+		MaxAge:             opts.SignalMaxAge,
+		Affinity:           Affinity{MaxAge: opts.SignalMaxAge, LoadFactor: b.AffinityLoadFactor},
+		source:             src,
+		tokenizers:         opts.Tokenizers,
+		index:              NewPrefixIndex(opts.IndexCapacity),
 	}
 }
 
@@ -70,7 +102,7 @@ func (*PrefixAware) Name() string { return PolicyPrefixAware }
 
 // Reasons implements Policy.
 func (*PrefixAware) Reasons() []Reason {
-	return []Reason{ReasonLoad, ReasonPrefixMatch, ReasonLoadFallback}
+	return []Reason{ReasonLoad, ReasonPrefixMatch, ReasonLoadFallback, ReasonPrefixReplicated}
 }
 
 // Index is the policy's prefix index.
@@ -104,9 +136,14 @@ func (p *PrefixAware) hashesOf(req *Request, s scheme) []uint64 {
 		}
 	}
 	var hs []uint64
-	if s.engine == "" {
+	switch {
+	case len(req.Tokens) > 0 && s.engine == "":
+		hs = HeadTokenBlockHashes(req.Tokens)
+	case len(req.Tokens) > 0:
+		hs = stagepb.BlockHashes(req.Tokens, s.blockSize) // the engine's own ids
+	case s.engine == "":
 		hs = HeadBlockHashes(req.Text)
-	} else {
+	default:
 		hs = stagepb.BlockHashes(p.tokenizers[s.engine](req.Text), s.blockSize)
 	}
 	req.hashes = append(req.hashes, schemeHashes{scheme: s, hashes: hs})
@@ -129,13 +166,37 @@ func HeadBlockHashes(text string) []uint64 {
 	return out
 }
 
+// HeadTokenBlockHashes are the head's block hashes of an input of token
+// ids: FNV-1a over each full HeadBlockTokens block of little-endian ids,
+// chained through the previous hash.
+func HeadTokenBlockHashes(ids []uint32) []uint64 {
+	out := make([]uint64, 0, len(ids)/HeadBlockTokens)
+	var parent [8]byte
+	var b [4]byte
+	for j := 0; (j+1)*HeadBlockTokens <= len(ids); j++ {
+		h := fnv.New64a()
+		h.Write(parent[:])
+		for _, id := range ids[j*HeadBlockTokens : (j+1)*HeadBlockTokens] {
+			binary.LittleEndian.PutUint32(b[:], id)
+			h.Write(b[:])
+		}
+		sum := h.Sum64()
+		out = append(out, sum)
+		binary.LittleEndian.PutUint64(parent[:], sum)
+	}
+	return out
+}
+
 // Pick implements Policy.
 func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	type cand struct {
 		r             *Replica
 		s             scheme
 		match, blocks int
+		floor         float64 // the home's: counts as holding at least this share
 	}
+	sc := newScorer(c, p.MaxAge)
+	score := sc.score
 	cs := make([]cand, len(c))
 	groups := map[scheme][]int{} // replicas that share a scheme are matched in one pass
 	for i, r := range c {
@@ -154,9 +215,9 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	}
 	ratio := func(x cand) float64 {
 		if x.blocks <= 0 {
-			return 0
+			return x.floor
 		}
-		return float64(x.match) / float64(x.blocks)
+		return max(x.floor, float64(x.match)/float64(x.blocks))
 	}
 	least, n := 0, 1
 	for i := 1; i < len(cs); i++ {
@@ -176,7 +237,7 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	longest := func(ok func(*Replica) bool) int {
 		best, n := -1, 0
 		for i, x := range cs {
-			if x.match == 0 || !ok(x.r) {
+			if (x.match == 0 && x.floor == 0) || !ok(x.r) {
 				continue
 			}
 			if best < 0 {
@@ -198,21 +259,71 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		return best
 	}
 	d := Decision{Policy: PolicyPrefixAware, Reason: ReasonLoad}
-	chosen := least
-	if best := longest(func(*Replica) bool { return true }); best >= 0 {
-		if !p.overloaded(cs[best].r, cs[least].r) {
-			chosen, d.Reason = best, ReasonPrefixMatch
-		} else {
-			// Load rules the preferred replica out, and every other one
-			// as loaded; among the rest the cache still decides (a shorter
-			// match, such as a shared system prompt, beats none).
-			d.Reason = ReasonLoadFallback
-			if alt := longest(func(r *Replica) bool { return !p.overloaded(r, cs[least].r) }); alt >= 0 {
-				chosen = alt
+	var total int64
+	for _, x := range cs {
+		total += score(x.r)
+	}
+	bound := p.bound(total, len(cs))
+	within := func(r *Replica) bool { return float64(score(r)+1) <= bound }
+	// With no match anywhere, or when the preferred replica is above the
+	// bound, the prefix's rendezvous order decides: every head ranks the
+	// replicas alike for the same prefix, so they agree without talking.
+	rendezvous := func() int {
+		if req.Text == "" && len(req.Tokens) == 0 {
+			return least // nothing to agree on
+		}
+		for _, i := range p.rank(req, len(cs), func(i int) Key { return cs[i].r.Key }) {
+			if within(cs[i].r) {
+				return i
 			}
+		}
+		return least
+	}
+	// An input longer than its root has a home: the first replica in its
+	// rendezvous order within the bound, which counts as holding at least
+	// the root. Where this head knows no more of the input than a prefix
+	// many inputs share (a system prompt, held by many replicas), every
+	// head then sends it home, where other heads may have put the rest of
+	// it; what this head knows beyond the root still wins.
+	if hs := p.hashesOf(req, scheme{}); p.RootBlocks > 0 && len(hs) > p.RootBlocks {
+		cs[rendezvous()].floor = float64(p.RootBlocks) / float64(len(hs))
+	}
+	chosen := least
+	best := longest(func(*Replica) bool { return true })
+	switch {
+	case best < 0:
+		chosen = rendezvous()
+	case p.overloaded(score(cs[best].r), score(cs[least].r)):
+		// Load rules the preferred replica out, and every other one
+		// as loaded; among the rest the cache still decides (a shorter
+		// match, such as a shared system prompt, beats none).
+		d.Reason = ReasonLoadFallback
+		if alt := longest(func(r *Replica) bool { return !p.overloaded(score(r), score(cs[least].r)) }); alt >= 0 {
+			chosen = alt
+		}
+	default:
+		chosen, d.Reason = best, ReasonPrefixMatch
+		if within(cs[best].r) {
+			break
+		}
+		// The preferred replica is busier than its share: its prefix is
+		// hot. Serve the request from another replica, one that already
+		// holds a copy if any is within the bound, else the next in the
+		// prefix's rendezvous order, which now gets a copy; but only
+		// when that costs at most ReplicateMaxBlocks blocks of recompute
+		// (a shared prefix, not a long private history).
+		alt := longest(within)
+		if alt < 0 {
+			alt = rendezvous()
+		}
+		if alt != best && within(cs[alt].r) && cs[best].match-cs[alt].match <= p.ReplicateMaxBlocks {
+			chosen, d.Reason = alt, ReasonPrefixReplicated
 		}
 	}
 	x := cs[chosen]
+	if x.match == 0 && d.Reason == ReasonPrefixMatch {
+		d.Reason = ReasonLoad // the home, holding nothing known: placed, not matched
+	}
 	d.Replica = x.r
 	d.MatchBlocks, d.InputBlocks = x.match, x.blocks
 	d.PrefixSource = PrefixHead
@@ -226,10 +337,45 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	return d
 }
 
-// overloaded reports whether r is too far above the least loaded replica to
-// take more cached work.
-func (p *PrefixAware) overloaded(r, least *Replica) bool {
-	s, m := score(r), score(least)
+// bound is the most load (this request included) a replica may carry and
+// still take a request because of its cache or its rendezvous rank: the
+// stage's average times ReplicateFactor, and at least ReplicateSlack above
+// the average, so that a light load is not spread for nothing.
+func (p *PrefixAware) bound(total int64, n int) float64 {
+	avg := float64(total+1) / float64(n)
+	return max(p.ReplicateFactor*avg, avg+float64(p.ReplicateSlack))
+}
+
+// rank orders candidates by their rendezvous weight for req's prefix: the
+// hash of its first RootBlocks head blocks (text or token ids), so inputs
+// that share those blocks, such as a system prompt, rank replicas alike on
+// every head. An input shorter than a block ranks by its whole text.
+func (p *PrefixAware) rank(req *Request, n int, key func(int) Key) []int {
+	hs := p.hashesOf(req, scheme{})
+	var root uint64
+	if len(hs) > 0 {
+		root = hs[min(max(p.RootBlocks, 1), len(hs))-1]
+	} else {
+		h := fnv.New64a()
+		h.Write([]byte(req.Text))
+		for _, id := range req.Tokens {
+			h.Write(binary.LittleEndian.AppendUint32(nil, id))
+		}
+		root = h.Sum64()
+	}
+	idx := make([]int, n)
+	ws := make([]uint64, n)
+	for i := range idx {
+		idx[i] = i
+		ws[i] = weight(root, key(i))
+	}
+	slices.SortFunc(idx, func(a, b int) int { return cmp.Compare(ws[b], ws[a]) })
+	return idx
+}
+
+// overloaded reports whether a replica of load s is too far above the least
+// loaded replica's m to take more cached work.
+func (p *PrefixAware) overloaded(s, m int64) bool {
 	return s >= m+p.BalanceAbs && float64(s) > p.BalanceRel*float64(m)
 }
 
@@ -240,6 +386,7 @@ func (p *PrefixAware) Forget(k Key) { p.index.Forget(k) }
 // in the engine-reported mode; reports of other replicas are ignored.
 func (p *PrefixAware) ApplyKVEvents(r *Replica, ev *stagepb.KvEvents) {
 	if p.schemeOf(r).engine != "" {
+		r.cacheAt.Store(time.Now().UnixNano())
 		p.index.Apply(r.Key, ev)
 	}
 }

@@ -83,6 +83,8 @@ type Replica struct {
 	conn     *grpc.ClientConn
 	inFlight atomic.Int64
 	load     atomic.Int64 // running + waiting, from the replica's latest stats
+	loadAt   atomic.Int64 // when load was reported (unix nanoseconds; 0: never)
+	cacheAt  atomic.Int64 // when the engine last reported its cache (KvEvents)
 	sleep    atomic.Int32 // stagepb.SleepState
 	healthy  atomic.Bool  // connection not in TRANSIENT_FAILURE/SHUTDOWN
 	removed  atomic.Bool
@@ -135,8 +137,27 @@ func (r *Replica) InFlight() int64 { return r.inFlight.Load() }
 // Load is running+waiting from the replica's latest stats.
 func (r *Replica) Load() int64 { return r.load.Load() }
 
-// SetLoad records running+waiting from a stats snapshot.
-func (r *Replica) SetLoad(n int64) { r.load.Store(n) }
+// SetLoad records running+waiting from a stats snapshot taken now.
+func (r *Replica) SetLoad(n int64) { r.SetLoadAt(n, time.Now()) }
+
+// SetLoadAt records running+waiting as reported at t.
+func (r *Replica) SetLoadAt(n int64, t time.Time) {
+	r.load.Store(n)
+	r.loadAt.Store(t.UnixNano())
+}
+
+// LoadAt is when Load was reported; zero when never.
+func (r *Replica) LoadAt() time.Time { return unixOrZero(r.loadAt.Load()) }
+
+// CacheReportAt is when the engine last reported its cache; zero when never.
+func (r *Replica) CacheReportAt() time.Time { return unixOrZero(r.cacheAt.Load()) }
+
+func unixOrZero(ns int64) time.Time {
+	if ns == 0 {
+		return time.Time{}
+	}
+	return time.Unix(0, ns)
+}
 
 // SleepState is the replica's last known sleep state.
 func (r *Replica) SleepState() stagepb.SleepState { return stagepb.SleepState(r.sleep.Load()) }
@@ -388,7 +409,7 @@ func (r *Router) Pick(stage int, req *Request, exclude []*Replica) (Decision, er
 	}
 	st := r.stages[stage]
 	if st.SessionAffinity && req.SessionKey != "" {
-		rep, first := Affinity{}.Pick(req.SessionKey, candidates)
+		rep, first := affinityOf(st.Policy).Pick(req.SessionKey, candidates)
 		d := Decision{Replica: rep, Policy: st.Policy.Name(), Reason: ReasonAffinity}
 		if !first {
 			d.Reason = ReasonLoadFallback

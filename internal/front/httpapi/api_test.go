@@ -508,7 +508,9 @@ func TestAdmin(t *testing.T) {
 		for k := range row {
 			keys = append(keys, k)
 		}
-		assert.ElementsMatch(t, []string{"stage", "stage_name", "replica", "engine_index", "addr", "state", "joined_at", "in_flight"}, keys)
+		// load and load_age_s: every sim reports its load in its Health on
+		// joining; cache_report_age_s only once it reported its cache.
+		assert.ElementsMatch(t, []string{"stage", "stage_name", "replica", "engine_index", "addr", "state", "joined_at", "in_flight", "load", "load_age_s"}, keys)
 		joined, err := time.Parse(time.RFC3339, row["joined_at"].(string))
 		require.NoError(t, err)
 		assert.WithinDuration(t, time.Now(), joined, time.Hour)

@@ -1,0 +1,73 @@
+package router
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+)
+
+// frozenShare runs 1200 picks of p over 4 replicas, 20 in flight at a
+// time, where replica 0's engine stopped reporting a minute ago (its last
+// report said idle) and the others report what they run after every pick.
+// It returns replica 0's share of the picks.
+func frozenShare(p Policy) float64 {
+	c := replicas(4)
+	c[0].SetLoadAt(0, time.Now().Add(-time.Minute))
+	var running []*Replica
+	served := map[*Replica]int{}
+	for i := range 1200 {
+		text := strings.Repeat(fmt.Sprintf("prompt %d ", i%7), 40)
+		d := p.Pick(&Request{Text: text}, c)
+		d.Replica.Acquire()
+		running = append(running, d.Replica)
+		if len(running) > 20 {
+			running[0].Release()
+			running = running[1:]
+		}
+		served[d.Replica]++
+		for _, r := range c[1:] {
+			r.SetLoad(r.InFlight())
+		}
+	}
+	return float64(served[c[0]]) / 1200
+}
+
+// A replica whose reports stopped is not ranked best on its last (idle)
+// report: traffic does not pile onto it. With an age bound of an hour the
+// same frozen report draws most of the traffic, which is what the bound
+// prevents.
+func TestStaleReportsDoNotAttractTraffic(t *testing.T) {
+	for _, name := range []string{PolicyLeastLoaded, PolicyPowerOfTwo, PolicyPrefixAware} {
+		t.Run(name, func(t *testing.T) {
+			p, err := NewPolicy(name, PolicyOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			assert.LessOrEqual(t, frozenShare(p), 0.25, "the frozen replica takes no more than its share")
+
+			blind, err := NewPolicy(name, PolicyOptions{SignalMaxAge: time.Hour})
+			if err != nil {
+				t.Fatal(err)
+			}
+			assert.Greater(t, frozenShare(blind), 0.3, "without the bound the stale report attracts traffic")
+		})
+	}
+}
+
+func TestScorerCountsAStaleReportAsBusy(t *testing.T) {
+	c := replicas(3)
+	c[0].SetLoad(4)
+	c[1].SetLoadAt(0, time.Now().Add(-time.Minute))
+	sc := newScorer(c, time.Second)
+	assert.True(t, sc.fresh(c[0]))
+	assert.False(t, sc.fresh(c[1]))
+	assert.True(t, sc.fresh(c[2]), "a replica that never reported has no report to age")
+	assert.Equal(t, int64(5), sc.score(c[1]), "busiest fresh report plus one")
+	c[1].Acquire()
+	assert.Equal(t, int64(6), sc.score(c[1]), "plus what this head has in flight on it")
+	c[1].Release()
+	assert.Same(t, c[2], LeastLoaded{MaxAge: time.Second}.Pick(nil, c).Replica)
+}

@@ -1,0 +1,55 @@
+package orchestrator
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/internal/core/router"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+func TestRouteOfEachInput(t *testing.T) {
+	chat := []*stagepb.ChatMessage{{Role: "system", Content: "s"}, {Role: "user", Content: "u"}}
+	r := routeOf(&stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: chat}}}, "k")
+	assert.Equal(t, "system: s\nuser: u", r.Text)
+	assert.Equal(t, "k", r.SessionKey)
+
+	r = routeOf(&stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: "t"}}, "")
+	assert.Equal(t, "t", r.Text)
+
+	r = routeOf(&stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_TokenIds{TokenIds: &stagepb.TokenIds{Ids: []uint32{1, 2, 3}}}}, "")
+	require.Equal(t, []uint32{1, 2, 3}, r.Tokens)
+	assert.Empty(t, r.Text)
+
+	r = routeOf(&stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: []uint32{1}}}}, "")
+	assert.Empty(t, r.Text)
+	assert.Empty(t, r.Tokens)
+}
+
+func TestPipelineBalance(t *testing.T) {
+	p, err := ParsePipeline([]byte(`model: m
+stages:
+  - name: thinker
+    policy: prefix_aware
+    balance:
+      abs: 4
+      replicate_factor: 2
+      affinity_load_factor: 1.5
+  - name: talker
+`))
+	require.NoError(t, err)
+	b := p.Stages[0].RouterBalance()
+	assert.Equal(t, int64(4), b.Abs)
+	assert.Equal(t, 2.0, b.ReplicateFactor)
+	assert.Equal(t, 1.5, b.AffinityLoadFactor)
+	assert.Zero(t, b.Rel, "absent: the default")
+	assert.Equal(t, router.DefaultBalanceRel, b.WithDefaults().Rel)
+	assert.Equal(t, router.Balance{}, p.Stages[1].RouterBalance())
+
+	_, err = ParsePipeline([]byte("model: m\nstages:\n  - name: thinker\n    balance:\n      rel: 0.5\n"))
+	assert.ErrorContains(t, err, "factors must be at least 1")
+	_, err = ParsePipeline([]byte("model: m\nstages:\n  - name: thinker\n    balance:\n      relative: 2\n"))
+	assert.Error(t, err, "unknown keys are errors")
+}
