@@ -7,6 +7,7 @@ import (
 	"io"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -46,11 +47,19 @@ type stageRun struct {
 	// streamed: a stage of a streamed request, whose attempt spans mark
 	// the first output forwarded.
 	streamed bool
+	// audioToClient: the stage's audio goes to the client as it is made
+	// (Request.OnAudio), so the attempt keeps none of it: the head holds
+	// no copy of a streamed answer's audio, only its length.
+	audioToClient bool
 }
 
 // forwarder passes the new part of an output chunk on (to the client, or to
-// the next stage). visible reports whether the output reached the client,
-// after which the attempt cannot be retried.
+// the next stage). visible reports whether stage 0's text reached the
+// client, after which the attempt is not retried but migrated. Audio that
+// reached the client does not count: a later stage's output is a pure
+// function of its input and seed, so a retry on another replica skips
+// what was delivered (outputCursor) and the client hears every sample
+// once.
 type forwarder func(o output) (visible bool, err error)
 
 // output is what an attempt forwards of one chunk: its output less what an
@@ -66,7 +75,8 @@ type output struct {
 type stageOutput struct {
 	text             strings.Builder
 	codes            []uint32
-	pcm              []byte
+	pcm              []byte // empty when the audio went to the client (stageRun.audioToClient)
+	pcmBytes         int    // the audio's length, kept or not
 	sampleRate       int
 	finish           string
 	promptTokens     int
@@ -92,8 +102,9 @@ const maxAttempts = 2
 //     reached the client has the answer continued on another replica, up
 //     to Config.MaxMigrations times;
 //   - retry (retryable): any other failure is tried once more on another
-//     replica, unless output already reached the client, the client's own
-//     context ended, or the input was refused.
+//     replica, unless text already reached the client (forwarder), the
+//     client's own context ended or its output could not be delivered
+//     (errNotDelivered), or the input was refused.
 //
 // A retry re-drives the stage from its start and skips the output earlier
 // attempts forwarded (outputCursor), so neither the client nor the next
@@ -154,10 +165,11 @@ func (h *Head) countDecision(stage int, d router.Decision) {
 }
 
 // retryable is the retry rule of every stage attempt: a failure is tried
-// once more on another replica unless output already reached the client,
-// the client's own context ended, or the input was refused.
+// once more on another replica unless text already reached the client
+// (produced), the client's own context ended or its output could not be
+// delivered, or the input was refused.
 func retryable(ctx context.Context, err error, produced bool) bool {
-	return !produced && ctx.Err() == nil && !errors.Is(err, ErrBadRequest) &&
+	return !produced && ctx.Err() == nil && !errors.Is(err, ErrBadRequest) && !errors.Is(err, errNotDelivered) &&
 		!errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled)
 }
 
@@ -252,7 +264,7 @@ type attemptRun struct {
 	in       *stagepb.GenerateRequest // tr.in when the attempt started
 	skip     outputCursor             // what earlier attempts forwarded and this one must not
 	got      migrated                 // the text this attempt gave the client, and its tokens
-	produced bool                     // output reached the client: a retry would repeat it
+	produced bool                     // text reached the client: a retry would repeat it
 	fault    bool                     // the attempt failed through the replica: it feeds the circuit breaker
 
 	span      trace.Span
@@ -278,7 +290,8 @@ func (h *Head) newAttempt(sr *stageRun, tr *stageTrail, d router.Decision, numbe
 //
 // The attempt fails with errStalled when, once it has started to work, it
 // makes no progress for the stall timeout: no chunk received, and no input
-// sent.
+// sent. Time spent waiting for the reader of its output (forwarding,
+// flushing to the client) does not count (stallWatch).
 func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err error) {
 	ctx = h.startAttemptSpan(ctx, a)
 	defer a.span.End()
@@ -300,9 +313,9 @@ func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err 
 	if err != nil {
 		return nil, h.stageError(ctx, a, err)
 	}
-	recv, w := readFrom(ctx, stream, w, a.sr.flush)
+	recv, w := readFrom(ctx, stream, w, stall.whilePaused(a.sr.flush))
 	wait = w
-	if err := h.receive(ctx, a, recv, stall.progress); err != nil {
+	if err := h.receive(ctx, a, recv, stall); err != nil {
 		return nil, err
 	}
 	return a.ended(ctx)
@@ -338,9 +351,19 @@ func (a *attemptRun) sampling() *stagepb.SamplingParams {
 // long (a queue, the prefill of a huge prompt). A replica that dies or
 // freezes before its first chunk is caught by its lease instead: the leave
 // probe finds it does not answer and aborts its attempts.
+//
+// The clock measures the replica only: it stands still while the attempt
+// waits for whoever reads its output (the client, or the next stage's
+// input window), and restarts in full when that wait ends. A replica that
+// is not read cannot send; that is the reader's fault, never the
+// replica's. Safe for concurrent use (the input sender reports progress
+// too).
 type stallWatch struct {
+	mu      sync.Mutex
 	timer   *time.Timer
 	timeout time.Duration
+	started bool // the replica has shown work: the clock runs
+	blocked bool // the attempt waits for its reader: the clock stands
 }
 
 func newStallWatch(timeout time.Duration, cancel context.CancelCauseFunc) *stallWatch {
@@ -349,10 +372,48 @@ func newStallWatch(timeout time.Duration, cancel context.CancelCauseFunc) *stall
 	return &stallWatch{timer: t, timeout: timeout}
 }
 
-// progress (re)starts the clock.
-func (s *stallWatch) progress() { s.timer.Reset(s.timeout) }
+// progress (re)starts the clock, unless the attempt waits for its reader.
+func (s *stallWatch) progress() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.started = true
+	if !s.blocked {
+		s.timer.Reset(s.timeout)
+	}
+}
+
+// pause stops the clock while the attempt waits for its reader.
+func (s *stallWatch) pause() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.blocked = true
+	s.timer.Stop()
+}
+
+// resume restarts the clock, in full, when the wait for the reader ends.
+func (s *stallWatch) resume() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.blocked = false
+	if s.started {
+		s.timer.Reset(s.timeout)
+	}
+}
 
 func (s *stallWatch) stop() { s.timer.Stop() }
+
+// whilePaused is flush with the clock stopped while it runs: a flush waits
+// for the client. nil stays nil.
+func (s *stallWatch) whilePaused(flush func() error) func() error {
+	if flush == nil {
+		return nil
+	}
+	return func() error {
+		s.pause()
+		defer s.resume()
+		return flush()
+	}
+}
 
 // Causes of a stage attempt cancelled by the head, not by the client: both
 // are stage failures, retried under the usual rule.
@@ -430,7 +491,9 @@ func readFrom(ctx context.Context, stream chunkStream, wait func(), flush func()
 
 // receive reads the attempt's chunks until its stream ends: each one
 // counts as progress, is accounted, and its output is kept and forwarded.
-func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb.GenerateChunk, error), progress func()) error {
+// The stall clock stands while a chunk is forwarded: that waits for the
+// reader, not the replica.
+func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb.GenerateChunk, error), stall *stallWatch) error {
 	for {
 		chunk, err := recv()
 		if err == io.EOF {
@@ -438,20 +501,23 @@ func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb
 		}
 		if errors.Is(err, errNotFlushed) {
 			a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
-			return fmt.Errorf("orchestrator: stage %q: output not delivered: %w", a.name, err)
+			return fmt.Errorf("orchestrator: stage %q: %w: %w", a.name, errNotDelivered, err)
 		}
 		if err != nil {
 			return h.stageError(ctx, a, err)
 		}
-		progress()
+		stall.progress()
 		h.account(a, chunk)
 		if stagepb.HasOutput(chunk) {
 			a.dateOutputs(chunk)
 			a.keep(chunk)
 			if a.sr.forward != nil {
-				if err := a.forward(chunk); err != nil {
+				stall.pause()
+				err := a.forward(chunk)
+				stall.resume()
+				if err != nil {
 					a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
-					return fmt.Errorf("orchestrator: stage %q: output not delivered: %w", a.name, err)
+					return fmt.Errorf("orchestrator: stage %q: %w: %w", a.name, errNotDelivered, err)
 				}
 			}
 		}
@@ -505,12 +571,17 @@ func (a *attemptRun) dateOutputs(chunk *stagepb.GenerateChunk) {
 	}
 }
 
-// keep adds a chunk's output to the attempt's.
+// keep adds a chunk's output to the attempt's: all of it but the audio
+// that goes to the client (its length only).
 func (a *attemptRun) keep(chunk *stagepb.GenerateChunk) {
 	out := a.out
 	out.text.WriteString(chunk.GetText())
 	out.codes = append(out.codes, chunk.GetCodes()...)
-	out.pcm = append(out.pcm, chunk.GetAudioPcm16()...)
+	pcm := chunk.GetAudioPcm16()
+	out.pcmBytes += len(pcm)
+	if !a.sr.audioToClient {
+		out.pcm = append(out.pcm, pcm...)
+	}
 	if r := chunk.GetSampleRate(); r > 0 {
 		out.sampleRate = int(r)
 	}
@@ -644,6 +715,13 @@ const readAheadChunks = 16
 
 // errNotFlushed wraps the error of Request.Flush.
 var errNotFlushed = errors.New("orchestrator: flush failed")
+
+// errNotDelivered wraps a failure to pass an attempt's output on: the
+// client's (onText, OnAudio, Flush failed: it left, or stayed unreadable
+// past the API's write deadline), or the next stage's context ended. It
+// is never the replica's fault and never retried: the request ends, as
+// when the client cancels.
+var errNotDelivered = errors.New("orchestrator: output not delivered")
 
 // readAhead receives a stage attempt's chunks ahead of the loop that
 // delivers them. Its goroutine ends when the stream does (an error, io.EOF

@@ -74,6 +74,7 @@ func (h *Head) streamedStage(ctx context.Context, run *streamedRun, stage int, p
 	if read {
 		sr.flush = req.Flush
 	}
+	sr.audioToClient = read && stage == run.n-1
 	if stage == 0 {
 		sr.route.Text = prompt.GetText()
 		return sr
@@ -89,6 +90,8 @@ func (h *Head) streamedStage(ctx context.Context, run *streamedRun, stage int, p
 // forwarder is stage's forwarder: stage 0's text goes to the client, each
 // stage's output but the last's to the next stage's input, and the last
 // stage's audio to req.OnAudio (its first audio stops the audio clock).
+// Only the text is visible (see forwarder): a failed last stage is
+// retried and skips the samples the client already has.
 func (run *streamedRun) forwarder(ctx context.Context, stage int) forwarder {
 	last := stage == run.n-1
 	return func(o output) (bool, error) {
@@ -105,7 +108,7 @@ func (run *streamedRun) forwarder(ctx context.Context, stage int) forwarder {
 		if len(o.pcm) > 0 {
 			run.audio.mark()
 			if run.req.OnAudio != nil {
-				return true, run.req.OnAudio(o.pcm, o.sampleRate)
+				return visible, run.req.OnAudio(o.pcm, o.sampleRate)
 			}
 		}
 		return visible, nil
