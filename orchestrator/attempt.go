@@ -291,7 +291,8 @@ func (h *Head) newAttempt(sr *stageRun, tr *stageTrail, d router.Decision, numbe
 // The attempt fails with errStalled when, once it has started to work, it
 // makes no progress for the stall timeout: no chunk received, and no input
 // sent. Time spent waiting for the reader of its output (forwarding,
-// flushing to the client) does not count (stallWatch).
+// flushing to the client) or for input not yet made does not count
+// (stallWatch).
 func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err error) {
 	ctx = h.startAttemptSpan(ctx, a)
 	defer a.span.End()
@@ -308,7 +309,7 @@ func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err 
 	h.startAccounting(a)
 	defer func() { h.finishAccounting(a, err) }()
 
-	stream, w, err := h.open(ctx, a, stall.progress)
+	stream, w, err := h.open(ctx, a, stall)
 	wait = w
 	if err != nil {
 		return nil, h.stageError(ctx, a, err)
@@ -352,18 +353,20 @@ func (a *attemptRun) sampling() *stagepb.SamplingParams {
 // freezes before its first chunk is caught by its lease instead: the leave
 // probe finds it does not answer and aborts its attempts.
 //
-// The clock measures the replica only: it stands still while the attempt
-// waits for whoever reads its output (the client, or the next stage's
-// input window), and restarts in full when that wait ends. A replica that
-// is not read cannot send; that is the reader's fault, never the
-// replica's. Safe for concurrent use (the input sender reports progress
-// too).
+// The clock measures the replica only: it stands while the attempt waits
+// for whoever reads its output (the client, or the next stage's input
+// window) and while a fed stage's sender waits for input the stage before
+// has not made yet, and restarts in full when the wait ends. A replica
+// that is not read cannot send, and one that is not fed cannot go on:
+// that is the client's or the stage before's doing, never the replica's.
+// Safe for concurrent use (the delivery loop and the input sender both
+// pause it).
 type stallWatch struct {
 	mu      sync.Mutex
 	timer   *time.Timer
 	timeout time.Duration
 	started bool // the replica has shown work: the clock runs
-	blocked bool // the attempt waits for its reader: the clock stands
+	waits   int  // waits on others under way: the clock stands
 }
 
 func newStallWatch(timeout time.Duration, cancel context.CancelCauseFunc) *stallWatch {
@@ -372,30 +375,31 @@ func newStallWatch(timeout time.Duration, cancel context.CancelCauseFunc) *stall
 	return &stallWatch{timer: t, timeout: timeout}
 }
 
-// progress (re)starts the clock, unless the attempt waits for its reader.
+// progress (re)starts the clock, unless the attempt waits on others.
 func (s *stallWatch) progress() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.started = true
-	if !s.blocked {
+	if s.waits == 0 {
 		s.timer.Reset(s.timeout)
 	}
 }
 
-// pause stops the clock while the attempt waits for its reader.
+// pause stops the clock while the attempt waits on its reader or its
+// input; every pause is followed by a resume.
 func (s *stallWatch) pause() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.blocked = true
+	s.waits++
 	s.timer.Stop()
 }
 
-// resume restarts the clock, in full, when the wait for the reader ends.
+// resume restarts the clock, in full, when the last wait ends.
 func (s *stallWatch) resume() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.blocked = false
-	if s.started {
+	s.waits--
+	if s.waits == 0 && s.started {
 		s.timer.Reset(s.timeout)
 	}
 }
@@ -459,10 +463,10 @@ func (h *Head) finishAccounting(a *attemptRun, err error) {
 // open starts the attempt's call: a GenerateStream fed from the stage's
 // input log (see openStreamed), or a Generate of the attempt's request.
 // wait, called after ctx is cancelled, waits for whatever goroutine the
-// call started. progress is called after each piece of input sent.
-func (h *Head) open(ctx context.Context, a *attemptRun, progress func()) (stream chunkStream, wait func(), err error) {
+// call started. The input sender of a fed stage reports to stall.
+func (h *Head) open(ctx context.Context, a *attemptRun, stall *stallWatch) (stream chunkStream, wait func(), err error) {
 	if a.sr.input != nil {
-		return h.openStreamed(ctx, a, progress)
+		return h.openStreamed(ctx, a, stall)
 	}
 	if a.tr.moved.count > 0 {
 		a.span.SetAttributes(attribute.Bool("troupe.migration", true), attribute.Int("troupe.migration.delivered_chars", len(a.tr.moved.text)))
