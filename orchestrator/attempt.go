@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -187,8 +188,8 @@ func (h *Head) migrate(ctx context.Context, sr *stageRun, tr *stageTrail, a *att
 	}
 	m := &tr.moved
 	m.count++
-	m.text += a.got.text
-	m.tokens += a.got.tokens
+	m.text += a.gotText()
+	m.tokens += a.gotTokens
 	next, done := m.continuation(sr.in)
 	if done {
 		return m.prepend(&stageOutput{finish: stagepb.FinishReason_FINISH_REASON_LENGTH.Name()}), true
@@ -255,17 +256,21 @@ func (s *outputCursor) cut(c *stagepb.GenerateChunk) (text string, codes []uint3
 // attemptRun is one attempt of a stage on the replica the router picked:
 // what the pieces of attempt share.
 type attemptRun struct {
-	sr       *stageRun
-	tr       *stageTrail
-	d        router.Decision
-	rep      *router.Replica
-	name     string                   // the stage's
-	number   int                      // 1 for a stage's first attempt
-	in       *stagepb.GenerateRequest // tr.in when the attempt started
-	skip     outputCursor             // what earlier attempts forwarded and this one must not
-	got      migrated                 // the text this attempt gave the client, and its tokens
-	produced bool                     // text reached the client: a retry would repeat it
-	fault    bool                     // the attempt failed through the replica: it feeds the circuit breaker
+	sr     *stageRun
+	tr     *stageTrail
+	d      router.Decision
+	rep    *router.Replica
+	name   string                   // the stage's
+	number int                      // 1 for a stage's first attempt
+	in     *stagepb.GenerateRequest // tr.in when the attempt started
+	skip   outputCursor             // what earlier attempts forwarded and this one must not
+	// The text this attempt gave the client is out.text[skipped:][:gotBytes]:
+	// counted, not copied (gotText).
+	skipped   int // text bytes at the start of the attempt's output that an earlier attempt delivered
+	gotBytes  int
+	gotTokens int
+	produced  bool // text reached the client: a retry would repeat it
+	fault     bool // the attempt failed through the replica: it feeds the circuit breaker
 
 	span      trace.Span
 	recording bool // as in Execute: no attribute work when unsampled
@@ -280,8 +285,14 @@ func (h *Head) newAttempt(sr *stageRun, tr *stageTrail, d router.Decision, numbe
 	// A retry skips what earlier attempts forwarded; a continuation makes
 	// only what follows, so it skips nothing of its own.
 	done, at := tr.delivered, tr.movedAt
+	skip := outputCursor{text: done.text - at.text, codes: done.codes - at.codes, pcm: done.pcm - at.pcm}
 	return &attemptRun{sr: sr, tr: tr, d: d, rep: d.Replica, name: h.cfg.Pipeline.Stages[sr.stage].Name, number: number, in: tr.in,
-		skip: outputCursor{text: done.text - at.text, codes: done.codes - at.codes, pcm: done.pcm - at.pcm}}
+		skip: skip, skipped: skip.text}
+}
+
+// gotText is the text this attempt gave the client.
+func (a *attemptRun) gotText() string {
+	return a.out.text.String()[a.skipped:][:a.gotBytes]
 }
 
 // attempt runs a stage on the replica the router chose: open the call,
@@ -610,8 +621,8 @@ func (a *attemptRun) forward(chunk *stagepb.GenerateChunk) error {
 	if visible {
 		a.produced = true
 		if text != "" {
-			a.got.text += text
-			a.got.tokens += int(chunk.GetStats().GetGenerationTokens())
+			a.gotBytes += len(text)
+			a.gotTokens += int(chunk.GetStats().GetGenerationTokens())
 		}
 	}
 	return err
@@ -711,11 +722,17 @@ func (h *Head) recordOutcome(stage int, rep *router.Replica, err error, fault bo
 	}
 }
 
-// readAheadChunks is how many chunks a stage whose output goes to the
-// client may have received and not yet delivered: the read-ahead lets the
-// head see that more output is there before it flushes, and the bound
-// keeps a client that stops reading slowing the stage down.
-const readAheadChunks = 16
+// readAheadChunks and readAheadBytes bound what a stage whose output goes
+// to the client may have received and not yet delivered: the read-ahead
+// lets the head see that more output is there before it flushes, and the
+// bounds keep a client that stops reading slowing the stage down (through
+// gRPC's flow control) while the head holds at most this window of its
+// answer. readAheadBytes counts output (text, codes, PCM) and is about
+// 0.7 s of 24 kHz audio.
+const (
+	readAheadChunks = 16
+	readAheadBytes  = 32 << 10
+)
 
 // errNotFlushed wraps the error of Request.Flush.
 var errNotFlushed = errors.New("orchestrator: flush failed")
@@ -728,35 +745,66 @@ var errNotFlushed = errors.New("orchestrator: flush failed")
 var errNotDelivered = errors.New("orchestrator: output not delivered")
 
 // readAhead receives a stage attempt's chunks ahead of the loop that
-// delivers them. Its goroutine ends when the stream does (an error, io.EOF
-// or the attempt's context cancelled); done is closed then.
+// delivers them, up to readAheadChunks chunks and readAheadBytes of
+// output (and the chunk that crosses it). Its goroutine ends when the
+// stream does (an error, io.EOF or the attempt's context cancelled); done
+// is closed then.
 type readAhead struct {
-	ch   chan recvResult
-	done chan struct{}
+	ch    chan recvResult
+	done  chan struct{}
+	held  atomic.Int64  // output bytes received and not yet taken by next
+	taken chan struct{} // a token when next took a chunk
 }
 
 type recvResult struct {
 	chunk *stagepb.GenerateChunk
 	err   error
+	size  int64 // outputSize of chunk
 }
 
 func startReadAhead(ctx context.Context, s chunkStream) *readAhead {
-	ra := &readAhead{ch: make(chan recvResult, readAheadChunks), done: make(chan struct{})}
+	ra := &readAhead{ch: make(chan recvResult, readAheadChunks), done: make(chan struct{}), taken: make(chan struct{}, 1)}
 	go func() {
 		defer close(ra.done)
 		for {
 			c, err := s.Recv()
+			n := outputSize(c)
 			select {
-			case ra.ch <- recvResult{c, err}:
+			case ra.ch <- recvResult{c, err, n}:
 			case <-ctx.Done():
 				return
 			}
 			if err != nil {
 				return
 			}
+			for ra.held.Add(n) >= readAheadBytes {
+				n = 0
+				select {
+				case <-ra.taken:
+				case <-ctx.Done():
+					return
+				}
+			}
 		}
 	}()
 	return ra
+}
+
+// outputSize is how many bytes of output c holds.
+func outputSize(c *stagepb.GenerateChunk) int64 {
+	return int64(len(c.GetText()) + 4*len(c.GetCodes()) + len(c.GetAudioPcm16()))
+}
+
+// took gives back the room of a chunk next took.
+func (ra *readAhead) took(r recvResult) (*stagepb.GenerateChunk, error) {
+	if r.size > 0 {
+		ra.held.Add(-r.size)
+		select {
+		case ra.taken <- struct{}{}:
+		default:
+		}
+	}
+	return r.chunk, r.err
 }
 
 // next returns the next chunk; when none has come yet, it first flushes
@@ -764,7 +812,7 @@ func startReadAhead(ctx context.Context, s chunkStream) *readAhead {
 func (ra *readAhead) next(ctx context.Context, flush func() error) (*stagepb.GenerateChunk, error) {
 	select {
 	case r := <-ra.ch:
-		return r.chunk, r.err
+		return ra.took(r)
 	default:
 	}
 	if err := flush(); err != nil {
@@ -772,7 +820,7 @@ func (ra *readAhead) next(ctx context.Context, flush func() error) (*stagepb.Gen
 	}
 	select {
 	case r := <-ra.ch:
-		return r.chunk, r.err
+		return ra.took(r)
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}

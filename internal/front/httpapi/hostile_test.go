@@ -8,6 +8,10 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
+	"runtime"
+	"runtime/pprof"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -190,3 +194,74 @@ func sum(xs []int) int {
 	}
 	return n
 }
+
+// TestUnreadStreamsMemory measures what streamed audio requests whose
+// clients read nothing cost in memory: each should hold a bounded window
+// of its answer, not the answer, the stages waiting for the client. A
+// measurement, run only when TROUPE_UNREAD_STREAMS says how many streams
+// (docs/reliability.md, "Clients that do not read", cites 200); with
+// TROUPE_HEAP_PROFILE it writes a heap profile there. The process holds
+// the sim workers too: the head's share is read from the profile.
+func TestUnreadStreamsMemory(t *testing.T) {
+	v := os.Getenv("TROUPE_UNREAD_STREAMS")
+	if v == "" {
+		t.Skip("a measurement: set TROUPE_UNREAD_STREAMS")
+	}
+	n, err := strconv.Atoi(v)
+	require.NoError(t, err)
+	profile := os.Getenv("TROUPE_HEAP_PROFILE") // a file for the heap profile at the end
+	if profile != "" {
+		runtime.MemProfileRate = 4 << 10
+	}
+	c := startCluster(t, orchestratortest.Options{})
+	a := startAPI(t, c, Config{WriteStallTimeout: 10 * time.Minute}, nil, nil)
+	heap0, rss0 := memory(t)
+	for range n {
+		a.unreadStream(t, "/v1/chat/completions", longAudio, 1024)
+	}
+	require.Eventually(t, func() bool { return inFlight(c, 2) == int64(n) }, wait, 10*time.Millisecond, "every stream reached the vocoder")
+	// The streams stop once the buffers between the stages and the
+	// clients are full: wait until the heap stops growing.
+	var heap, rss uint64
+	require.Eventually(t, func() bool {
+		h, r := memory(t)
+		settled := heap > 0 && h < heap+heap/50
+		heap, rss = h, r
+		return settled
+	}, 2*wait, time.Second, "the heap settles")
+	per := func(after, before uint64) float64 {
+		return float64(int64(after)-int64(before)) / float64(n) / (1 << 20)
+	}
+	t.Logf("%d unread audio streams: heap %.1f MiB -> %.1f MiB (%.2f MiB a stream), RSS %.1f MiB -> %.1f MiB (%.2f MiB a stream)",
+		n, mib(heap0), mib(heap), per(heap, heap0), mib(rss0), mib(rss), per(rss, rss0))
+	if profile != "" {
+		out, err := os.Create(profile)
+		require.NoError(t, err)
+		require.NoError(t, pprof.WriteHeapProfile(out))
+		require.NoError(t, out.Close())
+	}
+	assert.Equal(t, int64(n), inFlight(c, 2), "no stream was cut off")
+}
+
+// memory is the live heap after a collection, and the process's resident
+// set (0 where /proc is not there).
+func memory(t *testing.T) (heap, rss uint64) {
+	t.Helper()
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	status, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return ms.HeapAlloc, 0
+	}
+	for _, line := range strings.Split(string(status), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, err := strconv.ParseUint(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			require.NoError(t, err)
+			rss = kb << 10
+		}
+	}
+	return ms.HeapAlloc, rss
+}
+
+func mib(b uint64) float64 { return float64(b) / (1 << 20) }
