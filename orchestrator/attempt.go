@@ -378,6 +378,7 @@ type stallWatch struct {
 	timeout time.Duration
 	started bool // the replica has shown work: the clock runs
 	waits   int  // waits on others under way: the clock stands
+	stopped bool // the attempt ended: nothing restarts the clock
 }
 
 func newStallWatch(timeout time.Duration, cancel context.CancelCauseFunc) *stallWatch {
@@ -391,7 +392,7 @@ func (s *stallWatch) progress() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.started = true
-	if s.waits == 0 {
+	if s.waits == 0 && !s.stopped {
 		s.timer.Reset(s.timeout)
 	}
 }
@@ -410,12 +411,19 @@ func (s *stallWatch) resume() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.waits--
-	if s.waits == 0 && s.started {
+	if s.waits == 0 && s.started && !s.stopped {
 		s.timer.Reset(s.timeout)
 	}
 }
 
-func (s *stallWatch) stop() { s.timer.Stop() }
+// stop stops the clock for good: the input sender may still report
+// progress or end a wait while the attempt winds down.
+func (s *stallWatch) stop() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.stopped = true
+	s.timer.Stop()
+}
 
 // whilePaused is flush with the clock stopped while it runs: a flush waits
 // for the client. nil stays nil.
