@@ -7,6 +7,8 @@ import (
 	"io"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -46,11 +48,19 @@ type stageRun struct {
 	// streamed: a stage of a streamed request, whose attempt spans mark
 	// the first output forwarded.
 	streamed bool
+	// audioToClient: the stage's audio goes to the client as it is made
+	// (Request.OnAudio), so the attempt keeps none of it: the head holds
+	// no copy of a streamed answer's audio, only its length.
+	audioToClient bool
 }
 
 // forwarder passes the new part of an output chunk on (to the client, or to
-// the next stage). visible reports whether the output reached the client,
-// after which the attempt cannot be retried.
+// the next stage). visible reports whether stage 0's text reached the
+// client, after which the attempt is not retried but migrated. Audio that
+// reached the client does not count: a later stage's output is a pure
+// function of its input and seed, so a retry on another replica skips
+// what was delivered (outputCursor) and the client hears every sample
+// once.
 type forwarder func(o output) (visible bool, err error)
 
 // output is what an attempt forwards of one chunk: its output less what an
@@ -66,7 +76,8 @@ type output struct {
 type stageOutput struct {
 	text             strings.Builder
 	codes            []uint32
-	pcm              []byte
+	pcm              []byte // empty when the audio went to the client (stageRun.audioToClient)
+	pcmBytes         int    // the audio's length, kept or not
 	sampleRate       int
 	finish           string
 	promptTokens     int
@@ -92,8 +103,9 @@ const maxAttempts = 2
 //     reached the client has the answer continued on another replica, up
 //     to Config.MaxMigrations times;
 //   - retry (retryable): any other failure is tried once more on another
-//     replica, unless output already reached the client, the client's own
-//     context ended, or the input was refused.
+//     replica, unless text already reached the client (forwarder), the
+//     client's own context ended or its output could not be delivered
+//     (errNotDelivered), or the input was refused.
 //
 // A retry re-drives the stage from its start and skips the output earlier
 // attempts forwarded (outputCursor), so neither the client nor the next
@@ -154,10 +166,11 @@ func (h *Head) countDecision(stage int, d router.Decision) {
 }
 
 // retryable is the retry rule of every stage attempt: a failure is tried
-// once more on another replica unless output already reached the client,
-// the client's own context ended, or the input was refused.
+// once more on another replica unless text already reached the client
+// (produced), the client's own context ended or its output could not be
+// delivered, or the input was refused.
 func retryable(ctx context.Context, err error, produced bool) bool {
-	return !produced && ctx.Err() == nil && !errors.Is(err, ErrBadRequest) &&
+	return !produced && ctx.Err() == nil && !errors.Is(err, ErrBadRequest) && !errors.Is(err, errNotDelivered) &&
 		!errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled)
 }
 
@@ -175,8 +188,8 @@ func (h *Head) migrate(ctx context.Context, sr *stageRun, tr *stageTrail, a *att
 	}
 	m := &tr.moved
 	m.count++
-	m.text += a.got.text
-	m.tokens += a.got.tokens
+	m.text += a.gotText()
+	m.tokens += a.gotTokens
 	next, done := m.continuation(sr.in)
 	if done {
 		return m.prepend(&stageOutput{finish: stagepb.FinishReason_FINISH_REASON_LENGTH.Name()}), true
@@ -243,17 +256,21 @@ func (s *outputCursor) cut(c *stagepb.GenerateChunk) (text string, codes []uint3
 // attemptRun is one attempt of a stage on the replica the router picked:
 // what the pieces of attempt share.
 type attemptRun struct {
-	sr       *stageRun
-	tr       *stageTrail
-	d        router.Decision
-	rep      *router.Replica
-	name     string                   // the stage's
-	number   int                      // 1 for a stage's first attempt
-	in       *stagepb.GenerateRequest // tr.in when the attempt started
-	skip     outputCursor             // what earlier attempts forwarded and this one must not
-	got      migrated                 // the text this attempt gave the client, and its tokens
-	produced bool                     // output reached the client: a retry would repeat it
-	fault    bool                     // the attempt failed through the replica: it feeds the circuit breaker
+	sr     *stageRun
+	tr     *stageTrail
+	d      router.Decision
+	rep    *router.Replica
+	name   string                   // the stage's
+	number int                      // 1 for a stage's first attempt
+	in     *stagepb.GenerateRequest // tr.in when the attempt started
+	skip   outputCursor             // what earlier attempts forwarded and this one must not
+	// The text this attempt gave the client is out.text[skipped:][:gotBytes]:
+	// counted, not copied (gotText).
+	skipped   int // text bytes at the start of the attempt's output that an earlier attempt delivered
+	gotBytes  int
+	gotTokens int
+	produced  bool // text reached the client: a retry would repeat it
+	fault     bool // the attempt failed through the replica: it feeds the circuit breaker
 
 	span      trace.Span
 	recording bool // as in Execute: no attribute work when unsampled
@@ -268,8 +285,14 @@ func (h *Head) newAttempt(sr *stageRun, tr *stageTrail, d router.Decision, numbe
 	// A retry skips what earlier attempts forwarded; a continuation makes
 	// only what follows, so it skips nothing of its own.
 	done, at := tr.delivered, tr.movedAt
+	skip := outputCursor{text: done.text - at.text, codes: done.codes - at.codes, pcm: done.pcm - at.pcm}
 	return &attemptRun{sr: sr, tr: tr, d: d, rep: d.Replica, name: h.cfg.Pipeline.Stages[sr.stage].Name, number: number, in: tr.in,
-		skip: outputCursor{text: done.text - at.text, codes: done.codes - at.codes, pcm: done.pcm - at.pcm}}
+		skip: skip, skipped: skip.text}
+}
+
+// gotText is the text this attempt gave the client.
+func (a *attemptRun) gotText() string {
+	return a.out.text.String()[a.skipped:][:a.gotBytes]
 }
 
 // attempt runs a stage on the replica the router chose: open the call,
@@ -278,7 +301,9 @@ func (h *Head) newAttempt(sr *stageRun, tr *stageTrail, d router.Decision, numbe
 //
 // The attempt fails with errStalled when, once it has started to work, it
 // makes no progress for the stall timeout: no chunk received, and no input
-// sent.
+// sent. Time spent waiting for the reader of its output (forwarding,
+// flushing to the client) or for input not yet made does not count
+// (stallWatch).
 func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err error) {
 	ctx = h.startAttemptSpan(ctx, a)
 	defer a.span.End()
@@ -295,14 +320,14 @@ func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err 
 	h.startAccounting(a)
 	defer func() { h.finishAccounting(a, err) }()
 
-	stream, w, err := h.open(ctx, a, stall.progress)
+	stream, w, err := h.open(ctx, a, stall)
 	wait = w
 	if err != nil {
 		return nil, h.stageError(ctx, a, err)
 	}
-	recv, w := readFrom(ctx, stream, w, a.sr.flush)
+	recv, w := readFrom(ctx, stream, w, stall.whilePaused(a.sr.flush))
 	wait = w
-	if err := h.receive(ctx, a, recv, stall.progress); err != nil {
+	if err := h.receive(ctx, a, recv, stall); err != nil {
 		return nil, err
 	}
 	return a.ended(ctx)
@@ -338,9 +363,22 @@ func (a *attemptRun) sampling() *stagepb.SamplingParams {
 // long (a queue, the prefill of a huge prompt). A replica that dies or
 // freezes before its first chunk is caught by its lease instead: the leave
 // probe finds it does not answer and aborts its attempts.
+//
+// The clock measures the replica only: it stands while the attempt waits
+// for whoever reads its output (the client, or the next stage's input
+// window) and while a fed stage's sender waits for input the stage before
+// has not made yet, and restarts in full when the wait ends. A replica
+// that is not read cannot send, and one that is not fed cannot go on:
+// that is the client's or the stage before's doing, never the replica's.
+// Safe for concurrent use (the delivery loop and the input sender both
+// pause it).
 type stallWatch struct {
+	mu      sync.Mutex
 	timer   *time.Timer
 	timeout time.Duration
+	started bool // the replica has shown work: the clock runs
+	waits   int  // waits on others under way: the clock stands
+	stopped bool // the attempt ended: nothing restarts the clock
 }
 
 func newStallWatch(timeout time.Duration, cancel context.CancelCauseFunc) *stallWatch {
@@ -349,10 +387,56 @@ func newStallWatch(timeout time.Duration, cancel context.CancelCauseFunc) *stall
 	return &stallWatch{timer: t, timeout: timeout}
 }
 
-// progress (re)starts the clock.
-func (s *stallWatch) progress() { s.timer.Reset(s.timeout) }
+// progress (re)starts the clock, unless the attempt waits on others.
+func (s *stallWatch) progress() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.started = true
+	if s.waits == 0 && !s.stopped {
+		s.timer.Reset(s.timeout)
+	}
+}
 
-func (s *stallWatch) stop() { s.timer.Stop() }
+// pause stops the clock while the attempt waits on its reader or its
+// input; every pause is followed by a resume.
+func (s *stallWatch) pause() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.waits++
+	s.timer.Stop()
+}
+
+// resume restarts the clock, in full, when the last wait ends.
+func (s *stallWatch) resume() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.waits--
+	if s.waits == 0 && s.started && !s.stopped {
+		s.timer.Reset(s.timeout)
+	}
+}
+
+// stop stops the clock for good: the input sender may still report
+// progress or end a wait while the attempt winds down.
+func (s *stallWatch) stop() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.stopped = true
+	s.timer.Stop()
+}
+
+// whilePaused is flush with the clock stopped while it runs: a flush waits
+// for the client. nil stays nil.
+func (s *stallWatch) whilePaused(flush func() error) func() error {
+	if flush == nil {
+		return nil
+	}
+	return func() error {
+		s.pause()
+		defer s.resume()
+		return flush()
+	}
+}
 
 // Causes of a stage attempt cancelled by the head, not by the client: both
 // are stage failures, retried under the usual rule.
@@ -398,10 +482,10 @@ func (h *Head) finishAccounting(a *attemptRun, err error) {
 // open starts the attempt's call: a GenerateStream fed from the stage's
 // input log (see openStreamed), or a Generate of the attempt's request.
 // wait, called after ctx is cancelled, waits for whatever goroutine the
-// call started. progress is called after each piece of input sent.
-func (h *Head) open(ctx context.Context, a *attemptRun, progress func()) (stream chunkStream, wait func(), err error) {
+// call started. The input sender of a fed stage reports to stall.
+func (h *Head) open(ctx context.Context, a *attemptRun, stall *stallWatch) (stream chunkStream, wait func(), err error) {
 	if a.sr.input != nil {
-		return h.openStreamed(ctx, a, progress)
+		return h.openStreamed(ctx, a, stall)
 	}
 	if a.tr.moved.count > 0 {
 		a.span.SetAttributes(attribute.Bool("troupe.migration", true), attribute.Int("troupe.migration.delivered_chars", len(a.tr.moved.text)))
@@ -430,7 +514,9 @@ func readFrom(ctx context.Context, stream chunkStream, wait func(), flush func()
 
 // receive reads the attempt's chunks until its stream ends: each one
 // counts as progress, is accounted, and its output is kept and forwarded.
-func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb.GenerateChunk, error), progress func()) error {
+// The stall clock stands while a chunk is forwarded: that waits for the
+// reader, not the replica.
+func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb.GenerateChunk, error), stall *stallWatch) error {
 	for {
 		chunk, err := recv()
 		if err == io.EOF {
@@ -438,20 +524,23 @@ func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb
 		}
 		if errors.Is(err, errNotFlushed) {
 			a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
-			return fmt.Errorf("orchestrator: stage %q: output not delivered: %w", a.name, err)
+			return fmt.Errorf("orchestrator: stage %q: %w: %w", a.name, errNotDelivered, err)
 		}
 		if err != nil {
 			return h.stageError(ctx, a, err)
 		}
-		progress()
+		stall.progress()
 		h.account(a, chunk)
 		if stagepb.HasOutput(chunk) {
 			a.dateOutputs(chunk)
 			a.keep(chunk)
 			if a.sr.forward != nil {
-				if err := a.forward(chunk); err != nil {
+				stall.pause()
+				err := a.forward(chunk)
+				stall.resume()
+				if err != nil {
 					a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
-					return fmt.Errorf("orchestrator: stage %q: output not delivered: %w", a.name, err)
+					return fmt.Errorf("orchestrator: stage %q: %w: %w", a.name, errNotDelivered, err)
 				}
 			}
 		}
@@ -505,12 +594,17 @@ func (a *attemptRun) dateOutputs(chunk *stagepb.GenerateChunk) {
 	}
 }
 
-// keep adds a chunk's output to the attempt's.
+// keep adds a chunk's output to the attempt's: all of it but the audio
+// that goes to the client (its length only).
 func (a *attemptRun) keep(chunk *stagepb.GenerateChunk) {
 	out := a.out
 	out.text.WriteString(chunk.GetText())
 	out.codes = append(out.codes, chunk.GetCodes()...)
-	out.pcm = append(out.pcm, chunk.GetAudioPcm16()...)
+	pcm := chunk.GetAudioPcm16()
+	out.pcmBytes += len(pcm)
+	if !a.sr.audioToClient {
+		out.pcm = append(out.pcm, pcm...)
+	}
 	if r := chunk.GetSampleRate(); r > 0 {
 		out.sampleRate = int(r)
 	}
@@ -535,8 +629,8 @@ func (a *attemptRun) forward(chunk *stagepb.GenerateChunk) error {
 	if visible {
 		a.produced = true
 		if text != "" {
-			a.got.text += text
-			a.got.tokens += int(chunk.GetStats().GetGenerationTokens())
+			a.gotBytes += len(text)
+			a.gotTokens += int(chunk.GetStats().GetGenerationTokens())
 		}
 	}
 	return err
@@ -636,45 +730,89 @@ func (h *Head) recordOutcome(stage int, rep *router.Replica, err error, fault bo
 	}
 }
 
-// readAheadChunks is how many chunks a stage whose output goes to the
-// client may have received and not yet delivered: the read-ahead lets the
-// head see that more output is there before it flushes, and the bound
-// keeps a client that stops reading slowing the stage down.
-const readAheadChunks = 16
+// readAheadChunks and readAheadBytes bound what a stage whose output goes
+// to the client may have received and not yet delivered: the read-ahead
+// lets the head see that more output is there before it flushes, and the
+// bounds keep a client that stops reading slowing the stage down (through
+// gRPC's flow control) while the head holds at most this window of its
+// answer. readAheadBytes counts output (text, codes, PCM) and is about
+// 0.7 s of 24 kHz audio.
+const (
+	readAheadChunks = 16
+	readAheadBytes  = 32 << 10
+)
 
 // errNotFlushed wraps the error of Request.Flush.
 var errNotFlushed = errors.New("orchestrator: flush failed")
 
+// errNotDelivered wraps a failure to pass an attempt's output on: the
+// client's (onText, OnAudio, Flush failed: it left, or stayed unreadable
+// past the API's write deadline), or the next stage's context ended. It
+// is never the replica's fault and never retried: the request ends, as
+// when the client cancels.
+var errNotDelivered = errors.New("orchestrator: output not delivered")
+
 // readAhead receives a stage attempt's chunks ahead of the loop that
-// delivers them. Its goroutine ends when the stream does (an error, io.EOF
-// or the attempt's context cancelled); done is closed then.
+// delivers them, up to readAheadChunks chunks and readAheadBytes of
+// output (and the chunk that crosses it). Its goroutine ends when the
+// stream does (an error, io.EOF or the attempt's context cancelled); done
+// is closed then.
 type readAhead struct {
-	ch   chan recvResult
-	done chan struct{}
+	ch    chan recvResult
+	done  chan struct{}
+	held  atomic.Int64  // output bytes received and not yet taken by next
+	taken chan struct{} // a token when next took a chunk
 }
 
 type recvResult struct {
 	chunk *stagepb.GenerateChunk
 	err   error
+	size  int64 // outputSize of chunk
 }
 
 func startReadAhead(ctx context.Context, s chunkStream) *readAhead {
-	ra := &readAhead{ch: make(chan recvResult, readAheadChunks), done: make(chan struct{})}
+	ra := &readAhead{ch: make(chan recvResult, readAheadChunks), done: make(chan struct{}), taken: make(chan struct{}, 1)}
 	go func() {
 		defer close(ra.done)
 		for {
 			c, err := s.Recv()
+			n := outputSize(c)
 			select {
-			case ra.ch <- recvResult{c, err}:
+			case ra.ch <- recvResult{c, err, n}:
 			case <-ctx.Done():
 				return
 			}
 			if err != nil {
 				return
 			}
+			for ra.held.Add(n) >= readAheadBytes {
+				n = 0
+				select {
+				case <-ra.taken:
+				case <-ctx.Done():
+					return
+				}
+			}
 		}
 	}()
 	return ra
+}
+
+// outputSize is how many bytes of output c holds.
+func outputSize(c *stagepb.GenerateChunk) int64 {
+	return int64(len(c.GetText()) + 4*len(c.GetCodes()) + len(c.GetAudioPcm16()))
+}
+
+// took gives back the room of a chunk next took.
+func (ra *readAhead) took(r recvResult) (*stagepb.GenerateChunk, error) {
+	if r.size > 0 {
+		ra.held.Add(-r.size)
+		select {
+		case ra.taken <- struct{}{}:
+		default:
+		}
+	}
+	return r.chunk, r.err
 }
 
 // next returns the next chunk; when none has come yet, it first flushes
@@ -682,7 +820,7 @@ func startReadAhead(ctx context.Context, s chunkStream) *readAhead {
 func (ra *readAhead) next(ctx context.Context, flush func() error) (*stagepb.GenerateChunk, error) {
 	select {
 	case r := <-ra.ch:
-		return r.chunk, r.err
+		return ra.took(r)
 	default:
 	}
 	if err := flush(); err != nil {
@@ -690,7 +828,7 @@ func (ra *readAhead) next(ctx context.Context, flush func() error) (*stagepb.Gen
 	}
 	select {
 	case r := <-ra.ch:
-		return r.chunk, r.err
+		return ra.took(r)
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}

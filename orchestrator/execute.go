@@ -59,12 +59,15 @@ type Result struct {
 	PromptTokens     int
 	CompletionTokens int
 	Codes            []uint32
-	PCM              []byte // PCM16 mono little-endian
-	SampleRate       int
+	// PCM is the audio, PCM16 mono little-endian; nil when Request.OnAudio
+	// received it as it was made: the head keeps no copy of streamed audio.
+	PCM        []byte
+	SampleRate int
 	// AudioTruncated: a stage after the first stopped at its output limit,
 	// so the audio covers only part of the text. FinishReason is then
 	// "length".
 	AudioTruncated bool
+	pcmBytes       int // the audio's length, in PCM or not
 }
 
 // Execute walks req through the pipeline: each stage's output is the next
@@ -91,7 +94,7 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	defer func() {
 		r := stats.PipelineResult{Outcome: outcomeOf(ctx, err), E2E: time.Since(start), TTFA: ttfa}
 		if res != nil && res.SampleRate > 0 {
-			r.Audio = time.Duration(len(res.PCM) / 2 * int(time.Second) / res.SampleRate)
+			r.Audio = time.Duration(res.pcmBytes / 2 * int(time.Second) / res.SampleRate)
 		}
 		h.pipeline.Finish(r)
 	}()
@@ -151,7 +154,7 @@ func (h *Head) executeSequential(ctx context.Context, req Request, n int, in *st
 	res := &Result{}
 	for i := range n {
 		sr := &stageRun{req: req, stage: i, n: n, in: in, route: routeOf(in, req.SessionKey),
-			forward: sequentialForwarder(req, onText, i, n, audio)}
+			forward: sequentialForwarder(req, onText, i, n, audio), audioToClient: i == n-1 && i > 0 && req.OnAudio != nil}
 		// One stage after another: what the client does not read as it is
 		// made, nobody reads before the stage ends.
 		if readByClient(req, onText, i, n) {
@@ -200,7 +203,8 @@ func sequentialForwarder(req Request, onText func(string) error, stage, n int, a
 			if req.OnAudio == nil {
 				return false, nil
 			}
-			return true, req.OnAudio(o.pcm, o.sampleRate)
+			// Not visible: a retry skips the samples delivered.
+			return false, req.OnAudio(o.pcm, o.sampleRate)
 		}
 	}
 	return nil
@@ -221,8 +225,8 @@ func (r *Result) add(stage int, out *stageOutput) {
 	if len(out.codes) > 0 {
 		r.Codes = out.codes
 	}
-	if len(out.pcm) > 0 {
-		r.PCM, r.SampleRate = out.pcm, out.sampleRate
+	if out.pcmBytes > 0 {
+		r.PCM, r.pcmBytes, r.SampleRate = out.pcm, out.pcmBytes, out.sampleRate
 	}
 }
 
@@ -275,7 +279,7 @@ func outcomeOf(ctx context.Context, err error) string {
 		return stats.OutcomeNoReplica
 	case errors.Is(err, ErrBadRequest), errors.Is(err, ErrInputTooLarge):
 		return stats.OutcomeBadRequest
-	case ctx.Err() != nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
+	case ctx.Err() != nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded), errors.Is(err, errNotDelivered):
 		return stats.OutcomeAbort
 	}
 	return stats.OutcomeError

@@ -74,6 +74,7 @@ func (h *Head) streamedStage(ctx context.Context, run *streamedRun, stage int, p
 	if read {
 		sr.flush = req.Flush
 	}
+	sr.audioToClient = read && stage == run.n-1
 	if stage == 0 {
 		sr.route = routeOf(prompt, req.SessionKey)
 		return sr
@@ -89,6 +90,8 @@ func (h *Head) streamedStage(ctx context.Context, run *streamedRun, stage int, p
 // forwarder is stage's forwarder: stage 0's text goes to the client, each
 // stage's output but the last's to the next stage's input, and the last
 // stage's audio to req.OnAudio (its first audio stops the audio clock).
+// Only the text is visible (see forwarder): a failed last stage is
+// retried and skips the samples the client already has.
 func (run *streamedRun) forwarder(ctx context.Context, stage int) forwarder {
 	last := stage == run.n-1
 	return func(o output) (bool, error) {
@@ -105,7 +108,7 @@ func (run *streamedRun) forwarder(ctx context.Context, stage int) forwarder {
 		if len(o.pcm) > 0 {
 			run.audio.mark()
 			if run.req.OnAudio != nil {
-				return true, run.req.OnAudio(o.pcm, o.sampleRate)
+				return visible, run.req.OnAudio(o.pcm, o.sampleRate)
 			}
 		}
 		return visible, nil
@@ -239,6 +242,19 @@ func (in *stageInput) available(ctx context.Context, i int) (ps []piece, ok bool
 	return in.pieces[i:len(in.pieces):len(in.pieces)], true, nil
 }
 
+// availableWaiting is available, with stall's clock standing while it
+// waits for piece i.
+func (in *stageInput) availableWaiting(ctx context.Context, i int, stall *stallWatch) ([]piece, bool, error) {
+	in.mu.Lock()
+	there := i < len(in.pieces) || in.closed
+	in.mu.Unlock()
+	if !there {
+		stall.pause()
+		defer stall.resume()
+	}
+	return in.available(ctx, i)
+}
+
 // joined is pieces as one: their text and codes one after the other, and
 // the time of the first.
 func joined(ps []piece) piece {
@@ -265,7 +281,7 @@ func (in *stageInput) markSent(i int) {
 // openStreamed opens GenerateStream on the attempt's replica and starts the
 // goroutine that sends the stage's input as it arrives (sendInput); the
 // returned wait waits for it.
-func (h *Head) openStreamed(ctx context.Context, a *attemptRun, progress func()) (chunkStream, func(), error) {
+func (h *Head) openStreamed(ctx context.Context, a *attemptRun, stall *stallWatch) (chunkStream, func(), error) {
 	stream, err := a.rep.Client.GenerateStream(ctx, h.callOptions()...)
 	if err != nil {
 		return nil, func() {}, err
@@ -274,7 +290,7 @@ func (h *Head) openStreamed(ctx context.Context, a *attemptRun, progress func())
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		h.sendInput(ctx, a, stream, progress)
+		h.sendInput(ctx, a, stream, stall)
 	}()
 	return stream, func() { <-done }, nil
 }
@@ -282,13 +298,14 @@ func (h *Head) openStreamed(ctx context.Context, a *attemptRun, progress func())
 // sendInput sends the stage's input log from its first piece, every piece
 // that is there as one message, until the log ends or the attempt does
 // (Recv then reports why). The request header goes out with the first
-// piece.
-func (h *Head) sendInput(ctx context.Context, a *attemptRun, stream stagepb.StageService_GenerateStreamClient, progress func()) {
+// piece. Each piece sent is progress; the stall clock stands while the
+// sender waits for a piece the stage before has not made.
+func (h *Head) sendInput(ctx context.Context, a *attemptRun, stream stagepb.StageService_GenerateStreamClient, stall *stallWatch) {
 	in, stage := a.sr.input, a.sr.stage
 	units := uint32(max(h.cfg.Pipeline.Stages[stage].InputChunk, 0))
 	role := (*h.outputs.Load())[stage-1] // what the stage before gives
 	for i := 0; ; {
-		ps, ok, err := in.available(ctx, i)
+		ps, ok, err := in.availableWaiting(ctx, i, stall)
 		if err != nil {
 			return
 		}
@@ -315,7 +332,7 @@ func (h *Head) sendInput(ctx context.Context, a *attemptRun, stream stagepb.Stag
 		}
 		i += len(ps)
 		in.markSent(i - 1)
-		progress()
+		stall.progress()
 	}
 }
 

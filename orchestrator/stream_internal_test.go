@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -145,4 +146,43 @@ func TestSizeBoundIsAnUpperBound(t *testing.T) {
 			t.Fatalf("bound %d below the size %d", got, want)
 		}
 	})
+}
+
+// countingStream answers Recv with chunks of pcm bytes of audio, forever,
+// counting the calls.
+type countingStream struct {
+	pcm   int
+	calls atomic.Int64
+}
+
+func (s *countingStream) Recv() (*stagepb.GenerateChunk, error) {
+	s.calls.Add(1)
+	return &stagepb.GenerateChunk{AudioPcm16: make([]byte, s.pcm)}, nil
+}
+
+// TestReadAheadHoldsABoundedWindow: a client that reads nothing leaves the
+// read-ahead holding at most readAheadBytes of output (and the chunk that
+// crosses it), or readAheadChunks chunks of small ones; each chunk the
+// delivery loop takes lets it receive again.
+func TestReadAheadHoldsABoundedWindow(t *testing.T) {
+	for _, pcm := range []int{readAheadBytes / 4, 2 * readAheadBytes, 10} {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		s := &countingStream{pcm: pcm}
+		ra := startReadAhead(ctx, s)
+		want := int64(min(readAheadChunks+1, (readAheadBytes+pcm-1)/pcm))
+		if pcm*readAheadChunks < readAheadBytes {
+			want = readAheadChunks + 1 // the channel's chunks and the one waiting to go in
+		}
+		require.Eventually(t, func() bool { return s.calls.Load() == want }, 5*time.Second, time.Millisecond, "%d-byte chunks", pcm)
+		assert.Never(t, func() bool { return s.calls.Load() > want }, 100*time.Millisecond, time.Millisecond, "%d-byte chunks: no more received", pcm)
+		before := s.calls.Load()
+		_, err := ra.next(ctx, func() error { return nil })
+		require.NoError(t, err)
+		require.Eventually(t, func() bool { return s.calls.Load() > before }, 5*time.Second, time.Millisecond, "taking a chunk makes room")
+		if pcm >= readAheadBytes {
+			assert.Equal(t, before+1, s.calls.Load(), "one big chunk at a time")
+		}
+		cancel()
+		<-ra.done
+	}
 }

@@ -45,12 +45,15 @@ func longAnswer(maxTokens uint32, seed int64) *stagepb.SamplingParams {
 // TestStreamedEqualsSequential: streaming through the stages, in segments
 // as small as one word or one code, gives the text, codes and samples of
 // running the stages one after the other, and both are the sim's pure
-// function of the prompt.
+// function of the prompt. Audio the client reads as it is made (OnAudio)
+// is not also kept in the result; without OnAudio the result holds it.
 func TestStreamedEqualsSequential(t *testing.T) {
 	const prompt = "tell me a long story about the sea"
 	req := orchestrator.Request{ID: "eq", Prompt: prompt, Sampling: longAnswer(30, 11), Stages: 3}
-	var results []*orchestrator.Result
-	for _, p := range []orchestrator.Pipeline{omni(false, 0), omni(true, 0), omni(true, 1)} {
+	text := expectedText(t, prompt, req.Sampling)
+	codes, _ := sim.ExpectedCodes(text, 11, 0)
+	want := sim.ExpectedAudio(codes)
+	for i, p := range []orchestrator.Pipeline{omni(false, 0), omni(true, 0), omni(true, 1)} {
 		c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: p})
 		var pcm []byte
 		r := req
@@ -61,16 +64,17 @@ func TestStreamedEqualsSequential(t *testing.T) {
 		}
 		res, err := c.Head.Execute(ctxT(t), r, nil)
 		require.NoError(t, err)
-		samePCM(t, res.PCM, pcm, "OnAudio saw every sample, in order")
-		results = append(results, res)
-	}
-	text := expectedText(t, prompt, req.Sampling)
-	codes, _ := sim.ExpectedCodes(text, 11, 0)
-	for i, res := range results {
-		assert.Equal(t, text, res.Text, "run %d", i)
-		assert.Equal(t, codes, res.Codes, "run %d", i)
-		samePCM(t, sim.ExpectedAudio(codes), res.PCM, fmt.Sprintf("run %d: audio byte for byte", i))
-		assert.False(t, res.AudioTruncated)
+		samePCM(t, want, pcm, fmt.Sprintf("run %d: OnAudio saw every sample, in order, byte for byte", i))
+		assert.Nil(t, res.PCM, "run %d: streamed audio is not kept", i)
+		assert.Equal(t, sim.SampleRate, res.SampleRate, "run %d", i)
+		whole, err := c.Head.Execute(ctxT(t), req, nil)
+		require.NoError(t, err)
+		for _, res := range []*orchestrator.Result{res, whole} {
+			assert.Equal(t, text, res.Text, "run %d", i)
+			assert.Equal(t, codes, res.Codes, "run %d", i)
+			assert.False(t, res.AudioTruncated)
+		}
+		samePCM(t, want, whole.PCM, fmt.Sprintf("run %d without OnAudio: the result's audio byte for byte", i))
 	}
 }
 
@@ -107,21 +111,41 @@ func TestFirstAudioBeforeThinkerEnds(t *testing.T) {
 	}
 }
 
-// TestStreamedRetryDeliversNoAudioTwice: a talker killed after audio has
-// reached the client is re-driven on another replica from its buffered
-// input; the client hears every sample exactly once.
+// TestStreamedRetryDeliversNoAudioTwice: a talker or a vocoder killed
+// after audio has reached the client is re-driven on another replica (a
+// streamed stage from its buffered input, a sequential one from its
+// request) and skips the samples already delivered; the client hears
+// every sample exactly once.
 func TestStreamedRetryDeliversNoAudioTwice(t *testing.T) {
+	for _, tc := range []struct {
+		stage     string
+		streaming bool
+	}{{"talker", true}, {"vocoder", true}, {"vocoder", false}} {
+		t.Run(fmt.Sprintf("%s/streaming=%v", tc.stage, tc.streaming), func(t *testing.T) {
+			retryDeliversNoAudioTwice(t, tc.stage, omni(tc.streaming, 2))
+		})
+	}
+}
+
+func retryDeliversNoAudioTwice(t *testing.T, stage string, p orchestrator.Pipeline) {
 	slow := sim.Config{DecodeTokenLatency: 3 * time.Millisecond}
-	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: omni(true, 2), ReplicasPerStage: -1, Sim: slow})
-	c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
-	c.AddWorker(t, "vocoder", orchestratortest.WorkerOptions{})
-	talkers := []*orchestratortest.Worker{
-		c.AddWorker(t, "talker", orchestratortest.WorkerOptions{}),
-		c.AddWorker(t, "talker", orchestratortest.WorkerOptions{}),
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: p, ReplicasPerStage: -1, Sim: slow})
+	var twins []*orchestratortest.Worker
+	for _, st := range []string{"thinker", "talker", "vocoder"} {
+		n := 1
+		if st == stage {
+			n = 2
+		}
+		for range n {
+			w := c.AddWorker(t, st, orchestratortest.WorkerOptions{})
+			if st == stage {
+				twins = append(twins, w)
+			}
+		}
 	}
 	c.WaitReady(t)
-	for _, w := range talkers {
-		c.WaitState(t, "talker", w.ReplicaID(), orchestrator.StateAttached)
+	for _, w := range twins {
+		c.WaitState(t, stage, w.ReplicaID(), orchestrator.StateAttached)
 	}
 	var pcm []byte
 	killed := false
@@ -132,8 +156,8 @@ func TestStreamedRetryDeliversNoAudioTwice(t *testing.T) {
 				return nil
 			}
 			for _, r := range c.Head.Replicas() {
-				if r.StageName == "talker" && r.InFlight > 0 {
-					for _, w := range talkers {
+				if r.StageName == stage && r.InFlight > 0 {
+					for _, w := range twins {
 						if w.ReplicaID() == r.Replica {
 							killed = true
 							go w.Kill(t)
@@ -145,12 +169,24 @@ func TestStreamedRetryDeliversNoAudioTwice(t *testing.T) {
 		}}
 	res, err := c.Head.Execute(ctxT(t), req, nil)
 	require.NoError(t, err)
-	require.True(t, killed, "a talker was killed mid-request")
+	require.True(t, killed, "a %s was killed mid-request", stage)
 	text := expectedText(t, "keep talking", req.Sampling)
 	codes, _ := sim.ExpectedCodes(text, 4, 0)
 	want := sim.ExpectedAudio(codes)
-	samePCM(t, want, res.PCM, "the result's audio")
+	assert.Nil(t, res.PCM, "streamed audio is not kept")
 	samePCM(t, want, pcm, "the audio the client heard: every sample once")
+	failed, _ := orchestrator.GatheredValue(t, c.Metrics, "troupe_request_success_total", map[string]string{"stage": stageIndex(stage), "finished_reason": "error"})
+	assert.Equal(t, 1.0, failed, "the killed %s's attempt failed mid-answer and was retried", stage)
+}
+
+// stageIndex is the default pipeline's index of stage, as metrics label it.
+func stageIndex(stage string) string {
+	for i, st := range orchestrator.DefaultPipeline().Stages {
+		if st.Name == stage {
+			return fmt.Sprint(i)
+		}
+	}
+	return "?"
 }
 
 // TestStreamedClientGoneCancelsEveryStage: a client that leaves after the
@@ -271,8 +307,7 @@ func TestStreamedThinkerMigrates(t *testing.T) {
 	assert.Equal(t, seen.String(), res.Text, "one answer, each word once")
 	assert.Equal(t, 30, len(strings.Fields(res.Text)), "max_tokens across both parts")
 	codes, _ := sim.ExpectedCodes(res.Text, 3, 0)
-	samePCM(t, sim.ExpectedAudio(codes), res.PCM, "the audio of the whole text")
-	samePCM(t, res.PCM, pcm, "every sample once")
+	samePCM(t, sim.ExpectedAudio(codes), pcm, "the audio of the whole text, every sample once")
 	failedThere, _ := orchestrator.GatheredValue(t, c.Metrics, "troupe_request_success_total", map[string]string{"stage": "0", "finished_reason": "error"})
 	assert.Equal(t, 1.0, failedThere, "the first thinker's attempt failed mid-answer")
 }

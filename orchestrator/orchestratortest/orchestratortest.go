@@ -48,6 +48,8 @@ type Options struct {
 	Logger          *slog.Logger
 	// Breaker is the head's circuit breaker (zero: the defaults).
 	Breaker orchestrator.BreakerConfig
+	// StallTimeout is orchestrator.Config.StallTimeout (zero: the default).
+	StallTimeout time.Duration
 	// SeparateStats registers the head's per-replica stats on
 	// Cluster.StatsMetrics instead of Metrics, as troupe head does; /metrics
 	// then serves them with the Head as its httpapi.Exposer.
@@ -167,6 +169,7 @@ func (c *Cluster) startHead(t testing.TB, metrics, statsMetrics *prometheus.Regi
 		TracerProvider:    c.opts.HeadTracer,
 		Logger:            c.opts.Logger,
 		Breaker:           c.opts.Breaker,
+		StallTimeout:      c.opts.StallTimeout,
 	}
 	if statsMetrics != nil { // a nil *Registry is not a nil Registerer
 		cfg.StatsMetrics = statsMetrics

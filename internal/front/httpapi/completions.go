@@ -26,10 +26,8 @@ import (
 // clients require it.
 const audioTTL = time.Hour
 
-// writeStallTimeout bounds each write of a response: a client that stops
-// reading for this long loses its connection. It replaces the server-wide
-// WriteTimeout, which would cut long streams.
-const writeStallTimeout = 30 * time.Second
+// DefaultWriteStallTimeout is Config.WriteStallTimeout's default.
+const DefaultWriteStallTimeout = 30 * time.Second
 
 // chatCompletions serves POST /v1/chat/completions.
 func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request) {
@@ -135,7 +133,7 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 			s.fail(w, r, nil, err)
 			return
 		}
-		extendWriteDeadline(w)
+		extendWriteDeadline(w, s.cfg.WriteStallTimeout)
 		writeJSON(w, http.StatusOK, resp.full(res, audio))
 		audio.release() // encoded: its WAV buffer can serve the next answer
 		return
@@ -143,7 +141,7 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 
 	// The head calls onText (stage 0's goroutine) and OnAudio (the last
 	// stage's) concurrently: events are written one at a time.
-	stream := &sseWriter{w: w, rc: http.NewResponseController(w)}
+	stream := &sseWriter{w: w, rc: http.NewResponseController(w), timeout: s.cfg.WriteStallTimeout}
 	var mu sync.Mutex
 	write := func(chunk func() any) error {
 		mu.Lock()
@@ -309,19 +307,23 @@ func finishReason(res *orchestrator.Result) string {
 	return res.FinishReason
 }
 
-// extendWriteDeadline gives the next write writeStallTimeout to complete.
-// The middleware clears the deadline when the next request on the
-// connection begins.
-func extendWriteDeadline(w http.ResponseWriter) {
-	_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(writeStallTimeout))
+// extendWriteDeadline gives the next write timeout to complete. The
+// middleware clears the deadline when the next request on the connection
+// begins.
+func extendWriteDeadline(w http.ResponseWriter, timeout time.Duration) {
+	_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(timeout))
 }
 
 // sseWriter writes server-sent events into the response's buffer; flush
 // sends what was written. Its users serialize their calls. After a failed
-// write it writes nothing more.
+// write it writes nothing more. Each write that reaches the connection has
+// timeout (Config.WriteStallTimeout) to complete: a client that reads
+// nothing for that long fails the write, and with it the request, which
+// the head ends on every stage as a client's cancel.
 type sseWriter struct {
 	w         http.ResponseWriter
 	rc        *http.ResponseController
+	timeout   time.Duration
 	started   bool
 	broken    bool
 	unflushed bool   // events were written since the last flush
@@ -371,7 +373,7 @@ func (s *sseWriter) event(ev []byte) error {
 	s.scratch = ev[:0]
 	// A write that fills the response buffer goes to the connection: it
 	// needs the deadline too.
-	_ = s.rc.SetWriteDeadline(time.Now().Add(writeStallTimeout))
+	_ = s.rc.SetWriteDeadline(time.Now().Add(s.timeout))
 	if _, err := s.w.Write(ev); err != nil {
 		s.broken = true
 		return fmt.Errorf("httpapi: write event: %w", err)
@@ -386,7 +388,7 @@ func (s *sseWriter) flush() error {
 		return nil
 	}
 	s.unflushed = false
-	_ = s.rc.SetWriteDeadline(time.Now().Add(writeStallTimeout))
+	_ = s.rc.SetWriteDeadline(time.Now().Add(s.timeout))
 	if err := s.rc.Flush(); err != nil {
 		s.broken = true
 		return fmt.Errorf("httpapi: flush event: %w", err)

@@ -103,6 +103,13 @@ type Config struct {
 	// RequestTimeout bounds one generation; <= 0 means 10 minutes. A
 	// request that runs out gets 504 (or an error event on a stream).
 	RequestTimeout time.Duration
+	// WriteStallTimeout bounds each write of a response: a client that
+	// reads nothing for this long loses its connection, and a streamed
+	// request of it ends on every stage (the head counts it as the
+	// client's cancel, never a replica's fault). It replaces the
+	// server-wide WriteTimeout, which would cut long streams. <= 0 means
+	// DefaultWriteStallTimeout.
+	WriteStallTimeout time.Duration
 	// SessionHeader names the header whose value is a request's session
 	// key, for session affinity (troupe head: X-Session-ID). Empty: none.
 	SessionHeader string
@@ -138,6 +145,9 @@ func New(b Backend, cfg Config) *Server {
 	}
 	if cfg.RequestTimeout <= 0 {
 		cfg.RequestTimeout = DefaultRequestTimeout
+	}
+	if cfg.WriteStallTimeout <= 0 {
+		cfg.WriteStallTimeout = DefaultWriteStallTimeout
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
