@@ -122,3 +122,49 @@ func TestThroughTwoHeads(t *testing.T) {
 		assert.Equal(t, lengths, up.Snapshot().Finished[stagepb.FinishReason_FINISH_REASON_LENGTH], "it never ran to its 100 tokens")
 	})
 }
+
+// TestSamplingReachesUpstream: every sampling parameter an OpenAI client
+// sends to the head reaches the upstream as given, and none is reported
+// as ignored.
+func TestSamplingReachesUpstream(t *testing.T) {
+	f := newVLLM(t)
+	f.route("POST /v1/chat/completions", func(w http.ResponseWriter, _ *http.Request) {
+		sse(w, contUsage("hi", 4, 1), finish("stop"), usageEvent(4, 1, 0), "[DONE]")
+	})
+	b := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1})
+	e, err := openai.New(openai.Config{URL: f.URL, Logger: quiet()})
+	require.NoError(t, err)
+	srv := startWorker(t, b, "thinker", e)
+	b.WaitState(t, "thinker", srv.Member().ReplicaID, "attached")
+	tr := &http.Transport{}
+	t.Cleanup(tr.CloseIdleConnections)
+	client := oa.NewClient(option.WithBaseURL(serveAPI(t, b)+"/v1/"), option.WithAPIKey("unused"), option.WithHTTPClient(&http.Client{Transport: tr}), option.WithMaxRetries(0))
+
+	var raw *http.Response
+	res, err := client.Chat.Completions.New(testCtx(t), oa.ChatCompletionNewParams{
+		Model:               "troupe-omni-sim",
+		Messages:            []oa.ChatCompletionMessageParamUnion{oa.UserMessage("hello")},
+		MaxCompletionTokens: oa.Int(11),
+		Temperature:         oa.Float(0.25),
+		TopP:                oa.Float(0.5),
+		FrequencyPenalty:    oa.Float(-0.75),
+		PresencePenalty:     oa.Float(1.25),
+		Seed:                oa.Int(7),
+		Stop:                oa.ChatCompletionNewParamsStopUnion{OfStringArray: []string{"x", "yz"}},
+		LogitBias:           map[string]int64{"50256": -100, "13": 5},
+	}, option.WithJSONSet("top_k", 40), option.WithJSONSet("min_p", 0.125), option.WithJSONSet("repetition_penalty", 1.5),
+		option.WithJSONSet("min_tokens", 2), option.WithJSONSet("ignore_eos", true), option.WithResponseInto(&raw))
+	require.NoError(t, err)
+	assert.Equal(t, "hi", res.Choices[0].Message.Content)
+	assert.Empty(t, raw.Header.Get("X-Troupe-Ignored-Params"), "every parameter went somewhere")
+
+	got := f.lastBody()
+	for k, want := range map[string]any{
+		"max_completion_tokens": 11.0, "temperature": 0.25, "top_p": 0.5, "frequency_penalty": -0.75, "presence_penalty": 1.25,
+		"seed": 7.0, "stop": []any{"x", "yz"}, "logit_bias": map[string]any{"50256": -100.0, "13": 5.0},
+		"top_k": 40.0, "min_p": 0.125, "repetition_penalty": 1.5, "min_tokens": 2.0, "ignore_eos": true,
+	} {
+		assert.Equal(t, want, got[k], k)
+	}
+	assert.NotContains(t, got, "max_tokens", "the limit keeps the client's name")
+}
