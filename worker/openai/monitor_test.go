@@ -70,7 +70,7 @@ func metricsFrom(f *fake, text *atomic.Pointer[string]) *atomic.Int32 {
 
 // startWorker serves eng as a replica of stage in the cluster's etcd,
 // with its monitor running, until the test ends.
-func startWorker(t *testing.T, c *orchestratortest.Cluster, stage string, eng interface {
+func startWorker(t testing.TB, c *orchestratortest.Cluster, stage string, eng interface {
 	worker.Engine
 	runner
 }) *worker.Server {
