@@ -179,7 +179,8 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 	if err != nil {
 		return err
 	}
-	defer e.track()()
+	untrack := e.track()
+	defer untrack()
 	start := time.Now()
 	resp, err := e.postJSON(ctx, path, body)
 	if err != nil {
@@ -263,6 +264,7 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 	if first.IsZero() {
 		first, last = end, end
 	}
+	untrack() // the final chunk's load no longer holds this request
 	stats := e.gauges()
 	count.final(stats)
 	e.takeCounters(stats)

@@ -446,4 +446,8 @@ func TestInFlightLoad(t *testing.T) {
 		require.NoError(t, <-errs)
 	}
 	assert.Equal(t, uint32(0), e.Health().GetGauges().GetNumRequestsRunning())
+	chunks, err := collect(ctx, e, chatReq(nil, msg("user", "x")))
+	require.NoError(t, err)
+	assert.Equal(t, uint32(1), chunks[0].GetStats().GetNumRequestsRunning(), "a chunk counts its own request")
+	assert.Equal(t, uint32(0), chunks[len(chunks)-1].GetStats().GetNumRequestsRunning(), "the final chunk no longer does: the replica is idle after it")
 }

@@ -229,10 +229,12 @@ func (u *upstream) caps() capabilities {
 	}
 }
 
-// track counts a request in flight until the returned func is called.
+// track counts a request in flight until the returned func is first
+// called (it may be called again).
 func (u *upstream) track() func() {
 	u.inFlight.Add(1)
-	return func() { u.inFlight.Add(-1) }
+	var once sync.Once
+	return func() { once.Do(func() { u.inFlight.Add(-1) }) }
 }
 
 func newUpstream(cfg Config) (*upstream, error) {
