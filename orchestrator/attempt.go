@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -116,7 +117,7 @@ func (h *Head) runStage(ctx context.Context, sr *stageRun) (*stageOutput, error)
 	var failed []*router.Replica
 	var lastErr error
 	for n := 1; n <= maxAttempts+tr.moved.count; n++ {
-		d, err := h.pick(sr, failed, lastErr)
+		d, err := h.pick(sr, h.excluded(sr, tr, failed), lastErr)
 		if err != nil {
 			return nil, err
 		}
@@ -125,17 +126,34 @@ func (h *Head) runStage(ctx context.Context, sr *stageRun) (*stageOutput, error)
 		if err == nil {
 			return tr.moved.prepend(out), nil
 		}
+		failed = append(failed, d.Replica)
+		finished, ok, err := h.migrate(ctx, sr, tr, a, failed, err)
 		lastErr = err
-		if finished, ok := h.migrate(ctx, sr, tr, a, err); ok {
+		if ok {
 			if finished != nil {
 				return finished, nil
 			}
 		} else if !retryable(ctx, err, a.produced) {
 			return nil, err
 		}
-		failed = append(failed, d.Replica)
 	}
 	return nil, lastErr
+}
+
+// excluded is what the stage's next attempt must not go to: the replicas
+// that failed, and after a migration of a chat answer, those that cannot
+// continue one (EngineInfo.ContinuesChat).
+func (h *Head) excluded(sr *stageRun, tr *stageTrail, failed []*router.Replica) []*router.Replica {
+	if tr.moved.count == 0 || sr.in.GetChat() == nil {
+		return failed
+	}
+	out := slices.Clone(failed)
+	for _, r := range h.router.Snapshot().Stage(sr.stage) {
+		if !r.Engine.ContinuesChat {
+			out = append(out, r)
+		}
+	}
+	return out
 }
 
 // pick chooses the replica of a stage's next attempt, none of those that
@@ -181,10 +199,20 @@ func retryable(ctx context.Context, err error, produced bool) bool {
 // sets tr.in to the request that continues the stage's request after all
 // of it; finished is the whole answer instead when what was delivered
 // already reached max_tokens. ok is false when the failure does not
-// migrate.
-func (h *Head) migrate(ctx context.Context, sr *stageRun, tr *stageTrail, a *attemptRun, err error) (finished *stageOutput, ok bool) {
+// migrate; so is it when no replica but those that failed could continue
+// the answer, and then the error returned says so (else it is err).
+func (h *Head) migrate(ctx context.Context, sr *stageRun, tr *stageTrail, a *attemptRun, failed []*router.Replica, err error) (finished *stageOutput, ok bool, _ error) {
 	if sr.stage != 0 || !a.produced || tr.moved.count >= h.cfg.MaxMigrations || ctx.Err() != nil || !errors.Is(err, ErrStageFailed) {
-		return nil, false
+		return nil, false, err
+	}
+	if !slices.ContainsFunc(h.router.Snapshot().Stage(sr.stage), func(r *router.Replica) bool {
+		return !slices.Contains(failed, r) && (sr.in.GetChat() == nil || r.Engine.ContinuesChat)
+	}) {
+		msg := "stage failed"
+		if e := (*Error)(nil); errors.As(err, &e) {
+			msg = e.Message
+		}
+		return nil, false, newError(ErrStageFailed, err, "%s; the answer cannot be continued: no other replica of stage %q can continue it", msg, a.name)
 	}
 	m := &tr.moved
 	m.count++
@@ -192,12 +220,12 @@ func (h *Head) migrate(ctx context.Context, sr *stageRun, tr *stageTrail, a *att
 	m.tokens += a.gotTokens
 	next, done := m.continuation(sr.in)
 	if done {
-		return m.prepend(&stageOutput{finish: stagepb.FinishReason_FINISH_REASON_LENGTH.Name()}), true
+		return m.prepend(&stageOutput{finish: stagepb.FinishReason_FINISH_REASON_LENGTH.Name()}), true, err
 	}
 	h.log.Warn("orchestrator: replica failed after text reached the client; continuing the answer on another replica",
 		"stage", h.cfg.Pipeline.Stages[sr.stage].Name, "replica", a.rep.Key.Replica, "delivered_chars", len(m.text), "err", err)
 	tr.in, tr.movedAt = next, tr.delivered
-	return nil, true
+	return nil, true, err
 }
 
 // migrated is the part of an answer that replicas which then failed had

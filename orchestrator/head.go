@@ -642,7 +642,8 @@ func (h *Head) attach(pr probeResult) {
 		pr.rep.SetLoad(int64(g.GetNumRequestsRunning()) + int64(g.GetNumRequestsWaitingCapacity()) + int64(g.GetNumRequestsWaitingDeferred()))
 	}
 	cache := pr.health.GetCacheConfig()
-	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents(), Multiplex: pr.health.GetMultiplex()}
+	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents(), Multiplex: pr.health.GetMultiplex(),
+		ContinuesChat: pr.health.GetContinuesChat()}
 	if err := h.router.Add(pr.rep); err != nil {
 		h.errors.WithLabelValues("router").Inc()
 		h.log.Error("orchestrator: cannot route", "err", err)
@@ -674,6 +675,9 @@ type departure struct {
 	key     router.Key
 	gen     uint64
 	verdict leaveVerdict
+	// notServing: a gone replica answered, NOT_SERVING, with this reason
+	// (a worker whose upstream engine is down); "" when it did not answer.
+	notServing string
 }
 
 // leaveProbeTimeout bounds the Health call that tells a drain, a lost
@@ -713,17 +717,19 @@ func (h *Head) leave(ctx context.Context, key router.Key, departures chan<- depa
 		defer probing.Done()
 		pctx, cancel := context.WithTimeout(ctx, leaveProbeTimeout)
 		defer cancel()
-		verdict := verdictGone
+		verdict, why := verdictGone, ""
 		if health, err := rep.Client.Health(pctx, &stagepb.HealthRequest{}); err == nil {
 			switch health.GetStatus() {
 			case stagepb.ServingStatus_SERVING_STATUS_SERVING:
 				verdict = verdictAlive
 			case stagepb.ServingStatus_SERVING_STATUS_DRAINING:
 				verdict = verdictDraining
+			default:
+				why = cmp.Or(health.GetStatusMessage(), health.GetStatus().String())
 			}
 		}
 		select {
-		case departures <- departure{key: key, gen: gen, verdict: verdict}:
+		case departures <- departure{key: key, gen: gen, verdict: verdict, notServing: why}:
 		case <-ctx.Done():
 		}
 	}(t.leaveGen)
@@ -745,6 +751,10 @@ func (h *Head) departed(d departure) {
 		h.publish(d.key)
 	case verdictGone:
 		rep, _ := h.router.Snapshot().Lookup(d.key)
+		if d.notServing != "" {
+			h.abortAndDetachWhy(t, rep, "left: not serving: "+d.notServing)
+			return
+		}
 		h.abortAndDetach(t, rep)
 	default:
 		h.detach(t, "drained")
@@ -755,13 +765,19 @@ func (h *Head) departed(d departure) {
 // cancels its in-flight attempts so they are retried elsewhere at once. rep
 // may be nil.
 func (h *Head) abortAndDetach(t *tracked, rep *router.Replica) {
+	h.abortAndDetachWhy(t, rep, "left and does not answer")
+}
+
+// abortAndDetachWhy is abortAndDetach for a replica that left for the
+// reason why (e.g. it answers but its upstream engine is down).
+func (h *Head) abortAndDetachWhy(t *tracked, rep *router.Replica, why string) {
 	if rep != nil {
 		if n := rep.Abort(errReplicaGone); n > 0 {
-			h.log.Warn("orchestrator: replica left and does not answer; retrying its requests elsewhere",
-				"stage", t.member.Stage, "replica", t.key.Replica, "requests", n)
+			h.log.Warn("orchestrator: replica left; retrying its requests elsewhere",
+				"stage", t.member.Stage, "replica", t.key.Replica, "reason", why, "requests", n)
 		}
 	}
-	h.detach(t, "left and does not answer")
+	h.detach(t, why)
 }
 
 // endGraces detaches the replicas whose lease-loss grace ran out without a

@@ -350,14 +350,32 @@ func (x *MuxEnd) GetStatusDetails() []byte {
 }
 
 type SamplingParams struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	MaxTokens     uint32                 `protobuf:"varint,1,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"` // 0: engine default
-	Temperature   *float32               `protobuf:"fixed32,2,opt,name=temperature,proto3,oneof" json:"temperature,omitempty"`       // unset: engine default
-	Seed          *int64                 `protobuf:"varint,3,opt,name=seed,proto3,oneof" json:"seed,omitempty"`                      // unset means seed 0
-	Stop          []string               `protobuf:"bytes,4,rep,name=stop,proto3" json:"stop,omitempty"`
-	IgnoreEos     bool                   `protobuf:"varint,5,opt,name=ignore_eos,json=ignoreEos,proto3" json:"ignore_eos,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	MaxTokens   uint32                 `protobuf:"varint,1,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"` // 0: engine default
+	Temperature *float32               `protobuf:"fixed32,2,opt,name=temperature,proto3,oneof" json:"temperature,omitempty"`       // unset: engine default
+	// Unset: the engine's default. The sim then uses seed 0 (its output is a
+	// function of input and seed); an upstream engine gets no seed and draws
+	// as it does by default (usually at random).
+	Seed      *int64   `protobuf:"varint,3,opt,name=seed,proto3,oneof" json:"seed,omitempty"`
+	Stop      []string `protobuf:"bytes,4,rep,name=stop,proto3" json:"stop,omitempty"`
+	IgnoreEos bool     `protobuf:"varint,5,opt,name=ignore_eos,json=ignoreEos,proto3" json:"ignore_eos,omitempty"`
+	// The OpenAI and vLLM sampling knobs, as the client sent them (unset:
+	// not sent). An upstream engine passes each on under its OpenAI/vLLM
+	// name; the sim reads none of them (docs/api.md lists what each engine
+	// does with each).
+	TopP              *float32           `protobuf:"fixed32,6,opt,name=top_p,json=topP,proto3,oneof" json:"top_p,omitempty"`
+	TopK              *int32             `protobuf:"varint,7,opt,name=top_k,json=topK,proto3,oneof" json:"top_k,omitempty"`
+	MinP              *float32           `protobuf:"fixed32,8,opt,name=min_p,json=minP,proto3,oneof" json:"min_p,omitempty"`
+	FrequencyPenalty  *float32           `protobuf:"fixed32,9,opt,name=frequency_penalty,json=frequencyPenalty,proto3,oneof" json:"frequency_penalty,omitempty"`
+	PresencePenalty   *float32           `protobuf:"fixed32,10,opt,name=presence_penalty,json=presencePenalty,proto3,oneof" json:"presence_penalty,omitempty"`
+	RepetitionPenalty *float32           `protobuf:"fixed32,11,opt,name=repetition_penalty,json=repetitionPenalty,proto3,oneof" json:"repetition_penalty,omitempty"`
+	LogitBias         map[string]float32 `protobuf:"bytes,12,rep,name=logit_bias,json=logitBias,proto3" json:"logit_bias,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"fixed32,2,opt,name=value"` // token id (as a string) -> bias
+	MinTokens         uint32             `protobuf:"varint,13,opt,name=min_tokens,json=minTokens,proto3" json:"min_tokens,omitempty"`                                                                            // vLLM: 0 unset
+	// The client named the limit max_completion_tokens: an upstream gets it
+	// under that name (max_tokens is the same limit).
+	MaxCompletionTokens bool `protobuf:"varint,14,opt,name=max_completion_tokens,json=maxCompletionTokens,proto3" json:"max_completion_tokens,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *SamplingParams) Reset() {
@@ -421,6 +439,69 @@ func (x *SamplingParams) GetStop() []string {
 func (x *SamplingParams) GetIgnoreEos() bool {
 	if x != nil {
 		return x.IgnoreEos
+	}
+	return false
+}
+
+func (x *SamplingParams) GetTopP() float32 {
+	if x != nil && x.TopP != nil {
+		return *x.TopP
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetTopK() int32 {
+	if x != nil && x.TopK != nil {
+		return *x.TopK
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetMinP() float32 {
+	if x != nil && x.MinP != nil {
+		return *x.MinP
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetFrequencyPenalty() float32 {
+	if x != nil && x.FrequencyPenalty != nil {
+		return *x.FrequencyPenalty
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetPresencePenalty() float32 {
+	if x != nil && x.PresencePenalty != nil {
+		return *x.PresencePenalty
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetRepetitionPenalty() float32 {
+	if x != nil && x.RepetitionPenalty != nil {
+		return *x.RepetitionPenalty
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetLogitBias() map[string]float32 {
+	if x != nil {
+		return x.LogitBias
+	}
+	return nil
+}
+
+func (x *SamplingParams) GetMinTokens() uint32 {
+	if x != nil {
+		return x.MinTokens
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetMaxCompletionTokens() bool {
+	if x != nil {
+		return x.MaxCompletionTokens
 	}
 	return false
 }
@@ -1458,7 +1539,13 @@ type HealthResponse struct {
 	Stage string `protobuf:"bytes,10,opt,name=stage,proto3" json:"stage,omitempty"`
 	// multiplex: the worker serves Multiplex. False (older workers): the
 	// head sends every call as its own Generate.
-	Multiplex     bool `protobuf:"varint,11,opt,name=multiplex,proto3" json:"multiplex,omitempty"`
+	Multiplex bool `protobuf:"varint,11,opt,name=multiplex,proto3" json:"multiplex,omitempty"`
+	// continues_chat: the engine continues an answer (GenerateRequest.
+	// continuation) of a chat input, so the head may migrate a chat answer
+	// to it. Text input is continued by every text engine (the continuation
+	// is appended to the prompt). False: a chat answer that failed after
+	// output is not continued on this replica.
+	ContinuesChat bool `protobuf:"varint,12,opt,name=continues_chat,json=continuesChat,proto3" json:"continues_chat,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1566,6 +1653,13 @@ func (x *HealthResponse) GetStage() string {
 func (x *HealthResponse) GetMultiplex() bool {
 	if x != nil {
 		return x.Multiplex
+	}
+	return false
+}
+
+func (x *HealthResponse) GetContinuesChat() bool {
+	if x != nil {
+		return x.ContinuesChat
 	}
 	return false
 }
@@ -1838,7 +1932,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x06MuxEnd\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\rR\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12%\n" +
-	"\x0estatus_details\x18\x03 \x01(\fR\rstatusDetails\"\xbb\x01\n" +
+	"\x0estatus_details\x18\x03 \x01(\fR\rstatusDetails\"\xdf\x05\n" +
 	"\x0eSamplingParams\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x01 \x01(\rR\tmaxTokens\x12%\n" +
@@ -1846,9 +1940,30 @@ const file_stage_proto_rawDesc = "" +
 	"\x04seed\x18\x03 \x01(\x03H\x01R\x04seed\x88\x01\x01\x12\x12\n" +
 	"\x04stop\x18\x04 \x03(\tR\x04stop\x12\x1d\n" +
 	"\n" +
-	"ignore_eos\x18\x05 \x01(\bR\tignoreEosB\x0e\n" +
+	"ignore_eos\x18\x05 \x01(\bR\tignoreEos\x12\x18\n" +
+	"\x05top_p\x18\x06 \x01(\x02H\x02R\x04topP\x88\x01\x01\x12\x18\n" +
+	"\x05top_k\x18\a \x01(\x05H\x03R\x04topK\x88\x01\x01\x12\x18\n" +
+	"\x05min_p\x18\b \x01(\x02H\x04R\x04minP\x88\x01\x01\x120\n" +
+	"\x11frequency_penalty\x18\t \x01(\x02H\x05R\x10frequencyPenalty\x88\x01\x01\x12.\n" +
+	"\x10presence_penalty\x18\n" +
+	" \x01(\x02H\x06R\x0fpresencePenalty\x88\x01\x01\x122\n" +
+	"\x12repetition_penalty\x18\v \x01(\x02H\aR\x11repetitionPenalty\x88\x01\x01\x12M\n" +
+	"\n" +
+	"logit_bias\x18\f \x03(\v2..troupe.stage.v1.SamplingParams.LogitBiasEntryR\tlogitBias\x12\x1d\n" +
+	"\n" +
+	"min_tokens\x18\r \x01(\rR\tminTokens\x122\n" +
+	"\x15max_completion_tokens\x18\x0e \x01(\bR\x13maxCompletionTokens\x1a<\n" +
+	"\x0eLogitBiasEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\x0e\n" +
 	"\f_temperatureB\a\n" +
-	"\x05_seed\"\x1c\n" +
+	"\x05_seedB\b\n" +
+	"\x06_top_pB\b\n" +
+	"\x06_top_kB\b\n" +
+	"\x06_min_pB\x14\n" +
+	"\x12_frequency_penaltyB\x13\n" +
+	"\x11_presence_penaltyB\x15\n" +
+	"\x13_repetition_penalty\"\x1c\n" +
 	"\bTokenIds\x12\x10\n" +
 	"\x03ids\x18\x01 \x03(\rR\x03ids\"\x1d\n" +
 	"\x05Codes\x12\x14\n" +
@@ -1929,7 +2044,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x15enable_prefix_caching\x18\x03 \x01(\bR\x13enablePrefixCaching\x12 \n" +
 	"\fmax_num_seqs\x18\x04 \x01(\rR\n" +
 	"maxNumSeqs\x12\x1b\n" +
-	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xd9\x03\n" +
+	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\x80\x04\n" +
 	"\x0eHealthResponse\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.troupe.stage.v1.ServingStatusR\x06status\x12<\n" +
 	"\vsleep_state\x18\x02 \x01(\x0e2\x1b.troupe.stage.v1.SleepStateR\n" +
@@ -1944,7 +2059,8 @@ const file_stage_proto_rawDesc = "" +
 	"\x0estatus_message\x18\t \x01(\tR\rstatusMessage\x12\x14\n" +
 	"\x05stage\x18\n" +
 	" \x01(\tR\x05stage\x12\x1c\n" +
-	"\tmultiplex\x18\v \x01(\bR\tmultiplex\"$\n" +
+	"\tmultiplex\x18\v \x01(\bR\tmultiplex\x12%\n" +
+	"\x0econtinues_chat\x18\f \x01(\bR\rcontinuesChat\"$\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\"M\n" +
 	"\rSleepResponse\x12<\n" +
@@ -1995,7 +2111,7 @@ func file_stage_proto_rawDescGZIP() []byte {
 }
 
 var file_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
+var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_stage_proto_goTypes = []any{
 	(FinishReason)(0),       // 0: troupe.stage.v1.FinishReason
 	(SleepState)(0),         // 1: troupe.stage.v1.SleepState
@@ -2023,47 +2139,49 @@ var file_stage_proto_goTypes = []any{
 	(*DrainRequest)(nil),    // 23: troupe.stage.v1.DrainRequest
 	(*DrainResponse)(nil),   // 24: troupe.stage.v1.DrainResponse
 	nil,                     // 25: troupe.stage.v1.MuxFrame.MetadataEntry
+	nil,                     // 26: troupe.stage.v1.SamplingParams.LogitBiasEntry
 }
 var file_stage_proto_depIdxs = []int32{
 	10, // 0: troupe.stage.v1.MuxFrame.request:type_name -> troupe.stage.v1.GenerateRequest
 	15, // 1: troupe.stage.v1.MuxFrame.chunk:type_name -> troupe.stage.v1.GenerateChunk
 	4,  // 2: troupe.stage.v1.MuxFrame.end:type_name -> troupe.stage.v1.MuxEnd
 	25, // 3: troupe.stage.v1.MuxFrame.metadata:type_name -> troupe.stage.v1.MuxFrame.MetadataEntry
-	8,  // 4: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
-	6,  // 5: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
-	7,  // 6: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
-	9,  // 7: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
-	5,  // 8: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
-	10, // 9: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
-	0,  // 10: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
-	12, // 11: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
-	14, // 12: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
-	13, // 13: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
-	2,  // 14: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
-	1,  // 15: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	17, // 16: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
-	12, // 17: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
-	1,  // 18: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	1,  // 19: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	10, // 20: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
-	16, // 21: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
-	19, // 22: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
-	21, // 23: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
-	23, // 24: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
-	11, // 25: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
-	3,  // 26: troupe.stage.v1.StageService.Multiplex:input_type -> troupe.stage.v1.MuxFrame
-	15, // 27: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
-	18, // 28: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
-	20, // 29: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
-	22, // 30: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
-	24, // 31: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
-	15, // 32: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
-	3,  // 33: troupe.stage.v1.StageService.Multiplex:output_type -> troupe.stage.v1.MuxFrame
-	27, // [27:34] is the sub-list for method output_type
-	20, // [20:27] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	26, // 4: troupe.stage.v1.SamplingParams.logit_bias:type_name -> troupe.stage.v1.SamplingParams.LogitBiasEntry
+	8,  // 5: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
+	6,  // 6: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
+	7,  // 7: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
+	9,  // 8: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
+	5,  // 9: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
+	10, // 10: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
+	0,  // 11: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
+	12, // 12: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
+	14, // 13: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
+	13, // 14: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
+	2,  // 15: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
+	1,  // 16: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	17, // 17: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
+	12, // 18: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
+	1,  // 19: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	1,  // 20: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	10, // 21: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
+	16, // 22: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
+	19, // 23: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
+	21, // 24: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
+	23, // 25: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
+	11, // 26: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
+	3,  // 27: troupe.stage.v1.StageService.Multiplex:input_type -> troupe.stage.v1.MuxFrame
+	15, // 28: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
+	18, // 29: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
+	20, // 30: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
+	22, // 31: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
+	24, // 32: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
+	15, // 33: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
+	3,  // 34: troupe.stage.v1.StageService.Multiplex:output_type -> troupe.stage.v1.MuxFrame
+	28, // [28:35] is the sub-list for method output_type
+	21, // [21:28] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_stage_proto_init() }
@@ -2084,7 +2202,7 @@ func file_stage_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_stage_proto_rawDesc), len(file_stage_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   23,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

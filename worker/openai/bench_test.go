@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -17,6 +18,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/worker"
 	"github.com/troupe-serving/troupe/worker/openai"
@@ -231,4 +233,71 @@ func benchAdapter(b *testing.B, pace time.Duration) {
 		}
 		tm.report(b)
 	})
+}
+
+// BenchmarkAddedLatency measures what a troupe head and an openai worker
+// add in front of an OpenAI-compatible upstream. The upstream is a troupe
+// head with an instant sim (head A, on loopback); "direct" streams a chat
+// completion from it, "troupe" streams the same request from head B,
+// whose one stage is an openai worker in front of A. One op is one request
+// each way, in alternating order, so both paths see the same machine
+// load. Reported: the median and p90 of each path's time to the first
+// content delta and of the whole request, and of the pairwise difference
+// (added-*), in µs.
+func BenchmarkAddedLatency(b *testing.B) {
+	a := startUpstreamHead(b, orchestratortest.Options{Pipeline: thinkerOnly})
+	head := orchestratortest.Start(b, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1})
+	e, err := openai.New(openai.Config{URL: a.base, HealthInterval: time.Hour, Logger: quiet()})
+	require.NoError(b, err)
+	srv := startWorker(b, head, "thinker", e)
+	head.WaitState(b, "thinker", srv.Member().ReplicaID, "attached")
+	troupe := serveAPI(b, head) + "/v1"
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}}
+	defer client.CloseIdleConnections()
+	body := []byte(`{"model":"troupe-omni-sim","stream":true,"max_tokens":16,"ignore_eos":true,"seed":1,` +
+		`"messages":[{"role":"user","content":"how far is the sea"}]}`)
+	stream := func(base string) (ttft, total time.Duration) {
+		start := time.Now()
+		req, err := http.NewRequest(http.MethodPost, base+"/chat/completions", bytes.NewReader(body))
+		require.NoError(b, err)
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := client.Do(req)
+		require.NoError(b, err)
+		defer resp.Body.Close()
+		require.Equal(b, http.StatusOK, resp.StatusCode)
+		sc := bufio.NewScanner(resp.Body)
+		for sc.Scan() {
+			if ttft == 0 && bytes.Contains(sc.Bytes(), []byte(`"content":"`)) && !bytes.Contains(sc.Bytes(), []byte(`"content":""`)) {
+				ttft = time.Since(start)
+			}
+		}
+		require.NoError(b, sc.Err())
+		require.NotZero(b, ttft, "no content")
+		return ttft, time.Since(start)
+	}
+	stream(a.base) // warm both paths' connections
+	stream(troupe)
+	var dTTFT, tTTFT, dTotal, tTotal, addTTFT, addTotal []time.Duration
+	i := 0
+	for b.Loop() {
+		var d1, d2, t1, t2 time.Duration
+		if i%2 == 0 {
+			d1, d2 = stream(a.base)
+			t1, t2 = stream(troupe)
+		} else {
+			t1, t2 = stream(troupe)
+			d1, d2 = stream(a.base)
+		}
+		i++
+		dTTFT, tTTFT, dTotal, tTotal = append(dTTFT, d1), append(tTTFT, t1), append(dTotal, d2), append(tTotal, t2)
+		addTTFT, addTotal = append(addTTFT, t1-d1), append(addTotal, t2-d2)
+	}
+	for _, s := range []struct {
+		name string
+		v    []time.Duration
+	}{{"direct-ttft", dTTFT}, {"troupe-ttft", tTTFT}, {"added-ttft", addTTFT}, {"direct-req", dTotal}, {"troupe-req", tTotal}, {"added-req", addTotal}} {
+		slices.Sort(s.v)
+		b.ReportMetric(float64(s.v[len(s.v)/2].Microseconds()), s.name+"-p50-µs")
+		b.ReportMetric(float64(s.v[len(s.v)*9/10].Microseconds()), s.name+"-p90-µs")
+	}
 }

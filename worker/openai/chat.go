@@ -33,9 +33,11 @@ func New(cfg Config) (*Engine, error) {
 }
 
 // Health reports a text stage (text in, text out), the upstream's
-// availability and its scraped load.
+// availability and its load, and whether it continues chat answers.
 func (e *Engine) Health() *stagepb.HealthResponse {
-	return e.health(EngineName, stagepb.RoleText)
+	h := e.health(EngineName, stagepb.RoleText)
+	h.ContinuesChat = e.caps().continueChat
+	return h
 }
 
 // chatRequest is the body of POST /v1/chat/completions and, with Prompt
@@ -46,11 +48,22 @@ type chatRequest struct {
 	Prompt        any            `json:"prompt,omitempty"` // string or token ids
 	Stream        bool           `json:"stream"`
 	StreamOptions *streamOptions `json:"stream_options,omitempty"`
-	MaxTokens     uint32         `json:"max_tokens,omitempty"`
-	Temperature   *float32       `json:"temperature,omitempty"`
-	Seed          *int64         `json:"seed,omitempty"`
-	Stop          []string       `json:"stop,omitempty"`
-	IgnoreEOS     bool           `json:"ignore_eos,omitempty"` // vLLM, SGLang, llama.cpp; sent only when true
+	// The sampling parameters the client set, under their OpenAI and vLLM
+	// names; unset ones are not sent (the upstream's defaults apply).
+	MaxTokens           uint32             `json:"max_tokens,omitempty"`
+	MaxCompletionTokens uint32             `json:"max_completion_tokens,omitempty"`
+	Temperature         *float32           `json:"temperature,omitempty"`
+	TopP                *float32           `json:"top_p,omitempty"`
+	TopK                *int32             `json:"top_k,omitempty"` // vLLM, SGLang, llama.cpp, Ollama
+	MinP                *float32           `json:"min_p,omitempty"` // vLLM, SGLang, llama.cpp, Ollama
+	FrequencyPenalty    *float32           `json:"frequency_penalty,omitempty"`
+	PresencePenalty     *float32           `json:"presence_penalty,omitempty"`
+	RepetitionPenalty   *float32           `json:"repetition_penalty,omitempty"` // vLLM, SGLang, llama.cpp
+	LogitBias           map[string]float32 `json:"logit_bias,omitempty"`
+	MinTokens           uint32             `json:"min_tokens,omitempty"` // vLLM, SGLang
+	Seed                *int64             `json:"seed,omitempty"`
+	Stop                []string           `json:"stop,omitempty"`
+	IgnoreEOS           bool               `json:"ignore_eos,omitempty"` // vLLM, SGLang, llama.cpp; sent only when true
 	// A continuation: the last message is the assistant's unfinished turn,
 	// continued rather than answered (vLLM's chat template options; other
 	// servers continue the text prompt below).
@@ -65,6 +78,9 @@ type chatMessage struct {
 
 type streamOptions struct {
 	IncludeUsage bool `json:"include_usage"`
+	// vLLM and SGLang: usage (cumulative) on every chunk, so each chunk's
+	// token count is exact. Sent only to them (see upstream.caps).
+	ContinuousUsageStats bool `json:"continuous_usage_stats,omitempty"`
 }
 
 // streamEvent is one SSE data event of a streamed completion.
@@ -97,16 +113,24 @@ type usage struct {
 // ids to the text completions (the prompt as given).
 func (e *Engine) body(req *stagepb.GenerateRequest) (path string, body chatRequest, err error) {
 	sp := req.GetSampling()
+	caps := e.caps()
 	body = chatRequest{
 		Model:         e.Model(),
 		Stream:        true,
-		StreamOptions: &streamOptions{IncludeUsage: true},
-		MaxTokens:     sp.GetMaxTokens(),
+		StreamOptions: &streamOptions{IncludeUsage: true, ContinuousUsageStats: caps.continuousUsage},
 		Stop:          sp.GetStop(),
 		IgnoreEOS:     sp.GetIgnoreEos(),
+		LogitBias:     sp.GetLogitBias(),
+		MinTokens:     sp.GetMinTokens(),
+	}
+	if sp.GetMaxCompletionTokens() {
+		body.MaxCompletionTokens = sp.GetMaxTokens()
+	} else {
+		body.MaxTokens = sp.GetMaxTokens()
 	}
 	if sp != nil {
-		body.Temperature, body.Seed = sp.Temperature, sp.Seed
+		body.Temperature, body.Seed, body.TopP, body.TopK, body.MinP = sp.Temperature, sp.Seed, sp.TopP, sp.TopK, sp.MinP
+		body.FrequencyPenalty, body.PresencePenalty, body.RepetitionPenalty = sp.FrequencyPenalty, sp.PresencePenalty, sp.RepetitionPenalty
 	}
 	switch in := req.GetInput().(type) {
 	case *stagepb.GenerateRequest_Chat:
@@ -119,6 +143,11 @@ func (e *Engine) body(req *stagepb.GenerateRequest) (path string, body chatReque
 			body.Messages[i] = chatMessage{Role: m.GetRole(), Content: m.GetContent()}
 		}
 		if c := req.GetContinuation(); c != "" {
+			if !caps.continueChat {
+				// Sent without continue_final_message, the upstream would
+				// answer the unfinished turn instead of continuing it.
+				return "", body, status.Errorf(codes.FailedPrecondition, "openai: upstream %s cannot continue a chat answer (it has no continue_final_message; vLLM has)", e.root)
+			}
 			no := false
 			body.Messages = append(body.Messages, chatMessage{Role: "assistant", Content: c})
 			body.ContinueFinalMessage, body.AddGenerationPrompt = true, &no
@@ -135,13 +164,13 @@ func (e *Engine) body(req *stagepb.GenerateRequest) (path string, body chatReque
 }
 
 // Generate streams one completion from the upstream. Each text delta is
-// one chunk, as the upstream sent it; the final chunk carries the finish
-// reason, the upstream's usage (prompt and completion tokens; 0 when it
-// reports none), and timings measured here (prefill: until the first
-// delta; decode: from the first delta to the last). Token ids are not
-// sent. Cancelling ctx aborts the upstream HTTP request. A stream that
-// ends before a finish reason is an Unavailable error, never a short
-// success.
+// one chunk, as the upstream sent it, carrying the tokens it holds
+// (tokenCounter); the final chunk carries the finish reason, what the
+// upstream's final usage adds to the counts sent before it, and timings
+// measured here (prefill: until the first delta; decode: from the first
+// delta to the last). Token ids are not sent. Cancelling ctx aborts the
+// upstream HTTP request. A stream cut before its end ([DONE] or a finish
+// reason) is an Unavailable error, never a short success.
 func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
 	if err := e.admit(); err != nil {
 		return err
@@ -150,6 +179,8 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 	if err != nil {
 		return err
 	}
+	untrack := e.track()
+	defer untrack()
 	start := time.Now()
 	resp, err := e.postJSON(ctx, path, body)
 	if err != nil {
@@ -163,7 +194,8 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 	var (
 		first, last time.Time
 		finish      string
-		use         *usage
+		done        bool // [DONE]: the upstream ended the stream itself
+		count       tokenCounter
 		deltas      int
 	)
 	events := newSSEReader(resp.Body)
@@ -179,6 +211,7 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 			return status.Errorf(codes.Unavailable, "openai: upstream stream broken after %d deltas: %v", deltas, err)
 		}
 		if string(data) == "[DONE]" {
+			done = true
 			break
 		}
 		var ev streamEvent
@@ -188,50 +221,52 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 		if len(ev.Error) > 0 || ev.Object == "error" {
 			return status.Errorf(codes.Unavailable, "openai: upstream failed mid-stream after %d deltas: %s", deltas, errorMessage(data))
 		}
-		if ev.Usage != nil {
-			use = ev.Usage
-		}
+		text := ""
 		for _, c := range ev.Choices {
-			text := c.Text
+			t := c.Text
 			if c.Delta.Content != nil {
-				text = c.Delta.Content
+				t = c.Delta.Content
 			}
-			if text != nil && *text != "" {
-				last = time.Now()
-				if first.IsZero() {
-					first = last
-				}
-				deltas++
-				if err := emit(&stagepb.GenerateChunk{Text: *text, Stats: e.gauges()}); err != nil {
-					return err
-				}
+			if t != nil {
+				text += *t
 			}
 			if c.FinishReason != nil && *c.FinishReason != "" {
 				finish = *c.FinishReason
 			}
+		}
+		if text == "" {
+			count.usage(ev.Usage)
+			continue
+		}
+		last = time.Now()
+		if first.IsZero() {
+			first = last
+		}
+		deltas++
+		stats := e.gauges()
+		count.delta(ev.Usage, stats)
+		if err := emit(&stagepb.GenerateChunk{Text: text, Stats: stats}); err != nil {
+			return err
 		}
 	}
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
 	if finish == "" {
-		return status.Errorf(codes.Unavailable, "openai: upstream stream ended after %d deltas without a finish reason", deltas)
+		if !done {
+			return status.Errorf(codes.Unavailable, "openai: upstream stream ended after %d deltas without a finish reason or [DONE]", deltas)
+		}
+		// A normal end without a reason (Ollama sends null): the answer
+		// ended as the model chose, which is a stop.
+		finish = "stop"
 	}
 	end := time.Now()
 	if first.IsZero() {
 		first, last = end, end
 	}
+	untrack() // the final chunk's load no longer holds this request
 	stats := e.gauges()
-	if use != nil {
-		stats.PromptTokens = use.PromptTokens
-		stats.GenerationTokens = use.CompletionTokens
-		cached := uint64(0)
-		if use.PromptTokensDetails != nil {
-			cached = min(use.PromptTokensDetails.CachedTokens, use.PromptTokens)
-		}
-		stats.PromptTokensLocalCacheHit = cached
-		stats.PromptTokensLocalCompute = use.PromptTokens - cached
-	}
+	count.final(stats)
 	e.takeCounters(stats)
 	return emit(&stagepb.GenerateChunk{
 		FinishReason: finishReason(finish),
@@ -241,6 +276,72 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 			DecodeSeconds:  last.Sub(first).Seconds(),
 		},
 	})
+}
+
+// tokenCounter gives each text chunk the number of tokens it holds, so
+// that the head's counts (metrics, usage, what is left of max_tokens after
+// a migration) are right at every chunk, also when the answer is cut:
+//
+//   - an upstream that reports usage on every chunk (vLLM and SGLang with
+//     continuous_usage_stats; the usage is cumulative) gives the exact
+//     count: a chunk holds what its usage adds to the one before, and the
+//     first text chunk carries the prompt tokens;
+//   - otherwise a chunk of text counts as one token (Ollama, llama.cpp and
+//     OpenAI stream one token per delta);
+//
+// and the upstream's final usage is authoritative: the final chunk carries
+// what it adds to the counts already sent (prompt tokens included). An
+// upstream that reports no usage at all counts one token per delta and no
+// prompt tokens.
+type tokenCounter struct {
+	generated, prompt uint64 // sent so far
+	use               *usage // the latest usage the upstream reported
+}
+
+// usage notes a usage report that came without text (the final one).
+func (t *tokenCounter) usage(u *usage) {
+	if u != nil {
+		t.use = u
+	}
+}
+
+// delta counts a text chunk into s.
+func (t *tokenCounter) delta(u *usage, s *stagepb.EngineStats) {
+	n := uint64(1)
+	if u != nil {
+		t.use = u
+		n = u.CompletionTokens - min(u.CompletionTokens, t.generated)
+		t.promptInto(s)
+	}
+	t.generated += n
+	s.GenerationTokens = n
+}
+
+// final puts on the final chunk what the last usage adds to the counts
+// sent before.
+func (t *tokenCounter) final(s *stagepb.EngineStats) {
+	if t.use == nil {
+		return
+	}
+	s.GenerationTokens = t.use.CompletionTokens - min(t.use.CompletionTokens, t.generated)
+	t.generated += s.GenerationTokens
+	t.promptInto(s)
+}
+
+// promptInto adds the prompt tokens to s the first time usage has them.
+func (t *tokenCounter) promptInto(s *stagepb.EngineStats) {
+	u := t.use
+	if t.prompt > 0 || u.PromptTokens == 0 {
+		return
+	}
+	t.prompt = u.PromptTokens
+	cached := uint64(0)
+	if u.PromptTokensDetails != nil {
+		cached = min(u.PromptTokensDetails.CachedTokens, u.PromptTokens)
+	}
+	s.PromptTokens = u.PromptTokens
+	s.PromptTokensLocalCacheHit = cached
+	s.PromptTokensLocalCompute = u.PromptTokens - cached
 }
 
 // finishReason maps the upstream's finish_reason. stop and length are

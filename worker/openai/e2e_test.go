@@ -12,6 +12,7 @@ import (
 
 	oa "github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -121,4 +122,193 @@ func TestThroughTwoHeads(t *testing.T) {
 		}, wait, 5*time.Millisecond, "head A's engine aborted the request")
 		assert.Equal(t, lengths, up.Snapshot().Finished[stagepb.FinishReason_FINISH_REASON_LENGTH], "it never ran to its 100 tokens")
 	})
+}
+
+// TestSamplingReachesUpstream: every sampling parameter an OpenAI client
+// sends to the head reaches the upstream as given, and none is reported
+// as ignored.
+func TestSamplingReachesUpstream(t *testing.T) {
+	f := newVLLM(t)
+	f.route("POST /v1/chat/completions", func(w http.ResponseWriter, _ *http.Request) {
+		sse(w, contUsage("hi", 4, 1), finish("stop"), usageEvent(4, 1, 0), "[DONE]")
+	})
+	b := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1})
+	e, err := openai.New(openai.Config{URL: f.URL, Logger: quiet()})
+	require.NoError(t, err)
+	srv := startWorker(t, b, "thinker", e)
+	b.WaitState(t, "thinker", srv.Member().ReplicaID, "attached")
+	tr := &http.Transport{}
+	t.Cleanup(tr.CloseIdleConnections)
+	client := oa.NewClient(option.WithBaseURL(serveAPI(t, b)+"/v1/"), option.WithAPIKey("unused"), option.WithHTTPClient(&http.Client{Transport: tr}), option.WithMaxRetries(0))
+
+	var raw *http.Response
+	res, err := client.Chat.Completions.New(testCtx(t), oa.ChatCompletionNewParams{
+		Model:               "troupe-omni-sim",
+		Messages:            []oa.ChatCompletionMessageParamUnion{oa.UserMessage("hello")},
+		MaxCompletionTokens: oa.Int(11),
+		Temperature:         oa.Float(0.25),
+		TopP:                oa.Float(0.5),
+		FrequencyPenalty:    oa.Float(-0.75),
+		PresencePenalty:     oa.Float(1.25),
+		Seed:                oa.Int(7),
+		Stop:                oa.ChatCompletionNewParamsStopUnion{OfStringArray: []string{"x", "yz"}},
+		LogitBias:           map[string]int64{"50256": -100, "13": 5},
+	}, option.WithJSONSet("top_k", 40), option.WithJSONSet("min_p", 0.125), option.WithJSONSet("repetition_penalty", 1.5),
+		option.WithJSONSet("min_tokens", 2), option.WithJSONSet("ignore_eos", true), option.WithResponseInto(&raw))
+	require.NoError(t, err)
+	assert.Equal(t, "hi", res.Choices[0].Message.Content)
+	assert.Empty(t, raw.Header.Get("X-Troupe-Ignored-Params"), "every parameter went somewhere")
+
+	got := f.lastBody()
+	for k, want := range map[string]any{
+		"max_completion_tokens": 11.0, "temperature": 0.25, "top_p": 0.5, "frequency_penalty": -0.75, "presence_penalty": 1.25,
+		"seed": 7.0, "stop": []any{"x", "yz"}, "logit_bias": map[string]any{"50256": -100.0, "13": 5.0},
+		"top_k": 40.0, "min_p": 0.125, "repetition_penalty": 1.5, "min_tokens": 2.0, "ignore_eos": true,
+	} {
+		assert.Equal(t, want, got[k], k)
+	}
+	assert.NotContains(t, got, "max_tokens", "the limit keeps the client's name")
+}
+
+// headWithWorkers is a head whose one stage is served by openai workers,
+// one per fake upstream, and an OpenAI client of its HTTP API.
+func headWithWorkers(t *testing.T, ups ...*fake) (*orchestratortest.Cluster, oa.Client) {
+	t.Helper()
+	b := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1, MaxMigrations: 2})
+	for _, f := range ups {
+		e, err := openai.New(openai.Config{URL: f.URL, Logger: quiet()})
+		require.NoError(t, err)
+		srv := startWorker(t, b, "thinker", e)
+		b.WaitState(t, "thinker", srv.Member().ReplicaID, "attached")
+	}
+	tr := &http.Transport{}
+	t.Cleanup(tr.CloseIdleConnections)
+	return b, oa.NewClient(option.WithBaseURL(serveAPI(t, b)+"/v1/"), option.WithAPIKey("unused"), option.WithHTTPClient(&http.Client{Transport: tr}), option.WithMaxRetries(0))
+}
+
+// total sums a metric family over all its series.
+func total(t *testing.T, g prometheus.Gatherer, name string) float64 {
+	t.Helper()
+	mfs, err := g.Gather()
+	require.NoError(t, err)
+	sum := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			switch {
+			case m.GetCounter() != nil:
+				sum += m.GetCounter().GetValue()
+			case m.GetHistogram() != nil:
+				sum += m.GetHistogram().GetSampleSum()
+			}
+		}
+	}
+	return sum
+}
+
+// cutOrContinue answers a first request with 2 chunks of 2 tokens each
+// and then cuts the stream, and a continuation (continue_final_message)
+// with one token up to its limit. f is the fake it serves (which has read
+// the body).
+func cutOrContinue(f *fake) http.HandlerFunc {
+	return func(w http.ResponseWriter, _ *http.Request) {
+		if f.lastBody()["continue_final_message"] == true {
+			sse(w, contUsage(" five", 4, 1), finish("length"), usageEvent(4, 1, 0), "[DONE]")
+			return
+		}
+		sse(w, contUsage("one two", 4, 2), contUsage(" three four", 4, 4))
+		panic(http.ErrAbortHandler)
+	}
+}
+
+// TestMigrationKeepsMaxTokens: an answer cut after 4 tokens (2 per delta)
+// continues on another vLLM with what is left of max_tokens, and the
+// usage is what the client received from both.
+func TestMigrationKeepsMaxTokens(t *testing.T) {
+	a1, a2 := newVLLM(t), newVLLM(t)
+	a1.route("POST /v1/chat/completions", cutOrContinue(a1))
+	a2.route("POST /v1/chat/completions", cutOrContinue(a2))
+	b, client := headWithWorkers(t, a1, a2)
+	stream := client.Chat.Completions.NewStreaming(testCtx(t), oa.ChatCompletionNewParams{
+		Model: "troupe-omni-sim", Messages: []oa.ChatCompletionMessageParamUnion{oa.UserMessage("count")},
+		MaxCompletionTokens: oa.Int(5), StreamOptions: oa.ChatCompletionStreamOptionsParam{IncludeUsage: oa.Bool(true)},
+	})
+	var text strings.Builder
+	var usage oa.CompletionUsage
+	for stream.Next() {
+		ch := stream.Current()
+		if len(ch.Choices) == 0 {
+			usage = ch.Usage
+			continue
+		}
+		text.WriteString(ch.Choices[0].Delta.Content)
+	}
+	require.NoError(t, stream.Err())
+	require.NoError(t, stream.Close())
+	assert.Equal(t, "one two three four five", text.String())
+	assert.Equal(t, int64(5), usage.CompletionTokens, "4 from the cut replica, 1 from the continuation")
+
+	cont := a2.lastBody()
+	if cont["continue_final_message"] != true {
+		cont = a1.lastBody()
+	}
+	require.Equal(t, true, cont["continue_final_message"], "the answer was continued")
+	assert.EqualValues(t, 1, cont["max_completion_tokens"], "max_tokens holds: 5 asked, 4 delivered")
+	assert.Equal(t, 5.0, total(t, b.Metrics, "troupe_generation_tokens_total"), "the cut attempt's tokens are counted too")
+}
+
+// TestNoContinuationWithoutSupport: an upstream that is not vLLM cannot
+// continue a chat answer, so an answer cut after output ends with a clear
+// error and nothing is sent as a continuation.
+func TestNoContinuationWithoutSupport(t *testing.T) {
+	a1, a2 := newFake(t), newFake(t)
+	a1.route("POST /v1/chat/completions", cutOrContinue(a1))
+	a2.route("POST /v1/chat/completions", cutOrContinue(a2))
+	b, client := headWithWorkers(t, a1, a2)
+	stream := client.Chat.Completions.NewStreaming(testCtx(t), oa.ChatCompletionNewParams{
+		Model: "troupe-omni-sim", Messages: []oa.ChatCompletionMessageParamUnion{oa.UserMessage("count")}, MaxCompletionTokens: oa.Int(5),
+	})
+	var text strings.Builder
+	for stream.Next() {
+		if ch := stream.Current(); len(ch.Choices) > 0 {
+			text.WriteString(ch.Choices[0].Delta.Content)
+		}
+	}
+	require.Error(t, stream.Err())
+	assert.Contains(t, stream.Err().Error(), "cannot be continued")
+	_ = stream.Close()
+	assert.Equal(t, "one two three four", text.String())
+	assert.Equal(t, 1, a1.posts()+a2.posts(), "no continuation sent")
+	assert.Equal(t, 4.0, total(t, b.Metrics, "troupe_generation_tokens_total"), "the usage the chunks carried, counted for the failed request")
+}
+
+// TestCancelledRequestCounted: the tokens a cancelled request received
+// count in the head's counters and histograms.
+func TestCancelledRequestCounted(t *testing.T) {
+	a := newVLLM(t)
+	a.route("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
+		sse(w, contUsage("one two", 4, 2), contUsage(" three", 4, 3))
+		<-r.Context().Done()
+	})
+	b, client := headWithWorkers(t, a)
+	ctx, cancel := context.WithCancel(testCtx(t))
+	defer cancel()
+	stream := client.Chat.Completions.NewStreaming(ctx, oa.ChatCompletionNewParams{
+		Model: "troupe-omni-sim", Messages: []oa.ChatCompletionMessageParamUnion{oa.UserMessage("count")}, MaxCompletionTokens: oa.Int(50),
+	})
+	var text strings.Builder
+	for text.String() != "one two three" && stream.Next() {
+		if ch := stream.Current(); len(ch.Choices) > 0 {
+			text.WriteString(ch.Choices[0].Delta.Content)
+		}
+	}
+	cancel()
+	_ = stream.Close()
+	require.Eventually(t, func() bool {
+		return total(t, b.Metrics, "troupe_request_generation_tokens") == 3
+	}, wait, 5*time.Millisecond, "the request's histogram records its 3 tokens")
+	assert.Equal(t, 3.0, total(t, b.Metrics, "troupe_generation_tokens_total"))
+	assert.Equal(t, 4.0, total(t, b.Metrics, "troupe_prompt_tokens_total"), "prompt tokens on the first chunk (continuous usage)")
 }

@@ -2,6 +2,7 @@ package openai_test
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"net"
 	"net/http"
@@ -54,13 +55,28 @@ func TestRequestBody(t *testing.T) {
 		assert.NotContains(t, b, k)
 	}
 
-	// A migrated answer: the delivered text is the assistant's unfinished
-	// turn, continued rather than answered.
+	// A migrated answer: an upstream that is not vLLM cannot continue the
+	// assistant's turn, so nothing is sent.
 	cont := chatReq(nil, msg("user", "hello"))
 	cont.Continuation = "Hello there,"
+	posts := f.posts()
+	_, err = collect(testCtx(t), e, cont)
+	assert.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+	assert.Equal(t, posts, f.posts(), "a continuation the upstream cannot honour is not sent")
+	assert.False(t, e.Health().GetContinuesChat())
+
+	// vLLM: the delivered text is the assistant's unfinished turn,
+	// continued rather than answered.
+	f = newVLLM(t)
+	f.route("POST /v1/chat/completions", func(w http.ResponseWriter, _ *http.Request) {
+		sse(w, delta("hi"), finish("stop"), usageEvent(5, 1, 0), "[DONE]")
+	})
+	e = startText(t, openai.Config{URL: f.URL})
+	assert.True(t, e.Health().GetContinuesChat())
 	_, err = collect(testCtx(t), e, cont)
 	require.NoError(t, err)
 	b = f.lastBody()
+	assert.Equal(t, map[string]any{"include_usage": true, "continuous_usage_stats": true}, b["stream_options"])
 	assert.Equal(t, []any{map[string]any{"role": "user", "content": "hello"}, map[string]any{"role": "assistant", "content": "Hello there,"}}, b["messages"])
 	assert.Equal(t, true, b["continue_final_message"])
 	assert.Equal(t, false, b["add_generation_prompt"])
@@ -82,7 +98,9 @@ func TestUsageAndFinish(t *testing.T) {
 	last := chunks[2].GetStats()
 	assert.Equal(t, stagepb.FinishReason_FINISH_REASON_LENGTH, chunks[2].GetFinishReason())
 	assert.Equal(t, uint64(100), last.GetPromptTokens())
-	assert.Equal(t, uint64(2), last.GetGenerationTokens())
+	prompt, generated := sumStats(chunks)
+	assert.Equal(t, uint64(100), prompt)
+	assert.Equal(t, uint64(2), generated)
 	assert.Equal(t, uint64(64), last.GetPromptTokensLocalCacheHit())
 	assert.Equal(t, uint64(36), last.GetPromptTokensLocalCompute())
 
@@ -97,6 +115,34 @@ func TestUsageAndFinish(t *testing.T) {
 	}
 }
 
+// TestNullFinishIsStop: a stream the upstream ends itself ([DONE]) with
+// finish_reason null (Ollama) or an unknown reason ended normally: stop.
+func TestNullFinishIsStop(t *testing.T) {
+	for name, handler := range map[string]http.HandlerFunc{
+		"done without finish": func(w http.ResponseWriter, _ *http.Request) {
+			sse(w, delta("one"), delta(" two"), "[DONE]")
+		},
+		"null finish and usage": func(w http.ResponseWriter, _ *http.Request) {
+			sse(w, delta("one"), delta(" two"), `{"choices":[{"index":0,"delta":{},"finish_reason":null}]}`, usageEvent(3, 2, 0), "[DONE]")
+		},
+		"unknown finish": func(w http.ResponseWriter, _ *http.Request) {
+			sse(w, delta("one"), delta(" two"), finish("eos_token"), "[DONE]")
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			f := newFake(t)
+			f.route("POST /v1/chat/completions", handler)
+			e := startText(t, openai.Config{URL: f.URL})
+			chunks, err := collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
+			require.NoError(t, err)
+			assert.Equal(t, "one two", joinText(chunks))
+			assert.Equal(t, stagepb.FinishReason_FINISH_REASON_STOP, chunks[len(chunks)-1].GetFinishReason())
+			_, generated := sumStats(chunks)
+			assert.Equal(t, uint64(2), generated)
+		})
+	}
+}
+
 // TestStreamCut: an upstream that dies mid-answer, or ends its stream
 // without finishing, is a stage failure (Unavailable), never a truncated
 // success: no chunk with a finish reason is emitted.
@@ -108,9 +154,6 @@ func TestStreamCut(t *testing.T) {
 		},
 		"ends without finish": func(w http.ResponseWriter, _ *http.Request) {
 			sse(w, delta("one"), delta(" two"))
-		},
-		"done without finish": func(w http.ResponseWriter, _ *http.Request) {
-			sse(w, delta("one"), delta(" two"), "[DONE]")
 		},
 		"error event": func(w http.ResponseWriter, _ *http.Request) {
 			sse(w, delta("one"), delta(" two"), `{"error":{"message":"engine died","type":"InternalServerError","code":500}}`)
@@ -150,7 +193,7 @@ func TestStatusCodes(t *testing.T) {
 		{502, ``, codes.Unavailable, "Bad Gateway"},
 		{500, `{"error":{"message":"boom"}}`, codes.Internal, "boom"},
 		{401, `{"error":{"message":"bad key"}}`, codes.Unauthenticated, "bad key"},
-		{404, `{"error":{"message":"The model m does not exist."}}`, codes.NotFound, "does not exist"},
+		{404, `{"error":{"message":"The model m does not exist."}}`, codes.Internal, "does not exist"}, // at runtime, as docs/engines.md says
 	} {
 		f := newFake(t)
 		f.route("POST /v1/chat/completions", func(w http.ResponseWriter, _ *http.Request) {
@@ -317,4 +360,94 @@ func TestConnectionsReused(t *testing.T) {
 		require.Equal(t, "ok", joinText(chunks))
 	}
 	assert.LessOrEqual(t, conns.Load()-before, int32(1), "one connection for 20 sequential requests")
+}
+
+// contUsage is a chat chunk with text and vLLM's continuous usage: the
+// counts so far, this chunk included.
+func contUsage(s string, prompt, completion int) string {
+	b, _ := json.Marshal(map[string]any{"object": "chat.completion.chunk",
+		"choices": []any{map[string]any{"index": 0, "delta": map[string]any{"content": s}, "finish_reason": nil}},
+		"usage":   map[string]any{"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
+	return string(b)
+}
+
+// TestTokenAccounting: every text chunk carries the tokens it holds, so
+// the counts are right when the answer is cut, and they add up to the
+// upstream's final usage: one token per delta; several per delta reported
+// on every chunk (vLLM's continuous usage); several per delta with usage
+// only at the end (the final chunk makes up the difference).
+func TestTokenAccounting(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		vllm      bool
+		events    []string
+		perChunk  []uint64 // generation tokens of the text chunks
+		final     uint64
+		prompt    uint64 // on the first text chunk
+		wantTotal uint64
+	}{
+		{"one per delta", false, []string{delta("a"), delta("b"), delta("c"), finish("stop"), usageEvent(7, 3, 0), "[DONE]"}, []uint64{1, 1, 1}, 0, 0, 3},
+		{"several per delta, usage on each", true, []string{contUsage("ab", 7, 2), contUsage("cde", 7, 5), contUsage("f", 7, 6), finish("length"), usageEvent(7, 6, 0), "[DONE]"}, []uint64{2, 3, 1}, 0, 7, 6},
+		{"several per delta, usage at the end", false, []string{delta("ab"), delta("cde"), finish("stop"), usageEvent(7, 5, 0), "[DONE]"}, []uint64{1, 1}, 3, 0, 5},
+		{"no usage at all", false, []string{delta("ab"), delta("cd"), finish("stop"), "[DONE]"}, []uint64{1, 1}, 0, 0, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFake(t)
+			if tc.vllm {
+				f = newVLLM(t)
+			}
+			f.route("POST /v1/chat/completions", func(w http.ResponseWriter, _ *http.Request) { sse(w, tc.events...) })
+			e := startText(t, openai.Config{URL: f.URL})
+			chunks, err := collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
+			require.NoError(t, err)
+			require.Len(t, chunks, len(tc.perChunk)+1)
+			for i, want := range tc.perChunk {
+				assert.Equal(t, want, chunks[i].GetStats().GetGenerationTokens(), "chunk %d", i)
+			}
+			assert.Equal(t, tc.prompt, chunks[0].GetStats().GetPromptTokens(), "prompt tokens on the first chunk when usage comes with it")
+			assert.Equal(t, tc.final, chunks[len(chunks)-1].GetStats().GetGenerationTokens(), "the final chunk adds what the usage says beyond")
+			prompt, generated := sumStats(chunks)
+			assert.Equal(t, tc.wantTotal, generated)
+			if tc.name != "no usage at all" {
+				assert.Equal(t, uint64(7), prompt, "the prompt is counted once")
+			}
+		})
+	}
+}
+
+// TestInFlightLoad: an upstream without /metrics: the gauges are the
+// requests this worker has in flight.
+func TestInFlightLoad(t *testing.T) {
+	f := newFake(t)
+	release := make(chan struct{})
+	started := make(chan struct{}, 3)
+	f.route("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
+		sse(w, delta("a"))
+		started <- struct{}{}
+		select {
+		case <-release:
+		case <-r.Context().Done():
+			return
+		}
+		sse(w, finish("stop"), "[DONE]")
+	})
+	e := startText(t, openai.Config{URL: f.URL, HealthInterval: 10 * time.Millisecond})
+	ctx := testCtx(t)
+	errs := make(chan error, 3)
+	for range 3 {
+		go func() { _, err := collect(ctx, e, chatReq(nil, msg("user", "x"))); errs <- err }()
+	}
+	for range 3 {
+		<-started
+	}
+	assert.Equal(t, uint32(3), e.Health().GetGauges().GetNumRequestsRunning())
+	close(release)
+	for range 3 {
+		require.NoError(t, <-errs)
+	}
+	assert.Equal(t, uint32(0), e.Health().GetGauges().GetNumRequestsRunning())
+	chunks, err := collect(ctx, e, chatReq(nil, msg("user", "x")))
+	require.NoError(t, err)
+	assert.Equal(t, uint32(1), chunks[0].GetStats().GetNumRequestsRunning(), "a chunk counts its own request")
+	assert.Equal(t, uint32(0), chunks[len(chunks)-1].GetStats().GetNumRequestsRunning(), "the final chunk no longer does: the replica is idle after it")
 }

@@ -179,6 +179,7 @@ type fake struct {
 	routes  map[string]http.HandlerFunc
 	bodies  []map[string]any // decoded JSON bodies of POSTs, in order
 	headers []http.Header
+	ownedBy string // the model's owned_by in /v1/models ("vllm": a vLLM server)
 }
 
 // newFake serves /health and /v1/models (model "m") until routes say
@@ -190,10 +191,13 @@ func newFakeWith(t testing.TB, tweak func(*http.Server)) *fake {
 	t.Helper()
 	f := &fake{routes: map[string]http.HandlerFunc{
 		"GET /health": func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) },
-		"GET /v1/models": func(w http.ResponseWriter, _ *http.Request) {
-			_, _ = io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model"}]}`)
-		},
 	}}
+	f.routes["GET /v1/models"] = func(w http.ResponseWriter, _ *http.Request) {
+		f.mu.Lock()
+		owner := f.ownedBy
+		f.mu.Unlock()
+		_, _ = io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model","owned_by":"`+owner+`"}]}`)
+	}
 	f.Server = httptest.NewUnstartedServer(http.HandlerFunc(f.serve))
 	if tweak != nil {
 		tweak(f.Config)
@@ -201,6 +205,26 @@ func newFakeWith(t testing.TB, tweak func(*http.Server)) *fake {
 	f.Start()
 	t.Cleanup(f.Close)
 	return f
+}
+
+// newVLLM is newFake saying it is vLLM (owned_by "vllm"): it continues
+// chat answers and reports usage on every chunk.
+func newVLLM(t testing.TB) *fake {
+	t.Helper()
+	f := newFake(t)
+	f.mu.Lock()
+	f.ownedBy = "vllm"
+	f.mu.Unlock()
+	return f
+}
+
+// sumStats adds up the token counts of all chunks, as the head does.
+func sumStats(chunks []*stagepb.GenerateChunk) (prompt, generated uint64) {
+	for _, c := range chunks {
+		prompt += c.GetStats().GetPromptTokens()
+		generated += c.GetStats().GetGenerationTokens()
+	}
+	return prompt, generated
 }
 
 func (f *fake) serve(w http.ResponseWriter, r *http.Request) {

@@ -140,7 +140,8 @@ func (u *upstream) check(ctx context.Context) error {
 	}
 	var list struct {
 		Data []struct {
-			ID string `json:"id"`
+			ID      string `json:"id"`
+			OwnedBy string `json:"owned_by"`
 		} `json:"data"`
 	}
 	code, err := u.get(ctx, u.base+"/models", &list)
@@ -161,11 +162,13 @@ func (u *upstream) check(ctx context.Context) error {
 	want := u.Model()
 	if want == "" {
 		u.model.Store(&ids[0])
-		return nil
+		want = ids[0]
 	}
-	if !slices.Contains(ids, want) {
+	i := slices.Index(ids, want)
+	if i < 0 {
 		return errFatal{fmt.Errorf("%w: upstream %s does not serve model %q (it lists %q); check --upstream-model", ErrModelNotFound, u.base, want, ids)}
 	}
+	u.ownedBy.Store(&list.Data[i].OwnedBy)
 	return nil
 }
 

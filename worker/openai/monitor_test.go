@@ -1,6 +1,7 @@
 package openai_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"encoding/binary"
@@ -8,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"log/slog"
 	"math"
 	"net/http"
 	"net/http/httptest"
@@ -70,7 +72,7 @@ func metricsFrom(f *fake, text *atomic.Pointer[string]) *atomic.Int32 {
 
 // startWorker serves eng as a replica of stage in the cluster's etcd,
 // with its monitor running, until the test ends.
-func startWorker(t *testing.T, c *orchestratortest.Cluster, stage string, eng interface {
+func startWorker(t testing.TB, c *orchestratortest.Cluster, stage string, eng interface {
 	worker.Engine
 	runner
 }) *worker.Server {
@@ -109,7 +111,8 @@ func startWorker(t *testing.T, c *orchestratortest.Cluster, stage string, eng in
 // routes nothing to it, Health says NOT_SERVING and why), and brings it
 // back under the same replica id when it answers again.
 func TestFlappingUpstream(t *testing.T) {
-	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1})
+	var headLog lockedBuffer
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1, Logger: slog.New(slog.NewJSONHandler(&headLog, nil))})
 	f := newFake(t)
 	served := chatting(f)
 	down := flappy(f)
@@ -132,6 +135,9 @@ func TestFlappingUpstream(t *testing.T) {
 	for round := range 2 {
 		down.Store(true)
 		c.WaitState(t, "thinker", id, "detached")
+		require.Eventually(t, func() bool { return strings.Contains(headLog.String(), `"reason":"left: not serving: `) }, wait, 5*time.Millisecond,
+			"the head says why the replica left: its Health's message, not \"does not answer\"")
+		assert.NotContains(t, headLog.String(), "does not answer")
 		h, err := stage.Health(testCtx(t), &stagepb.HealthRequest{})
 		require.NoError(t, err)
 		assert.Equal(t, stagepb.ServingStatus_SERVING_STATUS_NOT_SERVING, h.GetStatus())
@@ -490,3 +496,21 @@ func TestUpstreamCA(t *testing.T) {
 func containsOnce(s, sub string) bool { return strings.Count(s, sub) == 1 }
 
 func replaceOnce(s, old, repl string) string { return strings.Replace(s, old, repl, 1) }
+
+// lockedBuffer is a log sink safe for concurrent writers.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}

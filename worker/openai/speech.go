@@ -66,6 +66,7 @@ func (e *SpeechEngine) Generate(ctx context.Context, req *stagepb.GenerateReques
 	if err := e.admit(); err != nil {
 		return err
 	}
+	defer e.track()()
 	text, ok := req.SpeechText()
 	if !ok {
 		return status.Errorf(codes.InvalidArgument, "openai: a speech stage takes text or chat input, got %T", req.GetInput())

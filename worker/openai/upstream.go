@@ -206,6 +206,35 @@ type upstream struct {
 	// Prefix-cache counter increases the upstream reported since the last
 	// chunk that carried them (see takeCounters).
 	pendingQueries, pendingHits atomic.Uint64
+
+	ownedBy  atomic.Pointer[string] // the model's owned_by in /v1/models: which server it is
+	inFlight atomic.Int32           // requests this worker has at the upstream
+}
+
+// capabilities are what the upstream's server does beyond the OpenAI API,
+// known from the owned_by of its model (vLLM: "vllm", SGLang: "sglang").
+type capabilities struct {
+	continuousUsage bool // stream_options.continuous_usage_stats: usage on every chunk (vLLM, SGLang)
+	continueChat    bool // continue_final_message: continue the assistant's last turn (vLLM)
+}
+
+func (u *upstream) caps() capabilities {
+	owner := ""
+	if p := u.ownedBy.Load(); p != nil {
+		owner = *p
+	}
+	return capabilities{
+		continuousUsage: owner == "vllm" || owner == "sglang",
+		continueChat:    owner == "vllm",
+	}
+}
+
+// track counts a request in flight until the returned func is first
+// called (it may be called again).
+func (u *upstream) track() func() {
+	u.inFlight.Add(1)
+	var once sync.Once
+	return func() { once.Do(func() { u.inFlight.Add(-1) }) }
 }
 
 func newUpstream(cfg Config) (*upstream, error) {
@@ -274,12 +303,13 @@ func (u *upstream) health(engine, role string) *stagepb.HealthResponse {
 	}
 }
 
-// gauges is the latest scraped load as EngineStats snapshot fields; all
-// zero when the upstream exposes no metrics.
+// gauges is the latest scraped load as EngineStats snapshot fields. When
+// the upstream exposes no metrics, it is the load this worker put on it:
+// its requests in flight as running (the worker queues none).
 func (u *upstream) gauges() *stagepb.EngineStats {
 	l := u.load.Load()
-	if l == nil {
-		return &stagepb.EngineStats{}
+	if l == nil || u.noMetrics.Load() {
+		return &stagepb.EngineStats{NumRequestsRunning: uint32(max(u.inFlight.Load(), 0))}
 	}
 	return &stagepb.EngineStats{
 		NumRequestsRunning:         uint32(max(l.Running, 0)),
@@ -373,8 +403,8 @@ func unwrapURLError(err error) error {
 // that keeps its meaning: 400/413/422 are InvalidArgument with the
 // upstream's message (the client gets a 400 carrying it); 408, 429, 502,
 // 503 and 504 are Unavailable (the head may retry elsewhere); 401 and 403
-// are Unauthenticated and PermissionDenied; 404 is NotFound; other
-// statuses are Internal. It reads (a bounded part of) the body.
+// are Unauthenticated and PermissionDenied; other statuses (404
+// included: the model went away at runtime) are Internal. It reads (a bounded part of) the body.
 func statusError(resp *http.Response) error {
 	body, _ := io.ReadAll(io.LimitReader(resp.Body, errorBodyLimit))
 	msg := errorMessage(body)
@@ -391,8 +421,6 @@ func statusError(resp *http.Response) error {
 		code = codes.Unauthenticated
 	case http.StatusForbidden:
 		code = codes.PermissionDenied
-	case http.StatusNotFound:
-		code = codes.NotFound
 	default:
 		code = codes.Internal
 	}

@@ -205,6 +205,7 @@ func (e *Engine) Health() *stagepb.HealthResponse {
 		Engine:               EngineName,
 		Role:                 e.cfg.Role,
 		InputRole:            stagepb.InputRoleOf(e.cfg.Role),
+		ContinuesChat:        e.cfg.Role == stagepb.RoleText, // it reads the continuation after the rendered chat
 		NumSpeculativeTokens: uint32(e.cfg.NumSpeculativeTokens),
 		CacheConfig: &stagepb.CacheConfig{
 			BlockSize:           uint32(e.cfg.BlockSize),

@@ -216,6 +216,9 @@ type EngineInfo struct {
 	BlockSize int    // KV block size in tokens; 0: unknown
 	KVEvents  bool   // the engine reports stagepb.KvEvents on its chunks
 	Multiplex bool   // the worker serves StageService.Multiplex
+	// ContinuesChat: the engine continues a chat answer another replica
+	// began (HealthResponse.continues_chat), so a migration may go to it.
+	ContinuesChat bool
 }
 
 // Snapshot is an immutable view of the routable set. Safe for concurrent use.

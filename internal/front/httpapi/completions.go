@@ -235,6 +235,7 @@ func (s *Server) fail(w http.ResponseWriter, r *http.Request, stream *sseWriter,
 	id := requestIDFrom(r.Context())
 	if r.Context().Err() != nil || (stream != nil && stream.broken) {
 		s.log.InfoContext(r.Context(), "httpapi: client went away; request aborted", "request_id", id, "err", err)
+		clientGone(w)
 		return
 	}
 	e := fromBackend(err, id)
@@ -250,6 +251,29 @@ func (s *Server) fail(w http.ResponseWriter, r *http.Request, stream *sseWriter,
 		return
 	}
 	writeError(w, e)
+}
+
+// StatusClientClosedRequest is the status a request's log line and
+// troupe_http_requests_total give a request whose client went away before
+// any answer was written (nginx's 499); nothing is sent.
+const StatusClientClosedRequest = 499
+
+// clientGone records, on the response's statusWriter, that its client went
+// away before any status was written, so it is not counted as a 200.
+func clientGone(w http.ResponseWriter) {
+	for w != nil {
+		if sw, ok := w.(*statusWriter); ok {
+			if sw.status == 0 {
+				sw.status = StatusClientClosedRequest
+			}
+			return
+		}
+		u, ok := w.(interface{ Unwrap() http.ResponseWriter })
+		if !ok {
+			return
+		}
+		w = u.Unwrap()
+	}
 }
 
 // reject answers a request refused before it reached the head.

@@ -186,11 +186,12 @@ func fastDecodeMismatch(body []byte) (taken bool, mismatch string) {
 
 func TestFastDecodeTakesTheUsualRequest(t *testing.T) {
 	body := `{"model":"troupe-omni-sim","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}],` +
-		`"max_tokens":16,"temperature":0.7,"seed":3,"stream":true,"stream_options":{"include_usage":true},"top_p":0.9,"user":"u1"}`
+		`"max_tokens":16,"temperature":0.7,"seed":3,"stream":true,"stream_options":{"include_usage":true},"top_p":0.9,"store":false,"user":"u1"}`
 	var req chatRequest
 	ignored, ok := decodeChatFast([]byte(body), &req)
 	require.True(t, ok)
-	assert.Equal(t, []string{"top_p"}, ignored)
+	assert.Equal(t, []string{"store"}, ignored)
+	assert.InDelta(t, 0.9, *req.TopP, 1e-9)
 	assert.Equal(t, int64(16), *req.MaxTokens)
 	assert.True(t, *req.StreamOptions.IncludeUsage)
 	require.Len(t, req.Messages, 2)

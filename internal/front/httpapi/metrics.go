@@ -27,7 +27,8 @@ var httpDurationBuckets = []float64{
 
 // Metrics are the HTTP metrics of a head's API, with promhttp's conventions
 // (method lowercase, "unknown" for methods outside the standard set; code
-// the status code, 200 when the handler wrote none):
+// the status code, 200 when the handler wrote none, 499 when the client
+// went away before any status was written):
 //
 //   - troupe_http_requests_total{route,method,code}
 //   - troupe_http_request_duration_seconds{route,method}

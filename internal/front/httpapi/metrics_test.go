@@ -2,6 +2,7 @@ package httpapi
 
 import (
 	"bufio"
+	"context"
 	"net/http"
 	"strings"
 	"testing"
@@ -184,4 +185,35 @@ func familyNamed(t *testing.T, reg prometheus.Gatherer, name string) *dto.Metric
 	}
 	t.Fatalf("no family %s", name)
 	return nil
+}
+
+// TestClientGoneIs499: a whole-answer request whose client goes away
+// before the answer is written is counted as 499, not 200.
+func TestClientGoneIs499(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{ReplicasPerStage: -1, Sim: sim.Config{DecodeTokenLatency: 20 * time.Millisecond}})
+	w := c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
+	c.WaitState(t, "thinker", w.ReplicaID(), "attached")
+	m, err := NewMetrics(prometheus.NewRegistry())
+	require.NoError(t, err)
+	a := startAPI(t, c, Config{Metrics: m}, nil, nil)
+
+	ctx, cancel := context.WithCancel(testCtx(t))
+	req, err := http.NewRequestWithContext(ctx, "POST", a.base+"/v1/chat/completions", strings.NewReader(
+		`{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":200,"ignore_eos":true}`))
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() {
+		resp, err := a.client.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		done <- err
+	}()
+	require.Eventually(t, func() bool { return testutil.ToFloat64(m.inFlight) == 1 }, wait, time.Millisecond, "the request is in flight")
+	cancel()
+	require.Error(t, <-done)
+	require.Eventually(t, func() bool {
+		return testutil.ToFloat64(m.requests.WithLabelValues("/v1/chat/completions", "post", "499")) == 1
+	}, wait, 5*time.Millisecond, "counted as 499")
+	assert.Zero(t, testutil.ToFloat64(m.requests.WithLabelValues("/v1/chat/completions", "post", "200")))
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"reflect"
 	"slices"
 	"strconv"
@@ -43,6 +44,16 @@ type samplingFields struct {
 	Stop                json.RawMessage `json:"stop"`
 	IgnoreEOS           *bool           `json:"ignore_eos"` // vLLM extension
 	N                   *int64          `json:"n"`
+	// Sampling knobs passed on to stage 0 as given (SamplingParams); the
+	// engine honours them or documents that it does not (docs/api.md).
+	TopP              *float64        `json:"top_p"`
+	TopK              *int64          `json:"top_k"` // vLLM extension
+	MinP              *float64        `json:"min_p"` // vLLM extension
+	FrequencyPenalty  *float64        `json:"frequency_penalty"`
+	PresencePenalty   *float64        `json:"presence_penalty"`
+	RepetitionPenalty *float64        `json:"repetition_penalty"` // vLLM extension
+	LogitBias         json.RawMessage `json:"logit_bias"`         // {"token id": bias}
+	MinTokens         *int64          `json:"min_tokens"`         // vLLM extension
 	// Asked for, but not produced by troupe: refused when they ask for
 	// something (see refuseUnsupported).
 	ResponseFormat *responseFormat `json:"response_format"`
@@ -702,6 +713,7 @@ func (f *samplingFields) job(model string) (job, *apiError) {
 	switch {
 	case f.MaxCompletionTokens != nil:
 		sp.MaxTokens = uint32(*f.MaxCompletionTokens)
+		sp.MaxCompletionTokens = true
 	case f.MaxTokens != nil:
 		sp.MaxTokens = uint32(*f.MaxTokens)
 	}
@@ -724,6 +736,9 @@ func (f *samplingFields) job(model string) (job, *apiError) {
 	if f.IgnoreEOS != nil {
 		sp.IgnoreEos = *f.IgnoreEOS
 	}
+	if e := f.knobs(sp); e != nil {
+		return job{}, e
+	}
 	if e := f.refuseUnsupported(); e != nil {
 		return job{}, e
 	}
@@ -738,6 +753,67 @@ func (f *samplingFields) job(model string) (job, *apiError) {
 		j.includeUsage = *f.StreamOptions.IncludeUsage
 	}
 	return j, nil
+}
+
+// knobs checks the sampling knobs against the ranges OpenAI and vLLM
+// accept and sets those the client sent on sp.
+func (f *samplingFields) knobs(sp *stagepb.SamplingParams) *apiError {
+	for _, k := range []struct {
+		name   string
+		v      *float64
+		lo, hi float64
+		loOpen bool // lo itself is out of range
+		dst    **float32
+	}{
+		{"top_p", f.TopP, 0, 1, true, &sp.TopP},
+		{"min_p", f.MinP, 0, 1, false, &sp.MinP},
+		{"frequency_penalty", f.FrequencyPenalty, -2, 2, false, &sp.FrequencyPenalty},
+		{"presence_penalty", f.PresencePenalty, -2, 2, false, &sp.PresencePenalty},
+		{"repetition_penalty", f.RepetitionPenalty, 0, math.MaxFloat32, true, &sp.RepetitionPenalty},
+	} {
+		if k.v == nil {
+			continue
+		}
+		v := *k.v
+		switch {
+		case k.loOpen && (v <= k.lo || v > k.hi):
+			return badRequest(k.name, "invalid_value", "%s must be greater than %g and at most %g, got %g", k.name, k.lo, k.hi, v)
+		case v < k.lo || v > k.hi:
+			return badRequest(k.name, "invalid_value", "%s must be between %g and %g, got %g", k.name, k.lo, k.hi, v)
+		}
+		f32 := float32(v)
+		*k.dst = &f32
+	}
+	if f.TopK != nil {
+		if k := *f.TopK; k < -1 || k > MaxTokensLimit {
+			return badRequest("top_k", "invalid_value", "top_k must be -1 (off), 0 (off) or a positive number of tokens, got %d", k)
+		}
+		k := int32(*f.TopK)
+		sp.TopK = &k
+	}
+	if f.MinTokens != nil {
+		if n := *f.MinTokens; n < 0 || n > MaxTokensLimit {
+			return badRequest("min_tokens", "invalid_value", "min_tokens must be between 0 and %d, got %d", MaxTokensLimit, n)
+		}
+		sp.MinTokens = uint32(*f.MinTokens)
+	}
+	if !isNull(f.LogitBias) {
+		var bias map[string]float64
+		if err := json.Unmarshal(f.LogitBias, &bias); err != nil {
+			return badRequest("logit_bias", "invalid_type", "invalid type for \"logit_bias\": expected an object of token ids to numbers")
+		}
+		sp.LogitBias = make(map[string]float32, len(bias))
+		for id, b := range bias {
+			if _, err := strconv.ParseUint(id, 10, 32); err != nil {
+				return badRequest("logit_bias", "invalid_value", "logit_bias key %q is not a token id", id)
+			}
+			if b < -100 || b > 100 {
+				return badRequest("logit_bias", "invalid_value", "logit_bias of token %s must be between -100 and 100, got %g", id, b)
+			}
+			sp.LogitBias[id] = float32(b)
+		}
+	}
+	return nil
 }
 
 // stopSequences accepts null, a string, or an array of strings.

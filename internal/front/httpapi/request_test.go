@@ -220,12 +220,14 @@ func TestIgnoredParams(t *testing.T) {
 		"top_p":0.9,"user":"u1","tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"auto",
 		"logprobs":false,"top_logprobs":0,"response_format":{"type":"text"},"frequency_penalty":null,"max_token":5}`), testModel)
 	require.Nil(t, e)
-	assert.Equal(t, []string{"max_token", "tools", "top_p"}, j.ignored, "user is a session key, not ignored")
+	assert.Equal(t, []string{"max_token", "tools"}, j.ignored, "user is a session key, not ignored; top_p is passed on")
+	assert.InDelta(t, 0.9, j.sampling.GetTopP(), 1e-6)
 
-	j, e = parseCompletion([]byte(`{"model":"troupe-omni-sim","prompt":"a","echo":true,"presence_penalty":1,"suffix":"","best_of":1}`), testModel)
+	j, e = parseCompletion([]byte(`{"model":"troupe-omni-sim","prompt":"a","echo":true,"presence_penalty":1,"metadata":{"k":"v"},"suffix":"","best_of":1}`), testModel)
 	require.Nil(t, e)
 	assert.True(t, j.echo)
-	assert.Equal(t, []string{"presence_penalty"}, j.ignored)
+	assert.Equal(t, []string{"metadata"}, j.ignored, "presence_penalty is passed on")
+	assert.InDelta(t, 1, j.sampling.GetPresencePenalty(), 1e-6)
 
 	j, e = parseChat([]byte(`{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}]}`), testModel)
 	require.Nil(t, e)
@@ -243,5 +245,44 @@ func BenchmarkParseChat(b *testing.B) {
 		if _, e := parseChat(body, "troupe-omni-sim"); e != nil {
 			b.Fatal(e)
 		}
+	}
+}
+
+// TestSamplingKnobs: the OpenAI and vLLM sampling knobs are passed on as
+// given, within the ranges those APIs accept.
+func TestSamplingKnobs(t *testing.T) {
+	j, e := parseChat([]byte(`{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],
+		"top_p":0.5,"top_k":40,"min_p":0.05,"frequency_penalty":-0.5,"presence_penalty":1.5,"repetition_penalty":1.1,
+		"logit_bias":{"50256":-100,"7":2.5},"min_tokens":3,"max_completion_tokens":20}`), testModel)
+	require.Nil(t, e)
+	sp := j.sampling
+	assert.Empty(t, j.ignored)
+	assert.InDelta(t, 0.5, sp.GetTopP(), 1e-6)
+	assert.Equal(t, int32(40), sp.GetTopK())
+	assert.InDelta(t, 0.05, sp.GetMinP(), 1e-6)
+	assert.InDelta(t, -0.5, sp.GetFrequencyPenalty(), 1e-6)
+	assert.InDelta(t, 1.5, sp.GetPresencePenalty(), 1e-6)
+	assert.InDelta(t, 1.1, sp.GetRepetitionPenalty(), 1e-6)
+	assert.Equal(t, map[string]float32{"50256": -100, "7": 2.5}, sp.GetLogitBias())
+	assert.Equal(t, uint32(3), sp.GetMinTokens())
+	assert.True(t, sp.GetMaxCompletionTokens())
+
+	for body, param := range map[string]string{
+		`"top_p":0`:               "top_p",
+		`"top_p":1.5`:             "top_p",
+		`"min_p":-0.1`:            "min_p",
+		`"frequency_penalty":2.5`: "frequency_penalty",
+		`"presence_penalty":-3`:   "presence_penalty",
+		`"repetition_penalty":0`:  "repetition_penalty",
+		`"top_k":-2`:              "top_k",
+		`"min_tokens":-1`:         "min_tokens",
+		`"logit_bias":{"abc":1}`:  "logit_bias",
+		`"logit_bias":{"1":101}`:  "logit_bias",
+		`"logit_bias":[1]`:        "logit_bias",
+	} {
+		_, e := parseChat([]byte(`{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],`+body+`}`), testModel)
+		require.NotNil(t, e, body)
+		assert.Equal(t, param, e.Param, body)
+		assert.Equal(t, 400, e.Status, body)
 	}
 }
