@@ -94,6 +94,10 @@ func Serve(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame], 
 			return err
 		case <-stop:
 			return nil
+		case <-ctx.Done():
+			// The stream ended (the head went, the server stopped): the
+			// receiver may have returned on ctx without a Recv error.
+			return ctx.Err()
 		}
 		id := f.GetId()
 		switch {
