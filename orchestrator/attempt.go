@@ -521,6 +521,22 @@ func (h *Head) open(ctx context.Context, a *attemptRun, stall *stallWatch) (stre
 	return h.openGenerate(ctx, a.rep, a.in)
 }
 
+// openGenerate starts req on rep: over the replica's Multiplex stream,
+// carrying its deadline and, from a tracing head, its trace context; as a
+// Generate RPC of its own only to an older worker, which does not serve
+// Multiplex.
+func (h *Head) openGenerate(ctx context.Context, rep *router.Replica, req *stagepb.GenerateRequest) (chunkStream, func(), error) {
+	if rep.Engine.Multiplex {
+		call, err := rep.Mux.Generate(ctx, req, h.callTracer, h.callOptions()...)
+		if err != nil {
+			return nil, func() {}, err
+		}
+		return call, call.Close, nil
+	}
+	stream, err := rep.Client.Generate(ctx, req, h.callOptions()...)
+	return stream, func() {}, err
+}
+
 // callOptions set the gRPC message limits of a call to a replica (gRPC's
 // default would stop at 4 MiB received).
 func (h *Head) callOptions() []grpc.CallOption { return h.calls }

@@ -11,7 +11,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/internal/core/stats"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
@@ -298,22 +297,6 @@ func requestAttributes(req Request, model string) []attribute.KeyValue {
 // chunkStream is the receiving side of Generate and GenerateStream.
 type chunkStream interface {
 	Recv() (*stagepb.GenerateChunk, error)
-}
-
-// openGenerate starts req on rep: over the replica's Multiplex stream,
-// carrying its deadline and, from a tracing head, its trace context; as a
-// Generate RPC of its own only to an older worker, which does not serve
-// Multiplex.
-func (h *Head) openGenerate(ctx context.Context, rep *router.Replica, req *stagepb.GenerateRequest) (chunkStream, func(), error) {
-	if rep.Engine.Multiplex {
-		call, err := rep.Mux.Generate(ctx, req, h.callTracer, h.callOptions()...)
-		if err != nil {
-			return nil, func() {}, err
-		}
-		return call, call.Close, nil
-	}
-	stream, err := rep.Client.Generate(ctx, req, h.callOptions()...)
-	return stream, func() {}, err
 }
 
 // internalSpan is the start option of the head's own spans, built once.
