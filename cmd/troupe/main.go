@@ -39,6 +39,8 @@ func init() {
 		{name: "healthcheck", args: "URL|grpc://HOST:PORT[/SERVICE]", summary: "exit 0 when a URL answers 2xx, or a gRPC health service SERVING", run: runHealthcheck},
 		{name: "trace", args: "TRACE_ID", summary: "print one trace from Jaeger as a waterfall",
 			detail: "TRACE_ID is a trace id (32 hex digits) or a whole traceparent header value; flags may come before or after it.", run: runTrace},
+		{name: "bench", args: "[compare A.json B.json]", summary: "load a troupe head (or any OpenAI-compatible server) and report latencies, throughput and goodput",
+			detail: benchDetail, run: runBench},
 		{name: "version", summary: "print the version and the build's VCS revision", run: runVersion},
 		{name: "help", args: "[COMMAND]", summary: "show the help of a command", run: runHelp},
 	}

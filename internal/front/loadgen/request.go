@@ -1,0 +1,260 @@
+package loadgen
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+)
+
+// Outcome is how a request ended.
+type Outcome string
+
+const (
+	OutcomeOK     Outcome = "ok"
+	OutcomeShed   Outcome = "shed"   // 429 or 503: the server refused the load
+	OutcomeFailed Outcome = "failed" // any other status, a transport error, a broken stream
+)
+
+// Record is what the client saw of one request. Durations are in
+// milliseconds from the moment the request was sent; zero when not seen.
+type Record struct {
+	Outcome Outcome `json:"outcome"`
+	Status  int     `json:"status,omitempty"`
+	Error   string  `json:"error,omitempty"`
+	// ScheduledMS is when the request was due, from the start of the run;
+	// LateMS how much later it was sent (a client that cannot keep up).
+	ScheduledMS float64 `json:"scheduled_ms"`
+	LateMS      float64 `json:"late_ms,omitempty"`
+	TTFTMS      float64 `json:"ttft_ms,omitempty"`
+	// ITLMS are the gaps between consecutive text deltas.
+	ITLMS  []float64 `json:"itl_ms,omitempty"`
+	TTFAMS float64   `json:"ttfa_ms,omitempty"`
+	E2EMS  float64   `json:"e2e_ms"`
+	Deltas int       `json:"deltas,omitempty"`
+	// AudioSeconds is the PCM16 audio received at the sample rate.
+	AudioSeconds float64 `json:"audio_seconds,omitempty"`
+	// RTF is audio seconds per wall second from the first audio to the
+	// end of the answer (the wall time at least 1 ms).
+	RTF float64 `json:"rtf,omitempty"`
+	// Underruns counts the moments a player that started at the first
+	// audio had played everything received before more came.
+	Underruns int    `json:"underruns,omitempty"`
+	answer    string // the text, for the next turn of a conversation
+}
+
+// meanITL is the request's mean inter-token latency (0: none).
+func (r Record) meanITL() float64 {
+	if len(r.ITLMS) == 0 {
+		return 0
+	}
+	var s float64
+	for _, v := range r.ITLMS {
+		s += v
+	}
+	return s / float64(len(r.ITLMS))
+}
+
+// client sends requests and measures them.
+type client struct {
+	http       *http.Client
+	url        string // the chat completions URL
+	model      string
+	apiKey     string
+	voice      string
+	sampleRate int
+	ignoreEOS  bool
+	timeout    time.Duration
+}
+
+type chatBody struct {
+	Model         string         `json:"model"`
+	Messages      []Message      `json:"messages"`
+	MaxTokens     int            `json:"max_tokens,omitempty"`
+	Stream        bool           `json:"stream,omitempty"`
+	Modalities    []string       `json:"modalities,omitempty"`
+	Audio         map[string]any `json:"audio,omitempty"`
+	User          string         `json:"user,omitempty"`
+	IgnoreEOS     bool           `json:"ignore_eos,omitempty"`
+	StreamOptions map[string]any `json:"stream_options,omitempty"`
+}
+
+// do sends req and measures its answer.
+func (c *client) do(ctx context.Context, req Request) Record {
+	body := chatBody{Model: c.model, Messages: req.Messages, MaxTokens: req.MaxTokens, Stream: req.streamed(),
+		Modalities: req.Modalities, User: req.Session, IgnoreEOS: c.ignoreEOS}
+	if len(body.Messages) == 0 {
+		body.Messages = []Message{{Role: "user", Content: req.Prompt}}
+	}
+	if req.audio() {
+		body.Audio = map[string]any{"voice": c.voice, "format": "pcm16"}
+	}
+	data, err := json.Marshal(body)
+	if err != nil {
+		return Record{Outcome: OutcomeFailed, Error: err.Error()}
+	}
+	if c.timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, c.timeout)
+		defer cancel()
+	}
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, c.url, bytes.NewReader(data))
+	if err != nil {
+		return Record{Outcome: OutcomeFailed, Error: err.Error()}
+	}
+	hreq.Header.Set("Content-Type", "application/json")
+	if c.apiKey != "" {
+		hreq.Header.Set("Authorization", "Bearer "+c.apiKey)
+	}
+	start := time.Now()
+	since := func() float64 { return float64(time.Since(start)) / float64(time.Millisecond) }
+	var rec Record
+	resp, err := c.http.Do(hreq)
+	if err != nil {
+		rec.Outcome, rec.Error, rec.E2EMS = OutcomeFailed, err.Error(), since()
+		return rec
+	}
+	defer resp.Body.Close()
+	rec.Status = resp.StatusCode
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		rec.Outcome, rec.E2EMS = OutcomeFailed, since()
+		if resp.StatusCode == http.StatusTooManyRequests || resp.StatusCode == http.StatusServiceUnavailable {
+			rec.Outcome = OutcomeShed
+		}
+		rec.Error = fmt.Sprintf("status %d: %s", resp.StatusCode, strings.TrimSpace(string(msg)))
+		return rec
+	}
+	if !req.streamed() {
+		err = c.readWhole(resp.Body, &rec)
+		rec.TTFTMS = since()
+	} else {
+		err = c.readStream(resp.Body, &rec, since)
+	}
+	rec.E2EMS = since()
+	if err != nil {
+		rec.Outcome, rec.Error = OutcomeFailed, err.Error()
+		return rec
+	}
+	rec.Outcome = OutcomeOK
+	return rec
+}
+
+func (c *client) readWhole(r io.Reader, rec *Record) error {
+	var a struct {
+		Choices []struct {
+			Message struct {
+				Content string `json:"content"`
+				Audio   *struct {
+					Data string `json:"data"`
+				} `json:"audio"`
+			} `json:"message"`
+		} `json:"choices"`
+	}
+	if err := json.NewDecoder(r).Decode(&a); err != nil {
+		return fmt.Errorf("loadgen: decoding the answer: %w", err)
+	}
+	if len(a.Choices) == 0 {
+		return fmt.Errorf("loadgen: an answer without choices")
+	}
+	rec.answer = a.Choices[0].Message.Content
+	return nil
+}
+
+// player models a client playing the audio as it comes, from the first
+// piece on: buffered is the audio received and not yet played.
+type player struct {
+	last     float64 // ms of the last piece
+	buffered float64 // ms
+}
+
+// readStream reads server-sent events: text deltas and PCM16 audio deltas.
+func (c *client) readStream(r io.Reader, rec *Record, since func() float64) error {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64*1024), 16*1024*1024)
+	var text strings.Builder
+	var lastDelta, firstAudio float64
+	var p player
+	done := false
+	for sc.Scan() {
+		data, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
+		if !ok {
+			continue
+		}
+		if string(data) == "[DONE]" {
+			done = true
+			continue
+		}
+		var ev struct {
+			Choices []struct {
+				Delta struct {
+					Content string `json:"content"`
+					Audio   *struct {
+						Data string `json:"data"`
+					} `json:"audio"`
+				} `json:"delta"`
+			} `json:"choices"`
+			Error json.RawMessage `json:"error"`
+		}
+		if err := json.Unmarshal(data, &ev); err != nil {
+			return fmt.Errorf("loadgen: decoding an event: %w", err)
+		}
+		if len(ev.Error) > 0 && string(ev.Error) != "null" {
+			return fmt.Errorf("loadgen: error event: %s", ev.Error)
+		}
+		if len(ev.Choices) == 0 {
+			continue
+		}
+		now := since()
+		d := ev.Choices[0].Delta
+		if d.Content != "" {
+			if rec.Deltas == 0 {
+				rec.TTFTMS = now
+			} else {
+				rec.ITLMS = append(rec.ITLMS, now-lastDelta)
+			}
+			rec.Deltas++
+			lastDelta = now
+			text.WriteString(d.Content)
+		}
+		if d.Audio != nil && d.Audio.Data != "" {
+			n := base64.StdEncoding.DecodedLen(len(d.Audio.Data))
+			pcm, err := base64.StdEncoding.DecodeString(d.Audio.Data)
+			if err == nil {
+				n = len(pcm)
+			}
+			sec := float64(n/2) / float64(c.sampleRate)
+			if rec.AudioSeconds == 0 {
+				rec.TTFAMS, firstAudio = now, now
+			} else {
+				played := now - p.last
+				if played > p.buffered {
+					rec.Underruns++
+					p.buffered = 0
+				} else {
+					p.buffered -= played
+				}
+			}
+			p.last = now
+			p.buffered += sec * 1000
+			rec.AudioSeconds += sec
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return fmt.Errorf("loadgen: reading the stream: %w", err)
+	}
+	if !done {
+		return fmt.Errorf("loadgen: the stream ended without [DONE]")
+	}
+	if rec.AudioSeconds > 0 {
+		rec.RTF = rec.AudioSeconds * 1000 / max(since()-firstAudio, 1)
+	}
+	rec.answer = text.String()
+	return nil
+}
