@@ -35,6 +35,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/pkg/clusterauth"
 	"github.com/troupe-serving/troupe/pkg/stagemux"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
@@ -98,7 +99,12 @@ type Config struct {
 	LeaseTTL     time.Duration // default membership's (10s)
 	DrainTimeout time.Duration // how long in-flight requests may finish at shutdown; default 30s
 	TLS          *tls.Config   // server TLS (see pkg/tlsconfig); nil: plaintext
-	Engine       Engine        // required
+	// ClusterToken, when set, must come with every RPC but the
+	// grpc.health.v1 probes (see pkg/clusterauth); a caller without it
+	// gets Unauthenticated. Empty: any caller that reaches the port is
+	// served (mutual TLS, TLS with a CA, is then the only check).
+	ClusterToken string
+	Engine       Engine // required
 	// Member record metadata.
 	EngineName string // default: what Engine.Health reports
 	Model      string
@@ -214,6 +220,14 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.TLS != nil {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg.TLS)))
+	}
+	if cfg.ClusterToken != "" {
+		auth, err := clusterauth.ServerOptions(cfg.ClusterToken)
+		if err != nil {
+			lis.Close()
+			return nil, fmt.Errorf("worker: %w", err)
+		}
+		opts = append(opts, auth...)
 	}
 	s.grpc = grpc.NewServer(append(opts, cfg.ServerOptions...)...)
 	stagepb.RegisterStageServiceServer(s.grpc, &service{s: s})

@@ -32,6 +32,7 @@ import (
 	"github.com/troupe-serving/troupe/internal/front/httpapi"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/pkg/clusterauth"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 	"github.com/troupe-serving/troupe/pkg/tokenizers"
@@ -182,6 +183,10 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	if err != nil {
 		return err
 	}
+	token, err := hf.tls.token()
+	if err != nil {
+		return err
+	}
 
 	// metrics is gathered on /metrics; the per-replica stats are not on it
 	// (they are written by the head, the API's Exposer, see
@@ -198,6 +203,9 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		// (orchestrator.runStage); gRPC's transparent retry would only
 		// buffer every message sent for a retry that is never wanted.
 		grpc.WithDisableRetry(),
+	}
+	if token != "" {
+		dialOpts = append(dialOpts, clusterauth.DialOption(token))
 	}
 	if tp.Enabled() {
 		// Only a head that exports traces propagates them to its workers:
