@@ -492,6 +492,53 @@ func TestAuth(t *testing.T) {
 	assert.Equal(t, http.StatusUnauthorized, apiErrorOf(t, err).StatusCode)
 }
 
+// TestAdminKey: the inference key cannot put replicas to sleep. With an
+// admin key, only it opens the admin routes (the API key gets 403) (and it opens the others too);
+// without one, the API key reads /v1/replicas but sleep and wake_up are 403.
+func TestAdminKey(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	bearer := func(k string) http.Header { return http.Header{"Authorization": {"Bearer " + k}} }
+
+	a := startAPI(t, c, Config{APIKey: "infer", AdminAPIKey: "admin", Gatherer: c.Metrics}, nil, nil)
+	for _, route := range []struct{ method, path string }{
+		{"GET", "/v1/replicas"}, {"POST", "/v1/replicas/thinker/0/sleep"}, {"POST", "/v1/replicas/thinker/0/wake_up"},
+	} {
+		resp, b := a.do(t, route.method, route.path, nil, bearer("infer"))
+		wantError(t, resp, b, http.StatusForbidden, typePermission, "admin_key_required")
+		resp, b = a.do(t, route.method, route.path, nil, nil)
+		wantError(t, resp, b, http.StatusUnauthorized, typeAuthentication, "invalid_api_key")
+	}
+	resp, b := a.do(t, "POST", "/v1/replicas/thinker/0/sleep?level=1", nil, bearer("admin"))
+	require.Equal(t, http.StatusOK, resp.StatusCode, "%s", b)
+	resp, b = a.do(t, "POST", "/v1/replicas/thinker/0/wake_up", nil, bearer("admin"))
+	require.Equal(t, http.StatusOK, resp.StatusCode, "%s", b)
+	resp, b = a.do(t, "GET", "/v1/replicas", nil, bearer("admin"))
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "%s", b)
+	for _, k := range []string{"infer", "admin"} {
+		resp, b = a.do(t, "GET", "/v1/models", nil, bearer(k))
+		assert.Equal(t, http.StatusOK, resp.StatusCode, "%s: %s", k, b)
+	}
+	resp, b = a.do(t, "GET", "/v1/models", nil, bearer("wrong"))
+	wantError(t, resp, b, http.StatusUnauthorized, typeAuthentication, "invalid_api_key")
+
+	// No admin key: the API key reads the replicas but puts none to sleep.
+	a = startAPI(t, c, Config{APIKey: "infer", Gatherer: c.Metrics}, nil, nil)
+	resp, b = a.do(t, "GET", "/v1/replicas", nil, bearer("infer"))
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "%s", b)
+	for _, path := range []string{"/v1/replicas/thinker/0/sleep", "/v1/replicas/thinker/0/wake_up"} {
+		resp, b = a.do(t, "POST", path, nil, bearer("infer"))
+		wantError(t, resp, b, http.StatusForbidden, typePermission, "admin_key_required")
+	}
+	c.WaitState(t, "thinker", 0, "attached")
+
+	// Only an admin key: the serving routes are open, the admin ones not.
+	a = startAPI(t, c, Config{AdminAPIKey: "admin", Gatherer: c.Metrics}, nil, nil)
+	resp, b = a.do(t, "GET", "/v1/models", nil, nil)
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "%s", b)
+	resp, b = a.do(t, "POST", "/v1/replicas/thinker/0/sleep", nil, nil)
+	wantError(t, resp, b, http.StatusUnauthorized, typeAuthentication, "invalid_api_key")
+}
+
 // TestAdmin covers /v1/replicas, sleep and wake_up, /readyz and the
 // handler split.
 func TestAdmin(t *testing.T) {
