@@ -170,7 +170,8 @@ type tracked struct {
 	cancel     context.CancelFunc // cancels the pending probe
 	io         stageIO            // what its engine takes and gives, from the probe
 	routed     bool               // attached: its series are bound and the router has it
-	refused    string             // why the head refused to route it (roles); "" when not refused
+	refused    string             // why the head refused to route it (roles, identity); "" when not refused
+	instance   string             // the worker's instance id, from the probe ("" for older workers)
 	times      joinTimes          // of its latest join
 }
 
@@ -601,6 +602,10 @@ func (h *Head) attach(pr probeResult) {
 	if s := pr.health.GetStage(); s != "" && s != t.member.Stage {
 		why = fmt.Sprintf("the record is for stage %s, but the worker at %s serves stage %s", t.member.Stage, t.member.Addr, s)
 	}
+	t.instance = pr.health.GetInstanceId()
+	if why == "" {
+		why = h.checkIdentity(t, pr.health)
+	}
 	if why != "" {
 		t.refused = why
 		h.errors.WithLabelValues("role").Inc()
@@ -650,6 +655,29 @@ func (h *Head) attach(pr probeResult) {
 	h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", pr.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "sleep_state", sleep.String(), "roles", t.io.String(),
 		"probe", t.times.answered.Sub(t.times.event), "join", t.times.routed.Sub(t.times.event))
 	h.publish(pr.key)
+}
+
+// checkIdentity says why a record that points at a worker is not that
+// worker's own, "" when it is: the worker reports another replica id, or
+// the same process (instance id) already serves another routed record,
+// so that one process never takes the traffic of several records. Only
+// the loop calls it; it walks every known replica, which only a join does.
+func (h *Head) checkIdentity(t *tracked, health *stagepb.HealthResponse) string {
+	if health.GetInstanceId() != "" && health.GetReplicaId() != t.key.Replica {
+		return fmt.Sprintf("the record is for replica %d, but the worker at %s is replica %d", t.key.Replica, t.member.Addr, health.GetReplicaId())
+	}
+	for key, o := range h.known {
+		if key == t.key || o.detached || !o.routed {
+			continue
+		}
+		// The instance id tells processes apart, whatever address names
+		// them; a worker that reports none (an older one) is not checked.
+		same := t.instance != "" && o.instance == t.instance
+		if same {
+			return fmt.Sprintf("the worker at %s already serves %s/%d", t.member.Addr, o.member.Stage, key.Replica)
+		}
+	}
+	return ""
 }
 
 // Verdicts of the leave probe: why a replica's record went away.
@@ -889,6 +917,9 @@ func (h *Head) Replicas() []ReplicaStatus {
 			s.LeaseLostUntil = &until
 		}
 		rep, ok := snap.Lookup(t.key)
+		if ok {
+			s.Addr = rep.Addr // the address traffic goes to, whatever a newer record says
+		}
 		switch {
 		case t.detached:
 			s.State = StateDetached

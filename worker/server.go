@@ -11,7 +11,9 @@ package worker
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/tls"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -138,6 +140,7 @@ type Server struct {
 	advertise string
 	grpc      *grpc.Server
 	health    *health.Server
+	instance  string // random id of this process, in Health (see stagepb.HealthResponse)
 
 	mu       sync.Mutex
 	inFlight int
@@ -194,6 +197,7 @@ func New(cfg Config) (*Server, error) {
 		role:       h.GetRole(),
 		inputRole:  h.EffectiveInputRole(),
 		health:     health.NewServer(),
+		instance:   newInstanceID(),
 		idle:       make(chan struct{}),
 		registered: make(chan struct{}),
 	}
@@ -235,6 +239,13 @@ func New(cfg Config) (*Server, error) {
 	s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
 	s.health.SetServingStatus(stagepb.StageService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_NOT_SERVING)
 	return s, nil
+}
+
+// newInstanceID is a random 16-byte hex id.
+func newInstanceID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
+	return hex.EncodeToString(b[:])
 }
 
 // record is the member record this replica registers.
@@ -665,6 +676,11 @@ func (svc *service) Health(context.Context, *stagepb.HealthRequest) (*stagepb.He
 	h := s.cfg.Engine.Health()
 	h.Stage = s.cfg.Stage
 	h.Multiplex = true
+	h.InstanceId = s.instance
+	h.ReplicaId = s.cfg.ReplicaID
+	if m := s.member.Load(); m != nil {
+		h.ReplicaId = m.ReplicaID // the id AutoID took
+	}
 	if s.isDraining() {
 		h.Status = stagepb.ServingStatus_SERVING_STATUS_DRAINING
 	} else if h.GetStatus() == stagepb.ServingStatus_SERVING_STATUS_UNSPECIFIED {

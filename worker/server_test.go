@@ -392,3 +392,24 @@ func TestNewRefusesShortClusterToken(t *testing.T) {
 	_, err := worker.New(worker.Config{Stage: "thinker", Engine: newSim(t, sim.Config{}), ClusterToken: "short", Logger: quietLogger()})
 	assert.ErrorContains(t, err, "token too short")
 }
+
+// TestHealthSaysWhoItIs: Health carries the replica id and an instance id
+// that is stable for a process and differs between processes, which the
+// head checks records against.
+func TestHealthSaysWhoItIs(t *testing.T) {
+	ids := map[string]bool{}
+	for range 2 {
+		r := start(t, worker.Config{Stage: "thinker", ReplicaID: 3, Engine: newSim(t, sim.Config{})})
+		r.waitRegistered(t)
+		cli := dial(t, r.Advertise())
+		h1, err := cli.Health(testCtx(t), &stagepb.HealthRequest{})
+		require.NoError(t, err)
+		h2, err := cli.Health(testCtx(t), &stagepb.HealthRequest{})
+		require.NoError(t, err)
+		assert.Equal(t, uint32(3), h1.GetReplicaId())
+		assert.Len(t, h1.GetInstanceId(), 32)
+		assert.Equal(t, h1.GetInstanceId(), h2.GetInstanceId())
+		ids[h1.GetInstanceId()] = true
+	}
+	assert.Len(t, ids, 2, "each process its own instance id")
+}

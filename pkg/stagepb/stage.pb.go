@@ -1458,7 +1458,14 @@ type HealthResponse struct {
 	Stage string `protobuf:"bytes,10,opt,name=stage,proto3" json:"stage,omitempty"`
 	// multiplex: the worker serves Multiplex. False (older workers): the
 	// head sends every call as its own Generate.
-	Multiplex     bool `protobuf:"varint,11,opt,name=multiplex,proto3" json:"multiplex,omitempty"`
+	Multiplex bool `protobuf:"varint,11,opt,name=multiplex,proto3" json:"multiplex,omitempty"`
+	// replica_id is the replica id the worker registered (or was told to
+	// take) and instance_id a random id of its process, fresh at every
+	// start. The head refuses a record whose worker reports another
+	// replica id, or whose worker (same instance) already serves another
+	// attached record. Empty instance_id (older workers): not checked.
+	ReplicaId     uint32 `protobuf:"varint,12,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
+	InstanceId    string `protobuf:"bytes,13,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1568,6 +1575,20 @@ func (x *HealthResponse) GetMultiplex() bool {
 		return x.Multiplex
 	}
 	return false
+}
+
+func (x *HealthResponse) GetReplicaId() uint32 {
+	if x != nil {
+		return x.ReplicaId
+	}
+	return 0
+}
+
+func (x *HealthResponse) GetInstanceId() string {
+	if x != nil {
+		return x.InstanceId
+	}
+	return ""
 }
 
 type SleepRequest struct {
@@ -1929,7 +1950,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x15enable_prefix_caching\x18\x03 \x01(\bR\x13enablePrefixCaching\x12 \n" +
 	"\fmax_num_seqs\x18\x04 \x01(\rR\n" +
 	"maxNumSeqs\x12\x1b\n" +
-	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xd9\x03\n" +
+	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\x99\x04\n" +
 	"\x0eHealthResponse\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.troupe.stage.v1.ServingStatusR\x06status\x12<\n" +
 	"\vsleep_state\x18\x02 \x01(\x0e2\x1b.troupe.stage.v1.SleepStateR\n" +
@@ -1944,7 +1965,11 @@ const file_stage_proto_rawDesc = "" +
 	"\x0estatus_message\x18\t \x01(\tR\rstatusMessage\x12\x14\n" +
 	"\x05stage\x18\n" +
 	" \x01(\tR\x05stage\x12\x1c\n" +
-	"\tmultiplex\x18\v \x01(\bR\tmultiplex\"$\n" +
+	"\tmultiplex\x18\v \x01(\bR\tmultiplex\x12\x1d\n" +
+	"\n" +
+	"replica_id\x18\f \x01(\rR\treplicaId\x12\x1f\n" +
+	"\vinstance_id\x18\r \x01(\tR\n" +
+	"instanceId\"$\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\"M\n" +
 	"\rSleepResponse\x12<\n" +
