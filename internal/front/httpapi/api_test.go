@@ -736,3 +736,37 @@ func TestAdmissionLimit(t *testing.T) {
 		return resp.StatusCode == http.StatusOK
 	}, 10*time.Second, 20*time.Millisecond, "a freed slot admits the next request")
 }
+
+// TestSlowUploadsTakeNoSlot: connections that send full headers and then
+// their body a byte at a time hold no admission slot, however many there
+// are: a real request is served meanwhile. (Issue 34: 1,025 such uploads
+// used to make every request 429.)
+func TestSlowUploadsTakeNoSlot(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Pipeline: orchestrator.Pipeline{Model: model, Stages: []orchestrator.Stage{{Name: "thinker"}}}})
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	require.NoError(t, err)
+	const limit, uploads = 4, 40
+	a := startAPI(t, c, Config{MaxInFlight: limit, Metrics: m}, nil, nil)
+	addr := strings.TrimPrefix(a.base, "http://")
+	var conns []net.Conn
+	t.Cleanup(func() {
+		for _, conn := range conns {
+			conn.Close()
+		}
+	})
+	for range uploads {
+		conn, err := net.Dial("tcp", addr)
+		require.NoError(t, err)
+		conns = append(conns, conn)
+		_, err = fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool { return testutil.ToFloat64(m.inFlight) >= uploads },
+		10*time.Second, 5*time.Millisecond, "every upload is inside the handler, reading its body")
+	for range 2 * limit {
+		resp, body := a.post(t, "/v1/chat/completions", `{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`)
+		require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
+	}
+	assert.Zero(t, testutil.ToFloat64(m.requests.WithLabelValues("/v1/chat/completions", "post", "429")))
+}

@@ -10,6 +10,7 @@
 package httpapi
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -187,23 +188,49 @@ func New(b Backend, cfg Config) *Server {
 }
 
 // admitted runs h within the MaxInFlight limit, or answers 429 (OpenAI's
-// rate-limit shape, Retry-After 1) without reading the body.
+// rate-limit shape, Retry-After 1). The limit counts requests, not
+// uploads: the body is read before a slot is taken, so clients that send
+// their bodies slowly hold connections (each bounded by the server's
+// ReadTimeout, see NewHTTPServer) but never the slots real requests need.
+// While every slot is taken, a request is refused before its body is read.
 func (s *Server) admitted(h http.HandlerFunc) http.Handler {
 	if s.cfg.MaxInFlight <= 0 {
 		return h
 	}
 	limit := int64(s.cfg.MaxInFlight)
+	refuse := func(w http.ResponseWriter, r *http.Request) {
+		s.reject(w, r, &apiError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: "too_many_requests", RetryAfter: "1",
+			Message: fmt.Sprintf("the server is at its limit of %d requests in flight; retry shortly", limit)})
+	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if s.running.Load() >= limit {
+			refuse(w, r)
+			return
+		}
+		body, e := s.readBody(r)
+		if e != nil {
+			s.reject(w, r, e)
+			return
+		}
+		r.Body = &readBody{Reader: bytes.NewReader(body), body: body}
 		if s.running.Add(1) > limit {
 			s.running.Add(-1)
-			s.reject(w, r, &apiError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: "too_many_requests", RetryAfter: "1",
-				Message: fmt.Sprintf("the server is at its limit of %d requests in flight; retry shortly", limit)})
+			refuse(w, r)
 			return
 		}
 		defer s.running.Add(-1)
 		h(w, r)
 	})
 }
+
+// readBody is a request body admitted already read; Server.readBody takes
+// its bytes without copying them.
+type readBody struct {
+	*bytes.Reader
+	body []byte
+}
+
+func (*readBody) Close() error { return nil }
 
 // Drain makes /readyz answer 503 "not ready: shutting down" from now on, so
 // load balancers stop sending new requests while this head finishes the
@@ -227,7 +254,9 @@ func (s *Server) AdminHandler() http.Handler { return s.admin }
 // streaming set:
 //   - ReadHeaderTimeout 10s and MaxHeaderBytes 64 KiB bound slow or huge
 //     headers (slowloris).
-//   - ReadTimeout 60s bounds reading the whole request, body included.
+//   - ReadTimeout 60s bounds reading the whole request, body included:
+//     an upload that has not finished by then is cut. Uploads take no
+//     admission slot (see admitted), so slow ones cannot starve requests.
 //     net/http lifts that deadline once the body has been read (its
 //     background read for client disconnects runs without one), so it
 //     never cuts a long generation; TestSlowStreams holds it to that.
