@@ -591,3 +591,21 @@ func TestRecordsThatLie(t *testing.T) {
 	_, listed := row(9)
 	assert.False(t, listed)
 }
+
+// TestEtcdOutageMetrics: the head's troupe_etcd_up follows an etcd kill
+// and its return, and its watch lag stays small while etcd answers.
+func TestEtcdOutageMetrics(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly})
+	gauge := func(name string) float64 { v, _ := value(t, c.Metrics, name, nil); return v }
+	require.Eventually(t, func() bool { return gauge("troupe_etcd_up") == 1 }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return gauge("troupe_membership_watch_lag_seconds") < 3 }, 30*time.Second, 10*time.Millisecond)
+	lost, ok := value(t, c.Metrics, "troupe_replica_lease_lost", map[string]string{"stage": "0", "replica": "0"})
+	require.True(t, ok)
+	assert.Zero(t, lost)
+
+	c.Etcd.Stop()
+	require.Eventually(t, func() bool { return gauge("troupe_etcd_up") == 0 }, 30*time.Second, 10*time.Millisecond)
+	c.Etcd.Restart(t)
+	require.Eventually(t, func() bool { return gauge("troupe_etcd_up") == 1 }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return gauge("troupe_membership_watch_lag_seconds") < 3 }, 30*time.Second, 10*time.Millisecond)
+}

@@ -132,6 +132,9 @@ type Head struct {
 	events  *prometheus.CounterVec
 	invalid prometheus.Counter
 	errors  *prometheus.CounterVec
+	etcdUp  prometheus.Gauge // set by MonitorEtcd, run by Run
+	etcd    *clientv3.Client
+	created time.Time // when New built the head: the watch lag before its first list
 
 	// view is every replica the head knows, for the API: immutable copies
 	// of the loop's records, sorted by key (see publish).
@@ -209,6 +212,8 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		tracer:     cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
 		callTracer: callTracer,
 		known:      map[router.Key]*tracked{},
+		etcd:       cli,
+		created:    time.Now(),
 		calls:      []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
 	}
 	for _, st := range cfg.Pipeline.Stages {
@@ -330,6 +335,20 @@ func (h *Head) registerMetrics(routing []router.StageRouting) error {
 		Name: "troupe_head_attach_errors_total",
 		Help: "Joins the head refused (index conflict, stats binding, dial, roles that do not fit the pipeline), by step.",
 	}, []string{"step"})
+	h.etcdUp = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "troupe_etcd_up",
+		Help: "1 while the head's etcd client gets answers to a linearizable read (probed every 2s), else 0.",
+	})
+	watchLag := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "troupe_membership_watch_lag_seconds",
+		Help: "Seconds since etcd last answered the head's membership watch (a list, an event or a progress notification, asked every 2s): how stale the head's view of the membership may be.",
+	}, func() float64 {
+		last := h.watcher.LastContact()
+		if last.IsZero() {
+			last = h.created
+		}
+		return time.Since(last).Seconds()
+	})
 	for _, t := range []string{"join", "leave"} {
 		h.events.WithLabelValues(t)
 	}
@@ -359,12 +378,41 @@ func (h *Head) registerMetrics(routing []router.StageRouting) error {
 			h.decisions[i][r] = decisions.WithLabelValues(strconv.Itoa(i), st.Policy.Name(), r.String())
 		}
 	}
-	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections} {
+	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}} {
 		if err := h.cfg.Metrics.Register(c); err != nil {
 			return fmt.Errorf("orchestrator: register metrics: %w", err)
 		}
 	}
 	return nil
+}
+
+// leaseLostDesc describes troupe_replica_lease_lost.
+var leaseLostDesc = prometheus.NewDesc("troupe_replica_lease_lost",
+	"1 while a replica's record is gone from etcd but the replica still serves (its worker lost etcd, or its lease expired: see --lease-loss-grace), else 0; for every replica not detached.",
+	[]string{"model_name", "stage", "replica"}, nil)
+
+// leaseLostCollector writes troupe_replica_lease_lost from the published
+// view at each scrape: a worker cut off from etcd, as the head sees it.
+type leaseLostCollector struct{ h *Head }
+
+func (c leaseLostCollector) Describe(ch chan<- *prometheus.Desc) { ch <- leaseLostDesc }
+
+func (c leaseLostCollector) Collect(ch chan<- prometheus.Metric) {
+	view := c.h.view.Load()
+	if view == nil {
+		return
+	}
+	for _, t := range *view {
+		if t.detached {
+			continue
+		}
+		v := 0.0
+		if !t.graceUntil.IsZero() {
+			v = 1
+		}
+		ch <- prometheus.MustNewConstMetric(leaseLostDesc, prometheus.GaugeValue, v,
+			c.h.cfg.Pipeline.Model, strconv.Itoa(t.key.Stage), strconv.FormatUint(uint64(t.key.Replica), 10))
+	}
 }
 
 // TracerProvider is the provider the head's spans come from.
@@ -394,6 +442,20 @@ func (h *Head) Run(ctx context.Context) error {
 
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return h.watcher.Run(gctx, events) })
+	g.Go(func() error {
+		membership.MonitorEtcd(gctx, h.etcd, membership.HealthConfig{
+			Who:    "troupe head",
+			Logger: h.log,
+			OnChange: func(up bool) {
+				v := 0.0
+				if up {
+					v = 1
+				}
+				h.etcdUp.Set(v)
+			},
+		})
+		return nil
+	})
 	g.Go(func() error {
 		sweep := time.NewTicker(sweepInterval(h.cfg.DetachedSeriesTTL))
 		defer sweep.Stop()

@@ -326,6 +326,17 @@ func (s *Server) Run(ctx context.Context) error {
 	served := make(chan error, 1)
 	go func() { served <- s.grpc.Serve(s.lis) }()
 	s.log.Info("worker: serving", "listen", s.lis.Addr().String(), "advertise", s.advertise)
+	if s.cfg.EtcdClient != nil {
+		// Logs etcd's loss and recovery, which a worker otherwise shows
+		// only once its lease is lost.
+		mctx, stopMonitor := context.WithCancel(ctx)
+		monitored := make(chan struct{})
+		go func() {
+			defer close(monitored)
+			membership.MonitorEtcd(mctx, s.cfg.EtcdClient, membership.HealthConfig{Who: "worker " + s.cfg.Stage, Logger: s.log})
+		}()
+		defer func() { stopMonitor(); <-monitored }()
+	}
 
 	reg, serveErr, err := s.maintain(ctx, served)
 	if err != nil {
