@@ -687,10 +687,13 @@ func (svc *service) Health(context.Context, *stagepb.HealthRequest) (*stagepb.He
 	h := s.cfg.Engine.Health()
 	h.Stage = s.cfg.Stage
 	h.Multiplex = true
-	h.InstanceId = s.instance
-	h.ReplicaId = s.cfg.ReplicaID
+	// Who it is, once it knows its id: with AutoID, the record is in etcd
+	// (and a head may probe) a moment before Register returns the id.
+	// Without an instance id the head checks nothing, as for older workers.
 	if m := s.member.Load(); m != nil {
-		h.ReplicaId = m.ReplicaID // the id AutoID took
+		h.ReplicaId, h.InstanceId = m.ReplicaID, s.instance
+	} else if !s.cfg.AutoID {
+		h.ReplicaId, h.InstanceId = s.cfg.ReplicaID, s.instance
 	}
 	if s.isDraining() {
 		h.Status = stagepb.ServingStatus_SERVING_STATUS_DRAINING

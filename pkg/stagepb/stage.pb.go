@@ -1463,7 +1463,8 @@ type HealthResponse struct {
 	// take) and instance_id a random id of its process, fresh at every
 	// start. The head refuses a record whose worker reports another
 	// replica id, or whose worker (same instance) already serves another
-	// attached record. Empty instance_id (older workers): not checked.
+	// attached record. Empty instance_id (older workers, or one whose
+	// automatic replica id is not known yet): not checked.
 	ReplicaId     uint32 `protobuf:"varint,12,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
 	InstanceId    string `protobuf:"bytes,13,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
