@@ -29,6 +29,10 @@ func (h Head) Validate() error {
 		return fmt.Errorf("membership: invalid head id %q (want 1 to 128 of A-Z a-z 0-9 . _ -)", h.ID)
 	case h.Addr == "":
 		return errors.New("membership: head has an empty addr")
+	case len(h.Addr) > MaxAddrLen:
+		return fmt.Errorf("membership: head addr of %d bytes, at most %d", len(h.Addr), MaxAddrLen)
+	case len(h.Version) > MaxFieldLen:
+		return fmt.Errorf("membership: head version of %d bytes, at most %d", len(h.Version), MaxFieldLen)
 	}
 	return validAddr(h.Addr)
 }
@@ -44,6 +48,9 @@ func DecodeHead(cluster, key string, value []byte) (Head, error) {
 	id, ok := strings.CutPrefix(key, HeadsPrefix(cluster))
 	if !ok || !validName(id) {
 		return Head{}, fmt.Errorf("membership: malformed head key %q", key)
+	}
+	if len(value) > MaxRecordBytes {
+		return Head{}, fmt.Errorf("membership: head record at %q has %d bytes, at most %d", key, len(value), MaxRecordBytes)
 	}
 	var h Head
 	if err := json.Unmarshal(value, &h); err != nil {

@@ -1,6 +1,8 @@
 package membership_test
 
 import (
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -157,4 +159,29 @@ func TestDecodeHead(t *testing.T) {
 			require.Equal(t, tc.want, h)
 		})
 	}
+}
+
+// TestRecordLimits: every field of a record is bounded, and an oversized
+// record is refused before it is parsed.
+func TestRecordLimits(t *testing.T) {
+	const key = "/troupe/default/members/thinker/0"
+	rec := func(field, value string) []byte {
+		return []byte(fmt.Sprintf(`{"stage":"thinker","replica_id":0,"addr":"10.0.0.1:7000",%q:%q}`, field, value))
+	}
+	_, err := membership.DecodeMember("default", key, rec("version", strings.Repeat("v", membership.MaxFieldLen)))
+	require.NoError(t, err, "at the limit")
+	for field, max := range map[string]int{"version": membership.MaxFieldLen, "engine": membership.MaxFieldLen, "model": membership.MaxModelLen} {
+		_, err := membership.DecodeMember("default", key, rec(field, strings.Repeat("x", max+1)))
+		assert.ErrorContains(t, err, field+" of", field)
+	}
+	_, err = membership.DecodeMember("default", key, rec("version", strings.Repeat("v", 1400<<10)))
+	assert.ErrorContains(t, err, "at most 16384", "1.4 MB refused by size, unparsed")
+	labels := map[string]string{}
+	for i := range membership.MaxLabels + 1 {
+		labels[fmt.Sprint("k", i)] = "v"
+	}
+	assert.ErrorContains(t, membership.Member{Stage: "t", Addr: "h:1", Labels: labels}.Validate(), "labels")
+	assert.ErrorContains(t, membership.Member{Stage: "t", Addr: "h:1", Labels: map[string]string{"k": strings.Repeat("v", membership.MaxLabelLen+1)}}.Validate(), "label")
+	_, err = membership.DecodeHead("default", "/troupe/default/heads/h", []byte(fmt.Sprintf(`{"id":"h","addr":"h:1","version":%q}`, strings.Repeat("v", 200))))
+	assert.ErrorContains(t, err, "version of 200 bytes")
 }

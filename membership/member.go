@@ -38,6 +38,20 @@ type Member struct {
 	SleepState string `json:"sleep_state,omitempty"`
 }
 
+// Limits of a record. A record is copied into every head's /v1/replicas,
+// series labels and logs: an unbounded field (a 1.4 MB version string)
+// would make every /metrics scrape megabytes. DecodeMember and DecodeHead
+// refuse a larger value before parsing it.
+const (
+	MaxRecordBytes = 16 << 10 // a whole record's JSON
+	MaxAddrLen     = 261      // a 255-byte host name, ':' and a port
+	MaxFieldLen    = 128      // engine, version, sleep_state
+	MaxModelLen    = 256
+	MaxLabels      = 32
+	MaxLabelKeyLen = 63
+	MaxLabelLen    = 256 // a label's value
+)
+
 // Validate reports what is wrong with a record, if anything.
 func (m Member) Validate() error {
 	switch {
@@ -45,6 +59,21 @@ func (m Member) Validate() error {
 		return fmt.Errorf("membership: invalid stage name %q", m.Stage)
 	case m.Addr == "":
 		return errors.New("membership: empty addr")
+	case len(m.Addr) > MaxAddrLen:
+		return fmt.Errorf("membership: addr of %d bytes, at most %d", len(m.Addr), MaxAddrLen)
+	case len(m.Engine) > MaxFieldLen:
+		return fmt.Errorf("membership: engine of %d bytes, at most %d", len(m.Engine), MaxFieldLen)
+	case len(m.Version) > MaxFieldLen:
+		return fmt.Errorf("membership: version of %d bytes, at most %d", len(m.Version), MaxFieldLen)
+	case len(m.Model) > MaxModelLen:
+		return fmt.Errorf("membership: model of %d bytes, at most %d", len(m.Model), MaxModelLen)
+	case len(m.Labels) > MaxLabels:
+		return fmt.Errorf("membership: %d labels, at most %d", len(m.Labels), MaxLabels)
+	}
+	for k, v := range m.Labels {
+		if len(k) == 0 || len(k) > MaxLabelKeyLen || len(v) > MaxLabelLen {
+			return fmt.Errorf("membership: label %.64q: keys 1 to %d bytes, values at most %d", k, MaxLabelKeyLen, MaxLabelLen)
+		}
 	}
 	if err := validAddr(m.Addr); err != nil {
 		return err
@@ -142,6 +171,9 @@ func DecodeMember(cluster, key string, value []byte) (Member, error) {
 	stage, replica, err := ParseKey(cluster, key)
 	if err != nil {
 		return Member{}, err
+	}
+	if len(value) > MaxRecordBytes {
+		return Member{}, fmt.Errorf("membership: record at %q has %d bytes, at most %d", key, len(value), MaxRecordBytes)
 	}
 	var m Member
 	if err := json.Unmarshal(value, &m); err != nil {

@@ -35,8 +35,9 @@ type WatchConfig struct {
 // Watcher turns the member keys of one cluster into ordered Events.
 //
 // Run lists the members (a linearizable read at revision R), sends the
-// difference to what it knew, then watches from R+1, so no change is missed
-// and none is applied twice. When the watch is compacted or breaks it lists
+// difference to what it knew, then watches from R (the events at R are the
+// list's, dropped as already known), so no change is missed and none is
+// applied twice. When the watch is compacted or breaks it lists
 // again and sends the difference; every ReconcileInterval it does so anyway,
 // to repair any silent drift. While etcd is unreachable it keeps the last
 // known membership (no Leave is invented) and retries with backoff.
@@ -61,6 +62,10 @@ type Watcher struct {
 	dropEvent   func(*clientv3.Event) bool // test hook: lose a watch event silently
 
 	running atomic.Bool
+	// lastContact is when etcd last answered the watcher (a list, a watch
+	// response or a progress notification), in Unix nanoseconds; 0 before
+	// the first list. See LastContact.
+	lastContact atomic.Int64
 	// Owned by the goroutine in Run.
 	known   map[string]knownRecord // valid records, as last sent
 	invalid map[string]int64       // key → mod revision of the malformed record reported
@@ -154,7 +159,12 @@ func (w *Watcher) Run(ctx context.Context, out chan<- Event) error {
 		listWait.Reset()
 
 		started := time.Now()
-		end, err := w.watch(ctx, out, rev+1)
+		// From rev, not rev+1: etcd answers a progress request only for
+		// watches that start at or before its revision, and a quiet
+		// cluster's revision stays at rev. The events at rev itself are
+		// the list's and are dropped by apply (known mod revision, a
+		// delete of an unknown key, an invalid record already reported).
+		end, err := w.watch(ctx, out, rev)
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
@@ -177,6 +187,24 @@ func (w *Watcher) Run(ctx context.Context, out chan<- Event) error {
 	}
 }
 
+// progressInterval is how often a watch asks etcd for a progress
+// notification, so that a quiet but healthy watch still hears from etcd and
+// LastContact stays within about this much of now.
+const progressInterval = 2 * time.Second
+
+// LastContact is when etcd last answered this watcher: its latest list,
+// watch response or progress notification; zero before the first list. Now
+// minus it is the watch's lag: how stale the membership may be. Safe for
+// concurrent use.
+func (w *Watcher) LastContact() time.Time {
+	if n := w.lastContact.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
+}
+
+func (w *Watcher) heard() { w.lastContact.Store(time.Now().UnixNano()) }
+
 // resync lists the members, sends the difference to the known state, and
 // returns the revision of the list.
 func (w *Watcher) resync(ctx context.Context, out chan<- Event) (int64, error) {
@@ -186,6 +214,7 @@ func (w *Watcher) resync(ctx context.Context, out chan<- Event) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
+	w.heard()
 	rev := resp.Header.Revision
 	seen := make(map[string]bool, len(resp.Kvs))
 	var leaves, joins []Event
@@ -246,15 +275,25 @@ func (w *Watcher) watch(ctx context.Context, out chan<- Event, from int64) (watc
 	// RequireLeader: a member cut off from the leader ends the watch
 	// instead of serving silence; the list that follows then fails and
 	// is retried while the last membership is kept.
-	wch := w.cli.Watch(clientv3.WithRequireLeader(wctx), w.prefix, clientv3.WithPrefix(), clientv3.WithRev(from))
+	wctx = clientv3.WithRequireLeader(wctx)
+	wch := w.cli.Watch(wctx, w.prefix, clientv3.WithPrefix(), clientv3.WithRev(from))
 	reconcile := time.NewTimer(w.reconcile)
 	defer reconcile.Stop()
+	progress := time.NewTicker(progressInterval)
+	defer progress.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return 0, ctx.Err()
 		case <-reconcile.C:
 			return watchReconcile, nil
+		case <-progress.C:
+			// A ctx derived from the watch's (same metadata) names its
+			// stream; bounded, since the request waits while the stream
+			// reconnects. An error only means etcd is away: the lag shows it.
+			pctx, cancel := context.WithTimeout(wctx, time.Second)
+			_ = w.cli.RequestProgress(pctx)
+			cancel()
 		case wr, ok := <-wch:
 			if !ok {
 				return watchBroken, errors.New("watch channel closed")
@@ -265,6 +304,7 @@ func (w *Watcher) watch(ctx context.Context, out chan<- Event, from int64) (watc
 			if err := wr.Err(); err != nil {
 				return watchBroken, err
 			}
+			w.heard() // events, or a progress notification
 			for _, ev := range wr.Events {
 				if w.dropEvent != nil && w.dropEvent(ev) {
 					continue

@@ -514,3 +514,98 @@ func TestStreamingFailureAfterOutputMigrates(t *testing.T) {
 	served, _ := value(t, c.Metrics, "troupe_request_success_total", map[string]string{"replica": "1", "finished_reason": "length"})
 	assert.Equal(t, 1.0, served, "the continuation ran on the other replica")
 }
+
+// TestRecordsThatLie: records are checked against the worker they point
+// at. Extra records that name one worker's address under other ids are
+// refused (the worker says which replica it is), so that process does not
+// take their share of the traffic; a live record overwritten with another
+// worker's address is refused too, and /v1/replicas keeps showing the
+// address traffic actually goes to.
+func TestRecordsThatLie(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly})
+	ctx := ctxT(t)
+	other := c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
+	c.WaitState(t, "thinker", 1, "attached")
+	zero := c.Workers()[0]
+	require.Equal(t, uint32(0), zero.ReplicaID())
+
+	lease, err := c.Client.Grant(ctx, 30)
+	require.NoError(t, err)
+	put := func(id uint32, addr string) {
+		rec := fmt.Sprintf(`{"stage":"thinker","replica_id":%d,"addr":%q,"engine":"sim","version":"x","started_at":"2026-01-01T00:00:00Z"}`, id, addr)
+		_, err := c.Client.Put(ctx, fmt.Sprintf("/troupe/default/members/thinker/%d", id), rec, clientv3.WithLease(lease.ID))
+		require.NoError(t, err)
+	}
+	row := func(id uint32) (orchestrator.ReplicaStatus, bool) {
+		for _, r := range c.Head.Replicas() {
+			if r.Replica == id {
+				return r, true
+			}
+		}
+		return orchestrator.ReplicaStatus{}, false
+	}
+	refused := func(id uint32) orchestrator.ReplicaStatus {
+		var r orchestrator.ReplicaStatus
+		require.Eventually(t, func() bool {
+			var ok bool
+			r, ok = row(id)
+			return ok && strings.HasPrefix(r.Reason, "refused")
+		}, 30*time.Second, 5*time.Millisecond, "thinker/%d refused", id)
+		assert.Equal(t, orchestrator.StateUnhealthy, r.State)
+		return r
+	}
+
+	for _, id := range []uint32{5, 6, 7} {
+		put(id, zero.Addr())
+	}
+	for _, id := range []uint32{5, 6, 7} {
+		r := refused(id)
+		assert.Contains(t, r.Reason, fmt.Sprintf("the record is for replica %d, but the worker at %s is replica 0", id, zero.Addr()))
+	}
+	for i := range 10 {
+		_, err := c.Head.Execute(ctx, orchestrator.Request{ID: fmt.Sprint(i), Prompt: "hi", Sampling: sampling(2, int64(i))}, nil)
+		require.NoError(t, err)
+	}
+	for _, id := range []string{"0", "1"} {
+		n, _ := value(t, c.Metrics, "troupe_request_success_total", map[string]string{"replica": id, "finished_reason": "length"})
+		assert.Equal(t, 5.0, n, "replica %s: one process, one share of the traffic", id)
+	}
+
+	// thinker/0's record overwritten, under another lease, with thinker/1's
+	// address: refused, and the row still shows the address dialled.
+	put(0, other.Addr())
+	r := refused(0)
+	assert.Contains(t, r.Reason, "is replica 1")
+	assert.Equal(t, zero.Addr(), r.Addr, "the address traffic goes to, not the record's")
+	assert.NotEqual(t, other.Addr(), r.Addr)
+
+	// A record with a 1.4 MB version is refused and counted, never listed.
+	before, _ := value(t, c.Metrics, "troupe_membership_invalid_records_total", nil)
+	huge := fmt.Sprintf(`{"stage":"thinker","replica_id":9,"addr":%q,"version":%q}`, zero.Addr(), strings.Repeat("v", 1400<<10))
+	_, err = c.Client.Put(ctx, "/troupe/default/members/thinker/9", huge, clientv3.WithLease(lease.ID))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		v, _ := value(t, c.Metrics, "troupe_membership_invalid_records_total", nil)
+		return v == before+1
+	}, 30*time.Second, 5*time.Millisecond, "the oversized record counted")
+	_, listed := row(9)
+	assert.False(t, listed)
+}
+
+// TestEtcdOutageMetrics: the head's troupe_etcd_up follows an etcd kill
+// and its return, and its watch lag stays small while etcd answers.
+func TestEtcdOutageMetrics(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly})
+	gauge := func(name string) float64 { v, _ := value(t, c.Metrics, name, nil); return v }
+	require.Eventually(t, func() bool { return gauge("troupe_etcd_up") == 1 }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return gauge("troupe_membership_watch_lag_seconds") < 3 }, 30*time.Second, 10*time.Millisecond)
+	lost, ok := value(t, c.Metrics, "troupe_replica_lease_lost", map[string]string{"stage": "0", "replica": "0"})
+	require.True(t, ok)
+	assert.Zero(t, lost)
+
+	c.Etcd.Stop()
+	require.Eventually(t, func() bool { return gauge("troupe_etcd_up") == 0 }, 30*time.Second, 10*time.Millisecond)
+	c.Etcd.Restart(t)
+	require.Eventually(t, func() bool { return gauge("troupe_etcd_up") == 1 }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return gauge("troupe_membership_watch_lag_seconds") < 3 }, 30*time.Second, 10*time.Millisecond)
+}

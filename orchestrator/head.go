@@ -136,6 +136,9 @@ type Head struct {
 	events  *prometheus.CounterVec
 	invalid prometheus.Counter
 	errors  *prometheus.CounterVec
+	etcdUp  prometheus.Gauge // set by MonitorEtcd, run by Run
+	etcd    *clientv3.Client
+	created time.Time // when New built the head: the watch lag before its first list
 
 	// view is every replica the head knows, for the API: immutable copies
 	// of the loop's records, sorted by key (see publish).
@@ -174,7 +177,8 @@ type tracked struct {
 	cancel     context.CancelFunc // cancels the pending probe
 	io         stageIO            // what its engine takes and gives, from the probe
 	routed     bool               // attached: its series are bound and the router has it
-	refused    string             // why the head refused to route it (roles); "" when not refused
+	refused    string             // why the head refused to route it (roles, identity); "" when not refused
+	instance   string             // the worker's instance id, from the probe ("" for older workers)
 	times      joinTimes          // of its latest join
 }
 
@@ -212,6 +216,8 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		tracer:     cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
 		callTracer: callTracer,
 		known:      map[router.Key]*tracked{},
+		etcd:       cli,
+		created:    time.Now(),
 		calls:      []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
 	}
 	for _, st := range cfg.Pipeline.Stages {
@@ -333,6 +339,20 @@ func (h *Head) registerMetrics(routing []router.StageRouting) error {
 		Name: "troupe_head_attach_errors_total",
 		Help: "Joins the head refused (index conflict, stats binding, dial, roles that do not fit the pipeline), by step.",
 	}, []string{"step"})
+	h.etcdUp = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "troupe_etcd_up",
+		Help: "1 while the head's etcd client gets answers to a linearizable read (probed every 2s), else 0.",
+	})
+	watchLag := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "troupe_membership_watch_lag_seconds",
+		Help: "Seconds since etcd last answered the head's membership watch (a list, an event or a progress notification, asked every 2s): how stale the head's view of the membership may be.",
+	}, func() float64 {
+		last := h.watcher.LastContact()
+		if last.IsZero() {
+			last = h.created
+		}
+		return time.Since(last).Seconds()
+	})
 	for _, t := range []string{"join", "leave"} {
 		h.events.WithLabelValues(t)
 	}
@@ -362,12 +382,41 @@ func (h *Head) registerMetrics(routing []router.StageRouting) error {
 			h.decisions[i][r] = decisions.WithLabelValues(strconv.Itoa(i), st.Policy.Name(), r.String())
 		}
 	}
-	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections} {
+	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}} {
 		if err := h.cfg.Metrics.Register(c); err != nil {
 			return fmt.Errorf("orchestrator: register metrics: %w", err)
 		}
 	}
 	return nil
+}
+
+// leaseLostDesc describes troupe_replica_lease_lost.
+var leaseLostDesc = prometheus.NewDesc("troupe_replica_lease_lost",
+	"1 while a replica's record is gone from etcd but the replica still serves (its worker lost etcd, or its lease expired: see --lease-loss-grace), else 0; for every replica not detached.",
+	[]string{"model_name", "stage", "replica"}, nil)
+
+// leaseLostCollector writes troupe_replica_lease_lost from the published
+// view at each scrape: a worker cut off from etcd, as the head sees it.
+type leaseLostCollector struct{ h *Head }
+
+func (c leaseLostCollector) Describe(ch chan<- *prometheus.Desc) { ch <- leaseLostDesc }
+
+func (c leaseLostCollector) Collect(ch chan<- prometheus.Metric) {
+	view := c.h.view.Load()
+	if view == nil {
+		return
+	}
+	for _, t := range *view {
+		if t.detached {
+			continue
+		}
+		v := 0.0
+		if !t.graceUntil.IsZero() {
+			v = 1
+		}
+		ch <- prometheus.MustNewConstMetric(leaseLostDesc, prometheus.GaugeValue, v,
+			c.h.cfg.Pipeline.Model, strconv.Itoa(t.key.Stage), strconv.FormatUint(uint64(t.key.Replica), 10))
+	}
 }
 
 // TracerProvider is the provider the head's spans come from.
@@ -397,6 +446,20 @@ func (h *Head) Run(ctx context.Context) error {
 
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return h.watcher.Run(gctx, events) })
+	g.Go(func() error {
+		membership.MonitorEtcd(gctx, h.etcd, membership.HealthConfig{
+			Who:    "troupe head",
+			Logger: h.log,
+			OnChange: func(up bool) {
+				v := 0.0
+				if up {
+					v = 1
+				}
+				h.etcdUp.Set(v)
+			},
+		})
+		return nil
+	})
 	g.Go(func() error {
 		sweep := time.NewTicker(sweepInterval(h.cfg.DetachedSeriesTTL))
 		defer sweep.Stop()
@@ -605,6 +668,10 @@ func (h *Head) attach(pr probeResult) {
 	if s := pr.health.GetStage(); s != "" && s != t.member.Stage {
 		why = fmt.Sprintf("the record is for stage %s, but the worker at %s serves stage %s", t.member.Stage, t.member.Addr, s)
 	}
+	t.instance = pr.health.GetInstanceId()
+	if why == "" {
+		why = h.checkIdentity(t, pr.health)
+	}
 	if why != "" {
 		t.refused = why
 		h.errors.WithLabelValues("role").Inc()
@@ -655,6 +722,29 @@ func (h *Head) attach(pr probeResult) {
 	h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", pr.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "sleep_state", sleep.String(), "roles", t.io.String(),
 		"probe", t.times.answered.Sub(t.times.event), "join", t.times.routed.Sub(t.times.event))
 	h.publish(pr.key)
+}
+
+// checkIdentity says why a record that points at a worker is not that
+// worker's own, "" when it is: the worker reports another replica id, or
+// the same process (instance id) already serves another routed record,
+// so that one process never takes the traffic of several records. Only
+// the loop calls it; it walks every known replica, which only a join does.
+func (h *Head) checkIdentity(t *tracked, health *stagepb.HealthResponse) string {
+	if health.GetInstanceId() != "" && health.GetReplicaId() != t.key.Replica {
+		return fmt.Sprintf("the record is for replica %d, but the worker at %s is replica %d", t.key.Replica, t.member.Addr, health.GetReplicaId())
+	}
+	for key, o := range h.known {
+		if key == t.key || o.detached || !o.routed {
+			continue
+		}
+		// The instance id tells processes apart, whatever address names
+		// them; a worker that reports none (an older one) is not checked.
+		same := t.instance != "" && o.instance == t.instance
+		if same {
+			return fmt.Sprintf("the worker at %s already serves %s/%d", t.member.Addr, o.member.Stage, key.Replica)
+		}
+	}
+	return ""
 }
 
 // Verdicts of the leave probe: why a replica's record went away.
@@ -918,6 +1008,7 @@ func (h *Head) Replicas() []ReplicaStatus {
 		rep, ok := snap.Lookup(t.key)
 		if ok {
 			s.Load, s.LoadAgeSeconds, s.CacheReportAgeSeconds = signalAges(rep, time.Now())
+			s.Addr = rep.Addr // the address traffic goes to, whatever a newer record says
 		}
 		switch {
 		case t.detached:

@@ -78,6 +78,8 @@ export TROUPE_LB_STATS_PUBLISH="127.0.0.1:"
 export TROUPE_LEASE_TTL="$lease_ttl"
 # scripts/images.sh builds, and the compose file runs, the images of this tag.
 export TROUPE_TAG="${TROUPE_TAG:-dev}"
+# The head's credential to its workers (docker-compose.yml requires one).
+export TROUPE_CLUSTER_TOKEN="${TROUPE_CLUSTER_TOKEN:-$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')}"
 
 log() { echo "e2e: $*" >&2; }
 

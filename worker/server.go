@@ -11,7 +11,9 @@ package worker
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/tls"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -35,6 +37,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/pkg/clusterauth"
 	"github.com/troupe-serving/troupe/pkg/stagemux"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
@@ -98,7 +101,12 @@ type Config struct {
 	LeaseTTL     time.Duration // default membership's (10s)
 	DrainTimeout time.Duration // how long in-flight requests may finish at shutdown; default 30s
 	TLS          *tls.Config   // server TLS (see pkg/tlsconfig); nil: plaintext
-	Engine       Engine        // required
+	// ClusterToken, when set, must come with every RPC but the
+	// grpc.health.v1 probes (see pkg/clusterauth); a caller without it
+	// gets Unauthenticated. Empty: any caller that reaches the port is
+	// served (mutual TLS, TLS with a CA, is then the only check).
+	ClusterToken string
+	Engine       Engine // required
 	// Member record metadata.
 	EngineName string // default: what Engine.Health reports
 	Model      string
@@ -132,6 +140,7 @@ type Server struct {
 	advertise string
 	grpc      *grpc.Server
 	health    *health.Server
+	instance  string // random id of this process, in Health (see stagepb.HealthResponse)
 
 	mu       sync.Mutex
 	inFlight int
@@ -188,6 +197,7 @@ func New(cfg Config) (*Server, error) {
 		role:       h.GetRole(),
 		inputRole:  h.EffectiveInputRole(),
 		health:     health.NewServer(),
+		instance:   newInstanceID(),
 		idle:       make(chan struct{}),
 		registered: make(chan struct{}),
 	}
@@ -215,12 +225,27 @@ func New(cfg Config) (*Server, error) {
 	if cfg.TLS != nil {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg.TLS)))
 	}
+	if cfg.ClusterToken != "" {
+		auth, err := clusterauth.ServerOptions(cfg.ClusterToken)
+		if err != nil {
+			lis.Close()
+			return nil, fmt.Errorf("worker: %w", err)
+		}
+		opts = append(opts, auth...)
+	}
 	s.grpc = grpc.NewServer(append(opts, cfg.ServerOptions...)...)
 	stagepb.RegisterStageServiceServer(s.grpc, &service{s: s})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
 	s.health.SetServingStatus(stagepb.StageService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_NOT_SERVING)
 	return s, nil
+}
+
+// newInstanceID is a random 16-byte hex id.
+func newInstanceID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
+	return hex.EncodeToString(b[:])
 }
 
 // record is the member record this replica registers.
@@ -301,6 +326,17 @@ func (s *Server) Run(ctx context.Context) error {
 	served := make(chan error, 1)
 	go func() { served <- s.grpc.Serve(s.lis) }()
 	s.log.Info("worker: serving", "listen", s.lis.Addr().String(), "advertise", s.advertise)
+	if s.cfg.EtcdClient != nil {
+		// Logs etcd's loss and recovery, which a worker otherwise shows
+		// only once its lease is lost.
+		mctx, stopMonitor := context.WithCancel(ctx)
+		monitored := make(chan struct{})
+		go func() {
+			defer close(monitored)
+			membership.MonitorEtcd(mctx, s.cfg.EtcdClient, membership.HealthConfig{Who: "worker " + s.cfg.Stage, Logger: s.log})
+		}()
+		defer func() { stopMonitor(); <-monitored }()
+	}
 
 	reg, serveErr, err := s.maintain(ctx, served)
 	if err != nil {
@@ -651,6 +687,14 @@ func (svc *service) Health(context.Context, *stagepb.HealthRequest) (*stagepb.He
 	h := s.cfg.Engine.Health()
 	h.Stage = s.cfg.Stage
 	h.Multiplex = true
+	// Who it is, once it knows its id: with AutoID, the record is in etcd
+	// (and a head may probe) a moment before Register returns the id.
+	// Without an instance id the head checks nothing, as for older workers.
+	if m := s.member.Load(); m != nil {
+		h.ReplicaId, h.InstanceId = m.ReplicaID, s.instance
+	} else if !s.cfg.AutoID {
+		h.ReplicaId, h.InstanceId = s.cfg.ReplicaID, s.instance
+	}
 	if s.isDraining() {
 		h.Status = stagepb.ServingStatus_SERVING_STATUS_DRAINING
 	} else if h.GetStatus() == stagepb.ServingStatus_SERVING_STATUS_UNSPECIFIED {

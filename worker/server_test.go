@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/troupe-serving/troupe/pkg/clusterauth"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/tlsconfig"
 	"github.com/troupe-serving/troupe/pkg/tlsconfig/tlsconfigtest"
@@ -319,4 +320,96 @@ func TestMessageLimit(t *testing.T) {
 	require.NoError(t, err)
 	_, err = recvAll(stream)
 	assert.Equal(t, codes.ResourceExhausted, status.Code(err), "over the configured limit: %v", err)
+}
+
+// TestClusterTokenOverGRPC: a worker with a cluster token refuses every
+// call without it (Generate, the admin RPCs, the stream), Unauthenticated,
+// and serves the head's, which sends it as per-RPC credentials; the
+// grpc.health.v1 probe stays open.
+func TestClusterTokenOverGRPC(t *testing.T) {
+	token := clusterauth.NewToken()
+	r := start(t, worker.Config{Stage: "thinker", Engine: newSim(t, sim.Config{}), ClusterToken: token})
+	r.waitRegistered(t)
+	ctx := testCtx(t)
+
+	calls := func(cli stagepb.StageServiceClient) map[string]error {
+		errs := map[string]error{}
+		stream, err := cli.Generate(ctx, textReq("hi", nil))
+		if err == nil {
+			_, err = recvAll(stream)
+		}
+		errs["Generate"] = err
+		_, errs["Health"] = cli.Health(ctx, &stagepb.HealthRequest{})
+		_, errs["Sleep"] = cli.Sleep(ctx, &stagepb.SleepRequest{Level: 2})
+		_, errs["WakeUp"] = cli.WakeUp(ctx, &stagepb.WakeUpRequest{})
+		mux, err := cli.Multiplex(ctx)
+		if err == nil {
+			_, err = mux.Recv()
+		}
+		errs["Multiplex"] = err
+		return errs
+	}
+	for name, creds := range map[string]grpc.DialOption{
+		"no token":    grpc.EmptyDialOption{},
+		"wrong token": clusterauth.DialOption(clusterauth.NewToken()),
+	} {
+		conn, err := grpc.NewClient(r.Advertise(), grpc.WithTransportCredentials(insecure.NewCredentials()), creds)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = conn.Close() })
+		cli := stagepb.NewStageServiceClient(conn)
+		for rpc, err := range calls(cli) {
+			assert.Equal(t, codes.Unauthenticated, status.Code(err), "%s: %s: %v", name, rpc, err)
+		}
+		_, err = cli.Drain(ctx, &stagepb.DrainRequest{})
+		assert.Equal(t, codes.Unauthenticated, status.Code(err), "%s: Drain", name)
+		hs, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
+		require.NoError(t, err, "%s: the grpc.health.v1 probe needs no token", name)
+		assert.Equal(t, healthpb.HealthCheckResponse_SERVING, hs.GetStatus())
+	}
+	h, err := dial(t, r.Advertise()).Health(ctx, &stagepb.HealthRequest{})
+	assert.Equal(t, codes.Unauthenticated, status.Code(err))
+	assert.Nil(t, h)
+
+	conn, err := grpc.NewClient(r.Advertise(), grpc.WithTransportCredentials(insecure.NewCredentials()), clusterauth.DialOption(token))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	head := stagepb.NewStageServiceClient(conn)
+	stream, err := head.Generate(ctx, textReq("hi", nil))
+	require.NoError(t, err)
+	chunks, err := recvAll(stream)
+	require.NoError(t, err)
+	assert.NotEmpty(t, chunks)
+	_, err = head.Sleep(ctx, &stagepb.SleepRequest{Level: 1})
+	require.NoError(t, err)
+	_, err = head.WakeUp(ctx, &stagepb.WakeUpRequest{})
+	require.NoError(t, err)
+	d, err := head.Drain(ctx, &stagepb.DrainRequest{})
+	require.NoError(t, err)
+	assert.Zero(t, d.GetInFlight())
+}
+
+func TestNewRefusesShortClusterToken(t *testing.T) {
+	_, err := worker.New(worker.Config{Stage: "thinker", Engine: newSim(t, sim.Config{}), ClusterToken: "short", Logger: quietLogger()})
+	assert.ErrorContains(t, err, "token too short")
+}
+
+// TestHealthSaysWhoItIs: Health carries the replica id and an instance id
+// that is stable for a process and differs between processes, which the
+// head checks records against.
+func TestHealthSaysWhoItIs(t *testing.T) {
+	ids := map[string]bool{}
+	for range 2 {
+		r := start(t, worker.Config{Stage: "thinker", ReplicaID: 3, Engine: newSim(t, sim.Config{})})
+		r.waitRegistered(t)
+		cli := dial(t, r.Advertise())
+		h1, err := cli.Health(testCtx(t), &stagepb.HealthRequest{})
+		require.NoError(t, err)
+		h2, err := cli.Health(testCtx(t), &stagepb.HealthRequest{})
+		require.NoError(t, err)
+		assert.Equal(t, uint32(3), h1.GetReplicaId())
+		assert.Len(t, h1.GetInstanceId(), 32)
+		assert.Equal(t, h1.GetInstanceId(), h2.GetInstanceId())
+		ids[h1.GetInstanceId()] = true
+	}
+	assert.Len(t, ids, 2, "each process its own instance id")
 }

@@ -32,6 +32,7 @@ import (
 	"github.com/troupe-serving/troupe/internal/front/httpapi"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/pkg/clusterauth"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 	"github.com/troupe-serving/troupe/pkg/tokenizers"
@@ -40,17 +41,21 @@ import (
 // headFlags are the flags of `troupe head`; `troupe up` reuses them.
 type headFlags struct {
 	http, adminHTTP, pipeline, cluster, apiKey, policy string
-	sessionHeader, headID, advertise                   string
-	logStats, untrustedParent, sessionUser             bool
-	maxBody                                            byteSize
-	maxInFlight                                        int
-	detachedTTL, reconcile                             time.Duration
-	stallTimeout, leaseLossGrace, signalMaxAge         time.Duration
-	maxMigrations                                      int
-	leaseTTL, shutdownDelay, drainTimeout              time.Duration
-	tls                                                *tlsFlags
-	otel                                               *otelFlags
-	log                                                *logFlags
+	apiKeyFile, adminAPIKeyFile                        string
+	// apiKeyOnArgv: --api-key came from the command line (see
+	// noteArgvSecrets), where ps shows it.
+	apiKeyOnArgv                               bool
+	sessionHeader, headID, advertise           string
+	logStats, untrustedParent, sessionUser     bool
+	maxBody                                    byteSize
+	maxInFlight                                int
+	detachedTTL, reconcile                     time.Duration
+	stallTimeout, leaseLossGrace, signalMaxAge time.Duration
+	maxMigrations                              int
+	leaseTTL, shutdownDelay, drainTimeout      time.Duration
+	tls                                        *tlsFlags
+	otel                                       *otelFlags
+	log                                        *logFlags
 	// builtPipeline, when set, is the pipeline instead of --pipeline's
 	// (troupe up --speech builds its own).
 	builtPipeline *orchestrator.Pipeline
@@ -62,7 +67,9 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.StringVar(&f.adminHTTP, "admin-http", "", "serve admin routes and /metrics on this separate address")
 	fs.StringVar(&f.pipeline, "pipeline", "", "pipeline YAML file (default: thinker → talker → vocoder, model troupe-omni-sim)")
 	fs.StringVar(&f.cluster, "cluster", membership.DefaultCluster, "cluster name (etcd key prefix)")
-	fs.StringVar(&f.apiKey, "api-key", "", "require Authorization: Bearer <key> on every route but /metrics, /healthz, /readyz")
+	fs.StringVar(&f.apiKey, "api-key", "", "require Authorization: Bearer <key> on every route but /metrics, /healthz, /readyz (prefer --api-key-file or $TROUPE_API_KEY: ps shows the command line)")
+	fs.StringVar(&f.apiKeyFile, "api-key-file", "", "file holding the API key (see --api-key)")
+	fs.StringVar(&f.adminAPIKeyFile, "admin-api-key-file", "", "file holding the admin key, the one key of /v1/replicas, sleep and wake_up (default: $TROUPE_ADMIN_API_KEY; never on the command line). Without it the API key cannot sleep or wake replicas")
 	fs.StringVar(&f.policy, "policy", router.PolicyRoundRobin, "routing policy of stages whose pipeline entry names none: "+strings.Join(router.PolicyNames, ", "))
 	fs.StringVar(&f.sessionHeader, "session-header", "X-Session-ID", "header carrying a session key for session affinity (empty: none)")
 	fs.BoolVar(&f.sessionUser, "session-user", true, "use the OpenAI request's \"user\" field as the session key when the header is absent")
@@ -85,6 +92,58 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	f.otel = addOtelFlags(fs)
 	f.log = addLogFlags(fs)
 	return f
+}
+
+// noteArgvSecrets records which secrets fs took from the command line
+// (parseFlags leaves the environment's out of fs.Visit).
+func (f *headFlags) noteArgvSecrets(fs *flag.FlagSet) {
+	fs.Visit(func(fl *flag.Flag) {
+		if fl.Name == "api-key" {
+			f.apiKeyOnArgv = true
+		}
+	})
+}
+
+// keys returns the API key (--api-key-file, else --api-key or
+// $TROUPE_API_KEY) and the admin key (--admin-api-key-file, else
+// $TROUPE_ADMIN_API_KEY). --api-key on the command line is accepted with a
+// warning.
+func (f *headFlags) keys(log *slog.Logger) (api, admin string, err error) {
+	api = f.apiKey
+	if f.apiKeyFile != "" {
+		if f.apiKeyOnArgv {
+			return "", "", errors.New("troupe head: --api-key and --api-key-file both given")
+		}
+		if api, err = readKeyFile("--api-key-file", f.apiKeyFile); err != nil {
+			return "", "", err
+		}
+	} else if f.apiKeyOnArgv {
+		log.Warn("troupe head: --api-key on the command line is visible to every user of this host (ps); use --api-key-file or TROUPE_API_KEY")
+	}
+	admin = strings.TrimSpace(os.Getenv("TROUPE_ADMIN_API_KEY"))
+	if f.adminAPIKeyFile != "" {
+		if admin, err = readKeyFile("--admin-api-key-file", f.adminAPIKeyFile); err != nil {
+			return "", "", err
+		}
+	}
+	if admin != "" && admin == api {
+		return "", "", errors.New("troupe head: the admin key must differ from the API key")
+	}
+	return api, admin, nil
+}
+
+// readKeyFile reads a key, trimmed of surrounding white space; an empty
+// file is an error, since it would turn auth off.
+func readKeyFile(flagName, path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("troupe head: %s: %w", flagName, err)
+	}
+	k := strings.TrimSpace(string(b))
+	if k == "" {
+		return "", fmt.Errorf("troupe head: %s %s is empty", flagName, path)
+	}
+	return k, nil
 }
 
 // grpcMessageLimit is the gRPC message limit that lets a prompt as large
@@ -112,6 +171,7 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
+	hf.noteArgvSecrets(fs)
 	log, flushLog := hf.log.logger()
 	defer flushLog()
 	setHeadGC()
@@ -183,6 +243,14 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	if err != nil {
 		return err
 	}
+	token, err := hf.tls.token()
+	if err != nil {
+		return err
+	}
+	apiKey, adminKey, err := hf.keys(log)
+	if err != nil {
+		return err
+	}
 
 	// metrics is gathered on /metrics; the per-replica stats are not on it
 	// (they are written by the head, the API's Exposer, see
@@ -199,6 +267,9 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		// (orchestrator.runStage); gRPC's transparent retry would only
 		// buffer every message sent for a retry that is never wanted.
 		grpc.WithDisableRetry(),
+	}
+	if token != "" {
+		dialOpts = append(dialOpts, clusterauth.DialOption(token))
 	}
 	if tp.Enabled() {
 		// Only a head that exports traces propagates them to its workers:
@@ -240,7 +311,8 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	}
 	api := httpapi.New(head, httpapi.Config{
 		MaxBodyBytes:    int64(hf.maxBody),
-		APIKey:          hf.apiKey,
+		APIKey:          apiKey,
+		AdminAPIKey:     adminKey,
 		Gatherer:        metrics,
 		Exposer:         head,
 		Metrics:         httpMetrics,

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"errors"
+	"log/slog"
 	"net"
 	"os"
 	"regexp"
@@ -87,4 +88,51 @@ func TestHeadShutdownFlags(t *testing.T) {
 	assert.Equal(t, 45*time.Second, hf.drainTimeout)
 	assert.Equal(t, "head-a", hf.headID)
 	assert.Equal(t, membership.DefaultTTL, hf.leaseTTL)
+}
+
+// TestHeadKeys: the API key comes from a file, the environment or (with a
+// warning) argv; the admin key from a file or the environment only, and
+// must differ from the API key.
+func TestHeadKeys(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, content string) string {
+		p := dir + "/" + name
+		require.NoError(t, os.WriteFile(p, []byte(content), 0o600))
+		return p
+	}
+	apiFile, adminFile, empty := write("api", "infer-key\n"), write("admin", " admin-key \n"), write("empty", "\n")
+	keys := func(args ...string) (string, string, string, error) {
+		fs := newFlagSet("head")
+		hf := addHeadFlags(fs)
+		require.NoError(t, parseFlags(fs, args))
+		hf.noteArgvSecrets(fs)
+		var logs bytes.Buffer
+		api, admin, err := hf.keys(slog.New(slog.NewTextHandler(&logs, nil)))
+		return api, admin, logs.String(), err
+	}
+
+	api, admin, logs, err := keys("--api-key-file", apiFile, "--admin-api-key-file", adminFile)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"infer-key", "admin-key"}, []string{api, admin})
+	assert.Empty(t, logs)
+
+	api, _, logs, err = keys("--api-key", "on-argv")
+	require.NoError(t, err)
+	assert.Equal(t, "on-argv", api)
+	assert.Contains(t, logs, "visible to every user")
+
+	t.Setenv("TROUPE_API_KEY", "from-env")
+	t.Setenv("TROUPE_ADMIN_API_KEY", "admin-env")
+	api, admin, logs, err = keys()
+	require.NoError(t, err)
+	assert.Equal(t, []string{"from-env", "admin-env"}, []string{api, admin})
+	assert.Empty(t, logs, "the environment is not argv")
+
+	_, _, _, err = keys("--api-key", "x", "--api-key-file", apiFile)
+	assert.ErrorContains(t, err, "both given")
+	_, _, _, err = keys("--admin-api-key-file", empty)
+	assert.ErrorContains(t, err, "is empty")
+	t.Setenv("TROUPE_ADMIN_API_KEY", "from-env")
+	_, _, _, err = keys()
+	assert.ErrorContains(t, err, "must differ")
 }

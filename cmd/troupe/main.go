@@ -36,6 +36,7 @@ func init() {
 		{name: "head", summary: "run the head: watch membership, route requests, serve the HTTP API", run: runHead},
 		{name: "worker", summary: "run a stage replica and register it in etcd", run: runWorker},
 		{name: "members", summary: "list the cluster's members", run: runMembers},
+		{name: "certs", summary: "write a cluster CA, the head's and the workers' certificates and a cluster token", run: runCerts},
 		{name: "healthcheck", args: "URL|grpc://HOST:PORT[/SERVICE]", summary: "exit 0 when a URL answers 2xx, or a gRPC health service SERVING", run: runHealthcheck},
 		{name: "trace", args: "TRACE_ID", summary: "print one trace from Jaeger as a waterfall",
 			detail: "TRACE_ID is a trace id (32 hex digits) or a whole traceparent header value; flags may come before or after it.", run: runTrace},

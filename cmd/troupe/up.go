@@ -37,6 +37,7 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
+	hf.noteArgvSecrets(fs)
 	if *replicas < 1 || *replicas > 64 {
 		return fmt.Errorf("--replicas must be in 1..64, got %d", *replicas)
 	}

@@ -11,22 +11,33 @@ import (
 
 	"google.golang.org/grpc/credentials"
 
+	"github.com/troupe-serving/troupe/pkg/clusterauth"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 	"github.com/troupe-serving/troupe/pkg/tlsconfig"
 )
 
-// tlsFlags configure TLS on the head↔worker gRPC link. With only a CA the
-// peer's certificate is verified; with a cert and key as well, the link is
-// mutual TLS.
-type tlsFlags struct{ cert, key, ca string }
+// tlsFlags configure the security of the head↔worker gRPC link: TLS (with
+// only a CA the peer's certificate is verified; with a cert and key as
+// well, the link is mutual TLS) and the cluster token (pkg/clusterauth),
+// read from a file or $TROUPE_CLUSTER_TOKEN, never from argv.
+type tlsFlags struct{ cert, key, ca, tokenFile string }
 
 func addTLSFlags(fs *flag.FlagSet, what string) *tlsFlags {
 	f := &tlsFlags{}
 	fs.StringVar(&f.cert, "tls-cert", "", "certificate (PEM) for "+what)
 	fs.StringVar(&f.key, "tls-key", "", "private key (PEM) for "+what)
 	fs.StringVar(&f.ca, "tls-ca", "", "CA bundle (PEM) that peers' certificates must chain to ("+what+")")
+	fs.StringVar(&f.tokenFile, "cluster-token-file", "", "file holding the cluster token that the head sends and workers require on every RPC (default: $"+clusterauth.EnvVar+"; never on the command line)")
 	return f
 }
+
+// token is the cluster token: --cluster-token-file's, else
+// $TROUPE_CLUSTER_TOKEN's, else "".
+func (f *tlsFlags) token() (string, error) { return clusterauth.Load(f.tokenFile) }
+
+// mutual reports whether the link is mutual TLS (a CA on the worker makes
+// it require client certificates).
+func (f *tlsFlags) mutual() bool { return f.ca != "" && f.cert != "" && f.key != "" }
 
 func (f *tlsFlags) files() tlsconfig.Files {
 	return tlsconfig.Files{Cert: f.cert, Key: f.key, CA: f.ca}

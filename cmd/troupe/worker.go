@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"math"
+	"net"
 	"os"
 	"os/exec"
 	"runtime"
@@ -274,6 +275,13 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 	if err != nil {
 		return err
 	}
+	token, err := wf.tls.token()
+	if err != nil {
+		return err
+	}
+	if token == "" && !wf.tls.mutual() && !loopbackOnly(wf.listen) {
+		log.Warn("troupe worker: anyone who reaches this port can generate, sleep and drain this replica: set --cluster-token-file (or TROUPE_CLUSTER_TOKEN) or mutual TLS (docs/security.md)", "listen", wf.listen)
+	}
 	tp, shutdown, err := wf.otel.setup(ctx, telemetry.Config{
 		ServiceName:     "troupe-worker",
 		ParentBasedOnly: true, // record exactly the requests the head sampled
@@ -309,6 +317,7 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 		DrainTimeout:    wf.drainTimeout,
 		MaxMessageBytes: int(min(int64(wf.maxMessage), math.MaxInt32)),
 		Engine:          eng.Engine,
+		ClusterToken:    token,
 		Model:           wf.model,
 		Version:         version,
 		EtcdClient:      cli,
@@ -359,6 +368,19 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 			return serr
 		}
 	}
+}
+
+// loopbackOnly reports whether listen binds a loopback address only.
+func loopbackOnly(listen string) bool {
+	host, _, err := net.SplitHostPort(listen)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 // roleOf describes what an engine takes and gives, e.g. "text → audio";

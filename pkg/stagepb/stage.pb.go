@@ -1546,6 +1546,14 @@ type HealthResponse struct {
 	// is appended to the prompt). False: a chat answer that failed after
 	// output is not continued on this replica.
 	ContinuesChat bool `protobuf:"varint,12,opt,name=continues_chat,json=continuesChat,proto3" json:"continues_chat,omitempty"`
+	// replica_id is the replica id the worker registered (or was told to
+	// take) and instance_id a random id of its process, fresh at every
+	// start. The head refuses a record whose worker reports another
+	// replica id, or whose worker (same instance) already serves another
+	// attached record. Empty instance_id (older workers, or one whose
+	// automatic replica id is not known yet): not checked.
+	ReplicaId     uint32 `protobuf:"varint,13,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
+	InstanceId    string `protobuf:"bytes,14,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1662,6 +1670,20 @@ func (x *HealthResponse) GetContinuesChat() bool {
 		return x.ContinuesChat
 	}
 	return false
+}
+
+func (x *HealthResponse) GetReplicaId() uint32 {
+	if x != nil {
+		return x.ReplicaId
+	}
+	return 0
+}
+
+func (x *HealthResponse) GetInstanceId() string {
+	if x != nil {
+		return x.InstanceId
+	}
+	return ""
 }
 
 type SleepRequest struct {
@@ -2044,7 +2066,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x15enable_prefix_caching\x18\x03 \x01(\bR\x13enablePrefixCaching\x12 \n" +
 	"\fmax_num_seqs\x18\x04 \x01(\rR\n" +
 	"maxNumSeqs\x12\x1b\n" +
-	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\x80\x04\n" +
+	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xc0\x04\n" +
 	"\x0eHealthResponse\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.troupe.stage.v1.ServingStatusR\x06status\x12<\n" +
 	"\vsleep_state\x18\x02 \x01(\x0e2\x1b.troupe.stage.v1.SleepStateR\n" +
@@ -2060,7 +2082,11 @@ const file_stage_proto_rawDesc = "" +
 	"\x05stage\x18\n" +
 	" \x01(\tR\x05stage\x12\x1c\n" +
 	"\tmultiplex\x18\v \x01(\bR\tmultiplex\x12%\n" +
-	"\x0econtinues_chat\x18\f \x01(\bR\rcontinuesChat\"$\n" +
+	"\x0econtinues_chat\x18\f \x01(\bR\rcontinuesChat\x12\x1d\n" +
+	"\n" +
+	"replica_id\x18\r \x01(\rR\treplicaId\x12\x1f\n" +
+	"\vinstance_id\x18\x0e \x01(\tR\n" +
+	"instanceId\"$\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\"M\n" +
 	"\rSleepResponse\x12<\n" +

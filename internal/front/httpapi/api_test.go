@@ -492,6 +492,53 @@ func TestAuth(t *testing.T) {
 	assert.Equal(t, http.StatusUnauthorized, apiErrorOf(t, err).StatusCode)
 }
 
+// TestAdminKey: the inference key cannot put replicas to sleep. With an
+// admin key, only it opens the admin routes (the API key gets 403) (and it opens the others too);
+// without one, the API key reads /v1/replicas but sleep and wake_up are 403.
+func TestAdminKey(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	bearer := func(k string) http.Header { return http.Header{"Authorization": {"Bearer " + k}} }
+
+	a := startAPI(t, c, Config{APIKey: "infer", AdminAPIKey: "admin", Gatherer: c.Metrics}, nil, nil)
+	for _, route := range []struct{ method, path string }{
+		{"GET", "/v1/replicas"}, {"POST", "/v1/replicas/thinker/0/sleep"}, {"POST", "/v1/replicas/thinker/0/wake_up"},
+	} {
+		resp, b := a.do(t, route.method, route.path, nil, bearer("infer"))
+		wantError(t, resp, b, http.StatusForbidden, typePermission, "admin_key_required")
+		resp, b = a.do(t, route.method, route.path, nil, nil)
+		wantError(t, resp, b, http.StatusUnauthorized, typeAuthentication, "invalid_api_key")
+	}
+	resp, b := a.do(t, "POST", "/v1/replicas/thinker/0/sleep?level=1", nil, bearer("admin"))
+	require.Equal(t, http.StatusOK, resp.StatusCode, "%s", b)
+	resp, b = a.do(t, "POST", "/v1/replicas/thinker/0/wake_up", nil, bearer("admin"))
+	require.Equal(t, http.StatusOK, resp.StatusCode, "%s", b)
+	resp, b = a.do(t, "GET", "/v1/replicas", nil, bearer("admin"))
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "%s", b)
+	for _, k := range []string{"infer", "admin"} {
+		resp, b = a.do(t, "GET", "/v1/models", nil, bearer(k))
+		assert.Equal(t, http.StatusOK, resp.StatusCode, "%s: %s", k, b)
+	}
+	resp, b = a.do(t, "GET", "/v1/models", nil, bearer("wrong"))
+	wantError(t, resp, b, http.StatusUnauthorized, typeAuthentication, "invalid_api_key")
+
+	// No admin key: the API key reads the replicas but puts none to sleep.
+	a = startAPI(t, c, Config{APIKey: "infer", Gatherer: c.Metrics}, nil, nil)
+	resp, b = a.do(t, "GET", "/v1/replicas", nil, bearer("infer"))
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "%s", b)
+	for _, path := range []string{"/v1/replicas/thinker/0/sleep", "/v1/replicas/thinker/0/wake_up"} {
+		resp, b = a.do(t, "POST", path, nil, bearer("infer"))
+		wantError(t, resp, b, http.StatusForbidden, typePermission, "admin_key_required")
+	}
+	c.WaitState(t, "thinker", 0, "attached")
+
+	// Only an admin key: the serving routes are open, the admin ones not.
+	a = startAPI(t, c, Config{AdminAPIKey: "admin", Gatherer: c.Metrics}, nil, nil)
+	resp, b = a.do(t, "GET", "/v1/models", nil, nil)
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "%s", b)
+	resp, b = a.do(t, "POST", "/v1/replicas/thinker/0/sleep", nil, nil)
+	wantError(t, resp, b, http.StatusUnauthorized, typeAuthentication, "invalid_api_key")
+}
+
 // TestAdmin covers /v1/replicas, sleep and wake_up, /readyz and the
 // handler split.
 func TestAdmin(t *testing.T) {
@@ -690,4 +737,38 @@ func TestAdmissionLimit(t *testing.T) {
 		resp, _ := a.post(t, "/v1/chat/completions", `{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`)
 		return resp.StatusCode == http.StatusOK
 	}, 10*time.Second, 20*time.Millisecond, "a freed slot admits the next request")
+}
+
+// TestSlowUploadsTakeNoSlot: connections that send full headers and then
+// their body a byte at a time hold no admission slot, however many there
+// are: a real request is served meanwhile. (Issue 34: 1,025 such uploads
+// used to make every request 429.)
+func TestSlowUploadsTakeNoSlot(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Pipeline: orchestrator.Pipeline{Model: model, Stages: []orchestrator.Stage{{Name: "thinker"}}}})
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	require.NoError(t, err)
+	const limit, uploads = 4, 40
+	a := startAPI(t, c, Config{MaxInFlight: limit, Metrics: m}, nil, nil)
+	addr := strings.TrimPrefix(a.base, "http://")
+	var conns []net.Conn
+	t.Cleanup(func() {
+		for _, conn := range conns {
+			conn.Close()
+		}
+	})
+	for range uploads {
+		conn, err := net.Dial("tcp", addr)
+		require.NoError(t, err)
+		conns = append(conns, conn)
+		_, err = fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool { return testutil.ToFloat64(m.inFlight) >= uploads },
+		10*time.Second, 5*time.Millisecond, "every upload is inside the handler, reading its body")
+	for range 2 * limit {
+		resp, body := a.post(t, "/v1/chat/completions", `{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`)
+		require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
+	}
+	assert.Zero(t, testutil.ToFloat64(m.requests.WithLabelValues("/v1/chat/completions", "post", "429")))
 }

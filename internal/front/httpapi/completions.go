@@ -91,9 +91,12 @@ func newResponseID() string {
 	return hex.EncodeToString(b[:])
 }
 
-// readBody reads the whole request body; the middleware has already capped
-// it at MaxBodyBytes.
+// readBody reads the whole request body (or takes what admitted read); the
+// middleware has already capped it at MaxBodyBytes.
 func (s *Server) readBody(r *http.Request) ([]byte, *apiError) {
+	if rb, ok := r.Body.(*readBody); ok {
+		return rb.body, nil // read before admission
+	}
 	body, err := io.ReadAll(r.Body)
 	if err != nil {
 		var tooBig *http.MaxBytesError

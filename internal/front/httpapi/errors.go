@@ -20,6 +20,7 @@ import (
 const (
 	typeInvalidRequest = "invalid_request_error"
 	typeAuthentication = "authentication_error"
+	typePermission     = "permission_error"
 	typeNotFound       = "not_found_error"
 	typeServer         = "server_error"
 	typeRateLimit      = "rate_limit_error"

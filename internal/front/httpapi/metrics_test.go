@@ -36,8 +36,9 @@ func TestHTTPMetrics(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()))
 	t.Cleanup(func() { require.NoError(t, tp.Shutdown(testCtx(t))) })
 	const key = "sekrit"
-	a := startAPI(t, c, Config{Metrics: m, Gatherer: reg, APIKey: key, MaxBodyBytes: 4096, TracerProvider: tp}, nil, nil)
+	a := startAPI(t, c, Config{Metrics: m, Gatherer: reg, APIKey: key, AdminAPIKey: "admin-" + key, MaxBodyBytes: 4096, TracerProvider: tp}, nil, nil)
 	auth := http.Header{"Authorization": {"Bearer " + key}}
+	adminAuth := http.Header{"Authorization": {"Bearer admin-" + key}} // the API key never wakes a replica
 	send := func(method, path, body string, h http.Header) *http.Response {
 		t.Helper()
 		var r *strings.Reader
@@ -66,7 +67,7 @@ func TestHTTPMetrics(t *testing.T) {
 		{"POST", "/v1/completions", `{"prompt":"` + strings.Repeat("x", 5000) + `"}`, auth, 413},
 		{"GET", "/v1/no/such/path/12345", "", auth, 404},
 		{"DELETE", "/v1/models", "", auth, 405},
-		{"POST", "/v1/replicas/nosuchstage/0/wake_up", "", auth, 404},
+		{"POST", "/v1/replicas/nosuchstage/0/wake_up", "", adminAuth, 404},
 		{"GET", "/healthz", "", nil, 200},
 	} {
 		resp := send(c.method, c.path, c.body, c.header)

@@ -10,6 +10,7 @@
 package httpapi
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -72,8 +73,16 @@ type Config struct {
 	// DefaultMaxBodyBytes.
 	MaxBodyBytes int64
 	// APIKey, when not empty, must be sent as "Authorization: Bearer <key>"
-	// on every route except /metrics, /healthz and /readyz.
+	// on every route except /metrics, /healthz and /readyz. It never
+	// grants sleep or wake_up; it reads /v1/replicas only while no
+	// AdminAPIKey is set.
 	APIKey string
+	// AdminAPIKey, when not empty, is the one key of the admin routes
+	// (/v1/replicas and its sleep and wake_up), and is accepted wherever
+	// the APIKey is. Empty with an APIKey: sleep and wake_up answer 403,
+	// since the inference key must not put replicas to sleep. Both empty:
+	// no auth at all.
+	AdminAPIKey string
 	// Gatherer is served on /metrics (OpenMetrics when the scraper asks for
 	// it, gzipped when it accepts gzip). nil and no Exposer: no /metrics
 	// route.
@@ -125,13 +134,14 @@ type Config struct {
 // Server serves the API of one head. Its handlers are safe for concurrent
 // use; it owns no goroutines.
 type Server struct {
-	b       Backend
-	cfg     Config
-	log     *slog.Logger
-	created int64 // the models' "created": when the server was built
-	keyHash [sha256.Size]byte
-	routes  map[string]string // registered pattern → route label; read-only after New
-	running atomic.Int64      // completions admitted and not finished (MaxInFlight)
+	b            Backend
+	cfg          Config
+	log          *slog.Logger
+	created      int64             // the models' "created": when the server was built
+	keyHash      [sha256.Size]byte // of APIKey
+	adminKeyHash [sha256.Size]byte // of AdminAPIKey
+	routes       map[string]string // registered pattern → route label; read-only after New
+	running      atomic.Int64      // completions admitted and not finished (MaxInFlight)
 	// draining: the process is stopping; /readyz says so (see Drain).
 	draining atomic.Bool
 
@@ -159,6 +169,9 @@ func New(b Backend, cfg Config) *Server {
 	if cfg.APIKey != "" {
 		s.keyHash = sha256.Sum256([]byte(cfg.APIKey))
 	}
+	if cfg.AdminAPIKey != "" {
+		s.adminKeyHash = sha256.Sum256([]byte(cfg.AdminAPIKey))
+	}
 	serving, admin, all := http.NewServeMux(), http.NewServeMux(), http.NewServeMux()
 	handle := func(muxes []*http.ServeMux, pattern string, h http.Handler) {
 		s.routes[pattern] = routeLabel(pattern)
@@ -185,23 +198,49 @@ func New(b Backend, cfg Config) *Server {
 }
 
 // admitted runs h within the MaxInFlight limit, or answers 429 (OpenAI's
-// rate-limit shape, Retry-After 1) without reading the body.
+// rate-limit shape, Retry-After 1). The limit counts requests, not
+// uploads: the body is read before a slot is taken, so clients that send
+// their bodies slowly hold connections (each bounded by the server's
+// ReadTimeout, see NewHTTPServer) but never the slots real requests need.
+// While every slot is taken, a request is refused before its body is read.
 func (s *Server) admitted(h http.HandlerFunc) http.Handler {
 	if s.cfg.MaxInFlight <= 0 {
 		return h
 	}
 	limit := int64(s.cfg.MaxInFlight)
+	refuse := func(w http.ResponseWriter, r *http.Request) {
+		s.reject(w, r, &apiError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: "too_many_requests", RetryAfter: "1",
+			Message: fmt.Sprintf("the server is at its limit of %d requests in flight; retry shortly", limit)})
+	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if s.running.Load() >= limit {
+			refuse(w, r)
+			return
+		}
+		body, e := s.readBody(r)
+		if e != nil {
+			s.reject(w, r, e)
+			return
+		}
+		r.Body = &readBody{Reader: bytes.NewReader(body), body: body}
 		if s.running.Add(1) > limit {
 			s.running.Add(-1)
-			s.reject(w, r, &apiError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: "too_many_requests", RetryAfter: "1",
-				Message: fmt.Sprintf("the server is at its limit of %d requests in flight; retry shortly", limit)})
+			refuse(w, r)
 			return
 		}
 		defer s.running.Add(-1)
 		h(w, r)
 	})
 }
+
+// readBody is a request body admitted already read; Server.readBody takes
+// its bytes without copying them.
+type readBody struct {
+	*bytes.Reader
+	body []byte
+}
+
+func (*readBody) Close() error { return nil }
 
 // Drain makes /readyz answer 503 "not ready: shutting down" from now on, so
 // load balancers stop sending new requests while this head finishes the
@@ -225,7 +264,9 @@ func (s *Server) AdminHandler() http.Handler { return s.admin }
 // streaming set:
 //   - ReadHeaderTimeout 10s and MaxHeaderBytes 64 KiB bound slow or huge
 //     headers (slowloris).
-//   - ReadTimeout 60s bounds reading the whole request, body included.
+//   - ReadTimeout 60s bounds reading the whole request, body included:
+//     an upload that has not finished by then is cut. Uploads take no
+//     admission slot (see admitted), so slow ones cannot starve requests.
 //     net/http lifts that deadline once the body has been read (its
 //     background read for client disconnects runs without one), so it
 //     never cuts a long generation; TestSlowStreams holds it to that.
@@ -329,11 +370,15 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMu
 	sw := &statusWriter{ResponseWriter: w}
 	r = r.WithContext(context.WithValue(r.Context(), requestIDKey{}, id))
 	cleanURLPath(r)
+	acc := s.authorize(r)
 	switch {
-	case !s.authorized(r):
+	case acc == unauthenticated:
 		h.Set("WWW-Authenticate", `Bearer realm="troupe"`)
 		writeError(sw, &apiError{Status: http.StatusUnauthorized, Type: typeAuthentication, Code: "invalid_api_key",
 			Message: "missing or invalid API key: send \"Authorization: Bearer <key>\""})
+	case acc == forbidden:
+		writeError(sw, &apiError{Status: http.StatusForbidden, Type: typePermission, Code: "admin_key_required",
+			Message: "this route needs the admin key (troupe head --admin-api-key-file); the API key does not grant it"})
 	case r.ContentLength > s.cfg.MaxBodyBytes:
 		// Refused before reading a byte of it.
 		h.Set("Connection", "close")
@@ -467,24 +512,56 @@ func cleanURLPath(r *http.Request) {
 	r.URL = &u
 }
 
-// authorized reports whether r may pass: always when no key is set, and
-// always for the probes and /metrics.
-func (s *Server) authorized(r *http.Request) bool {
-	if s.cfg.APIKey == "" {
-		return true
-	}
+// access is what authorize decides for a request.
+type access int
+
+const (
+	allowed         access = iota
+	unauthenticated        // 401: no key, or a wrong one
+	forbidden              // 403: the API key, on a route it does not grant
+)
+
+// authorize decides whether r may pass (see Config.APIKey and
+// AdminAPIKey): the probes and /metrics always; the admin routes with the
+// admin key, or, while none is set, reading /v1/replicas with the API
+// key; every other route with either key. A route with no key configured
+// for it is open.
+func (s *Server) authorize(r *http.Request) access {
 	switch r.URL.Path {
 	case "/metrics", "/healthz", "/readyz":
-		return true
+		return allowed
 	}
-	scheme, token, ok := strings.Cut(r.Header.Get("Authorization"), " ")
-	if !ok || !strings.EqualFold(scheme, "Bearer") {
-		return false
+	isAdmin := r.URL.Path == "/v1/replicas" || strings.HasPrefix(r.URL.Path, "/v1/replicas/")
+	readOnly := r.Method == http.MethodGet || r.Method == http.MethodHead
+	hasAPI, hasAdmin := s.cfg.APIKey != "", s.cfg.AdminAPIKey != ""
+	if !hasAPI && !hasAdmin {
+		return allowed
+	}
+	if !isAdmin && !hasAPI {
+		return allowed
 	}
 	// Hashing first makes the comparison constant-time in the key's length
-	// too.
-	got := sha256.Sum256([]byte(strings.TrimSpace(token)))
-	return subtle.ConstantTimeCompare(got[:], s.keyHash[:]) == 1
+	// too; both keys are always compared.
+	var got [sha256.Size]byte
+	if scheme, token, ok := strings.Cut(r.Header.Get("Authorization"), " "); ok && strings.EqualFold(scheme, "Bearer") {
+		got = sha256.Sum256([]byte(strings.TrimSpace(token)))
+	} else {
+		return unauthenticated
+	}
+	api := hasAPI && subtle.ConstantTimeCompare(got[:], s.keyHash[:]) == 1
+	admin := hasAdmin && subtle.ConstantTimeCompare(got[:], s.adminKeyHash[:]) == 1
+	switch {
+	case admin:
+		return allowed
+	case !api:
+		return unauthenticated
+	case !isAdmin:
+		return allowed
+	case readOnly && !hasAdmin:
+		return allowed
+	default:
+		return forbidden
+	}
 }
 
 // requestID returns the client's id when it is sane (1 to 128 printable
