@@ -58,9 +58,11 @@ type Result struct {
 	FinishReason     string // stop | length
 	PromptTokens     int
 	CompletionTokens int
-	Codes            []uint32
-	PCM              []byte // PCM16 mono little-endian
-	SampleRate       int
+	// PromptMedia is how many of PromptTokens stage 0 made of media parts.
+	PromptMedia MediaTokens
+	Codes       []uint32
+	PCM         []byte // PCM16 mono little-endian
+	SampleRate  int
 	// AudioTruncated: a stage after the first stopped at its output limit,
 	// so the audio covers only part of the text. FinishReason is then
 	// "length".
@@ -103,6 +105,7 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	if recording {
 		span.SetAttributes(telemetry.KeyRequestID.String(req.ID), attribute.Int("troupe.request.stages", n))
 		span.SetAttributes(requestAttributes(req, h.cfg.Pipeline.Model)...)
+		span.SetAttributes(partAttributes(req.Messages)...)
 	}
 
 	// Fail fast: every needed stage must have a replica before any work.
@@ -113,6 +116,10 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 			span.SetStatus(codes.Error, oe.Error())
 			return nil, oe
 		}
+	}
+	if err := checkParts(snap, req.Messages, h.cfg.Pipeline.Stages[0].Name); err != nil {
+		span.SetStatus(codes.Error, err.Error())
+		return nil, err
 	}
 
 	in := &stagepb.GenerateRequest{RequestId: req.ID, Sampling: req.Sampling, Voice: req.Voice}
@@ -214,6 +221,7 @@ func (r *Result) add(stage int, out *stageOutput) {
 	case stage == 0:
 		r.Text, r.FinishReason = out.text.String(), out.finish
 		r.PromptTokens, r.CompletionTokens = out.promptTokens, out.generationTokens
+		r.PromptMedia = out.media
 	case out.finish == stagepb.FinishReason_FINISH_REASON_LENGTH.Name():
 		r.AudioTruncated = true
 		r.FinishReason = out.finish
@@ -262,6 +270,9 @@ func sizeBound(req Request) int {
 	n := 256 + len(req.ID) + len(req.Prompt) + len(req.Voice) + 16*3 + proto.Size(req.Sampling)
 	for _, m := range req.Messages {
 		n += len(m.GetRole()) + len(m.GetContent()) + 16*3
+		for _, p := range m.GetParts() {
+			n += len(p.GetKind()) + len(p.GetText()) + len(p.GetData()) + len(p.GetUrl()) + len(p.GetMimeType()) + len(p.GetFormat()) + 16*7
+		}
 	}
 	return n
 }

@@ -638,7 +638,8 @@ func (h *Head) attach(pr probeResult) {
 		pr.rep.SetLoad(int64(g.GetNumRequestsRunning()) + int64(g.GetNumRequestsWaitingCapacity()) + int64(g.GetNumRequestsWaitingDeferred()))
 	}
 	cache := pr.health.GetCacheConfig()
-	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents(), Multiplex: pr.health.GetMultiplex()}
+	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents(), Multiplex: pr.health.GetMultiplex(),
+		InputParts: pr.health.GetInputParts(), InputPartURLs: pr.health.GetInputPartUrls()}
 	if err := h.router.Add(pr.rep); err != nil {
 		h.errors.WithLabelValues("router").Inc()
 		h.log.Error("orchestrator: cannot route", "err", err)

@@ -35,7 +35,9 @@ func New(cfg Config) (*Engine, error) {
 // Health reports a text stage (text in, text out), the upstream's
 // availability and its scraped load.
 func (e *Engine) Health() *stagepb.HealthResponse {
-	return e.health(EngineName, stagepb.RoleText)
+	h := e.health(EngineName, stagepb.RoleText)
+	h.InputParts, h.InputPartUrls = upstreamParts, true
+	return h
 }
 
 // chatRequest is the body of POST /v1/chat/completions and, with Prompt
@@ -60,7 +62,7 @@ type chatRequest struct {
 
 type chatMessage struct {
 	Role    string `json:"role"`
-	Content string `json:"content"`
+	Content any    `json:"content"` // a string, or []contentPart (parts.go)
 }
 
 type streamOptions struct {
@@ -89,6 +91,8 @@ type usage struct {
 	CompletionTokens    uint64 `json:"completion_tokens"`
 	PromptTokensDetails *struct {
 		CachedTokens uint64 `json:"cached_tokens"`
+		AudioTokens  uint64 `json:"audio_tokens"` // servers that count them (OpenAI's)
+		ImageTokens  uint64 `json:"image_tokens"`
 	} `json:"prompt_tokens_details"`
 }
 
@@ -116,7 +120,7 @@ func (e *Engine) body(req *stagepb.GenerateRequest) (path string, body chatReque
 		}
 		body.Messages = make([]chatMessage, len(msgs))
 		for i, m := range msgs {
-			body.Messages[i] = chatMessage{Role: m.GetRole(), Content: m.GetContent()}
+			body.Messages[i] = chatMessage{Role: m.GetRole(), Content: messageContent(m)}
 		}
 		if c := req.GetContinuation(); c != "" {
 			no := false
@@ -228,6 +232,7 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 		cached := uint64(0)
 		if use.PromptTokensDetails != nil {
 			cached = min(use.PromptTokensDetails.CachedTokens, use.PromptTokens)
+			stats.PromptAudioTokens, stats.PromptImageTokens = use.PromptTokensDetails.AudioTokens, use.PromptTokensDetails.ImageTokens
 		}
 		stats.PromptTokensLocalCacheHit = cached
 		stats.PromptTokensLocalCompute = use.PromptTokens - cached

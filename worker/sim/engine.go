@@ -121,6 +121,7 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 		return stagepb.ContextLengthError(e.cfg.maxModelLen(), len(prompt), need)
 	}
 	s := newSeq(req.GetRequestId(), role, prompt, buildPlan(role, prompt, ctxLen, p), p.seed)
+	countMediaTokens(req.GetChat().GetMessages(), s.delta)
 	select {
 	case e.events <- event{kind: evSubmit, seq: s}:
 	case <-ctx.Done():
@@ -205,6 +206,7 @@ func (e *Engine) Health() *stagepb.HealthResponse {
 		Engine:               EngineName,
 		Role:                 e.cfg.Role,
 		InputRole:            stagepb.InputRoleOf(e.cfg.Role),
+		InputParts:           e.inputParts(),
 		NumSpeculativeTokens: uint32(e.cfg.NumSpeculativeTokens),
 		CacheConfig: &stagepb.CacheConfig{
 			BlockSize:           uint32(e.cfg.BlockSize),
@@ -386,3 +388,12 @@ func (m *mailbox) take() (chunks []*stagepb.GenerateChunk, final bool, err error
 // codes and audio roles can, since each output depends only on the input
 // before it; the text role needs its whole prompt.
 func (e *Engine) ContinuesInput() bool { return e.cfg.Role != stagepb.RoleText }
+
+// inputParts are the media kinds the engine takes: a text-in role takes
+// them all, with their bytes (see MediaTokens); codes take none.
+func (e *Engine) inputParts() []string {
+	if stagepb.InputRoleOf(e.cfg.Role) != stagepb.RoleText {
+		return nil
+	}
+	return mediaParts
+}

@@ -195,6 +195,10 @@ type EngineInfo struct {
 	BlockSize int    // KV block size in tokens; 0: unknown
 	KVEvents  bool   // the engine reports stagepb.KvEvents on its chunks
 	Multiplex bool   // the worker serves StageService.Multiplex
+	// InputParts are the media part kinds the engine takes in a chat input
+	// (Health's input_parts); InputPartURLs: also by http(s) URL.
+	InputParts    []string
+	InputPartURLs bool
 }
 
 // Snapshot is an immutable view of the routable set. Safe for concurrent use.

@@ -38,7 +38,7 @@ func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		s.reject(w, r, e)
 		return
 	}
-	j, e := parseChat(body, s.b.Pipeline().Model)
+	j, e := parseChatLimited(body, s.b.Pipeline().Model, newPartBudget(s.cfg.MaxContentParts, s.cfg.MaxPartBytes))
 	if e != nil {
 		s.reject(w, r, e)
 		return

@@ -113,6 +113,12 @@ type Config struct {
 	// a request is answered 429 with Retry-After at once, so latency stays
 	// bounded instead of growing with the queue. <= 0: no limit.
 	MaxInFlight int
+	// MaxContentParts bounds the media parts (image, audio, video) of one
+	// chat request (400 above it); <= 0 means DefaultMaxContentParts.
+	MaxContentParts int
+	// MaxPartBytes bounds the decoded bytes of one media part (413 above
+	// it); <= 0 means DefaultMaxPartBytes.
+	MaxPartBytes int64
 }
 
 // Server serves the API of one head. Its handlers are safe for concurrent
