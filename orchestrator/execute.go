@@ -41,6 +41,11 @@ type Request struct {
 	// replica on stages with session affinity (X-Session-ID, or the
 	// OpenAI `user` field).
 	SessionKey string
+	// Speech runs the pipeline's audio stages alone (SpeechStages to the
+	// last) on Prompt, as if the text stage had written it (the speech
+	// endpoint); Stages and Messages are then ignored. Its Result's usage
+	// is the first of those stages'.
+	Speech bool
 	// Flush, when not nil, lets onText and OnAudio buffer what they
 	// deliver: Execute calls it whenever it has delivered all the output
 	// that has come so far and is about to wait for more, so output that
@@ -78,9 +83,13 @@ type Result struct {
 // stage's audio; either may be nil, and an error from either aborts the
 // request. Execute is safe for concurrent use.
 func (h *Head) Execute(ctx context.Context, req Request, onText func(delta string) error) (res *Result, err error) {
-	n := req.Stages
+	n, first := req.Stages, 0
 	if n <= 0 {
 		n = 1
+	}
+	if req.Speech {
+		n, first = len(h.cfg.Pipeline.Stages), h.SpeechStages()
+		req.Messages = nil
 	}
 	if n > len(h.cfg.Pipeline.Stages) {
 		return nil, newError(ErrBadRequest, nil, "%d stages requested, the pipeline has %d", n, len(h.cfg.Pipeline.Stages))
@@ -110,7 +119,7 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 
 	// Fail fast: every needed stage must have a replica before any work.
 	snap := h.router.Snapshot()
-	for i := range n {
+	for i := first; i < n; i++ {
 		if err := snap.CheckRoutable(i); err != nil {
 			oe := newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[i].Name)
 			span.SetStatus(codes.Error, oe.Error())
@@ -134,7 +143,10 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		span.SetStatus(codes.Error, err.Error())
 		return nil, err
 	}
-	if n > 1 && h.cfg.Pipeline.StreamsBetweenStages() {
+	if req.Speech {
+		span.SetAttributes(attribute.Int("troupe.request.first_stage", first))
+		res, ttfa, err = h.executeFrom(ctx, req, first, n, in)
+	} else if n > 1 && h.cfg.Pipeline.StreamsBetweenStages() {
 		span.SetAttributes(attribute.Bool("troupe.request.streamed", true))
 		res, ttfa, err = h.executeStreamed(ctx, req, n, in, onText)
 	} else {

@@ -333,6 +333,15 @@ func (s *sseWriter) begin(resp responder) error {
 	if s.started {
 		return nil
 	}
+	s.writeHeader()
+	if first := resp.roleChunk(); first != nil {
+		return s.send(first)
+	}
+	return nil
+}
+
+// writeHeader starts the stream: its status and headers.
+func (s *sseWriter) writeHeader() {
 	s.started = true
 	h := s.w.Header()
 	h.Set("Content-Type", "text/event-stream")
@@ -340,10 +349,6 @@ func (s *sseWriter) begin(resp responder) error {
 	h.Set("X-Accel-Buffering", "no") // reverse proxies: do not buffer the stream
 	s.w.WriteHeader(http.StatusOK)
 	s.unflushed = true // the headers
-	if first := resp.roleChunk(); first != nil {
-		return s.send(first)
-	}
-	return nil
 }
 
 func (s *sseWriter) send(v any) error {
