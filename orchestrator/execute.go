@@ -46,6 +46,11 @@ type Request struct {
 	// endpoint); Stages and Messages are then ignored. Its Result's usage
 	// is the first of those stages'.
 	Speech bool
+	// Transcribe runs stage 0 alone on Messages as speech recognition (the
+	// transcription endpoint): it is refused unless stage 0 takes audio.
+	Transcribe bool
+	// Language is the language of the audio to transcribe ("": detect).
+	Language string
 	// Flush, when not nil, lets onText and OnAudio buffer what they
 	// deliver: Execute calls it whenever it has delivered all the output
 	// that has come so far and is about to wait for more, so output that
@@ -126,12 +131,19 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 			return nil, oe
 		}
 	}
+	if req.Transcribe {
+		n = 1
+		if err := checkTranscriber(snap, h.cfg.Pipeline.Stages[0].Name); err != nil {
+			span.SetStatus(codes.Error, err.Error())
+			return nil, err
+		}
+	}
 	if err := checkParts(snap, req.Messages, h.cfg.Pipeline.Stages[0].Name); err != nil {
 		span.SetStatus(codes.Error, err.Error())
 		return nil, err
 	}
 
-	in := &stagepb.GenerateRequest{RequestId: req.ID, Sampling: req.Sampling, Voice: req.Voice}
+	in := &stagepb.GenerateRequest{RequestId: req.ID, Sampling: req.Sampling, Voice: req.Voice, Language: req.Language}
 	if len(req.Messages) > 0 {
 		in.Input = &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: req.Messages}}
 	} else {

@@ -75,3 +75,14 @@ func (h *Head) executeFrom(ctx context.Context, req Request, first, n int, in *s
 	}
 	return res, run.audio.since(), nil
 }
+
+// checkTranscriber refuses a transcription unless every routable replica
+// of stage 0 takes audio (a speech recognizer).
+func checkTranscriber(snap *router.Snapshot, stage string) error {
+	for _, rep := range snap.Stage(0) {
+		if rep.Engine.InputRole != stagepb.RoleAudio {
+			return newError(ErrBadRequest, nil, "the pipeline has no speech recognition: its first stage %q takes %s, not audio (engine %s)", stage, rep.Engine.InputRole, rep.Engine.Name)
+		}
+	}
+	return nil
+}

@@ -133,6 +133,7 @@ func (f *workerFlags) simConfig(log *slog.Logger) (sim.Config, error) {
 	}
 	cfg := sim.Config{
 		Role:                 role,
+		InputRole:            sim.InputRoleForStage(f.stage),
 		MaxNumSeqs:           f.maxNumSeqs,
 		MaxNumBatchedTokens:  f.maxBatchedTokens,
 		NumKVBlocks:          f.numKVBlocks,

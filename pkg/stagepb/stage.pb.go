@@ -671,8 +671,11 @@ type GenerateRequest struct {
 	// at least every second, each output dated by output_ages_us. 0: every
 	// chunk as it is made.
 	OutputWordsPerChunk uint32 `protobuf:"varint,12,opt,name=output_words_per_chunk,json=outputWordsPerChunk,proto3" json:"output_words_per_chunk,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// language is the language of the input audio (ISO-639-1, e.g. en), for
+	// a speech recognition stage; "" lets the engine detect it.
+	Language      string `protobuf:"bytes,13,opt,name=language,proto3" json:"language,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateRequest) Reset() {
@@ -802,6 +805,13 @@ func (x *GenerateRequest) GetOutputWordsPerChunk() uint32 {
 		return x.OutputWordsPerChunk
 	}
 	return 0
+}
+
+func (x *GenerateRequest) GetLanguage() string {
+	if x != nil {
+		return x.Language
+	}
+	return ""
 }
 
 type isGenerateRequest_Input interface {
@@ -2007,7 +2017,7 @@ const file_stage_proto_rawDesc = "" +
 	"\acontent\x18\x02 \x01(\tR\acontent\x122\n" +
 	"\x05parts\x18\x03 \x03(\v2\x1c.troupe.stage.v1.ContentPartR\x05parts\"@\n" +
 	"\x04Chat\x128\n" +
-	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\x87\x04\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xa3\x04\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -2022,7 +2032,8 @@ const file_stage_proto_rawDesc = "" +
 	"\x0ehold_output_ms\x18\n" +
 	" \x01(\rR\fholdOutputMs\x123\n" +
 	"\x16output_codes_per_chunk\x18\v \x01(\rR\x13outputCodesPerChunk\x123\n" +
-	"\x16output_words_per_chunk\x18\f \x01(\rR\x13outputWordsPerChunkB\a\n" +
+	"\x16output_words_per_chunk\x18\f \x01(\rR\x13outputWordsPerChunk\x12\x1a\n" +
+	"\blanguage\x18\r \x01(\tR\blanguageB\a\n" +
 	"\x05input\"\x98\x01\n" +
 	"\vStreamInput\x12:\n" +
 	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +

@@ -199,6 +199,7 @@ type EngineInfo struct {
 	// (Health's input_parts); InputPartURLs: also by http(s) URL.
 	InputParts    []string
 	InputPartURLs bool
+	InputRole     string // what the engine takes (Health's effective input_role)
 }
 
 // Snapshot is an immutable view of the routable set. Safe for concurrent use.

@@ -57,3 +57,24 @@ func FuzzContentParts(f *testing.F) {
 		}
 	})
 }
+
+// FuzzTranscriptionForm: whatever a transcription's multipart body holds,
+// the form parser answers a job or a 4xx, never panics, and an accepted
+// job has the model, a file within the limit and a known format.
+func FuzzTranscriptionForm(f *testing.F) {
+	const boundary = "XyZ"
+	f.Add("--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\ntroupe-omni-sim\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\nContent-Type: audio/wav\r\n\r\nRIFF\r\n--XyZ--\r\n")
+	f.Add("--XyZ\r\nContent-Disposition: form-data; name=\"stream\"\r\n\r\ntrue\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nx\r\n--XyZ--\r\n")
+	f.Add("--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\ntroupe-omni-sim\r\n--XyZ\r\nContent-Disposition: form-data; name=\"response_format\"\r\n\r\nsrt\r\n--XyZ")
+	f.Add("garbage")
+	f.Fuzz(func(t *testing.T, body string) {
+		j, e := parseTranscription([]byte(body), "multipart/form-data; boundary="+boundary, testModel, 64)
+		if e != nil {
+			checkAPIError(t, e)
+			return
+		}
+		if j.model != testModel || len(j.audio) == 0 || len(j.audio) > 64 || (j.format != "json" && j.format != "text") {
+			t.Fatalf("accepted %+v", j)
+		}
+	})
+}

@@ -166,6 +166,7 @@ func New(b Backend, cfg Config) *Server {
 	handle(servingMuxes, "POST /v1/chat/completions", s.admitted(s.chatCompletions))
 	handle(servingMuxes, "POST /v1/completions", s.admitted(s.completions))
 	handle(servingMuxes, "POST /v1/audio/speech", s.admitted(s.speech))
+	handle(servingMuxes, "POST /v1/audio/transcriptions", s.admitted(s.transcriptions))
 	handle(servingMuxes, "GET /v1/models", http.HandlerFunc(s.models))
 	handle(servingMuxes, "GET /v1/models/{model...}", http.HandlerFunc(s.model))
 	handle(adminMuxes, "GET /v1/replicas", http.HandlerFunc(s.replicas))
