@@ -276,7 +276,7 @@ func TestWorkerEngineFlags(t *testing.T) {
 	}
 	log, flushLog := (&logFlags{level: "error"}).logger()
 	defer flushLog()
-	assert.ErrorContains(t, parse("--engine", "vllm").checkEngine(log), `unknown --engine "vllm" (supported: sim, openai, openai-speech, espeak)`)
+	assert.ErrorContains(t, parse("--engine", "vllm").checkEngine(log), `unknown --engine "vllm" (supported: sim, openai, openai-speech, openai-transcription, espeak)`)
 	assert.ErrorContains(t, parse("--engine", "openai").checkEngine(log), "needs --upstream URL")
 	assert.ErrorContains(t, parse("--engine", "openai", "--upstream", "localhost:8000").checkEngine(log), "scheme must be http or https")
 	assert.ErrorContains(t, parse("--engine", "openai-speech", "--upstream", "http://h/v1", "--upstream-speech-format", "mp3").checkEngine(log), "want wav or pcm")
