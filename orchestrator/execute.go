@@ -138,6 +138,16 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 			return nil, err
 		}
 	}
+	cascade := !req.Transcribe && !req.Speech && len(req.Messages) > 0 && len(h.cfg.Pipeline.Stages) > 1 && recognizesSpeech(snap)
+	if cascade && n < 2 {
+		// Text only: the recognizer, then the text stage.
+		n = 2
+		if err := snap.CheckRoutable(1); err != nil {
+			oe := newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[1].Name)
+			span.SetStatus(codes.Error, oe.Error())
+			return nil, oe
+		}
+	}
 	if err := checkParts(snap, req.Messages, h.cfg.Pipeline.Stages[0].Name); err != nil {
 		span.SetStatus(codes.Error, err.Error())
 		return nil, err
@@ -158,6 +168,9 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	if req.Speech {
 		span.SetAttributes(attribute.Int("troupe.request.first_stage", first))
 		res, ttfa, err = h.executeFrom(ctx, req, first, n, in)
+	} else if cascade {
+		span.SetAttributes(attribute.Bool("troupe.request.cascade", true))
+		res, ttfa, err = h.executeCascade(ctx, req, n, in, onText)
 	} else if n > 1 && h.cfg.Pipeline.StreamsBetweenStages() {
 		span.SetAttributes(attribute.Bool("troupe.request.streamed", true))
 		res, ttfa, err = h.executeStreamed(ctx, req, n, in, onText)
