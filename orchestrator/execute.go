@@ -123,32 +123,8 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	}
 
 	// Fail fast: every needed stage must have a replica before any work.
-	snap := h.router.Snapshot()
-	for i := first; i < n; i++ {
-		if err := snap.CheckRoutable(i); err != nil {
-			oe := newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[i].Name)
-			span.SetStatus(codes.Error, oe.Error())
-			return nil, oe
-		}
-	}
-	if req.Transcribe {
-		n = 1
-		if err := checkTranscriber(snap, h.cfg.Pipeline.Stages[0].Name); err != nil {
-			span.SetStatus(codes.Error, err.Error())
-			return nil, err
-		}
-	}
-	cascade := !req.Transcribe && !req.Speech && len(req.Messages) > 0 && len(h.cfg.Pipeline.Stages) > 1 && recognizesSpeech(snap)
-	if cascade && n < 2 {
-		// Text only: the recognizer, then the text stage.
-		n = 2
-		if err := snap.CheckRoutable(1); err != nil {
-			oe := newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[1].Name)
-			span.SetStatus(codes.Error, oe.Error())
-			return nil, oe
-		}
-	}
-	if err := checkParts(snap, req.Messages, h.cfg.Pipeline.Stages[0].Name); err != nil {
+	sh := &requestShape{first: first, n: n}
+	if err := h.checkShape(h.router.Snapshot(), req, sh); err != nil {
 		span.SetStatus(codes.Error, err.Error())
 		return nil, err
 	}
@@ -165,18 +141,7 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		span.SetStatus(codes.Error, err.Error())
 		return nil, err
 	}
-	if req.Speech {
-		span.SetAttributes(attribute.Int("troupe.request.first_stage", first))
-		res, ttfa, err = h.executeFrom(ctx, req, first, n, in)
-	} else if cascade {
-		span.SetAttributes(attribute.Bool("troupe.request.cascade", true))
-		res, ttfa, err = h.executeCascade(ctx, req, n, in, onText)
-	} else if n > 1 && h.cfg.Pipeline.StreamsBetweenStages() {
-		span.SetAttributes(attribute.Bool("troupe.request.streamed", true))
-		res, ttfa, err = h.executeStreamed(ctx, req, n, in, onText)
-	} else {
-		res, ttfa, err = h.executeSequential(ctx, req, n, in, onText)
-	}
+	res, ttfa, err = h.runShaped(ctx, span, req, sh, in, onText)
 	if err != nil {
 		span.RecordError(err)
 		span.SetStatus(codes.Error, err.Error())
@@ -186,6 +151,57 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		span.SetAttributes(telemetry.GenAIUsageAttributes(int64(res.PromptTokens), int64(res.CompletionTokens), res.FinishReason)...)
 	}
 	return res, nil
+}
+
+// requestShape is how a request runs: its stages first..n-1, and whether
+// as a cascade (executeCascade).
+type requestShape struct {
+	first, n int
+	cascade  bool
+}
+
+// checkShape refuses, before any work, a request that the routable
+// replicas cannot serve as shaped, and completes its shape: a
+// transcription runs stage 0 alone; a chat to a pipeline whose stage 0
+// recognizes speech is a cascade of at least the recognizer and the text
+// stage.
+func (h *Head) checkShape(snap *router.Snapshot, req Request, sh *requestShape) error {
+	stages := h.cfg.Pipeline.Stages
+	for i := sh.first; i < sh.n; i++ {
+		if err := snap.CheckRoutable(i); err != nil {
+			return newError(ErrNoReplica, err, "stage %q has no routable replica", stages[i].Name)
+		}
+	}
+	if req.Transcribe {
+		sh.n = 1
+		if err := checkTranscriber(snap, stages[0].Name); err != nil {
+			return err
+		}
+	}
+	sh.cascade = !req.Transcribe && !req.Speech && len(req.Messages) > 0 && len(stages) > 1 && recognizesSpeech(snap)
+	if sh.cascade && sh.n < 2 {
+		sh.n = 2 // text only: the recognizer, then the text stage
+		if err := snap.CheckRoutable(1); err != nil {
+			return newError(ErrNoReplica, err, "stage %q has no routable replica", stages[1].Name)
+		}
+	}
+	return checkParts(snap, req.Messages, stages[0].Name)
+}
+
+// runShaped runs req's stages as sh says, marking the way on span.
+func (h *Head) runShaped(ctx context.Context, span trace.Span, req Request, sh *requestShape, in *stagepb.GenerateRequest, onText func(string) error) (*Result, time.Duration, error) {
+	switch {
+	case req.Speech:
+		span.SetAttributes(attribute.Int("troupe.request.first_stage", sh.first))
+		return h.executeFrom(ctx, req, sh.first, sh.n, in)
+	case sh.cascade:
+		span.SetAttributes(attribute.Bool("troupe.request.cascade", true))
+		return h.executeCascade(ctx, req, sh.n, in, onText)
+	case sh.n > 1 && h.cfg.Pipeline.StreamsBetweenStages():
+		span.SetAttributes(attribute.Bool("troupe.request.streamed", true))
+		return h.executeStreamed(ctx, req, sh.n, in, onText)
+	}
+	return h.executeSequential(ctx, req, sh.n, in, onText)
 }
 
 // executeSequential runs the stages one after the other; the last stage's
