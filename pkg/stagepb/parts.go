@@ -12,15 +12,3 @@ const (
 
 // MediaPartKinds lists every media kind, the kinds input_parts may name.
 var MediaPartKinds = [...]string{PartImage, PartAudio, PartVideo}
-
-// MediaBytes is the size of the media bytes the messages carry in their
-// parts.
-func MediaBytes(msgs []*ChatMessage) int {
-	n := 0
-	for _, m := range msgs {
-		for _, p := range m.GetParts() {
-			n += len(p.GetData()) + len(p.GetUrl())
-		}
-	}
-	return n
-}
