@@ -84,6 +84,7 @@ type stageOutput struct {
 	promptTokens     int
 	generationTokens int
 	computedTokens   int // prompt tokens the engine computed (not cache hits)
+	media            MediaTokens
 }
 
 // stageTrail is what a stage's attempts leave to the next attempt.
@@ -610,6 +611,7 @@ func (h *Head) account(a *attemptRun, chunk *stagepb.GenerateChunk) {
 	a.out.promptTokens += int(s.GetPromptTokens())
 	a.out.generationTokens += int(s.GetGenerationTokens())
 	a.out.computedTokens += int(s.GetPromptTokensLocalCompute())
+	a.out.media.add(s)
 }
 
 // dateOutputs dates a chunk's outputs for time to first token and the

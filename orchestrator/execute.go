@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/internal/core/stats"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
@@ -40,6 +41,16 @@ type Request struct {
 	// replica on stages with session affinity (X-Session-ID, or the
 	// OpenAI `user` field).
 	SessionKey string
+	// Speech runs the pipeline's audio stages alone (SpeechStages to the
+	// last) on Prompt, as if the text stage had written it (the speech
+	// endpoint); Stages and Messages are then ignored. Its Result's usage
+	// is the first of those stages'.
+	Speech bool
+	// Transcribe runs stage 0 alone on Messages as speech recognition (the
+	// transcription endpoint): it is refused unless stage 0 takes audio.
+	Transcribe bool
+	// Language is the language of the audio to transcribe ("": detect).
+	Language string
 	// Flush, when not nil, lets onText and OnAudio buffer what they
 	// deliver: Execute calls it whenever it has delivered all the output
 	// that has come so far and is about to wait for more, so output that
@@ -57,7 +68,9 @@ type Result struct {
 	FinishReason     string // stop | length
 	PromptTokens     int
 	CompletionTokens int
-	Codes            []uint32
+	// PromptMedia is how many of PromptTokens stage 0 made of media parts.
+	PromptMedia MediaTokens
+	Codes       []uint32
 	// PCM is the audio, PCM16 mono little-endian; nil when Request.OnAudio
 	// received it as it was made: the head keeps no copy of streamed audio.
 	PCM        []byte
@@ -78,9 +91,13 @@ type Result struct {
 // stage's audio; either may be nil, and an error from either aborts the
 // request. Execute is safe for concurrent use.
 func (h *Head) Execute(ctx context.Context, req Request, onText func(delta string) error) (res *Result, err error) {
-	n := req.Stages
+	n, first := req.Stages, 0
 	if n <= 0 {
 		n = 1
+	}
+	if req.Speech {
+		n, first = len(h.cfg.Pipeline.Stages), h.SpeechStages()
+		req.Messages = nil
 	}
 	if n > len(h.cfg.Pipeline.Stages) {
 		return nil, newError(ErrBadRequest, nil, "%d stages requested, the pipeline has %d", n, len(h.cfg.Pipeline.Stages))
@@ -105,19 +122,17 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	if recording {
 		span.SetAttributes(telemetry.KeyRequestID.String(req.ID), attribute.Int("troupe.request.stages", n))
 		span.SetAttributes(requestAttributes(req, h.cfg.Pipeline.Model)...)
+		span.SetAttributes(partAttributes(req.Messages)...)
 	}
 
 	// Fail fast: every needed stage must have a replica before any work.
-	snap := h.router.Snapshot()
-	for i := range n {
-		if err := snap.CheckRoutable(i); err != nil {
-			oe := newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[i].Name)
-			span.SetStatus(codes.Error, oe.Error())
-			return nil, oe
-		}
+	sh := &requestShape{first: first, n: n}
+	if err := h.checkShape(h.router.Snapshot(), req, sh); err != nil {
+		span.SetStatus(codes.Error, err.Error())
+		return nil, err
 	}
 
-	in := &stagepb.GenerateRequest{RequestId: req.ID, Sampling: req.Sampling, Voice: req.Voice}
+	in := &stagepb.GenerateRequest{RequestId: req.ID, Sampling: req.Sampling, Voice: req.Voice, Language: req.Language}
 	if len(req.Messages) > 0 {
 		in.Input = &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: req.Messages}}
 	} else {
@@ -129,12 +144,7 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		span.SetStatus(codes.Error, err.Error())
 		return nil, err
 	}
-	if n > 1 && h.cfg.Pipeline.StreamsBetweenStages() {
-		span.SetAttributes(attribute.Bool("troupe.request.streamed", true))
-		res, ttfa, err = h.executeStreamed(ctx, req, n, in, onText)
-	} else {
-		res, ttfa, err = h.executeSequential(ctx, req, n, in, onText)
-	}
+	res, ttfa, err = h.runShaped(ctx, span, req, sh, in, onText)
 	if err != nil {
 		span.RecordError(err)
 		span.SetStatus(codes.Error, err.Error())
@@ -144,6 +154,57 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		span.SetAttributes(telemetry.GenAIUsageAttributes(int64(res.PromptTokens), int64(res.CompletionTokens), res.FinishReason)...)
 	}
 	return res, nil
+}
+
+// requestShape is how a request runs: its stages first..n-1, and whether
+// as a cascade (executeCascade).
+type requestShape struct {
+	first, n int
+	cascade  bool
+}
+
+// checkShape refuses, before any work, a request that the routable
+// replicas cannot serve as shaped, and completes its shape: a
+// transcription runs stage 0 alone; a chat to a pipeline whose stage 0
+// recognizes speech is a cascade of at least the recognizer and the text
+// stage.
+func (h *Head) checkShape(snap *router.Snapshot, req Request, sh *requestShape) error {
+	stages := h.cfg.Pipeline.Stages
+	for i := sh.first; i < sh.n; i++ {
+		if err := snap.CheckRoutable(i); err != nil {
+			return newError(ErrNoReplica, err, "stage %q has no routable replica", stages[i].Name)
+		}
+	}
+	if req.Transcribe {
+		sh.n = 1
+		if err := checkTranscriber(snap, stages[0].Name); err != nil {
+			return err
+		}
+	}
+	sh.cascade = !req.Transcribe && !req.Speech && len(req.Messages) > 0 && len(stages) > 1 && recognizesSpeech(snap)
+	if sh.cascade && sh.n < 2 {
+		sh.n = 2 // text only: the recognizer, then the text stage
+		if err := snap.CheckRoutable(1); err != nil {
+			return newError(ErrNoReplica, err, "stage %q has no routable replica", stages[1].Name)
+		}
+	}
+	return checkParts(snap, req.Messages, stages[0].Name)
+}
+
+// runShaped runs req's stages as sh says, marking the way on span.
+func (h *Head) runShaped(ctx context.Context, span trace.Span, req Request, sh *requestShape, in *stagepb.GenerateRequest, onText func(string) error) (*Result, time.Duration, error) {
+	switch {
+	case req.Speech:
+		span.SetAttributes(attribute.Int("troupe.request.first_stage", sh.first))
+		return h.executeFrom(ctx, req, sh.first, sh.n, in)
+	case sh.cascade:
+		span.SetAttributes(attribute.Bool("troupe.request.cascade", true))
+		return h.executeCascade(ctx, req, sh.n, in, onText)
+	case sh.n > 1 && h.cfg.Pipeline.StreamsBetweenStages():
+		span.SetAttributes(attribute.Bool("troupe.request.streamed", true))
+		return h.executeStreamed(ctx, req, sh.n, in, onText)
+	}
+	return h.executeSequential(ctx, req, sh.n, in, onText)
 }
 
 // executeSequential runs the stages one after the other; the last stage's
@@ -209,6 +270,10 @@ func sequentialForwarder(req Request, onText func(string) error, stage, n int, a
 	return nil
 }
 
+// AudioBytes is the length of the request's audio, PCM16 bytes, whether
+// it is in PCM or went to Request.OnAudio as it was made.
+func (r *Result) AudioBytes() int { return r.pcmBytes }
+
 // add takes stage's output into the result: stage 0's text and usage, a
 // later stage's truncation, and the codes and audio of the last stage that
 // made any.
@@ -217,6 +282,7 @@ func (r *Result) add(stage int, out *stageOutput) {
 	case stage == 0:
 		r.Text, r.FinishReason = out.text.String(), out.finish
 		r.PromptTokens, r.CompletionTokens = out.promptTokens, out.generationTokens
+		r.PromptMedia = out.media
 	case out.finish == stagepb.FinishReason_FINISH_REASON_LENGTH.Name():
 		r.AudioTruncated = true
 		r.FinishReason = out.finish
@@ -265,6 +331,9 @@ func sizeBound(req Request) int {
 	n := 256 + len(req.ID) + len(req.Prompt) + len(req.Voice) + 16*3 + proto.Size(req.Sampling)
 	for _, m := range req.Messages {
 		n += len(m.GetRole()) + len(m.GetContent()) + 16*3
+		for _, p := range m.GetParts() {
+			n += len(p.GetKind()) + len(p.GetText()) + len(p.GetData()) + len(p.GetUrl()) + len(p.GetMimeType()) + len(p.GetFormat()) + 16*7
+		}
 	}
 	return n
 }

@@ -21,7 +21,8 @@ func (s stageIO) String() string { return s.in + " → " + s.out }
 
 // checkRoles decides whether a replica of stage with roles io fits the
 // pipeline as the head knows it now, and if not, why. The rules:
-//   - the first stage takes text (the client's prompt or conversation);
+//   - the first stage takes text (the client's prompt or conversation) or
+//     audio (a speech recognizer: the conversation's audio parts);
 //   - every routed replica of the stage has the same roles;
 //   - the stage takes what the routed replicas of the stage before give;
 //   - the routed replicas of the stage after take what it gives.
@@ -31,8 +32,8 @@ func (s stageIO) String() string { return s.in + " → " + s.out }
 // loop goroutine.
 func (h *Head) checkRoles(key router.Key, io stageIO) string {
 	names := h.cfg.Pipeline.StageNames()
-	if key.Stage == 0 && io.in != stagepb.RoleText {
-		return fmt.Sprintf("stage %s is the first stage, which takes text from the client, but this replica takes %s", names[0], io.in)
+	if key.Stage == 0 && io.in != stagepb.RoleText && io.in != stagepb.RoleAudio {
+		return fmt.Sprintf("stage %s is the first stage, which takes text from the client, but this replica takes %s (a first stage takes text, or audio for speech recognition)", names[0], io.in)
 	}
 	for k, t := range h.known {
 		if k == key || !t.routed {

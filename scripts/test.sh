@@ -62,6 +62,8 @@ go test -race -count=1 -timeout 15m ./...
 for target in \
   "FuzzParseChat ./internal/front/httpapi 40000x" \
   "FuzzParseCompletion ./internal/front/httpapi 30000x" \
+  "FuzzContentParts ./internal/front/httpapi 30000x" \
+  "FuzzTranscriptionForm ./internal/front/httpapi 30000x" \
   "FuzzAdminPath ./internal/front/httpapi 10000x" \
   "FuzzEncodeWAV ./internal/front/httpapi 30000x" \
   "FuzzDecodeMember ./membership 200000x" \

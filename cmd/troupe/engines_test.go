@@ -167,6 +167,25 @@ func TestUpSpeech(t *testing.T) {
 	}
 	assert.Greater(t, math.Sqrt(sum/float64(len(pcm)/2)), 500.0, "not silent")
 
+	// POST /v1/audio/speech: espeak-ng speaks the given text, a real WAV.
+	resp, err := http.Post(base+"/v1/audio/speech", "application/json", strings.NewReader(`{"model":"troupe-omni-sim","input":"hello there, how are you","voice":"en"}`))
+	require.NoError(t, err)
+	spoken, err := io.ReadAll(resp.Body)
+	require.NoError(t, resp.Body.Close())
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "%s", spoken)
+	assert.Equal(t, "audio/wav", resp.Header.Get("Content-Type"))
+	require.Greater(t, len(spoken), 44)
+	assert.Equal(t, "RIFF", string(spoken[0:4]))
+	assert.Equal(t, uint32(22050), binary.LittleEndian.Uint32(spoken[24:28]), "espeak-ng's rate")
+	assert.Greater(t, float64(len(spoken[44:])/2)/22050, 1.0, "five words: more than a second")
+	sum = 0
+	for i := 44; i+1 < len(spoken); i += 2 {
+		v := float64(int16(binary.LittleEndian.Uint16(spoken[i:])))
+		sum += v * v
+	}
+	assert.Greater(t, math.Sqrt(sum/float64(len(spoken[44:])/2)), 500.0, "not silent")
+
 	// The client's voice reaches the speech stage: another voice, other audio.
 	again := chat(t, base, `{"model":"troupe-omni-sim","modalities":["text","audio"],"audio":{"voice":"alloy","format":"wav"},"seed":3,
 		"messages":[{"role":"user","content":"hello"}],"max_tokens":12}`)
@@ -178,7 +197,7 @@ func TestUpSpeech(t *testing.T) {
 
 	// A voice espeak-ng does not have is the client's mistake, named by
 	// its field, in words for the client rather than espeak-ng's stderr.
-	resp, err := http.Post(base+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"troupe-omni-sim","modalities":["text","audio"],
+	resp, err = http.Post(base+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"troupe-omni-sim","modalities":["text","audio"],
 		"audio":{"voice":"zzvoice","format":"wav"},"messages":[{"role":"user","content":"hello"}],"max_tokens":4}`))
 	require.NoError(t, err)
 	data, err := io.ReadAll(resp.Body)
@@ -197,6 +216,18 @@ func TestUpSpeech(t *testing.T) {
 	assert.Equal(t, "audio.voice", *bad.Error.Param)
 	assert.Equal(t, "invalid_value", bad.Error.Code)
 	assert.Equal(t, "voice \"zzvoice\" is not an espeak-ng voice: want one such as en, en-us or en+f3 (`espeak-ng --voices` lists them)", bad.Error.Message)
+
+	// The same mistake on the speech endpoint names its own field.
+	resp, err = http.Post(base+"/v1/audio/speech", "application/json", strings.NewReader(`{"model":"troupe-omni-sim","input":"hello","voice":"zzvoice"}`))
+	require.NoError(t, err)
+	data, err = io.ReadAll(resp.Body)
+	require.NoError(t, resp.Body.Close())
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusBadRequest, resp.StatusCode, "%s", data)
+	require.NoError(t, json.Unmarshal(data, &bad), "%s", data)
+	require.NotNil(t, bad.Error.Param, "%s", data)
+	assert.Equal(t, "voice", *bad.Error.Param)
+	assert.Equal(t, "invalid_value", bad.Error.Code)
 }
 
 // TestWorkerInFrontOfUpstream: the CLI wiring of --engine openai. Head B's
@@ -245,7 +276,7 @@ func TestWorkerEngineFlags(t *testing.T) {
 	}
 	log, flushLog := (&logFlags{level: "error"}).logger()
 	defer flushLog()
-	assert.ErrorContains(t, parse("--engine", "vllm").checkEngine(log), `unknown --engine "vllm" (supported: sim, openai, openai-speech, espeak)`)
+	assert.ErrorContains(t, parse("--engine", "vllm").checkEngine(log), `unknown --engine "vllm" (supported: sim, openai, openai-speech, openai-transcription, espeak)`)
 	assert.ErrorContains(t, parse("--engine", "openai").checkEngine(log), "needs --upstream URL")
 	assert.ErrorContains(t, parse("--engine", "openai", "--upstream", "localhost:8000").checkEngine(log), "scheme must be http or https")
 	assert.ErrorContains(t, parse("--engine", "openai-speech", "--upstream", "http://h/v1", "--upstream-speech-format", "mp3").checkEngine(log), "want wav or pcm")

@@ -49,6 +49,8 @@ type headFlags struct {
 	logStats, untrustedParent, sessionUser     bool
 	maxBody                                    byteSize
 	maxInFlight                                int
+	maxPartBytes                               byteSize
+	maxContentParts                            int
 	detachedTTL, reconcile                     time.Duration
 	stallTimeout, leaseLossGrace, signalMaxAge time.Duration
 	maxMigrations                              int
@@ -62,7 +64,7 @@ type headFlags struct {
 }
 
 func addHeadFlags(fs *flag.FlagSet) *headFlags {
-	f := &headFlags{maxBody: httpapi.DefaultMaxBodyBytes}
+	f := &headFlags{maxBody: httpapi.DefaultMaxBodyBytes, maxPartBytes: httpapi.DefaultMaxPartBytes}
 	fs.StringVar(&f.http, "http", "127.0.0.1:8000", "address of the HTTP API")
 	fs.StringVar(&f.adminHTTP, "admin-http", "", "serve admin routes and /metrics on this separate address")
 	fs.StringVar(&f.pipeline, "pipeline", "", "pipeline YAML file (default: thinker → talker → vocoder, model troupe-omni-sim)")
@@ -76,6 +78,8 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.BoolVar(&f.logStats, "log-stats", true, "register and record the per-replica stat families")
 	fs.BoolVar(&f.untrustedParent, "trace-untrusted-parent", false, "link to a client's traceparent instead of parenting under it")
 	fs.Var(&f.maxBody, "max-body-bytes", "largest request body accepted, a `size` such as 16MiB")
+	fs.Var(&f.maxPartBytes, "max-part-bytes", "largest media part (image, audio, video) of a chat request once decoded, a `size` such as 8MiB")
+	fs.IntVar(&f.maxContentParts, "max-content-parts", httpapi.DefaultMaxContentParts, "most media parts one chat request may hold")
 	fs.IntVar(&f.maxInFlight, "max-in-flight", 1024, "completions the head runs at once; beyond it 429 with Retry-After (0: no limit)")
 	fs.DurationVar(&f.detachedTTL, "detached-series-ttl", 0, "delete the series of replicas detached longer than this (0: keep forever)")
 	fs.DurationVar(&f.reconcile, "reconcile-interval", membership.DefaultReconcileInterval, "period of the full membership re-list that repairs drift")
@@ -323,6 +327,8 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		SessionHeader:   hf.sessionHeader,
 		SessionFromUser: hf.sessionUser,
 		MaxInFlight:     hf.maxInFlight,
+		MaxContentParts: hf.maxContentParts,
+		MaxPartBytes:    int64(hf.maxPartBytes),
 	})
 
 	handler := api.Handler()

@@ -45,7 +45,7 @@ type workerFlags struct {
 	log                                                                  *logFlags
 }
 
-// upstreamFlags configure the openai and openai-speech engines.
+// upstreamFlags configure the openai, openai-speech and openai-transcription engines.
 type upstreamFlags struct {
 	url, model, apiKeyFile, ca, speechFormat string
 	readyTimeout, healthInterval             time.Duration
@@ -53,7 +53,7 @@ type upstreamFlags struct {
 }
 
 // Engine names --engine takes.
-var engineNames = []string{sim.EngineName, openai.EngineName, openai.SpeechEngineName, espeak.EngineName}
+var engineNames = []string{sim.EngineName, openai.EngineName, openai.SpeechEngineName, openai.TranscriptionEngineName, espeak.EngineName}
 
 func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	f := &workerFlags{maxMessage: stagepb.DefaultMaxMessageBytes}
@@ -61,7 +61,7 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.StringVar(&f.replicaID, "replica-id", "auto", "replica id: a number, or auto for the smallest free id of the stage")
 	fs.StringVar(&f.listen, "listen", worker.DefaultListen, "gRPC listen address; port 0 picks a free port")
 	fs.StringVar(&f.advertise, "advertise", "", "address registered in etcd (default: the bound address; the hostname when listening on all interfaces)")
-	fs.StringVar(&f.engine, "engine", sim.EngineName, "engine: sim, openai (an OpenAI-compatible server's completions), openai-speech (its /v1/audio/speech) or espeak (espeak-ng speech)")
+	fs.StringVar(&f.engine, "engine", sim.EngineName, "engine: sim, openai (an OpenAI-compatible server's completions), openai-speech (its /v1/audio/speech), openai-transcription (its /v1/audio/transcriptions) or espeak (espeak-ng speech)")
 	fs.StringVar(&f.cluster, "cluster", membership.DefaultCluster, "cluster name (etcd key prefix)")
 	fs.StringVar(&f.model, "model", "", "model name recorded in the member record (informational)")
 	fs.DurationVar(&f.leaseTTL, "lease-ttl", membership.DefaultTTL, "etcd lease TTL of the registration")
@@ -134,6 +134,7 @@ func (f *workerFlags) simConfig(log *slog.Logger) (sim.Config, error) {
 	}
 	cfg := sim.Config{
 		Role:                 role,
+		InputRole:            sim.InputRoleForStage(f.stage),
 		MaxNumSeqs:           f.maxNumSeqs,
 		MaxNumBatchedTokens:  f.maxBatchedTokens,
 		NumKVBlocks:          f.numKVBlocks,
@@ -159,7 +160,7 @@ func (f *workerFlags) checkEngine(log *slog.Logger) error {
 	case sim.EngineName:
 		_, err := f.simConfig(log)
 		return err
-	case openai.EngineName, openai.SpeechEngineName:
+	case openai.EngineName, openai.SpeechEngineName, openai.TranscriptionEngineName:
 		_, err := f.openaiConfig(log)
 		return err
 	case espeak.EngineName:
@@ -229,13 +230,17 @@ func (f *workerFlags) buildEngine(log *slog.Logger) (runnableEngine, error) {
 		}
 		eng := sim.New(cfg)
 		return runnableEngine{Engine: eng, run: eng.Run}, nil
-	case openai.EngineName, openai.SpeechEngineName:
+	case openai.EngineName, openai.SpeechEngineName, openai.TranscriptionEngineName:
 		cfg, err := f.openaiConfig(log)
 		if err != nil {
 			return runnableEngine{}, err
 		}
-		if f.engine == openai.SpeechEngineName {
+		switch f.engine {
+		case openai.SpeechEngineName:
 			eng, err := openai.NewSpeech(cfg)
+			return runnableEngine{Engine: eng, run: eng.Run}, err
+		case openai.TranscriptionEngineName:
+			eng, err := openai.NewTranscription(cfg)
 			return runnableEngine{Engine: eng, run: eng.Run}, err
 		}
 		eng, err := openai.New(cfg)
@@ -339,7 +344,7 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 	defer stopServer()
 	done := make(chan error, 1)
 	go func() { done <- srv.Run(srvCtx) }()
-	if wf.engine == openai.EngineName || wf.engine == openai.SpeechEngineName {
+	if wf.engine == openai.EngineName || wf.engine == openai.SpeechEngineName || wf.engine == openai.TranscriptionEngineName {
 		log.Info("troupe worker: waiting for the upstream before registering", "upstream", wf.upstream.url, "timeout", wf.upstream.readyTimeout)
 	}
 	registered := srv.Registered()

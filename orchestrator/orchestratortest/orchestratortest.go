@@ -229,7 +229,7 @@ func (c *Cluster) startWorker(stage string, wo WorkerOptions) (*Worker, error) {
 	if wo.Sim != nil {
 		cfg = *wo.Sim
 	}
-	cfg.Role = sim.RoleForStage(stage)
+	cfg.Role, cfg.InputRole = sim.RoleForStage(stage), sim.InputRoleForStage(stage)
 	if c.opts.Sim.Role != "" && wo.Sim == nil {
 		cfg.Role = c.opts.Sim.Role
 	}

@@ -66,6 +66,9 @@ func mergeStats(d, s *EngineStats) {
 	d.PromptTokensLocalCompute += s.PromptTokensLocalCompute
 	d.PromptTokensLocalCacheHit += s.PromptTokensLocalCacheHit
 	d.PromptTokensExternalKvTransfer += s.PromptTokensExternalKvTransfer
+	d.PromptAudioTokens += s.PromptAudioTokens
+	d.PromptImageTokens += s.PromptImageTokens
+	d.PromptVideoTokens += s.PromptVideoTokens
 	d.NumPreemptions += s.NumPreemptions
 	d.SpecDecodeNumDrafts += s.SpecDecodeNumDrafts
 	d.SpecDecodeNumDraftTokens += s.SpecDecodeNumDraftTokens

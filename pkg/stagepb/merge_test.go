@@ -18,8 +18,9 @@ func TestMergeChunkSaysWhatBothSaid(t *testing.T) {
 			PromptTokensLocalCompute: 2, PromptTokensLocalCacheHit: 3, NumPreemptions: 1,
 			SpecDecodeNumDrafts: 1, SpecDecodeNumDraftTokens: 2, SpecDecodeNumAcceptedTokens: 1,
 			SpecDecodeNumAcceptedTokensPerPos: []uint64{1},
-			IterationTokens:                   []uint32{5},
-			NumRequestsRunning:                3, NumRequestsWaitingCapacity: 1, KvCacheUsagePerc: 0.5,
+			PromptAudioTokens:                 2, PromptImageTokens: 1, PromptVideoTokens: 4,
+			IterationTokens:    []uint32{5},
+			NumRequestsRunning: 3, NumRequestsWaitingCapacity: 1, KvCacheUsagePerc: 0.5,
 		},
 		KvEvents: &stagepb.KvEvents{Seq: 4, Stored: []uint64{10, 11}, Removed: []uint64{9}},
 	}
@@ -28,7 +29,7 @@ func TestMergeChunkSaysWhatBothSaid(t *testing.T) {
 		FinishReason: stagepb.FinishReason_FINISH_REASON_LENGTH,
 		Timings:      &stagepb.Timings{QueueSeconds: 1, PrefillSeconds: 2, DecodeSeconds: 3},
 		Stats: &stagepb.EngineStats{
-			GenerationTokens: 1, SpecDecodeNumAcceptedTokensPerPos: []uint64{2, 1},
+			GenerationTokens: 1, SpecDecodeNumAcceptedTokensPerPos: []uint64{2, 1}, PromptAudioTokens: 1,
 			IterationTokens: []uint32{1}, NumRequestsRunning: 1, KvCacheUsagePerc: 0.25,
 		},
 		KvEvents: &stagepb.KvEvents{Seq: 5, Stored: []uint64{9, 12}, Removed: []uint64{10}},
@@ -48,6 +49,7 @@ func TestMergeChunkSaysWhatBothSaid(t *testing.T) {
 			SpecDecodeNumDrafts: 1, SpecDecodeNumDraftTokens: 2, SpecDecodeNumAcceptedTokens: 1,
 			SpecDecodeNumAcceptedTokensPerPos: []uint64{3, 1},
 			IterationTokens:                   []uint32{5, 1},
+			PromptAudioTokens:                 3, PromptImageTokens: 1, PromptVideoTokens: 4,
 			// the engine's snapshot is the later one, whole
 			NumRequestsRunning: 1, KvCacheUsagePerc: 0.25,
 		},

@@ -597,9 +597,14 @@ func (x *Codes) GetCodes() []uint32 {
 // ChatMessage is one turn of a conversation. content is the message's text
 // (the text parts of a multi-part content joined by "\n").
 type ChatMessage struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Role          string                 `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"` // system | developer | user | assistant | tool | function
-	Content       string                 `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Role    string                 `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"` // system | developer | user | assistant | tool | function
+	Content string                 `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
+	// parts, when not empty, is the whole content in the client's order,
+	// text parts included: the message has media (image, audio, video) that
+	// the stage consuming the conversation takes (HealthResponse.input_parts).
+	// content is still its text parts joined by "\n". Empty: text only.
+	Parts         []*ContentPart `protobuf:"bytes,3,rep,name=parts,proto3" json:"parts,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -646,6 +651,13 @@ func (x *ChatMessage) GetContent() string {
 		return x.Content
 	}
 	return ""
+}
+
+func (x *ChatMessage) GetParts() []*ContentPart {
+	if x != nil {
+		return x.Parts
+	}
+	return nil
 }
 
 // Chat is a conversation, for engines that apply a chat template (an
@@ -740,8 +752,11 @@ type GenerateRequest struct {
 	// at least every second, each output dated by output_ages_us. 0: every
 	// chunk as it is made.
 	OutputWordsPerChunk uint32 `protobuf:"varint,12,opt,name=output_words_per_chunk,json=outputWordsPerChunk,proto3" json:"output_words_per_chunk,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// language is the language of the input audio (ISO-639-1, e.g. en), for
+	// a speech recognition stage; "" lets the engine detect it.
+	Language      string `protobuf:"bytes,13,opt,name=language,proto3" json:"language,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateRequest) Reset() {
@@ -873,6 +888,13 @@ func (x *GenerateRequest) GetOutputWordsPerChunk() uint32 {
 	return 0
 }
 
+func (x *GenerateRequest) GetLanguage() string {
+	if x != nil {
+		return x.Language
+	}
+	return ""
+}
+
 type isGenerateRequest_Input interface {
 	isGenerateRequest_Input()
 }
@@ -993,8 +1015,13 @@ type EngineStats struct {
 	NumRequestsWaitingCapacity uint32  `protobuf:"varint,21,opt,name=num_requests_waiting_capacity,json=numRequestsWaitingCapacity,proto3" json:"num_requests_waiting_capacity,omitempty"`
 	NumRequestsWaitingDeferred uint32  `protobuf:"varint,22,opt,name=num_requests_waiting_deferred,json=numRequestsWaitingDeferred,proto3" json:"num_requests_waiting_deferred,omitempty"`
 	KvCacheUsagePerc           float64 `protobuf:"fixed64,23,opt,name=kv_cache_usage_perc,json=kvCacheUsagePerc,proto3" json:"kv_cache_usage_perc,omitempty"` // 0..1
-	unknownFields              protoimpl.UnknownFields
-	sizeCache                  protoimpl.SizeCache
+	// Per-request deltas: the prompt tokens that media parts (ContentPart)
+	// became, by kind; included in prompt_tokens.
+	PromptAudioTokens uint64 `protobuf:"varint,24,opt,name=prompt_audio_tokens,json=promptAudioTokens,proto3" json:"prompt_audio_tokens,omitempty"`
+	PromptImageTokens uint64 `protobuf:"varint,25,opt,name=prompt_image_tokens,json=promptImageTokens,proto3" json:"prompt_image_tokens,omitempty"`
+	PromptVideoTokens uint64 `protobuf:"varint,26,opt,name=prompt_video_tokens,json=promptVideoTokens,proto3" json:"prompt_video_tokens,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *EngineStats) Reset() {
@@ -1142,6 +1169,27 @@ func (x *EngineStats) GetNumRequestsWaitingDeferred() uint32 {
 func (x *EngineStats) GetKvCacheUsagePerc() float64 {
 	if x != nil {
 		return x.KvCacheUsagePerc
+	}
+	return 0
+}
+
+func (x *EngineStats) GetPromptAudioTokens() uint64 {
+	if x != nil {
+		return x.PromptAudioTokens
+	}
+	return 0
+}
+
+func (x *EngineStats) GetPromptImageTokens() uint64 {
+	if x != nil {
+		return x.PromptImageTokens
+	}
+	return 0
+}
+
+func (x *EngineStats) GetPromptVideoTokens() uint64 {
+	if x != nil {
+		return x.PromptVideoTokens
 	}
 	return 0
 }
@@ -1552,8 +1600,17 @@ type HealthResponse struct {
 	// replica id, or whose worker (same instance) already serves another
 	// attached record. Empty instance_id (older workers, or one whose
 	// automatic replica id is not known yet): not checked.
-	ReplicaId     uint32 `protobuf:"varint,13,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
-	InstanceId    string `protobuf:"bytes,14,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	ReplicaId  uint32 `protobuf:"varint,13,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
+	InstanceId string `protobuf:"bytes,14,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	// input_parts lists the media part kinds (ContentPart.kind: image, audio,
+	// video) that the engine takes in a chat input; text is always taken.
+	// Empty (older workers, text-only engines): none. The head refuses a
+	// request with a part kind the consuming stage does not take.
+	InputParts []string `protobuf:"bytes,15,rep,name=input_parts,json=inputParts,proto3" json:"input_parts,omitempty"`
+	// input_part_urls: the engine takes media parts by http(s) URL
+	// (ContentPart.url) and fetches them itself. False: only parts with
+	// their bytes (ContentPart.data).
+	InputPartUrls bool `protobuf:"varint,16,opt,name=input_part_urls,json=inputPartUrls,proto3" json:"input_part_urls,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1684,6 +1741,20 @@ func (x *HealthResponse) GetInstanceId() string {
 		return x.InstanceId
 	}
 	return ""
+}
+
+func (x *HealthResponse) GetInputParts() []string {
+	if x != nil {
+		return x.InputParts
+	}
+	return nil
+}
+
+func (x *HealthResponse) GetInputPartUrls() bool {
+	if x != nil {
+		return x.InputPartUrls
+	}
+	return false
 }
 
 type SleepRequest struct {
@@ -1934,6 +2005,94 @@ func (x *DrainResponse) GetInFlight() uint32 {
 	return 0
 }
 
+// ContentPart is one part of a message's content: text, or a media item
+// with its bytes (base64 and data: URLs are decoded once, at the head) or
+// its http(s) URL, which the engine fetches (the head and the workers
+// never fetch one).
+type ContentPart struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Kind          string                 `protobuf:"bytes,1,opt,name=kind,proto3" json:"kind,omitempty"`                         // text | image | audio | video
+	Text          string                 `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`                         // kind text
+	Data          []byte                 `protobuf:"bytes,3,opt,name=data,proto3" json:"data,omitempty"`                         // the media's bytes; empty when url is set
+	Url           string                 `protobuf:"bytes,4,opt,name=url,proto3" json:"url,omitempty"`                           // an http(s) URL, for an engine with input_part_urls
+	MimeType      string                 `protobuf:"bytes,5,opt,name=mime_type,json=mimeType,proto3" json:"mime_type,omitempty"` // of a data: URL, e.g. image/png; "" when not given
+	Format        string                 `protobuf:"bytes,6,opt,name=format,proto3" json:"format,omitempty"`                     // input_audio's format: wav, mp3, ...; "" otherwise
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ContentPart) Reset() {
+	*x = ContentPart{}
+	mi := &file_stage_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ContentPart) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ContentPart) ProtoMessage() {}
+
+func (x *ContentPart) ProtoReflect() protoreflect.Message {
+	mi := &file_stage_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ContentPart.ProtoReflect.Descriptor instead.
+func (*ContentPart) Descriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *ContentPart) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *ContentPart) GetText() string {
+	if x != nil {
+		return x.Text
+	}
+	return ""
+}
+
+func (x *ContentPart) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *ContentPart) GetUrl() string {
+	if x != nil {
+		return x.Url
+	}
+	return ""
+}
+
+func (x *ContentPart) GetMimeType() string {
+	if x != nil {
+		return x.MimeType
+	}
+	return ""
+}
+
+func (x *ContentPart) GetFormat() string {
+	if x != nil {
+		return x.Format
+	}
+	return ""
+}
+
 var File_stage_proto protoreflect.FileDescriptor
 
 const file_stage_proto_rawDesc = "" +
@@ -1989,12 +2148,13 @@ const file_stage_proto_rawDesc = "" +
 	"\bTokenIds\x12\x10\n" +
 	"\x03ids\x18\x01 \x03(\rR\x03ids\"\x1d\n" +
 	"\x05Codes\x12\x14\n" +
-	"\x05codes\x18\x01 \x03(\rR\x05codes\";\n" +
+	"\x05codes\x18\x01 \x03(\rR\x05codes\"o\n" +
 	"\vChatMessage\x12\x12\n" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
-	"\acontent\x18\x02 \x01(\tR\acontent\"@\n" +
+	"\acontent\x18\x02 \x01(\tR\acontent\x122\n" +
+	"\x05parts\x18\x03 \x03(\v2\x1c.troupe.stage.v1.ContentPartR\x05parts\"@\n" +
 	"\x04Chat\x128\n" +
-	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\x87\x04\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xa3\x04\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -2009,13 +2169,14 @@ const file_stage_proto_rawDesc = "" +
 	"\x0ehold_output_ms\x18\n" +
 	" \x01(\rR\fholdOutputMs\x123\n" +
 	"\x16output_codes_per_chunk\x18\v \x01(\rR\x13outputCodesPerChunk\x123\n" +
-	"\x16output_words_per_chunk\x18\f \x01(\rR\x13outputWordsPerChunkB\a\n" +
+	"\x16output_words_per_chunk\x18\f \x01(\rR\x13outputWordsPerChunk\x12\x1a\n" +
+	"\blanguage\x18\r \x01(\tR\blanguageB\a\n" +
 	"\x05input\"\x98\x01\n" +
 	"\vStreamInput\x12:\n" +
 	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +
 	"\rsegment_units\x18\x02 \x01(\rR\fsegmentUnits\x12\x12\n" +
 	"\x04text\x18\x03 \x01(\tR\x04text\x12\x14\n" +
-	"\x05codes\x18\x04 \x03(\rR\x05codes\"\xd4\a\n" +
+	"\x05codes\x18\x04 \x03(\rR\x05codes\"\xe4\b\n" +
 	"\vEngineStats\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\x04R\fpromptTokens\x12+\n" +
 	"\x11generation_tokens\x18\x02 \x01(\x04R\x10generationTokens\x120\n" +
@@ -2034,7 +2195,10 @@ const file_stage_proto_rawDesc = "" +
 	"\x14num_requests_running\x18\x14 \x01(\rR\x12numRequestsRunning\x12A\n" +
 	"\x1dnum_requests_waiting_capacity\x18\x15 \x01(\rR\x1anumRequestsWaitingCapacity\x12A\n" +
 	"\x1dnum_requests_waiting_deferred\x18\x16 \x01(\rR\x1anumRequestsWaitingDeferred\x12-\n" +
-	"\x13kv_cache_usage_perc\x18\x17 \x01(\x01R\x10kvCacheUsagePerc\"h\n" +
+	"\x13kv_cache_usage_perc\x18\x17 \x01(\x01R\x10kvCacheUsagePerc\x12.\n" +
+	"\x13prompt_audio_tokens\x18\x18 \x01(\x04R\x11promptAudioTokens\x12.\n" +
+	"\x13prompt_image_tokens\x18\x19 \x01(\x04R\x11promptImageTokens\x12.\n" +
+	"\x13prompt_video_tokens\x18\x1a \x01(\x04R\x11promptVideoTokens\"h\n" +
 	"\bKvEvents\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x18\n" +
 	"\acleared\x18\x02 \x01(\bR\acleared\x12\x16\n" +
@@ -2066,7 +2230,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x15enable_prefix_caching\x18\x03 \x01(\bR\x13enablePrefixCaching\x12 \n" +
 	"\fmax_num_seqs\x18\x04 \x01(\rR\n" +
 	"maxNumSeqs\x12\x1b\n" +
-	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xc0\x04\n" +
+	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\x89\x05\n" +
 	"\x0eHealthResponse\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.troupe.stage.v1.ServingStatusR\x06status\x12<\n" +
 	"\vsleep_state\x18\x02 \x01(\x0e2\x1b.troupe.stage.v1.SleepStateR\n" +
@@ -2086,7 +2250,10 @@ const file_stage_proto_rawDesc = "" +
 	"\n" +
 	"replica_id\x18\r \x01(\rR\treplicaId\x12\x1f\n" +
 	"\vinstance_id\x18\x0e \x01(\tR\n" +
-	"instanceId\"$\n" +
+	"instanceId\x12\x1f\n" +
+	"\vinput_parts\x18\x0f \x03(\tR\n" +
+	"inputParts\x12&\n" +
+	"\x0finput_part_urls\x18\x10 \x01(\bR\rinputPartUrls\"$\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\"M\n" +
 	"\rSleepResponse\x12<\n" +
@@ -2098,7 +2265,14 @@ const file_stage_proto_rawDesc = "" +
 	"sleepState\"\x0e\n" +
 	"\fDrainRequest\",\n" +
 	"\rDrainResponse\x12\x1b\n" +
-	"\tin_flight\x18\x01 \x01(\rR\binFlight*\x91\x01\n" +
+	"\tin_flight\x18\x01 \x01(\rR\binFlight\"\x90\x01\n" +
+	"\vContentPart\x12\x12\n" +
+	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x12\n" +
+	"\x04text\x18\x02 \x01(\tR\x04text\x12\x12\n" +
+	"\x04data\x18\x03 \x01(\fR\x04data\x12\x10\n" +
+	"\x03url\x18\x04 \x01(\tR\x03url\x12\x1b\n" +
+	"\tmime_type\x18\x05 \x01(\tR\bmimeType\x12\x16\n" +
+	"\x06format\x18\x06 \x01(\tR\x06format*\x91\x01\n" +
 	"\fFinishReason\x12\x1d\n" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n" +
 	"\x12FINISH_REASON_STOP\x10\x01\x12\x18\n" +
@@ -2137,7 +2311,7 @@ func file_stage_proto_rawDescGZIP() []byte {
 }
 
 var file_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
 var file_stage_proto_goTypes = []any{
 	(FinishReason)(0),       // 0: troupe.stage.v1.FinishReason
 	(SleepState)(0),         // 1: troupe.stage.v1.SleepState
@@ -2164,50 +2338,52 @@ var file_stage_proto_goTypes = []any{
 	(*WakeUpResponse)(nil),  // 22: troupe.stage.v1.WakeUpResponse
 	(*DrainRequest)(nil),    // 23: troupe.stage.v1.DrainRequest
 	(*DrainResponse)(nil),   // 24: troupe.stage.v1.DrainResponse
-	nil,                     // 25: troupe.stage.v1.MuxFrame.MetadataEntry
-	nil,                     // 26: troupe.stage.v1.SamplingParams.LogitBiasEntry
+	(*ContentPart)(nil),     // 25: troupe.stage.v1.ContentPart
+	nil,                     // 26: troupe.stage.v1.MuxFrame.MetadataEntry
+	nil,                     // 27: troupe.stage.v1.SamplingParams.LogitBiasEntry
 }
 var file_stage_proto_depIdxs = []int32{
 	10, // 0: troupe.stage.v1.MuxFrame.request:type_name -> troupe.stage.v1.GenerateRequest
 	15, // 1: troupe.stage.v1.MuxFrame.chunk:type_name -> troupe.stage.v1.GenerateChunk
 	4,  // 2: troupe.stage.v1.MuxFrame.end:type_name -> troupe.stage.v1.MuxEnd
-	25, // 3: troupe.stage.v1.MuxFrame.metadata:type_name -> troupe.stage.v1.MuxFrame.MetadataEntry
-	26, // 4: troupe.stage.v1.SamplingParams.logit_bias:type_name -> troupe.stage.v1.SamplingParams.LogitBiasEntry
-	8,  // 5: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
-	6,  // 6: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
-	7,  // 7: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
-	9,  // 8: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
-	5,  // 9: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
-	10, // 10: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
-	0,  // 11: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
-	12, // 12: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
-	14, // 13: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
-	13, // 14: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
-	2,  // 15: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
-	1,  // 16: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	17, // 17: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
-	12, // 18: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
-	1,  // 19: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	1,  // 20: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	10, // 21: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
-	16, // 22: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
-	19, // 23: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
-	21, // 24: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
-	23, // 25: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
-	11, // 26: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
-	3,  // 27: troupe.stage.v1.StageService.Multiplex:input_type -> troupe.stage.v1.MuxFrame
-	15, // 28: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
-	18, // 29: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
-	20, // 30: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
-	22, // 31: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
-	24, // 32: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
-	15, // 33: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
-	3,  // 34: troupe.stage.v1.StageService.Multiplex:output_type -> troupe.stage.v1.MuxFrame
-	28, // [28:35] is the sub-list for method output_type
-	21, // [21:28] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	26, // 3: troupe.stage.v1.MuxFrame.metadata:type_name -> troupe.stage.v1.MuxFrame.MetadataEntry
+	27, // 4: troupe.stage.v1.SamplingParams.logit_bias:type_name -> troupe.stage.v1.SamplingParams.LogitBiasEntry
+	25, // 5: troupe.stage.v1.ChatMessage.parts:type_name -> troupe.stage.v1.ContentPart
+	8,  // 6: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
+	6,  // 7: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
+	7,  // 8: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
+	9,  // 9: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
+	5,  // 10: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
+	10, // 11: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
+	0,  // 12: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
+	12, // 13: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
+	14, // 14: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
+	13, // 15: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
+	2,  // 16: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
+	1,  // 17: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	17, // 18: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
+	12, // 19: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
+	1,  // 20: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	1,  // 21: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	10, // 22: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
+	16, // 23: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
+	19, // 24: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
+	21, // 25: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
+	23, // 26: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
+	11, // 27: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
+	3,  // 28: troupe.stage.v1.StageService.Multiplex:input_type -> troupe.stage.v1.MuxFrame
+	15, // 29: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
+	18, // 30: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
+	20, // 31: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
+	22, // 32: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
+	24, // 33: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
+	15, // 34: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
+	3,  // 35: troupe.stage.v1.StageService.Multiplex:output_type -> troupe.stage.v1.MuxFrame
+	29, // [29:36] is the sub-list for method output_type
+	22, // [22:29] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_stage_proto_init() }
@@ -2228,7 +2404,7 @@ func file_stage_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_stage_proto_rawDesc), len(file_stage_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   24,
+			NumMessages:   25,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -57,6 +57,9 @@ const (
 const (
 	GenAIOperationChat           = "chat"            // /v1/chat/completions
 	GenAIOperationTextCompletion = "text_completion" // /v1/completions
+	// GenAIOperationGenerateContent: /v1/audio/speech (semconv has no
+	// text-to-speech operation; this is its generic one).
+	GenAIOperationGenerateContent = "generate_content"
 )
 
 // StageAttributes are the attributes of a `troupe.stage <name>` span.

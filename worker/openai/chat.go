@@ -37,6 +37,7 @@ func New(cfg Config) (*Engine, error) {
 func (e *Engine) Health() *stagepb.HealthResponse {
 	h := e.health(EngineName, stagepb.RoleText)
 	h.ContinuesChat = e.caps().continueChat
+	h.InputParts, h.InputPartUrls = upstreamParts, true
 	return h
 }
 
@@ -73,7 +74,7 @@ type chatRequest struct {
 
 type chatMessage struct {
 	Role    string `json:"role"`
-	Content string `json:"content"`
+	Content any    `json:"content"` // a string, or []contentPart (parts.go)
 }
 
 type streamOptions struct {
@@ -105,6 +106,8 @@ type usage struct {
 	CompletionTokens    uint64 `json:"completion_tokens"`
 	PromptTokensDetails *struct {
 		CachedTokens uint64 `json:"cached_tokens"`
+		AudioTokens  uint64 `json:"audio_tokens"` // servers that count them (OpenAI's)
+		ImageTokens  uint64 `json:"image_tokens"`
 	} `json:"prompt_tokens_details"`
 }
 
@@ -140,7 +143,7 @@ func (e *Engine) body(req *stagepb.GenerateRequest) (path string, body chatReque
 		}
 		body.Messages = make([]chatMessage, len(msgs))
 		for i, m := range msgs {
-			body.Messages[i] = chatMessage{Role: m.GetRole(), Content: m.GetContent()}
+			body.Messages[i] = chatMessage{Role: m.GetRole(), Content: messageContent(m)}
 		}
 		if c := req.GetContinuation(); c != "" {
 			if !caps.continueChat {
@@ -338,6 +341,7 @@ func (t *tokenCounter) promptInto(s *stagepb.EngineStats) {
 	cached := uint64(0)
 	if u.PromptTokensDetails != nil {
 		cached = min(u.PromptTokensDetails.CachedTokens, u.PromptTokens)
+		s.PromptAudioTokens, s.PromptImageTokens = u.PromptTokensDetails.AudioTokens, u.PromptTokensDetails.ImageTokens
 	}
 	s.PromptTokens = u.PromptTokens
 	s.PromptTokensLocalCacheHit = cached

@@ -44,8 +44,9 @@ import (
 
 // Engine names, as Health reports them and --engine takes them.
 const (
-	EngineName       = "openai"
-	SpeechEngineName = "openai-speech"
+	EngineName              = "openai"
+	SpeechEngineName        = "openai-speech"
+	TranscriptionEngineName = "openai-transcription"
 )
 
 // Defaults for zero Config fields.

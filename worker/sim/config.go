@@ -21,11 +21,15 @@ const (
 // Config configures a sim Engine. Zero fields take the defaults above; the
 // delays default to 0, which makes the engine run as fast as it can.
 type Config struct {
-	Role                 string // a stagepb role; default stagepb.RoleText
-	MaxNumSeqs           int    // most requests running at once
-	MaxNumBatchedTokens  int    // token budget of one engine step (chunked prefill)
-	NumKVBlocks          int    // KV cache size in blocks
-	BlockSize            int    // tokens per KV block
+	Role string // a stagepb role; default stagepb.RoleText
+	// InputRole is what the engine takes: "" for what its role takes
+	// (stagepb.InputRoleOf), or audio with role text: a speech recognizer
+	// (asr.go), which transcribes the audio parts of a conversation.
+	InputRole            string
+	MaxNumSeqs           int // most requests running at once
+	MaxNumBatchedTokens  int // token budget of one engine step (chunked prefill)
+	NumKVBlocks          int // KV cache size in blocks
+	BlockSize            int // tokens per KV block
 	DisablePrefixCaching bool
 	// PrefillTokensPerSec is the prefill throughput: a step that computes n
 	// prompt tokens takes n/PrefillTokensPerSec longer. 0: instant.
@@ -46,6 +50,9 @@ func (c Config) Validate() error {
 		if _, err := stagepb.ParseRole(c.Role); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if c.InputRole != "" && (c.InputRole != stagepb.RoleAudio || (c.Role != "" && c.Role != stagepb.RoleText)) {
+		errs = append(errs, fmt.Errorf("sim: input role %q with role %q: only a text role may take audio (speech recognition)", c.InputRole, c.Role))
 	}
 	for _, f := range []struct {
 		name string
@@ -78,6 +85,9 @@ func (c Config) Validate() error {
 func (c Config) withDefaults() Config {
 	if _, err := stagepb.ParseRole(c.Role); err != nil {
 		c.Role = stagepb.RoleText
+	}
+	if c.InputRole != stagepb.RoleAudio || c.Role != stagepb.RoleText {
+		c.InputRole = ""
 	}
 	if c.MaxNumSeqs <= 0 {
 		c.MaxNumSeqs = DefaultMaxNumSeqs

@@ -109,18 +109,36 @@ func invalidArgument(msg string) error { return status.Error(codes.InvalidArgume
 // status errors, except ctx's own error and emit's.
 func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
 	role := e.cfg.Role
+	p := paramsOf(req.GetSampling())
+	p.continues = req.GetContinuation() != ""
+	if e.cfg.InputRole == stagepb.RoleAudio {
+		prompt, pl, err := asrPlan(req, p)
+		if err != nil {
+			return err
+		}
+		if need := len(prompt) + len(pl.ids) + e.cfg.NumSpeculativeTokens; need > e.cfg.maxModelLen() {
+			return stagepb.ContextLengthError(e.cfg.maxModelLen(), len(prompt), need)
+		}
+		s := newSeq(req.GetRequestId(), role, prompt, pl, p.seed)
+		s.delta.PromptAudioTokens = uint64(len(prompt) - 1) // all but SimBOS
+		return e.run(ctx, s, emit)
+	}
 	prompt, ctxLen, err := promptOf(role, req)
 	if err != nil {
 		return err
 	}
-	p := paramsOf(req.GetSampling())
-	p.continues = req.GetContinuation() != ""
 	n, _ := outputLength(role, prompt, ctxLen, p)
 	if need := len(prompt) + n + e.cfg.NumSpeculativeTokens; need > e.cfg.maxModelLen() {
 		// The cache (num-kv-blocks x block-size) is the sim's context.
 		return stagepb.ContextLengthError(e.cfg.maxModelLen(), len(prompt), need)
 	}
 	s := newSeq(req.GetRequestId(), role, prompt, buildPlan(role, prompt, ctxLen, p), p.seed)
+	countMediaTokens(req.GetChat().GetMessages(), s.delta)
+	return e.run(ctx, s, emit)
+}
+
+// run submits s to the scheduler and emits its chunks until it ends.
+func (e *Engine) run(ctx context.Context, s *seq, emit func(*stagepb.GenerateChunk) error) error {
 	select {
 	case e.events <- event{kind: evSubmit, seq: s}:
 	case <-ctx.Done():
@@ -204,8 +222,9 @@ func (e *Engine) Health() *stagepb.HealthResponse {
 		SleepState:           s.SleepState,
 		Engine:               EngineName,
 		Role:                 e.cfg.Role,
-		InputRole:            stagepb.InputRoleOf(e.cfg.Role),
+		InputRole:            e.inputRole(),
 		ContinuesChat:        e.cfg.Role == stagepb.RoleText, // it reads the continuation after the rendered chat
+		InputParts:           e.inputParts(),
 		NumSpeculativeTokens: uint32(e.cfg.NumSpeculativeTokens),
 		CacheConfig: &stagepb.CacheConfig{
 			BlockSize:           uint32(e.cfg.BlockSize),
@@ -387,3 +406,25 @@ func (m *mailbox) take() (chunks []*stagepb.GenerateChunk, final bool, err error
 // codes and audio roles can, since each output depends only on the input
 // before it; the text role needs its whole prompt.
 func (e *Engine) ContinuesInput() bool { return e.cfg.Role != stagepb.RoleText }
+
+// inputParts are the media kinds the engine takes, with their bytes: a
+// text-in role all of them (see MediaTokens), a speech recognizer audio,
+// codes none.
+func (e *Engine) inputParts() []string {
+	switch e.inputRole() {
+	case stagepb.RoleAudio:
+		return []string{stagepb.PartAudio}
+	case stagepb.RoleText:
+		return mediaParts
+	}
+	return nil
+}
+
+// inputRole is what the engine takes: Config.InputRole, or what its role
+// takes.
+func (e *Engine) inputRole() string {
+	if e.cfg.InputRole != "" {
+		return e.cfg.InputRole
+	}
+	return stagepb.InputRoleOf(e.cfg.Role)
+}

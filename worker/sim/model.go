@@ -357,7 +357,7 @@ func promptWithoutContext(role string, req *stagepb.GenerateRequest) ([]uint32, 
 		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "chat")
 		}
-		return tokenizers.Sim(tokenizers.ChatText(in.Chat.GetMessages())), nil
+		return chatTokens(in.Chat.GetMessages())
 	case *stagepb.GenerateRequest_TokenIds:
 		if role == stagepb.RoleAudio {
 			return nil, invalidInput(role, "token_ids")

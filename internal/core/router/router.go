@@ -219,6 +219,11 @@ type EngineInfo struct {
 	// ContinuesChat: the engine continues a chat answer another replica
 	// began (HealthResponse.continues_chat), so a migration may go to it.
 	ContinuesChat bool
+	// InputParts are the media part kinds the engine takes in a chat input
+	// (Health's input_parts); InputPartURLs: also by http(s) URL.
+	InputParts    []string
+	InputPartURLs bool
+	InputRole     string // what the engine takes (Health's effective input_role)
 }
 
 // Snapshot is an immutable view of the routable set. Safe for concurrent use.

@@ -36,7 +36,7 @@ func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		s.reject(w, r, e)
 		return
 	}
-	j, e := parseChat(body, s.b.Pipeline().Model)
+	j, e := parseChatLimited(body, s.b.Pipeline().Model, newPartBudget(s.cfg.MaxContentParts, s.cfg.MaxPartBytes))
 	if e != nil {
 		s.reject(w, r, e)
 		return
@@ -362,6 +362,15 @@ func (s *sseWriter) begin(resp responder) error {
 	if s.started {
 		return nil
 	}
+	s.writeHeader()
+	if first := resp.roleChunk(); first != nil {
+		return s.send(first)
+	}
+	return nil
+}
+
+// writeHeader starts the stream: its status and headers.
+func (s *sseWriter) writeHeader() {
 	s.started = true
 	h := s.w.Header()
 	h.Set("Content-Type", "text/event-stream")
@@ -369,10 +378,6 @@ func (s *sseWriter) begin(resp responder) error {
 	h.Set("X-Accel-Buffering", "no") // reverse proxies: do not buffer the stream
 	s.w.WriteHeader(http.StatusOK)
 	s.unflushed = true // the headers
-	if first := resp.roleChunk(); first != nil {
-		return s.send(first)
-	}
-	return nil
 }
 
 func (s *sseWriter) send(v any) error {

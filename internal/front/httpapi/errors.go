@@ -152,6 +152,9 @@ func fromBackend(err error, requestID string) *apiError {
 	case errors.Is(err, orchestrator.ErrConflict):
 		return &apiError{Status: http.StatusConflict, Type: typeInvalidRequest, Code: "conflict", Message: msg}
 	case errors.Is(err, orchestrator.ErrBadRequest):
+		if e := partRefused(err, msg); e != nil {
+			return e
+		}
 		code, param := "invalid_request", ""
 		switch {
 		case oe == nil:

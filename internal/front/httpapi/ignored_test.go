@@ -123,7 +123,7 @@ func BenchmarkIgnoredFields(b *testing.B) {
 	})
 }
 
-// messageText reads a string content without escapes from its bytes; it
+// messageContent reads a string content without escapes from its bytes; it
 // must say what encoding/json says of it, for any bytes (invalid UTF-8
 // included).
 func TestMessageTextMatchesEncodingJSON(t *testing.T) {
@@ -137,12 +137,12 @@ func TestMessageTextMatchesEncodingJSON(t *testing.T) {
 		if err := json.Unmarshal(raw, &want); err != nil {
 			t.Fatalf("valid but not decoded: %v", err)
 		}
-		got, e := messageText("messages[0].content", raw)
+		got, parts, e := messageContent("messages[0].content", raw, newPartBudget(0, 0))
 		if e != nil {
 			t.Fatalf("refused: %v", e)
 		}
-		if got != want {
-			t.Fatalf("messageText %q, encoding/json %q", got, want)
+		if got != want || parts != nil {
+			t.Fatalf("messageContent %q (parts %v), encoding/json %q", got, parts, want)
 		}
 	})
 }

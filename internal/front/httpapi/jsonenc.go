@@ -143,6 +143,17 @@ func (u *usage) appendJSON(b []byte) []byte {
 	b = strconv.AppendInt(b, int64(u.CompletionTokens), 10)
 	b = append(b, `,"total_tokens":`...)
 	b = strconv.AppendInt(b, int64(u.TotalTokens), 10)
+	if d := u.PromptTokensDetails; d != nil {
+		b = append(b, `,"prompt_tokens_details":{"audio_tokens":`...)
+		b = strconv.AppendInt(b, int64(d.AudioTokens), 10)
+		b = append(b, `,"image_tokens":`...)
+		b = strconv.AppendInt(b, int64(d.ImageTokens), 10)
+		if d.VideoTokens != 0 {
+			b = append(b, `,"video_tokens":`...)
+			b = strconv.AppendInt(b, int64(d.VideoTokens), 10)
+		}
+		b = append(b, '}')
+	}
 	return append(b, '}')
 }
 

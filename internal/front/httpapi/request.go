@@ -89,11 +89,6 @@ type chatMessage struct {
 	Content json.RawMessage `json:"content"` // string, array of parts, or null
 }
 
-type contentPart struct {
-	Type *string `json:"type"`
-	Text *string `json:"text"`
-}
-
 type audioParam struct {
 	Voice  json.RawMessage `json:"voice"` // a name, or {"id": "..."}
 	Format *string         `json:"format"`
@@ -342,8 +337,14 @@ func skipValue(b []byte, i int) int {
 	return i
 }
 
-// parseChat validates a chat request for a pipeline serving model.
+// parseChat validates a chat request for a pipeline serving model, with
+// the default limits of media parts.
 func parseChat(body []byte, model string) (job, *apiError) {
+	return parseChatLimited(body, model, newPartBudget(0, 0))
+}
+
+// parseChatLimited is parseChat within the given limits of media parts.
+func parseChatLimited(body []byte, model string, budget *partBudget) (job, *apiError) {
 	var req chatRequest
 	ignored, fast := decodeChatFast(body, &req)
 	if !fast {
@@ -363,7 +364,7 @@ func parseChat(body []byte, model string) (job, *apiError) {
 	if len(req.Messages) == 0 {
 		return job{}, badRequest("messages", "invalid_value", "\"messages\" must hold at least one message")
 	}
-	if j.prompt, j.messages, e = chatPrompt(req.Messages); e != nil {
+	if j.prompt, j.messages, e = chatPrompt(req.Messages, budget); e != nil {
 		return job{}, e
 	}
 	for i, raw := range req.Modalities {
@@ -469,7 +470,7 @@ func indexed(name string, i int) string {
 // always yields the same output from a seeded engine. It also returns the
 // messages as the protocol carries them (the same contents), for engines
 // that apply their own chat template.
-func chatPrompt(msgs []json.RawMessage) (string, []*stagepb.ChatMessage, *apiError) {
+func chatPrompt(msgs []json.RawMessage, budget *partBudget) (string, []*stagepb.ChatMessage, *apiError) {
 	var b strings.Builder
 	out := make([]*stagepb.ChatMessage, 0, len(msgs))
 	for i, raw := range msgs {
@@ -492,11 +493,11 @@ func chatPrompt(msgs []json.RawMessage) (string, []*stagepb.ChatMessage, *apiErr
 		default:
 			return "", nil, badRequest(param+".role", "invalid_value", "unknown role %q: expected system, developer, user, assistant, tool or function", *m.Role)
 		}
-		text, e := messageText(param+".content", m.Content)
+		text, parts, e := messageContent(param+".content", m.Content, budget)
 		if e != nil {
 			return "", nil, e
 		}
-		out = append(out, &stagepb.ChatMessage{Role: *m.Role, Content: text})
+		out = append(out, &stagepb.ChatMessage{Role: *m.Role, Content: text, Parts: parts})
 		if i > 0 {
 			b.WriteByte('\n')
 		}
@@ -507,11 +508,13 @@ func chatPrompt(msgs []json.RawMessage) (string, []*stagepb.ChatMessage, *apiErr
 	return b.String(), out, nil
 }
 
-// messageText flattens a message content: a string, null (an assistant
-// turn that only called tools), or an array of {"type":"text","text":...}.
-func messageText(param string, raw json.RawMessage) (string, *apiError) {
+// messageContent flattens a message content: a string, null (an assistant
+// turn that only called tools), or an array of content parts (content.go),
+// whose text parts are joined by "\n" and which are returned in order when
+// one of them is media.
+func messageContent(param string, raw json.RawMessage, budget *partBudget) (string, []*stagepb.ContentPart, *apiError) {
 	if isNull(raw) {
-		return "", nil
+		return "", nil, nil
 	}
 	switch t := bytes.TrimSpace(raw); t[0] {
 	case '"':
@@ -519,41 +522,17 @@ func messageText(param string, raw json.RawMessage) (string, *apiError) {
 		// escapes is its bytes, which encoding/json would also keep as
 		// they are when they are valid UTF-8.
 		if inner := t[1 : len(t)-1]; bytes.IndexByte(inner, '\\') < 0 && utf8.Valid(inner) {
-			return string(inner), nil
+			return string(inner), nil, nil
 		}
 		var s string
 		if e := decodeValue(raw, &s, param); e != nil {
-			return "", e
+			return "", nil, e
 		}
-		return s, nil
+		return s, nil, nil
 	case '[':
-		var parts []json.RawMessage
-		if e := decodeValue(raw, &parts, param); e != nil {
-			return "", e
-		}
-		texts := make([]string, 0, len(parts))
-		for k, rawPart := range parts {
-			pp := fmt.Sprintf("%s[%d]", param, k)
-			var p contentPart
-			if t := bytes.TrimSpace(rawPart); t[0] != '{' {
-				return "", badRequest(pp, "invalid_type", "invalid type for %q: expected an object, got %s", pp, jsonKind(t))
-			}
-			if e := decodeValue(rawPart, &p, pp); e != nil {
-				return "", e
-			}
-			switch {
-			case p.Type == nil:
-				return "", badRequest(pp+".type", "missing_field", "missing required field %q", pp+".type")
-			case *p.Type != "text":
-				return "", badRequest(pp+".type", "unsupported", "content part type %q is not supported: only \"text\" parts are", *p.Type)
-			case p.Text == nil:
-				return "", badRequest(pp+".text", "missing_field", "missing required field %q", pp+".text")
-			}
-			texts = append(texts, *p.Text)
-		}
-		return strings.Join(texts, "\n"), nil
+		return contentParts(param, raw, budget)
 	}
-	return "", badRequest(param, "invalid_type", "invalid type for %q: expected a string or an array of content parts, got %s", param, jsonKind(raw))
+	return "", nil, badRequest(param, "invalid_type", "invalid type for %q: expected a string or an array of content parts, got %s", param, jsonKind(raw))
 }
 
 // Audio formats troupe answers in: a WAV file, or raw PCM16 mono

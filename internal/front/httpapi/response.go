@@ -15,14 +15,29 @@ type usage struct {
 	PromptTokens     int `json:"prompt_tokens"`
 	CompletionTokens int `json:"completion_tokens"`
 	TotalTokens      int `json:"total_tokens"`
+	// PromptTokensDetails: only when the prompt had media parts.
+	PromptTokensDetails *promptTokensDetails `json:"prompt_tokens_details,omitempty"`
+}
+
+// promptTokensDetails says how many prompt tokens stage 0 made of media
+// parts, as OpenAI's usage.prompt_tokens_details does (video_tokens: a
+// vLLM-style extension).
+type promptTokensDetails struct {
+	AudioTokens int `json:"audio_tokens"`
+	ImageTokens int `json:"image_tokens"`
+	VideoTokens int `json:"video_tokens,omitempty"`
 }
 
 func usageOf(res *orchestrator.Result) *usage {
-	return &usage{
+	u := &usage{
 		PromptTokens:     res.PromptTokens,
 		CompletionTokens: res.CompletionTokens,
 		TotalTokens:      res.PromptTokens + res.CompletionTokens,
 	}
+	if m := res.PromptMedia; m != (orchestrator.MediaTokens{}) {
+		u.PromptTokensDetails = &promptTokensDetails{AudioTokens: m.Audio, ImageTokens: m.Image, VideoTokens: m.Video}
+	}
+	return u
 }
 
 // nullUsage is the "usage": null that OpenAI puts on every chunk but the

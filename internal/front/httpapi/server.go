@@ -129,6 +129,12 @@ type Config struct {
 	// a request is answered 429 with Retry-After at once, so latency stays
 	// bounded instead of growing with the queue. <= 0: no limit.
 	MaxInFlight int
+	// MaxContentParts bounds the media parts (image, audio, video) of one
+	// chat request (400 above it); <= 0 means DefaultMaxContentParts.
+	MaxContentParts int
+	// MaxPartBytes bounds the decoded bytes of one media part (413 above
+	// it); <= 0 means DefaultMaxPartBytes.
+	MaxPartBytes int64
 }
 
 // Server serves the API of one head. Its handlers are safe for concurrent
@@ -182,6 +188,8 @@ func New(b Backend, cfg Config) *Server {
 	servingMuxes, adminMuxes := []*http.ServeMux{serving, all}, []*http.ServeMux{admin, all}
 	handle(servingMuxes, "POST /v1/chat/completions", s.admitted(s.chatCompletions))
 	handle(servingMuxes, "POST /v1/completions", s.admitted(s.completions))
+	handle(servingMuxes, "POST /v1/audio/speech", s.admitted(s.speech))
+	handle(servingMuxes, "POST /v1/audio/transcriptions", s.admitted(s.transcriptions))
 	handle(servingMuxes, "GET /v1/models", http.HandlerFunc(s.models))
 	handle(servingMuxes, "GET /v1/models/{model...}", http.HandlerFunc(s.model))
 	handle(adminMuxes, "GET /v1/replicas", http.HandlerFunc(s.replicas))

@@ -1,0 +1,128 @@
+package openai_test
+
+import (
+	"bytes"
+	"encoding/base64"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	oa "github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/worker/openai"
+)
+
+// TestMediaPartsReachUpstream: an OpenAI client's image and audio parts
+// cross the head and the openai engine to the upstream byte for byte, in
+// order and in the shape the client sent them (data: URLs, input_audio,
+// http(s) URLs the upstream fetches); the upstream's media token counts
+// come back in usage.prompt_tokens_details.
+func TestMediaPartsReachUpstream(t *testing.T) {
+	f := newFake(t)
+	f.route("POST /v1/chat/completions", func(w http.ResponseWriter, _ *http.Request) {
+		sse(w, delta("a cat"), finish("stop"),
+			`{"object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,"total_tokens":42,"prompt_tokens_details":{"cached_tokens":0,"audio_tokens":7,"image_tokens":11}}}`)
+	})
+	b := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1})
+	e, err := openai.New(openai.Config{URL: f.URL + "/v1", Logger: quiet()})
+	require.NoError(t, err)
+	assert.ElementsMatch(t, []string{"image", "audio", "video"}, e.Health().GetInputParts())
+	assert.True(t, e.Health().GetInputPartUrls())
+	srv := startWorker(t, b, "thinker", e)
+	b.WaitState(t, "thinker", srv.Member().ReplicaID, "attached")
+	base := serveAPI(t, b)
+	tr := &http.Transport{}
+	t.Cleanup(tr.CloseIdleConnections)
+	httpClient := &http.Client{Transport: tr}
+	client := oa.NewClient(option.WithBaseURL(base+"/v1/"), option.WithAPIKey("unused"), option.WithHTTPClient(httpClient), option.WithMaxRetries(0))
+
+	png := append([]byte("\x89PNG\r\n\x1a\n"), bytes.Repeat([]byte{0, 0xff, 0x10}, 3000)...)
+	wav := append([]byte("RIFF\x24\x00\x00\x00WAVEfmt "), bytes.Repeat([]byte{1, 0x80}, 5000)...)
+	pngURL := "data:image/png;base64," + base64.StdEncoding.EncodeToString(png)
+	res, err := client.Chat.Completions.New(testCtx(t), oa.ChatCompletionNewParams{
+		Model: "troupe-omni-sim",
+		Messages: []oa.ChatCompletionMessageParamUnion{
+			oa.SystemMessage("be brief"),
+			oa.UserMessage([]oa.ChatCompletionContentPartUnionParam{
+				oa.TextContentPart("what is in"),
+				oa.ImageContentPart(oa.ChatCompletionContentPartImageImageURLParam{URL: pngURL}),
+				oa.TextContentPart("and what is said in"),
+				oa.InputAudioContentPart(oa.ChatCompletionContentPartInputAudioInputAudioParam{Data: base64.StdEncoding.EncodeToString(wav), Format: "wav"}),
+				oa.ImageContentPart(oa.ChatCompletionContentPartImageImageURLParam{URL: "https://example.com/cat.jpg"}),
+			}),
+		},
+	})
+	require.NoError(t, err)
+	assert.Equal(t, "a cat", res.Choices[0].Message.Content)
+	assert.Equal(t, int64(7), res.Usage.PromptTokensDetails.AudioTokens)
+	assert.Contains(t, res.RawJSON(), `"prompt_tokens_details":{"audio_tokens":7,"image_tokens":11}`)
+	assert.Equal(t, int64(40), res.Usage.PromptTokens)
+
+	var got struct {
+		Messages []struct {
+			Role    string          `json:"role"`
+			Content json.RawMessage `json:"content"`
+		} `json:"messages"`
+	}
+	raw, err := json.Marshal(f.lastBody())
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(raw, &got))
+	require.Len(t, got.Messages, 2)
+	assert.JSONEq(t, `"be brief"`, string(got.Messages[0].Content), "a text-only message stays a string")
+	type url struct {
+		URL string `json:"url"`
+	}
+	var parts []struct {
+		Type       string `json:"type"`
+		Text       string `json:"text"`
+		ImageURL   url    `json:"image_url"`
+		AudioURL   url    `json:"audio_url"`
+		VideoURL   url    `json:"video_url"`
+		InputAudio struct {
+			Data   string `json:"data"`
+			Format string `json:"format"`
+		} `json:"input_audio"`
+	}
+	require.NoError(t, json.Unmarshal(got.Messages[1].Content, &parts))
+	require.Len(t, parts, 5)
+	assert.Equal(t, []string{"text", "image_url", "text", "input_audio", "image_url"},
+		[]string{parts[0].Type, parts[1].Type, parts[2].Type, parts[3].Type, parts[4].Type})
+	assert.Equal(t, "what is in", parts[0].Text)
+	assert.Equal(t, "and what is said in", parts[2].Text)
+	assert.Equal(t, pngURL, parts[1].ImageURL.URL, "the data: URL as sent")
+	sentPNG, err := base64.StdEncoding.DecodeString(strings.TrimPrefix(parts[1].ImageURL.URL, "data:image/png;base64,"))
+	require.NoError(t, err)
+	assert.Equal(t, png, sentPNG, "the image byte for byte")
+	sentWAV, err := base64.StdEncoding.DecodeString(parts[3].InputAudio.Data)
+	require.NoError(t, err)
+	assert.Equal(t, wav, sentWAV, "the audio byte for byte")
+	assert.Equal(t, "wav", parts[3].InputAudio.Format)
+	assert.Equal(t, "https://example.com/cat.jpg", parts[4].ImageURL.URL, "the URL, for the upstream to fetch")
+
+	// vLLM's audio_url and video_url, by data: URL and by URL.
+	mp4 := bytes.Repeat([]byte("ftypmp42"), 100)
+	body := `{"model":"troupe-omni-sim","messages":[{"role":"user","content":[` +
+		`{"type":"audio_url","audio_url":{"url":"data:audio/mpeg;base64,` + base64.StdEncoding.EncodeToString(wav) + `"}},` +
+		`{"type":"video_url","video_url":{"url":"data:video/mp4;base64,` + base64.StdEncoding.EncodeToString(mp4) + `"}},` +
+		`{"type":"video_url","video_url":{"url":"http://example.com/v.mp4"}}]}]}`
+	resp, err := httpClient.Post(base+"/v1/chat/completions", "application/json", strings.NewReader(body))
+	require.NoError(t, err)
+	answer, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode, "%s", answer)
+	raw, err = json.Marshal(f.lastBody())
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(raw, &got))
+	parts = nil
+	require.NoError(t, json.Unmarshal(got.Messages[0].Content, &parts))
+	require.Len(t, parts, 3)
+	assert.Equal(t, "data:audio/mpeg;base64,"+base64.StdEncoding.EncodeToString(wav), parts[0].AudioURL.URL)
+	assert.Equal(t, "data:video/mp4;base64,"+base64.StdEncoding.EncodeToString(mp4), parts[1].VideoURL.URL)
+	assert.Equal(t, "http://example.com/v.mp4", parts[2].VideoURL.URL)
+}
