@@ -120,6 +120,8 @@ type Config struct {
 	// a request is answered 429 with Retry-After at once, so latency stays
 	// bounded instead of growing with the queue. <= 0: no limit.
 	MaxInFlight int
+	// Realtime bounds the realtime sessions of GET /v1/realtime.
+	Realtime RealtimeConfig
 }
 
 // Server serves the API of one head. Its handlers are safe for concurrent
@@ -134,6 +136,7 @@ type Server struct {
 	running atomic.Int64      // completions admitted and not finished (MaxInFlight)
 	// draining: the process is stopping; /readyz says so (see Drain).
 	draining atomic.Bool
+	rt       realtimeHub // the sessions of /v1/realtime
 
 	all, serving, admin http.Handler
 }
@@ -169,6 +172,7 @@ func New(b Backend, cfg Config) *Server {
 	servingMuxes, adminMuxes := []*http.ServeMux{serving, all}, []*http.ServeMux{admin, all}
 	handle(servingMuxes, "POST /v1/chat/completions", s.admitted(s.chatCompletions))
 	handle(servingMuxes, "POST /v1/completions", s.admitted(s.completions))
+	handle(servingMuxes, "GET /v1/realtime", http.HandlerFunc(s.realtime))
 	handle(servingMuxes, "GET /v1/models", http.HandlerFunc(s.models))
 	handle(servingMuxes, "GET /v1/models/{model...}", http.HandlerFunc(s.model))
 	handle(adminMuxes, "GET /v1/replicas", http.HandlerFunc(s.replicas))
@@ -208,7 +212,9 @@ func (s *Server) admitted(h http.HandlerFunc) http.Handler {
 // ones it has; every other route is served as before. The process calls it
 // first on SIGTERM (see `troupe head --shutdown-delay`). It may be called
 // from any goroutine; it cannot be undone.
-func (s *Server) Drain() { s.draining.Store(true) }
+// Realtime sessions are closed with 1001 as soon as their running response
+// ends, and new ones refused with 1013.
+func (s *Server) Drain() { s.draining.Store(true); s.rt.drain() }
 
 // Handler serves every route: serving, admin, metrics and health.
 func (s *Server) Handler() http.Handler { return s.all }
@@ -479,7 +485,9 @@ func (s *Server) authorized(r *http.Request) bool {
 	}
 	scheme, token, ok := strings.Cut(r.Header.Get("Authorization"), " ")
 	if !ok || !strings.EqualFold(scheme, "Bearer") {
-		return false
+		if token = realtimeKey(r); token == "" {
+			return false
+		}
 	}
 	// Hashing first makes the comparison constant-time in the key's length
 	// too.

@@ -1,0 +1,377 @@
+package httpapi
+
+import (
+	"encoding/base64"
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/coder/websocket"
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/realtime"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/worker/sim"
+)
+
+// rtAPI is an API whose HTTP metrics (realtime ones included) are on reg.
+func rtAPI(t *testing.T, c *orchestratortest.Cluster, cfg Config) (*api, *prometheus.Registry) {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	require.NoError(t, err)
+	cfg.Metrics = m
+	return startAPI(t, c, cfg, nil, nil), reg
+}
+
+// connect opens a realtime session with the official client and reads its
+// session.created.
+func connect(t *testing.T, a *api) *realtime.RealtimeConnection {
+	t.Helper()
+	client := a.openai()
+	conn, err := client.Realtime.Connect(testCtx(t), realtime.RealtimeConnectionOptions{})
+	require.NoError(t, err)
+	t.Cleanup(conn.Abort)
+	ev, err := conn.Recv(testCtx(t))
+	require.NoError(t, err)
+	require.Equal(t, "session.created", ev.Type)
+	return conn
+}
+
+func sessionUpdate(t *testing.T, conn *realtime.RealtimeConnection, instructions, modality string) {
+	t.Helper()
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfSessionUpdate(realtime.RealtimeSessionCreateRequestParam{
+		Instructions: openai.String(instructions), OutputModalities: []string{modality}})))
+	ev, err := conn.Recv(testCtx(t))
+	require.NoError(t, err)
+	require.Equal(t, "session.updated", ev.Type, "%s", ev.RawJSON())
+	assert.Contains(t, ev.RawJSON(), `"output_modalities":["`+modality+`"]`)
+}
+
+func sayUser(t *testing.T, conn *realtime.RealtimeConnection, text string) {
+	t.Helper()
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfConversationItemCreate(realtime.RealtimeConversationItemUserMessageParam{
+		Content: []realtime.RealtimeConversationItemUserMessageContentParam{{Type: "input_text", Text: openai.String(text)}}})))
+	for _, want := range []string{"conversation.item.added", "conversation.item.done"} {
+		ev, err := conn.Recv(testCtx(t))
+		require.NoError(t, err)
+		require.Equal(t, want, ev.Type, "%s", ev.RawJSON())
+	}
+}
+
+// turn is what a response sent.
+type turn struct {
+	text, transcript string
+	audio            []byte
+	done             realtime.ResponseDoneEvent
+	types            []string
+}
+
+// respond sends response.create and reads until response.done; onEvent,
+// when not nil, sees every event first.
+func respond(t *testing.T, conn *realtime.RealtimeConnection, onEvent func(realtime.RealtimeServerEventUnion)) turn {
+	t.Helper()
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventUnionParam{OfResponseCreate: &realtime.ResponseCreateEventParam{}}))
+	var tr turn
+	var text, transcript strings.Builder
+	for {
+		ev, err := conn.Recv(testCtx(t))
+		require.NoError(t, err)
+		if onEvent != nil {
+			onEvent(ev)
+		}
+		tr.types = append(tr.types, ev.Type)
+		switch ev.Type {
+		case "response.output_text.delta":
+			text.WriteString(ev.AsResponseTextDeltaEvent().Delta)
+		case "response.output_audio_transcript.delta":
+			transcript.WriteString(ev.AsResponseAudioTranscriptDeltaEvent().Delta)
+		case "response.output_audio.delta":
+			pcm, err := base64.StdEncoding.DecodeString(ev.AsResponseAudioDeltaEvent().Delta)
+			require.NoError(t, err)
+			tr.audio = append(tr.audio, pcm...)
+		case "error":
+			t.Fatalf("error event: %s", ev.RawJSON())
+		case "response.done":
+			tr.text, tr.transcript, tr.done = text.String(), transcript.String(), ev.AsResponseDoneEvent()
+			return tr
+		}
+	}
+}
+
+// chatText is what a chat request with msgs answers.
+func chatText(t *testing.T, a *api, msgs ...openai.ChatCompletionMessageParamUnion) string {
+	t.Helper()
+	client := a.openai()
+	res, err := client.Chat.Completions.New(testCtx(t), openai.ChatCompletionNewParams{Model: a.cluster.Head.Pipeline().Model, Messages: msgs})
+	require.NoError(t, err)
+	return res.Choices[0].Message.Content
+}
+
+// TestRealtimeAudioTurn: a text turn answered in audio runs every stage,
+// streams PCM16 and the transcript, which is what a chat request with the
+// same conversation answers, in GA event order.
+func TestRealtimeAudioTurn(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a, reg := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "Be brief.", "audio")
+	sayUser(t, conn, "Say hello.")
+	tr := respond(t, conn, nil)
+
+	require.Equal(t, realtime.RealtimeResponseStatus("completed"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	assert.Equal(t, chatText(t, a, openai.SystemMessage("Be brief."), openai.UserMessage("Say hello.")), tr.transcript)
+	assert.NotEmpty(t, tr.audio)
+	assert.Zero(t, len(tr.audio)%2, "PCM16")
+	assert.Positive(t, tr.done.Response.Usage.OutputTokens)
+	assert.Equal(t, []string{"response.created", "response.output_item.added", "conversation.item.added", "response.content_part.added"}, tr.types[:4])
+	assert.Equal(t, []string{"response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
+		"response.output_item.done", "conversation.item.done", "response.done"}, tr.types[len(tr.types)-6:])
+	assert.Equal(t, 1.0, testutil.ToFloat64(a.cfg.Metrics.realtime.turns.WithLabelValues("completed")))
+	assert.Equal(t, 1.0, testutil.ToFloat64(a.cfg.Metrics.realtime.active))
+	n, err := testutil.GatherAndCount(reg, "troupe_realtime_time_to_first_audio_seconds")
+	require.NoError(t, err)
+	assert.Equal(t, 1, n)
+}
+
+// TestRealtimeHistory: each turn, the thinker sees the whole conversation
+// so far, its own answers included: three turns answer what chat requests
+// with the same history answer.
+func TestRealtimeHistory(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a, _ := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "You are terse.", "text")
+	history := []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("You are terse.")}
+	for _, q := range []string{"One?", "Two?", "Three?"} {
+		sayUser(t, conn, q)
+		history = append(history, openai.UserMessage(q))
+		tr := respond(t, conn, nil)
+		require.Equal(t, realtime.RealtimeResponseStatus("completed"), tr.done.Response.Status)
+		assert.Empty(t, tr.audio, "a text session has no audio")
+		assert.Equal(t, chatText(t, a, history...), tr.text, "turn %q", q)
+		history = append(history, openai.AssistantMessage(tr.text))
+	}
+}
+
+// TestRealtimeHistoryBudget: past the byte budget the oldest items are
+// dropped, whole, and the newest kept.
+func TestRealtimeHistoryBudget(t *testing.T) {
+	c := &rtSessionConn{cfg: RealtimeConfig{HistoryBytes: 10}, instructions: "sys"}
+	c.items = []*historyItem{{role: "user", text: "aaaa"}, {role: "assistant", text: "bbbb"}, {role: "user", text: "cccc"}}
+	msgs, prompt := c.conversationLocked()
+	require.Len(t, msgs, 3)
+	assert.Equal(t, "system: sys\nassistant: bbbb\nuser: cccc", prompt)
+	c.items = []*historyItem{{role: "user", text: strings.Repeat("x", 50)}}
+	msgs, _ = c.conversationLocked()
+	assert.Len(t, msgs, 2, "the newest item is kept whatever its size")
+}
+
+// allIdle reports whether no stage runs a request.
+func allIdle(c *orchestratortest.Cluster) bool {
+	for i := range c.Head.Pipeline().Stages {
+		if inFlight(c, i) != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+func waitIdle(t testing.TB, c *orchestratortest.Cluster) {
+	t.Helper()
+	require.Eventually(t, func() bool { return allIdle(c) }, wait, time.Millisecond, "stages still busy")
+}
+
+// TestRealtimeBargeIn: response.cancel mid-audio stops every stage, the
+// response ends cancelled with the text the client was sent kept in the
+// conversation, and the next turn runs at once.
+func TestRealtimeBargeIn(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 20 * time.Millisecond}})
+	a, _ := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "", "audio")
+	sayUser(t, conn, "Tell me a long story.")
+	cancelled := false
+	tr := respond(t, conn, func(ev realtime.RealtimeServerEventUnion) {
+		if ev.Type == "response.output_audio.delta" && !cancelled {
+			cancelled = true
+			require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventUnionParam{OfResponseCancel: &realtime.ResponseCancelEventParam{}}))
+		}
+	})
+	require.True(t, cancelled)
+	require.Equal(t, realtime.RealtimeResponseStatus("cancelled"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	assert.Contains(t, tr.done.RawJSON(), `"reason":"client_cancelled"`)
+	waitIdle(t, c)
+	assert.Equal(t, 1.0, testutil.ToFloat64(a.cfg.Metrics.realtime.bargeIns))
+	assert.Equal(t, uint64(1), histCount(t, a.cfg.Metrics.realtime.cancelLatency))
+	// The item holds what was sent, which the next turn's thinker sees.
+	item := tr.done.Response.Output[0].AsRealtimeConversationItemAssistantMessage()
+	assert.Equal(t, tr.transcript, item.Content[0].Transcript)
+	assert.Equal(t, realtime.RealtimeConversationItemAssistantMessageStatus("incomplete"), item.Status)
+
+	sessionUpdate(t, conn, "", "text")
+	sayUser(t, conn, "Go on.")
+	next := respond(t, conn, nil)
+	require.Equal(t, realtime.RealtimeResponseStatus("completed"), next.done.Response.Status)
+	assert.Equal(t, chatText(t, a, openai.UserMessage("Tell me a long story."), openai.AssistantMessage(tr.transcript), openai.UserMessage("Go on.")), next.text)
+}
+
+func histCount(t *testing.T, h prometheus.Histogram) uint64 {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	require.NoError(t, reg.Register(h))
+	fams, err := reg.Gather()
+	require.NoError(t, err)
+	return fams[0].GetMetric()[0].GetHistogram().GetSampleCount()
+}
+
+// TestRealtimeClientGone: a client that vanishes mid-turn ends the
+// response on every stage; nothing leaks (goleak in TestMain).
+func TestRealtimeClientGone(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 20 * time.Millisecond}})
+	a, _ := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sayUser(t, conn, "Talk.")
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventUnionParam{OfResponseCreate: &realtime.ResponseCreateEventParam{}}))
+	for {
+		ev, err := conn.Recv(testCtx(t))
+		require.NoError(t, err)
+		if ev.Type == "response.output_audio.delta" {
+			break
+		}
+	}
+	conn.Abort()
+	waitIdle(t, c)
+	require.Eventually(t, func() bool { return testutil.ToFloat64(a.cfg.Metrics.realtime.active) == 0 }, wait, time.Millisecond)
+}
+
+// rawConn is a session over a plain WebSocket, for events the typed
+// client would not send.
+func rawConn(t *testing.T, a *api) *websocket.Conn {
+	t.Helper()
+	conn, _, err := websocket.Dial(testCtx(t), "ws"+strings.TrimPrefix(a.base, "http")+"/v1/realtime", nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.CloseNow() })
+	require.Equal(t, "session.created", readRaw(t, conn)["type"])
+	return conn
+}
+
+func readRaw(t *testing.T, conn *websocket.Conn) map[string]any {
+	t.Helper()
+	_, data, err := conn.Read(testCtx(t))
+	require.NoError(t, err)
+	var ev map[string]any
+	require.NoError(t, json.Unmarshal(data, &ev))
+	return ev
+}
+
+// TestRealtimeBadEvents: every bad event is answered with an error event
+// in OpenAI's shape, naming the client's event_id, and the session goes on.
+func TestRealtimeBadEvents(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a, _ := rtAPI(t, c, Config{})
+	conn := rawConn(t, a)
+	for _, tc := range []struct{ event, code string }{
+		{`{"type":"session.update"`, "invalid_json"},
+		{`{"type":"no.such.event","event_id":"e1"}`, "unknown_event"},
+		{`{"event_id":"e1"}`, "missing_field"},
+		{`{"type":"input_audio_buffer.append","event_id":"e1","audio":"***"}`, "invalid_base64"},
+		{`{"type":"response.cancel","event_id":"e1"}`, "response_cancel_not_active"},
+		{`{"type":"input_audio_buffer.commit","event_id":"e1"}`, "input_audio_buffer_commit_empty"},
+		{`{"type":"session.update","event_id":"e1","session":{"type":"realtime","audio":{"output":{"format":{"type":"audio/pcmu"}}}}}`, "invalid_value"},
+		{`{"type":"session.update","event_id":"e1","session":{"type":"realtime","output_modalities":["video"]}}`, "invalid_value"},
+		{`{"type":"conversation.item.create","event_id":"e1","item":{"type":"message","role":"user","content":[{"type":"input_audio","audio":"AAAA"}]}}`, "audio_input_unsupported"},
+		{`{"type":"conversation.item.truncate","event_id":"e1","item_id":"nope","content_index":0,"audio_end_ms":10}`, "invalid_value"},
+	} {
+		require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(tc.event)))
+		ev := readRaw(t, conn)
+		require.Equal(t, "error", ev["type"], "%s: %v", tc.event, ev)
+		e := ev["error"].(map[string]any)
+		assert.Equal(t, tc.code, e["code"], tc.event)
+		assert.Equal(t, "invalid_request_error", e["type"])
+		assert.NotEmpty(t, e["message"])
+		assert.Contains(t, e, "param")
+		if strings.Contains(tc.event, `"e1"`) {
+			assert.Equal(t, "e1", e["event_id"], tc.event)
+		}
+	}
+	// A second response.create while one runs is out of order.
+	require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(`{"type":"session.update","session":{"type":"realtime","output_modalities":["text"]}}`)))
+	require.Equal(t, "session.updated", readRaw(t, conn)["type"])
+	for range 2 {
+		require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(`{"type":"response.create","event_id":"r"}`)))
+	}
+	sawBusy := false
+	for {
+		ev := readRaw(t, conn)
+		if ev["type"] == "error" {
+			assert.Equal(t, "conversation_already_has_active_response", ev["error"].(map[string]any)["code"])
+			sawBusy = true
+		}
+		if ev["type"] == "response.done" {
+			break
+		}
+	}
+	assert.True(t, sawBusy)
+}
+
+// TestRealtimeLimits: the message size limit closes with 1009, the session
+// limit with 1013, idle sessions with 4000, the drain with 1001; the key
+// passes as the subprotocol.
+func TestRealtimeLimits(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a, _ := rtAPI(t, c, Config{APIKey: "k", Realtime: RealtimeConfig{MaxSessions: 1, MaxMessageBytes: 1024, IdleTimeout: time.Second}})
+	url := "ws" + strings.TrimPrefix(a.base, "http") + "/v1/realtime"
+	_, resp, err := websocket.Dial(testCtx(t), url, nil)
+	require.Error(t, err, "no key")
+	assert.Equal(t, 401, resp.StatusCode)
+
+	conn, _, err := websocket.Dial(testCtx(t), url, &websocket.DialOptions{Subprotocols: []string{"realtime", realtimeKeyPrefix + "k"}})
+	require.NoError(t, err)
+	defer conn.CloseNow()
+	assert.Equal(t, "realtime", conn.Subprotocol())
+	require.Equal(t, "session.created", readRaw(t, conn)["type"])
+
+	second, _, err := websocket.Dial(testCtx(t), url, &websocket.DialOptions{Subprotocols: []string{realtimeKeyPrefix + "k"}})
+	require.NoError(t, err)
+	_, _, err = second.Read(testCtx(t))
+	assert.Equal(t, websocket.StatusCode(closeTryAgain), websocket.CloseStatus(err), "%v", err)
+
+	require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(`{"type":"x","pad":"`+strings.Repeat("a", 2000)+`"}`)))
+	_, _, err = conn.Read(testCtx(t))
+	assert.Equal(t, websocket.StatusMessageTooBig, websocket.CloseStatus(err), "%v", err)
+
+	idle := dialWhenFree(t, url)
+	_, _, err = idle.Read(testCtx(t))
+	assert.Equal(t, websocket.StatusCode(closeIdle), websocket.CloseStatus(err), "%v", err)
+
+	draining := dialWhenFree(t, url)
+	a.Drain()
+	_, _, err = draining.Read(testCtx(t))
+	assert.Equal(t, websocket.StatusGoingAway, websocket.CloseStatus(err), "%v", err)
+}
+
+// dialWhenFree opens a session once the head's one slot is free, and reads
+// its session.created.
+func dialWhenFree(t *testing.T, url string) *websocket.Conn {
+	t.Helper()
+	var conn *websocket.Conn
+	require.Eventually(t, func() bool {
+		c, _, err := websocket.Dial(testCtx(t), url, &websocket.DialOptions{Subprotocols: []string{realtimeKeyPrefix + "k"}})
+		require.NoError(t, err)
+		_, data, err := c.Read(testCtx(t))
+		if err != nil {
+			return false
+		}
+		require.Contains(t, string(data), "session.created")
+		conn = c
+		return true
+	}, wait, 5*time.Millisecond, "no free session slot")
+	t.Cleanup(func() { _ = conn.CloseNow() })
+	return conn
+}
