@@ -1,9 +1,16 @@
 package httpapi
 
 import (
+	"context"
 	"encoding/base64"
 	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/http/httptest"
+	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
 	"github.com/troupe-serving/troupe/worker/sim"
@@ -374,4 +382,124 @@ func dialWhenFree(t *testing.T, url string) *websocket.Conn {
 	}, wait, 5*time.Millisecond, "no free session slot")
 	t.Cleanup(func() { _ = conn.CloseNow() })
 	return conn
+}
+
+// TestRealtimeSpeechBargeIn: with server_vad, speech appended while a
+// response plays cancels it (turn_detected) on every stage; the speech's
+// end commits the buffer, which this text-input pipeline answers with an
+// error event.
+func TestRealtimeSpeechBargeIn(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 20 * time.Millisecond}})
+	a, _ := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sayUser(t, conn, "Tell me a long story.")
+	sent := false
+	tr := respond(t, conn, func(ev realtime.RealtimeServerEventUnion) {
+		if ev.Type == "response.output_audio.delta" && !sent {
+			sent = true
+			speech := base64.StdEncoding.EncodeToString(tone(200, 0.3))
+			require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfInputAudioBufferAppend(speech)))
+		}
+	})
+	require.Equal(t, realtime.RealtimeResponseStatus("cancelled"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	assert.Contains(t, tr.done.RawJSON(), `"reason":"turn_detected"`)
+	assert.Contains(t, tr.types, "input_audio_buffer.speech_started")
+	require.Eventually(t, func() bool { return allIdle(c) }, wait, time.Millisecond, "stages still busy")
+
+	silence := base64.StdEncoding.EncodeToString(tone(600, 0))
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfInputAudioBufferAppend(silence)))
+	var types []string
+	for len(types) < 3 {
+		ev, err := conn.Recv(testCtx(t))
+		require.NoError(t, err)
+		types = append(types, ev.Type)
+		if ev.Type == "error" {
+			assert.Equal(t, "audio_input_unsupported", ev.AsRealtimeErrorEvent().Error.Code)
+		}
+	}
+	assert.Equal(t, []string{"input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "error"}, types)
+}
+
+// BenchmarkRealtimeCancel: the time from response.cancel sent to
+// response.done received, which the head sends once Execute has returned,
+// i.e. once every stage's call has ended (an upper bound of the head's
+// troupe_realtime_cancel_latency_seconds: it adds two loopback hops). Each
+// of n sessions runs audio turns cancelled at their first audio delta.
+func BenchmarkRealtimeCancel(b *testing.B) {
+	for _, n := range []int{1, 8, 32} {
+		b.Run(fmt.Sprintf("sessions=%d", n), func(b *testing.B) { benchCancel(b, n) })
+	}
+}
+
+func benchCancel(b *testing.B, sessions int) {
+	c := startCluster(b, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 5 * time.Millisecond, MaxNumSeqs: 64}})
+	srv := New(c.Head, Config{Logger: slog.New(slog.DiscardHandler)})
+	hs := httptest.NewServer(srv.Handler())
+	defer hs.Close()
+	url := "ws" + strings.TrimPrefix(hs.URL, "http") + "/v1/realtime"
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var mu sync.Mutex
+	var lat []time.Duration
+	var next atomic.Int64
+	g, gctx := errgroup.WithContext(ctx)
+	b.ResetTimer()
+	for range sessions {
+		g.Go(func() error {
+			conn, _, err := websocket.Dial(gctx, url, nil)
+			if err != nil {
+				return err
+			}
+			defer conn.CloseNow()
+			for _, ev := range []string{`{"type":"conversation.item.create","item":{"type":"message","role":"user","content":[{"type":"input_text","text":"Talk."}]}}`} {
+				if err := conn.Write(gctx, websocket.MessageText, []byte(ev)); err != nil {
+					return err
+				}
+			}
+			for next.Add(1) <= int64(b.N) {
+				if err := conn.Write(gctx, websocket.MessageText, []byte(`{"type":"response.create"}`)); err != nil {
+					return err
+				}
+				var sent time.Time
+				for {
+					_, data, err := conn.Read(gctx)
+					if err != nil {
+						return err
+					}
+					switch typ := eventType(data); {
+					case typ == "response.output_audio.delta" && sent.IsZero():
+						sent = time.Now()
+						if err := conn.Write(gctx, websocket.MessageText, []byte(`{"type":"response.cancel"}`)); err != nil {
+							return err
+						}
+					case typ == "response.done":
+						if sent.IsZero() {
+							return fmt.Errorf("a response ended before its first audio: %s", data)
+						}
+						mu.Lock()
+						lat = append(lat, time.Since(sent))
+						mu.Unlock()
+					}
+					if eventType(data) == "response.done" {
+						break
+					}
+				}
+			}
+			return nil
+		})
+	}
+	require.NoError(b, g.Wait())
+	b.StopTimer()
+	require.Eventually(b, func() bool { return allIdle(c) }, wait, time.Millisecond)
+	slices.Sort(lat)
+	b.ReportMetric(float64(lat[len(lat)/2].Microseconds())/1000, "p50_ms")
+	b.ReportMetric(float64(lat[len(lat)*99/100].Microseconds())/1000, "p99_ms")
+}
+
+func eventType(data []byte) string {
+	var ev struct {
+		Type string `json:"type"`
+	}
+	_ = json.Unmarshal(data, &ev)
+	return ev.Type
 }
