@@ -98,7 +98,7 @@ type realtimeMetrics struct {
 }
 
 func newRealtimeMetrics() *realtimeMetrics {
-	return &realtimeMetrics{
+	m := &realtimeMetrics{
 		active: prometheus.NewGauge(prometheus.GaugeOpts{Name: "troupe_realtime_sessions_active",
 			Help: "Realtime (WebSocket) sessions the head holds now."}),
 		turns: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "troupe_realtime_turns_total",
@@ -112,6 +112,10 @@ func newRealtimeMetrics() *realtimeMetrics {
 			Help:    "Time from response.create to the response's first audio delta sent.",
 			Buckets: httpDurationBuckets}),
 	}
+	for _, status := range []string{"completed", "cancelled", "failed"} {
+		m.turns.WithLabelValues(status) // every status exists from the start, at 0
+	}
+	return m
 }
 
 func (m *realtimeMetrics) collectors() []prometheus.Collector {
