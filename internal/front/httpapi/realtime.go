@@ -86,6 +86,8 @@ type realtimeHub struct {
 	mu       sync.Mutex
 	sessions map[*rtSessionConn]struct{}
 	draining bool
+	// gone is closed once the hub drains and holds no session.
+	gone chan struct{}
 }
 
 // realtimeMetrics are the realtime sessions' metrics (docs/observability.md).
@@ -210,6 +212,17 @@ func (h *realtimeHub) remove(c *rtSessionConn) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	delete(h.sessions, c)
+	h.closeGoneLocked()
+}
+
+func (h *realtimeHub) closeGoneLocked() {
+	if h.draining && len(h.sessions) == 0 {
+		select {
+		case <-h.gone:
+		default:
+			close(h.gone)
+		}
+	}
 }
 
 // drain closes every session with 1001 once its running response (if any)
@@ -217,10 +230,38 @@ func (h *realtimeHub) remove(c *rtSessionConn) {
 func (h *realtimeHub) drain() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.draining = true
+	if !h.draining {
+		h.draining, h.gone = true, make(chan struct{})
+	}
 	for c := range h.sessions {
 		c.goAway()
 	}
+	h.closeGoneLocked()
+}
+
+// WaitRealtime waits, after Drain, until every realtime session has ended
+// (net/http's Shutdown does not wait for them: their connections are
+// hijacked). When ctx ends first, it drops the connections of the sessions
+// left, which end their responses on every stage, and returns ctx's error.
+// Before Drain it returns at once.
+func (s *Server) WaitRealtime(ctx context.Context) error {
+	s.rt.mu.Lock()
+	gone := s.rt.gone
+	s.rt.mu.Unlock()
+	if gone == nil {
+		return nil
+	}
+	select {
+	case <-gone:
+		return nil
+	case <-ctx.Done():
+	}
+	s.rt.mu.Lock()
+	defer s.rt.mu.Unlock()
+	for c := range s.rt.sessions {
+		_ = c.conn.CloseNow()
+	}
+	return fmt.Errorf("httpapi: realtime sessions still open at the drain timeout: %w", ctx.Err())
 }
 
 // rtSessionConn is one realtime session. The handler's goroutine reads and

@@ -21,6 +21,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
@@ -222,11 +225,65 @@ func TestRealtimeBargeIn(t *testing.T) {
 	assert.Equal(t, tr.transcript, item.Content[0].Transcript)
 	assert.Equal(t, realtime.RealtimeConversationItemAssistantMessageStatus("incomplete"), item.Status)
 
+	// The client played half the audio it got: the item keeps that share
+	// of its transcript.
+	audioMs := int64(len(tr.audio)/2) * 1000 / realtimeSampleRate
+	require.Positive(t, audioMs)
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfConversationItemTruncate(audioMs/2, 0, item.ID)))
+	ev, err := conn.Recv(testCtx(t))
+	require.NoError(t, err)
+	require.Equal(t, "conversation.item.truncated", ev.Type, "%s", ev.RawJSON())
+	runes := []rune(tr.transcript)
+	heard := string(runes[:int64(len(runes))*(audioMs/2)/audioMs])
+
 	sessionUpdate(t, conn, "", "text")
 	sayUser(t, conn, "Go on.")
 	next := respond(t, conn, nil)
 	require.Equal(t, realtime.RealtimeResponseStatus("completed"), next.done.Response.Status)
-	assert.Equal(t, chatText(t, a, openai.UserMessage("Tell me a long story."), openai.AssistantMessage(tr.transcript), openai.UserMessage("Go on.")), next.text)
+	assert.Equal(t, chatText(t, a, openai.UserMessage("Tell me a long story."), openai.AssistantMessage(heard), openai.UserMessage("Go on.")), next.text)
+}
+
+// TestRealtimeSpans: the session has a span, each turn a span under it,
+// and the turn's pipeline request runs under the turn.
+func TestRealtimeSpans(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()), sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	c := startCluster(t, orchestratortest.Options{HeadTracer: tp})
+	a, _ := rtAPI(t, c, Config{TracerProvider: tp})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "", "text")
+	for range 2 {
+		sayUser(t, conn, "Hi.")
+		respond(t, conn, nil)
+	}
+	require.NoError(t, conn.Close())
+	var session sdktrace.ReadOnlySpan
+	require.Eventually(t, func() bool {
+		for _, s := range rec.Ended() {
+			if s.Name() == SpanRealtimeSession {
+				session = s
+				return true
+			}
+		}
+		return false
+	}, wait, time.Millisecond)
+	turns := map[trace.SpanID]bool{}
+	for _, s := range rec.Ended() {
+		if s.Name() == SpanRealtimeTurn {
+			assert.Equal(t, session.SpanContext().SpanID(), s.Parent().SpanID())
+			turns[s.SpanContext().SpanID()] = true
+		}
+	}
+	assert.Len(t, turns, 2)
+	requests := 0
+	for _, s := range rec.Ended() {
+		if s.Name() == "troupe.request" {
+			assert.True(t, turns[s.Parent().SpanID()], "a turn's request runs under the turn")
+			requests++
+		}
+	}
+	assert.Equal(t, 2, requests)
 }
 
 func histCount(t *testing.T, h prometheus.Histogram) uint64 {
@@ -362,6 +419,44 @@ func TestRealtimeLimits(t *testing.T) {
 	a.Drain()
 	_, _, err = draining.Read(testCtx(t))
 	assert.Equal(t, websocket.StatusGoingAway, websocket.CloseStatus(err), "%v", err)
+	require.NoError(t, a.WaitRealtime(testCtx(t)), "every session ended")
+	refused, _, err := websocket.Dial(testCtx(t), url, &websocket.DialOptions{Subprotocols: []string{realtimeKeyPrefix + "k"}})
+	require.NoError(t, err)
+	_, _, err = refused.Read(testCtx(t))
+	assert.Equal(t, websocket.StatusCode(closeTryAgain), websocket.CloseStatus(err), "a draining head takes no session")
+}
+
+// TestRealtimeDrainBusy: a session whose response runs when the head
+// drains is closed with 1001 once the response has ended, not before.
+func TestRealtimeDrainBusy(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 5 * time.Millisecond}})
+	a, _ := rtAPI(t, c, Config{})
+	conn := rawConn(t, a)
+	for _, ev := range []string{`{"type":"session.update","session":{"type":"realtime","output_modalities":["text"]}}`,
+		`{"type":"conversation.item.create","item":{"type":"message","role":"user","content":[{"type":"input_text","text":"Talk."}]}}`,
+		`{"type":"response.create"}`} {
+		require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(ev)))
+	}
+	drained, done := false, false
+	for {
+		_, data, err := conn.Read(testCtx(t))
+		if err != nil {
+			assert.Equal(t, websocket.StatusGoingAway, websocket.CloseStatus(err), "%v", err)
+			break
+		}
+		typ := eventType(data)
+		if typ == "response.output_text.delta" && !drained {
+			drained = true
+			a.Drain()
+		}
+		if typ == "response.done" {
+			require.True(t, drained)
+			assert.Contains(t, string(data), `"status":"completed"`, "the running response finishes")
+			done = true
+		}
+	}
+	assert.True(t, done, "response.done came before the close")
+	require.NoError(t, a.WaitRealtime(testCtx(t)))
 }
 
 // dialWhenFree opens a session once the head's one slot is free, and reads
