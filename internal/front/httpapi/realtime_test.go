@@ -528,7 +528,9 @@ func BenchmarkRealtimeCancel(b *testing.B) {
 
 func benchCancel(b *testing.B, sessions int) {
 	c := startCluster(b, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 5 * time.Millisecond, MaxNumSeqs: 64}})
-	srv := New(c.Head, Config{Logger: slog.New(slog.DiscardHandler)})
+	m, err := NewMetrics(prometheus.NewRegistry())
+	require.NoError(b, err)
+	srv := New(c.Head, Config{Logger: slog.New(slog.DiscardHandler), Metrics: m})
 	hs := httptest.NewServer(srv.Handler())
 	defer hs.Close()
 	url := "ws" + strings.TrimPrefix(hs.URL, "http") + "/v1/realtime"
@@ -589,6 +591,13 @@ func benchCancel(b *testing.B, sessions int) {
 	slices.Sort(lat)
 	b.ReportMetric(float64(lat[len(lat)/2].Microseconds())/1000, "p50_ms")
 	b.ReportMetric(float64(lat[len(lat)*99/100].Microseconds())/1000, "p99_ms")
+	// The head's own view: cancel event handled → Execute returned.
+	reg := prometheus.NewRegistry()
+	require.NoError(b, reg.Register(m.realtime.cancelLatency))
+	fams, err := reg.Gather()
+	require.NoError(b, err)
+	h := fams[0].GetMetric()[0].GetHistogram()
+	b.ReportMetric(1000*h.GetSampleSum()/float64(h.GetSampleCount()), "head_mean_ms")
 }
 
 func eventType(data []byte) string {
