@@ -281,11 +281,14 @@ type rtSessionConn struct {
 	voice         string
 	turnDetection *rtTurnDetection // nil: none
 	items         []*historyItem
-	turn          *rtTurn       // the running response; nil when none
-	goingAway     bool          // drain: close once no response runs
-	away          chan struct{} // closed by goAway
-	audioIn       []byte
-	vad           *vad
+	turn          *rtTurn // the running response; nil when none
+	// lastDone is closed when the latest response has sent its last
+	// event: the next one waits for it, so responses never interleave.
+	lastDone  chan struct{}
+	goingAway bool          // drain: close once no response runs
+	away      chan struct{} // closed by goAway
+	audioIn   []byte
+	vad       *vad
 }
 
 // historyItem is one message of the conversation.
@@ -341,14 +344,17 @@ func (c *rtSessionConn) run(ctx context.Context) {
 	}
 }
 
-// endTurn cancels the running response, if any, and waits for it.
+// endTurn cancels the running response, if any, and waits until every
+// response has sent its last event (each waits for the one before it).
 func (c *rtSessionConn) endTurn() {
 	c.mu.Lock()
-	t := c.turn
+	t, last := c.turn, c.lastDone
 	c.mu.Unlock()
 	if t != nil {
 		t.cancel(errSessionEnded)
-		<-t.done
+	}
+	if last != nil {
+		<-last
 	}
 }
 
@@ -697,6 +703,11 @@ func (c *rtSessionConn) responseCreate(ctx context.Context, ev *clientEvent) {
 		c.fail(ctx, ev, "conversation_already_has_active_response", "", "a response is already in progress: wait for response.done or send response.cancel")
 		return
 	}
+	if c.goingAway {
+		c.mu.Unlock()
+		c.fail(ctx, ev, "shutting_down", "", "the head is shutting down: reconnect to start a response")
+		return
+	}
 	msgs, prompt := c.conversationLocked()
 	audio := len(c.modalities) == 1 && c.modalities[0] == "audio"
 	modalities, voice := c.modalities, c.voice
@@ -704,8 +715,10 @@ func (c *rtSessionConn) responseCreate(ctx context.Context, ev *clientEvent) {
 	t := &rtTurn{id: "resp_" + newResponseID()[:24], cancel: cancel, done: make(chan struct{}),
 		item: &historyItem{id: "item_" + newResponseID()[:24], role: "assistant"}}
 	c.turn = t
+	after := c.lastDone
+	c.lastDone = t.done
 	c.mu.Unlock()
-	go c.runTurn(ctx, tctx, t, msgs, prompt, audio, modalities, voice)
+	go c.runTurn(ctx, tctx, t, after, msgs, prompt, audio, modalities, voice)
 }
 
 // conversationLocked is what the thinker gets: the instructions as the
@@ -747,26 +760,21 @@ func (c *rtSessionConn) conversationLocked() ([]*stagepb.ChatMessage, string) {
 // Events go out on the session's context sctx: a cancelled response still
 // reports its end. Nothing of a response is sent once it is cancelled, so
 // its item keeps exactly what the client was sent.
-func (c *rtSessionConn) runTurn(sctx, ctx context.Context, t *rtTurn, msgs []*stagepb.ChatMessage, prompt string, audio bool, modalities []string, voice string) {
+func (c *rtSessionConn) runTurn(sctx, ctx context.Context, t *rtTurn, after <-chan struct{}, msgs []*stagepb.ChatMessage, prompt string, audio bool, modalities []string, voice string) {
 	defer close(t.done)
+	if after != nil {
+		<-after // the previous response's events all go out first
+	}
 	start := time.Now()
 	ctx, span := c.tracer.Start(ctx, SpanRealtimeTurn, trace.WithAttributes(attribute.String("troupe.realtime.response_id", t.id)))
 	defer span.End()
-	zero := 0
-	at := func(ev *serverEvent) *serverEvent {
-		ev.ResponseID, ev.ItemID, ev.OutputIndex, ev.ContentIndex = t.id, t.item.id, &zero, &zero
-		return ev
-	}
-	partType := "text"
-	if audio {
-		partType = "audio"
-	}
+	ev := turnEvents{c: c, ctx: sctx, t: t, audio: audio}
 	item := &rtItem{ID: t.item.id, Object: "realtime.item", Type: "message", Status: "in_progress", Role: "assistant", Content: []rtContent{}}
 	c.send(sctx, &serverEvent{Type: "response.created", Response: &rtResponse{Object: "realtime.response", ID: t.id, Status: "in_progress", Output: []*rtItem{}, OutputModalities: modalities}})
 	prev := c.appendItem(t.item)
-	c.send(sctx, &serverEvent{Type: "response.output_item.added", ResponseID: t.id, OutputIndex: &zero, Item: item})
+	c.send(sctx, &serverEvent{Type: "response.output_item.added", ResponseID: t.id, OutputIndex: &zeroIndex, Item: item})
 	c.send(sctx, &serverEvent{Type: "conversation.item.added", PreviousItemID: prev, Item: item})
-	c.send(sctx, at(&serverEvent{Type: "response.content_part.added", Part: &rtContent{Type: partType}}))
+	ev.part("response.content_part.added", &rtContent{Type: ev.partType()})
 
 	var text strings.Builder // stage 0's text sent, touched only by onText until Execute returns
 	var audioBytes int       // touched only by OnAudio until Execute returns
@@ -774,93 +782,49 @@ func (c *rtSessionConn) runTurn(sctx, ctx context.Context, t *rtTurn, msgs []*st
 	if audio {
 		req.Stages = len(c.s.b.Pipeline().Stages)
 		req.OnAudio = func(pcm []byte, _ int) error {
-			if audioBytes == 0 {
-				if m := c.s.rtMetrics(); m != nil {
-					m.firstAudio.Observe(time.Since(start).Seconds())
-				}
-			}
 			if err := ctx.Err(); err != nil {
-				return err
+				return err // nothing is sent after a cancel
+			}
+			if m := c.s.rtMetrics(); m != nil && audioBytes == 0 {
+				m.firstAudio.Observe(time.Since(start).Seconds())
 			}
 			audioBytes += len(pcm)
-			c.send(sctx, at(&serverEvent{Type: "response.output_audio.delta", Delta: base64.StdEncoding.EncodeToString(pcm)}))
+			ev.delta("response.output_audio.delta", base64.StdEncoding.EncodeToString(pcm))
 			return nil
 		}
-	}
-	deltaType := "response.output_text.delta"
-	if audio {
-		deltaType = "response.output_audio_transcript.delta"
 	}
 	rctx, cancel := context.WithTimeout(ctx, c.s.cfg.RequestTimeout)
 	res, err := c.s.b.Execute(rctx, req, func(delta string) error {
-		if delta == "" {
-			return nil
-		}
-		if err := ctx.Err(); err != nil {
+		if err := ctx.Err(); err != nil || delta == "" {
 			return err
 		}
 		text.WriteString(delta)
-		c.send(sctx, at(&serverEvent{Type: deltaType, Delta: delta}))
+		ev.delta(ev.textDeltaType(), delta)
 		return nil
 	})
+	timedOut := rctx.Err() != nil && ctx.Err() == nil
 	cancel()
-	if at := t.cancelAt.Load(); at != 0 {
+	if cancelAt := t.cancelAt.Load(); cancelAt != 0 {
 		if m := c.s.rtMetrics(); m != nil {
-			m.cancelLatency.Observe(time.Since(time.Unix(0, at)).Seconds())
+			m.cancelLatency.Observe(time.Since(time.Unix(0, cancelAt)).Seconds())
 		}
 	}
 	if err == nil && audio && audioBytes == 0 {
 		err = errNoAudio
 	}
-
-	resp := &rtResponse{Object: "realtime.response", ID: t.id, Status: "completed", OutputModalities: modalities}
-	cause := context.Cause(ctx)
-	switch {
-	case err == nil:
-	case errors.Is(cause, errClientCancel), errors.Is(cause, errTurnDetected), errors.Is(cause, errSessionEnded):
-		reason := "client_cancelled"
-		if errors.Is(cause, errTurnDetected) {
-			reason = "turn_detected"
-		}
-		resp.Status, resp.StatusDetails = "cancelled", &rtStatusDetails{Type: "cancelled", Reason: reason}
-	case rctx.Err() != nil:
-		resp.Status, resp.StatusDetails = "failed", &rtStatusDetails{Type: "failed", Error: &rtError{Type: typeServer, Code: "timeout",
-			Message: fmt.Sprintf("the response ran past the request timeout of %s", c.s.cfg.RequestTimeout)}}
-		span.SetStatus(codes.Error, err.Error())
-	default:
-		e := fromBackend(err, t.id)
-		resp.Status, resp.StatusDetails = "failed", &rtStatusDetails{Type: "failed", Error: &rtError{Type: e.Type, Code: e.Code, Message: e.Message}}
-		span.SetStatus(codes.Error, err.Error())
-	}
+	resp := c.turnOutcome(t, err, context.Cause(ctx), timedOut, res)
+	resp.OutputModalities = modalities
 	span.SetAttributes(attribute.String("troupe.realtime.status", resp.Status))
-	if res != nil {
-		resp.Usage = &rtUsage{InputTokens: res.PromptTokens, OutputTokens: res.CompletionTokens, TotalTokens: res.PromptTokens + res.CompletionTokens}
+	if resp.Status == "failed" {
+		span.SetStatus(codes.Error, err.Error())
 	}
 
 	// The item keeps what the client was sent.
 	said := text.String()
-	audioMs := int64(audioBytes/2) * 1000 / realtimeSampleRate
 	c.mu.Lock()
-	t.item.text, t.item.audioMs = said, audioMs
+	t.item.text, t.item.audioMs = said, int64(audioBytes/2)*1000/realtimeSampleRate
 	c.mu.Unlock()
-	status := "completed"
-	if resp.Status != "completed" {
-		status = "incomplete"
-	}
-	part := rtContent{Type: partType}
-	if audio {
-		part.Transcript = &said
-		c.send(sctx, at(&serverEvent{Type: "response.output_audio.done"}))
-		c.send(sctx, at(&serverEvent{Type: "response.output_audio_transcript.done", Transcript: &said}))
-	} else {
-		part.Text = said
-		c.send(sctx, at(&serverEvent{Type: "response.output_text.done", Text: &said}))
-	}
-	c.send(sctx, at(&serverEvent{Type: "response.content_part.done", Part: &part}))
-	done := &rtItem{ID: t.item.id, Object: "realtime.item", Type: "message", Status: status, Role: "assistant", Content: []rtContent{part}}
-	c.send(sctx, &serverEvent{Type: "response.output_item.done", ResponseID: t.id, OutputIndex: &zero, Item: done})
-	c.send(sctx, &serverEvent{Type: "conversation.item.done", PreviousItemID: prev, Item: done})
-	resp.Output = []*rtItem{done}
+	resp.Output = []*rtItem{ev.end(prev, said, resp.Status)}
 	if m := c.s.rtMetrics(); m != nil {
 		m.turns.WithLabelValues(resp.Status).Inc()
 	}
@@ -872,4 +836,87 @@ func (c *rtSessionConn) runTurn(sctx, ctx context.Context, t *rtTurn, msgs []*st
 	if away {
 		c.closeGoingAway()
 	}
+}
+
+// turnOutcome is a finished turn's response: completed, cancelled (cause
+// says by whom) or failed.
+func (c *rtSessionConn) turnOutcome(t *rtTurn, err, cause error, timedOut bool, res *orchestrator.Result) *rtResponse {
+	resp := &rtResponse{Object: "realtime.response", ID: t.id, Status: "completed"}
+	switch {
+	case err == nil:
+	case errors.Is(cause, errClientCancel), errors.Is(cause, errTurnDetected), errors.Is(cause, errSessionEnded):
+		reason := "client_cancelled"
+		if errors.Is(cause, errTurnDetected) {
+			reason = "turn_detected"
+		}
+		resp.Status, resp.StatusDetails = "cancelled", &rtStatusDetails{Type: "cancelled", Reason: reason}
+	case timedOut:
+		resp.Status, resp.StatusDetails = "failed", &rtStatusDetails{Type: "failed", Error: &rtError{Type: typeServer, Code: "timeout",
+			Message: fmt.Sprintf("the response ran past the request timeout of %s", c.s.cfg.RequestTimeout)}}
+	default:
+		e := fromBackend(err, t.id)
+		resp.Status, resp.StatusDetails = "failed", &rtStatusDetails{Type: "failed", Error: &rtError{Type: e.Type, Code: e.Code, Message: e.Message}}
+	}
+	if res != nil {
+		resp.Usage = &rtUsage{InputTokens: res.PromptTokens, OutputTokens: res.CompletionTokens, TotalTokens: res.PromptTokens + res.CompletionTokens}
+	}
+	return resp
+}
+
+// zeroIndex is every output_index and content_index: a response has one
+// item of one part.
+var zeroIndex = 0
+
+// turnEvents writes the events of one response's item and part.
+type turnEvents struct {
+	c     *rtSessionConn
+	ctx   context.Context // the session's: a cancelled response still reports its end
+	t     *rtTurn
+	audio bool
+}
+
+func (e turnEvents) partType() string {
+	if e.audio {
+		return "audio"
+	}
+	return "text"
+}
+
+func (e turnEvents) textDeltaType() string {
+	if e.audio {
+		return "response.output_audio_transcript.delta"
+	}
+	return "response.output_text.delta"
+}
+
+func (e turnEvents) at(ev *serverEvent) {
+	ev.ResponseID, ev.ItemID, ev.OutputIndex, ev.ContentIndex = e.t.id, e.t.item.id, &zeroIndex, &zeroIndex
+	e.c.send(e.ctx, ev)
+}
+
+func (e turnEvents) delta(typ, delta string) { e.at(&serverEvent{Type: typ, Delta: delta}) }
+
+func (e turnEvents) part(typ string, p *rtContent) { e.at(&serverEvent{Type: typ, Part: p}) }
+
+// end sends the done events of the part and the item, which holds what was
+// said, and returns the item.
+func (e turnEvents) end(prev *string, said, status string) *rtItem {
+	part := rtContent{Type: e.partType()}
+	if e.audio {
+		part.Transcript = &said
+		e.at(&serverEvent{Type: "response.output_audio.done"})
+		e.at(&serverEvent{Type: "response.output_audio_transcript.done", Transcript: &said})
+	} else {
+		part.Text = said
+		e.at(&serverEvent{Type: "response.output_text.done", Text: &said})
+	}
+	e.part("response.content_part.done", &part)
+	itemStatus := "completed"
+	if status != "completed" {
+		itemStatus = "incomplete"
+	}
+	done := &rtItem{ID: e.t.item.id, Object: "realtime.item", Type: "message", Status: itemStatus, Role: "assistant", Content: []rtContent{part}}
+	e.c.send(e.ctx, &serverEvent{Type: "response.output_item.done", ResponseID: e.t.id, OutputIndex: &zeroIndex, Item: done})
+	e.c.send(e.ctx, &serverEvent{Type: "conversation.item.done", PreviousItemID: prev, Item: done})
+	return done
 }
