@@ -308,30 +308,13 @@ type rtTurn struct {
 }
 
 func (c *rtSessionConn) run(ctx context.Context) {
-	// The drain's watcher: it closes an idle session (a running response's
-	// end closes a busy one).
 	ctx, cancel := context.WithCancel(ctx)
+	idle := time.NewTimer(c.cfg.IdleTimeout) // reset by every client event
+	defer idle.Stop()
 	var watcher sync.WaitGroup
-	watcher.Add(1)
-	go func() {
-		defer watcher.Done()
-		select {
-		case <-c.away:
-			c.mu.Lock()
-			idle := c.turn == nil
-			c.mu.Unlock()
-			if idle {
-				c.closeGoingAway()
-			}
-		case <-ctx.Done():
-		}
-	}()
+	watcher.Go(func() { c.watch(ctx, idle.C) })
 	defer watcher.Wait()
 	defer cancel()
-	idle := time.AfterFunc(c.cfg.IdleTimeout, func() {
-		_ = c.conn.Close(closeIdle, fmt.Sprintf("idle timeout: no client event for %s", c.cfg.IdleTimeout))
-	})
-	defer idle.Stop()
 	defer c.endTurn()
 	c.send(ctx, &serverEvent{Type: "session.created", Session: c.session()})
 	for {
@@ -341,6 +324,31 @@ func (c *rtSessionConn) run(ctx context.Context) {
 		}
 		idle.Reset(c.cfg.IdleTimeout)
 		c.handle(ctx, data)
+	}
+}
+
+// watch closes the session when it has been idle too long (4000), or when
+// the head drains and no response runs (1001; a running response's end
+// closes a busy session). It returns when it has closed it or ctx ends.
+func (c *rtSessionConn) watch(ctx context.Context, idle <-chan time.Time) {
+	away := c.away
+	for {
+		select {
+		case <-idle:
+			_ = c.conn.Close(closeIdle, fmt.Sprintf("idle timeout: no client event for %s", c.cfg.IdleTimeout))
+			return
+		case <-away:
+			away = nil // a busy session: keep watching for idleness
+			c.mu.Lock()
+			busy := c.turn != nil
+			c.mu.Unlock()
+			if !busy {
+				c.closeGoingAway()
+				return
+			}
+		case <-ctx.Done():
+			return
+		}
 	}
 }
 

@@ -607,3 +607,18 @@ func eventType(data []byte) string {
 	_ = json.Unmarshal(data, &ev)
 	return ev.Type
 }
+
+// TestRealtimeFailedTurn: a response past the request timeout ends failed,
+// its error in response.done, and the session goes on.
+func TestRealtimeFailedTurn(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 50 * time.Millisecond}})
+	a, _ := rtAPI(t, c, Config{RequestTimeout: 20 * time.Millisecond})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "", "text")
+	sayUser(t, conn, "Talk.")
+	tr := respond(t, conn, nil)
+	require.Equal(t, realtime.RealtimeResponseStatus("failed"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	assert.Contains(t, tr.done.RawJSON(), `"code":"timeout"`)
+	assert.Equal(t, 1.0, testutil.ToFloat64(a.cfg.Metrics.realtime.turns.WithLabelValues("failed")))
+	sessionUpdate(t, conn, "still here", "text")
+}
