@@ -789,9 +789,13 @@ func (c *rtSessionConn) runTurn(sctx, ctx context.Context, t *rtTurn, after <-ch
 	req := orchestrator.Request{ID: t.id, Prompt: prompt, Messages: msgs, Voice: voice, Stages: 1, SessionKey: c.id}
 	if audio {
 		req.Stages = len(c.s.b.Pipeline().Stages)
-		req.OnAudio = func(pcm []byte, _ int) error {
+		req.OnAudio = func(pcm []byte, rate int) error {
 			if err := ctx.Err(); err != nil {
 				return err // nothing is sent after a cancel
+			}
+			if rate != realtimeSampleRate {
+				return &apiError{Status: http.StatusBadGateway, Type: typeServer, Code: "unsupported_sample_rate",
+					Message: fmt.Sprintf("the pipeline's audio is %d Hz; realtime sessions carry audio/pcm at %d Hz", rate, realtimeSampleRate)}
 			}
 			if m := c.s.rtMetrics(); m != nil && audioBytes == 0 {
 				m.firstAudio.Observe(time.Since(start).Seconds())
