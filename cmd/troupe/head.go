@@ -426,6 +426,11 @@ func stopGracefully(api *httpapi.Server, reg *membership.HeadRegistration, serve
 			}
 		})
 	}
+	wg.Go(func() {
+		if err := api.WaitRealtime(sctx); err != nil {
+			log.Warn("troupe head: drain timeout; cutting the realtime sessions still open", "drain_timeout", hf.drainTimeout)
+		}
+	})
 	wg.Wait()
 	log.Info("troupe head: drained")
 }

@@ -46,6 +46,7 @@ type Metrics struct {
 	requests *prometheus.CounterVec
 	duration *prometheus.HistogramVec
 	inFlight prometheus.Gauge
+	realtime *realtimeMetrics // realtime.go
 
 	mu    sync.RWMutex
 	bound map[routeKey]*bound
@@ -70,9 +71,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "troupe_http_requests_in_flight",
 			Help: "HTTP requests the head is answering now.",
 		}),
-		bound: map[routeKey]*bound{},
+		bound:    map[routeKey]*bound{},
+		realtime: newRealtimeMetrics(),
 	}
-	cs := []prometheus.Collector{m.requests, m.duration, m.inFlight}
+	cs := append([]prometheus.Collector{m.requests, m.duration, m.inFlight}, m.realtime.collectors()...)
 	for i, c := range cs {
 		if err := reg.Register(c); err != nil {
 			for _, done := range cs[:i] {

@@ -135,6 +135,8 @@ type Config struct {
 	// MaxPartBytes bounds the decoded bytes of one media part (413 above
 	// it); <= 0 means DefaultMaxPartBytes.
 	MaxPartBytes int64
+	// Realtime bounds the realtime sessions of GET /v1/realtime.
+	Realtime RealtimeConfig
 }
 
 // Server serves the API of one head. Its handlers are safe for concurrent
@@ -150,6 +152,7 @@ type Server struct {
 	running      atomic.Int64      // completions admitted and not finished (MaxInFlight)
 	// draining: the process is stopping; /readyz says so (see Drain).
 	draining atomic.Bool
+	rt       realtimeHub // the sessions of /v1/realtime
 
 	all, serving, admin http.Handler
 }
@@ -190,6 +193,7 @@ func New(b Backend, cfg Config) *Server {
 	handle(servingMuxes, "POST /v1/completions", s.admitted(s.completions))
 	handle(servingMuxes, "POST /v1/audio/speech", s.admitted(s.speech))
 	handle(servingMuxes, "POST /v1/audio/transcriptions", s.admitted(s.transcriptions))
+	handle(servingMuxes, "GET /v1/realtime", http.HandlerFunc(s.realtime))
 	handle(servingMuxes, "GET /v1/models", http.HandlerFunc(s.models))
 	handle(servingMuxes, "GET /v1/models/{model...}", http.HandlerFunc(s.model))
 	handle(adminMuxes, "GET /v1/replicas", http.HandlerFunc(s.replicas))
@@ -255,7 +259,9 @@ func (*readBody) Close() error { return nil }
 // ones it has; every other route is served as before. The process calls it
 // first on SIGTERM (see `troupe head --shutdown-delay`). It may be called
 // from any goroutine; it cannot be undone.
-func (s *Server) Drain() { s.draining.Store(true) }
+// Realtime sessions are closed with 1001 as soon as their running response
+// ends, and new ones refused with 1013.
+func (s *Server) Drain() { s.draining.Store(true); s.rt.drain() }
 
 // Handler serves every route: serving, admin, metrics and health.
 func (s *Server) Handler() http.Handler { return s.all }
@@ -553,6 +559,8 @@ func (s *Server) authorize(r *http.Request) access {
 	var got [sha256.Size]byte
 	if scheme, token, ok := strings.Cut(r.Header.Get("Authorization"), " "); ok && strings.EqualFold(scheme, "Bearer") {
 		got = sha256.Sum256([]byte(strings.TrimSpace(token)))
+	} else if token := realtimeKey(r); token != "" {
+		got = sha256.Sum256([]byte(token)) // a browser's WebSocket cannot set the header
 	} else {
 		return unauthenticated
 	}

@@ -1,0 +1,624 @@
+package httpapi
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/coder/websocket"
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/realtime"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/worker/sim"
+)
+
+// rtAPI is an API whose HTTP metrics (realtime ones included) are on reg.
+func rtAPI(t *testing.T, c *orchestratortest.Cluster, cfg Config) (*api, *prometheus.Registry) {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	require.NoError(t, err)
+	cfg.Metrics = m
+	return startAPI(t, c, cfg, nil, nil), reg
+}
+
+// connect opens a realtime session with the official client and reads its
+// session.created.
+func connect(t *testing.T, a *api) *realtime.RealtimeConnection {
+	t.Helper()
+	client := a.openai()
+	conn, err := client.Realtime.Connect(testCtx(t), realtime.RealtimeConnectionOptions{})
+	require.NoError(t, err)
+	t.Cleanup(conn.Abort)
+	ev, err := conn.Recv(testCtx(t))
+	require.NoError(t, err)
+	require.Equal(t, "session.created", ev.Type)
+	return conn
+}
+
+func sessionUpdate(t *testing.T, conn *realtime.RealtimeConnection, instructions, modality string) {
+	t.Helper()
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfSessionUpdate(realtime.RealtimeSessionCreateRequestParam{
+		Instructions: openai.String(instructions), OutputModalities: []string{modality}})))
+	ev, err := conn.Recv(testCtx(t))
+	require.NoError(t, err)
+	require.Equal(t, "session.updated", ev.Type, "%s", ev.RawJSON())
+	assert.Contains(t, ev.RawJSON(), `"output_modalities":["`+modality+`"]`)
+}
+
+func sayUser(t *testing.T, conn *realtime.RealtimeConnection, text string) {
+	t.Helper()
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfConversationItemCreate(realtime.RealtimeConversationItemUserMessageParam{
+		Content: []realtime.RealtimeConversationItemUserMessageContentParam{{Type: "input_text", Text: openai.String(text)}}})))
+	for _, want := range []string{"conversation.item.added", "conversation.item.done"} {
+		ev, err := conn.Recv(testCtx(t))
+		require.NoError(t, err)
+		require.Equal(t, want, ev.Type, "%s", ev.RawJSON())
+	}
+}
+
+// turn is what a response sent.
+type turn struct {
+	text, transcript string
+	audio            []byte
+	done             realtime.ResponseDoneEvent
+	types            []string
+}
+
+// respond sends response.create and reads until response.done; onEvent,
+// when not nil, sees every event first.
+func respond(t *testing.T, conn *realtime.RealtimeConnection, onEvent func(realtime.RealtimeServerEventUnion)) turn {
+	t.Helper()
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventUnionParam{OfResponseCreate: &realtime.ResponseCreateEventParam{}}))
+	var tr turn
+	var text, transcript strings.Builder
+	for {
+		ev, err := conn.Recv(testCtx(t))
+		require.NoError(t, err)
+		if onEvent != nil {
+			onEvent(ev)
+		}
+		tr.types = append(tr.types, ev.Type)
+		switch ev.Type {
+		case "response.output_text.delta":
+			text.WriteString(ev.AsResponseTextDeltaEvent().Delta)
+		case "response.output_audio_transcript.delta":
+			transcript.WriteString(ev.AsResponseAudioTranscriptDeltaEvent().Delta)
+		case "response.output_audio.delta":
+			pcm, err := base64.StdEncoding.DecodeString(ev.AsResponseAudioDeltaEvent().Delta)
+			require.NoError(t, err)
+			tr.audio = append(tr.audio, pcm...)
+		case "error":
+			t.Fatalf("error event: %s", ev.RawJSON())
+		case "response.done":
+			tr.text, tr.transcript, tr.done = text.String(), transcript.String(), ev.AsResponseDoneEvent()
+			return tr
+		}
+	}
+}
+
+// chatText is what a chat request with msgs answers.
+func chatText(t *testing.T, a *api, msgs ...openai.ChatCompletionMessageParamUnion) string {
+	t.Helper()
+	client := a.openai()
+	res, err := client.Chat.Completions.New(testCtx(t), openai.ChatCompletionNewParams{Model: a.cluster.Head.Pipeline().Model, Messages: msgs})
+	require.NoError(t, err)
+	return res.Choices[0].Message.Content
+}
+
+// TestRealtimeAudioTurn: a text turn answered in audio runs every stage,
+// streams PCM16 and the transcript, which is what a chat request with the
+// same conversation answers, in GA event order.
+func TestRealtimeAudioTurn(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a, reg := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "Be brief.", "audio")
+	sayUser(t, conn, "Say hello.")
+	tr := respond(t, conn, nil)
+
+	require.Equal(t, realtime.RealtimeResponseStatus("completed"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	assert.Equal(t, chatText(t, a, openai.SystemMessage("Be brief."), openai.UserMessage("Say hello.")), tr.transcript)
+	assert.NotEmpty(t, tr.audio)
+	assert.Zero(t, len(tr.audio)%2, "PCM16")
+	assert.Positive(t, tr.done.Response.Usage.OutputTokens)
+	assert.Equal(t, []string{"response.created", "response.output_item.added", "conversation.item.added", "response.content_part.added"}, tr.types[:4])
+	assert.Equal(t, []string{"response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
+		"response.output_item.done", "conversation.item.done", "response.done"}, tr.types[len(tr.types)-6:])
+	assert.Equal(t, 1.0, testutil.ToFloat64(a.cfg.Metrics.realtime.turns.WithLabelValues("completed")))
+	assert.Equal(t, 1.0, testutil.ToFloat64(a.cfg.Metrics.realtime.active))
+	n, err := testutil.GatherAndCount(reg, "troupe_realtime_time_to_first_audio_seconds")
+	require.NoError(t, err)
+	assert.Equal(t, 1, n)
+}
+
+// TestRealtimeHistory: each turn, the thinker sees the whole conversation
+// so far, its own answers included: three turns answer what chat requests
+// with the same history answer.
+func TestRealtimeHistory(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a, _ := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "You are terse.", "text")
+	history := []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("You are terse.")}
+	for _, q := range []string{"One?", "Two?", "Three?"} {
+		sayUser(t, conn, q)
+		history = append(history, openai.UserMessage(q))
+		tr := respond(t, conn, nil)
+		require.Equal(t, realtime.RealtimeResponseStatus("completed"), tr.done.Response.Status)
+		assert.Empty(t, tr.audio, "a text session has no audio")
+		assert.Equal(t, chatText(t, a, history...), tr.text, "turn %q", q)
+		history = append(history, openai.AssistantMessage(tr.text))
+	}
+}
+
+// TestRealtimeHistoryBudget: past the byte budget the oldest items are
+// dropped, whole, and the newest kept.
+func TestRealtimeHistoryBudget(t *testing.T) {
+	c := &rtSessionConn{cfg: RealtimeConfig{HistoryBytes: 10}, instructions: "sys"}
+	c.items = []*historyItem{{role: "user", text: "aaaa"}, {role: "assistant", text: "bbbb"}, {role: "user", text: "cccc"}}
+	msgs, prompt := c.conversationLocked()
+	require.Len(t, msgs, 3)
+	assert.Equal(t, "system: sys\nassistant: bbbb\nuser: cccc", prompt)
+	c.items = []*historyItem{{role: "user", text: strings.Repeat("x", 50)}}
+	msgs, _ = c.conversationLocked()
+	assert.Len(t, msgs, 2, "the newest item is kept whatever its size")
+}
+
+// allIdle reports whether no stage runs a request.
+func allIdle(c *orchestratortest.Cluster) bool {
+	for i := range c.Head.Pipeline().Stages {
+		if inFlight(c, i) != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+func waitIdle(t testing.TB, c *orchestratortest.Cluster) {
+	t.Helper()
+	require.Eventually(t, func() bool { return allIdle(c) }, wait, time.Millisecond, "stages still busy")
+}
+
+// TestRealtimeBargeIn: response.cancel mid-audio stops every stage, the
+// response ends cancelled with the text the client was sent kept in the
+// conversation, and the next turn runs at once.
+func TestRealtimeBargeIn(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 20 * time.Millisecond}})
+	a, _ := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "", "audio")
+	sayUser(t, conn, "Tell me a long story.")
+	cancelled := false
+	tr := respond(t, conn, func(ev realtime.RealtimeServerEventUnion) {
+		if ev.Type == "response.output_audio.delta" && !cancelled {
+			cancelled = true
+			require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventUnionParam{OfResponseCancel: &realtime.ResponseCancelEventParam{}}))
+		}
+	})
+	require.True(t, cancelled)
+	require.Equal(t, realtime.RealtimeResponseStatus("cancelled"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	assert.Contains(t, tr.done.RawJSON(), `"reason":"client_cancelled"`)
+	waitIdle(t, c)
+	assert.Equal(t, 1.0, testutil.ToFloat64(a.cfg.Metrics.realtime.bargeIns))
+	assert.Equal(t, uint64(1), histCount(t, a.cfg.Metrics.realtime.cancelLatency))
+	// The item holds what was sent, which the next turn's thinker sees.
+	item := tr.done.Response.Output[0].AsRealtimeConversationItemAssistantMessage()
+	assert.Equal(t, tr.transcript, item.Content[0].Transcript)
+	assert.Equal(t, realtime.RealtimeConversationItemAssistantMessageStatus("incomplete"), item.Status)
+
+	// The client played half the audio it got: the item keeps that share
+	// of its transcript.
+	audioMs := int64(len(tr.audio)/2) * 1000 / realtimeSampleRate
+	require.Positive(t, audioMs)
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfConversationItemTruncate(audioMs/2, 0, item.ID)))
+	ev, err := conn.Recv(testCtx(t))
+	require.NoError(t, err)
+	require.Equal(t, "conversation.item.truncated", ev.Type, "%s", ev.RawJSON())
+	runes := []rune(tr.transcript)
+	heard := string(runes[:int64(len(runes))*(audioMs/2)/audioMs])
+
+	sessionUpdate(t, conn, "", "text")
+	sayUser(t, conn, "Go on.")
+	next := respond(t, conn, nil)
+	require.Equal(t, realtime.RealtimeResponseStatus("completed"), next.done.Response.Status)
+	assert.Equal(t, chatText(t, a, openai.UserMessage("Tell me a long story."), openai.AssistantMessage(heard), openai.UserMessage("Go on.")), next.text)
+}
+
+// TestRealtimeSpans: the session has a span, each turn a span under it,
+// and the turn's pipeline request runs under the turn.
+func TestRealtimeSpans(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()), sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	c := startCluster(t, orchestratortest.Options{HeadTracer: tp})
+	a, _ := rtAPI(t, c, Config{TracerProvider: tp})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "", "text")
+	for range 2 {
+		sayUser(t, conn, "Hi.")
+		respond(t, conn, nil)
+	}
+	require.NoError(t, conn.Close())
+	var session sdktrace.ReadOnlySpan
+	require.Eventually(t, func() bool {
+		for _, s := range rec.Ended() {
+			if s.Name() == SpanRealtimeSession {
+				session = s
+				return true
+			}
+		}
+		return false
+	}, wait, time.Millisecond)
+	turns := map[trace.SpanID]bool{}
+	for _, s := range rec.Ended() {
+		if s.Name() == SpanRealtimeTurn {
+			assert.Equal(t, session.SpanContext().SpanID(), s.Parent().SpanID())
+			turns[s.SpanContext().SpanID()] = true
+		}
+	}
+	assert.Len(t, turns, 2)
+	requests := 0
+	for _, s := range rec.Ended() {
+		if s.Name() == "troupe.request" {
+			assert.True(t, turns[s.Parent().SpanID()], "a turn's request runs under the turn")
+			requests++
+		}
+	}
+	assert.Equal(t, 2, requests)
+}
+
+func histCount(t *testing.T, h prometheus.Histogram) uint64 {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	require.NoError(t, reg.Register(h))
+	fams, err := reg.Gather()
+	require.NoError(t, err)
+	return fams[0].GetMetric()[0].GetHistogram().GetSampleCount()
+}
+
+// TestRealtimeClientGone: a client that vanishes mid-turn ends the
+// response on every stage; nothing leaks (goleak in TestMain).
+func TestRealtimeClientGone(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 20 * time.Millisecond}})
+	a, _ := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sayUser(t, conn, "Talk.")
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventUnionParam{OfResponseCreate: &realtime.ResponseCreateEventParam{}}))
+	for {
+		ev, err := conn.Recv(testCtx(t))
+		require.NoError(t, err)
+		if ev.Type == "response.output_audio.delta" {
+			break
+		}
+	}
+	conn.Abort()
+	waitIdle(t, c)
+	require.Eventually(t, func() bool { return testutil.ToFloat64(a.cfg.Metrics.realtime.active) == 0 }, wait, time.Millisecond)
+}
+
+// rawConn is a session over a plain WebSocket, for events the typed
+// client would not send.
+func rawConn(t *testing.T, a *api) *websocket.Conn {
+	t.Helper()
+	conn, _, err := websocket.Dial(testCtx(t), "ws"+strings.TrimPrefix(a.base, "http")+"/v1/realtime", nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.CloseNow() })
+	require.Equal(t, "session.created", readRaw(t, conn)["type"])
+	return conn
+}
+
+func readRaw(t *testing.T, conn *websocket.Conn) map[string]any {
+	t.Helper()
+	_, data, err := conn.Read(testCtx(t))
+	require.NoError(t, err)
+	var ev map[string]any
+	require.NoError(t, json.Unmarshal(data, &ev))
+	return ev
+}
+
+// TestRealtimeBadEvents: every bad event is answered with an error event
+// in OpenAI's shape, naming the client's event_id, and the session goes on.
+func TestRealtimeBadEvents(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a, _ := rtAPI(t, c, Config{})
+	conn := rawConn(t, a)
+	for _, tc := range []struct{ event, code string }{
+		{`{"type":"session.update"`, "invalid_json"},
+		{`{"type":"no.such.event","event_id":"e1"}`, "unknown_event"},
+		{`{"event_id":"e1"}`, "missing_field"},
+		{`{"type":"input_audio_buffer.append","event_id":"e1","audio":"***"}`, "invalid_base64"},
+		{`{"type":"response.cancel","event_id":"e1"}`, "response_cancel_not_active"},
+		{`{"type":"input_audio_buffer.commit","event_id":"e1"}`, "input_audio_buffer_commit_empty"},
+		{`{"type":"session.update","event_id":"e1","session":{"type":"realtime","audio":{"output":{"format":{"type":"audio/pcmu"}}}}}`, "invalid_value"},
+		{`{"type":"session.update","event_id":"e1","session":{"type":"realtime","output_modalities":["video"]}}`, "invalid_value"},
+		{`{"type":"conversation.item.create","event_id":"e1","item":{"type":"message","role":"user","content":[{"type":"input_audio","audio":"AAAA"}]}}`, "audio_input_unsupported"},
+		{`{"type":"conversation.item.truncate","event_id":"e1","item_id":"nope","content_index":0,"audio_end_ms":10}`, "invalid_value"},
+	} {
+		require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(tc.event)))
+		ev := readRaw(t, conn)
+		require.Equal(t, "error", ev["type"], "%s: %v", tc.event, ev)
+		e := ev["error"].(map[string]any)
+		assert.Equal(t, tc.code, e["code"], tc.event)
+		assert.Equal(t, "invalid_request_error", e["type"])
+		assert.NotEmpty(t, e["message"])
+		assert.Contains(t, e, "param")
+		if strings.Contains(tc.event, `"e1"`) {
+			assert.Equal(t, "e1", e["event_id"], tc.event)
+		}
+	}
+	// A second response.create while one runs is out of order.
+	require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(`{"type":"session.update","session":{"type":"realtime","output_modalities":["text"]}}`)))
+	require.Equal(t, "session.updated", readRaw(t, conn)["type"])
+	for range 2 {
+		require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(`{"type":"response.create","event_id":"r"}`)))
+	}
+	sawBusy := false
+	for {
+		ev := readRaw(t, conn)
+		if ev["type"] == "error" {
+			assert.Equal(t, "conversation_already_has_active_response", ev["error"].(map[string]any)["code"])
+			sawBusy = true
+		}
+		if ev["type"] == "response.done" {
+			break
+		}
+	}
+	assert.True(t, sawBusy)
+}
+
+// TestRealtimeLimits: the message size limit closes with 1009, the session
+// limit with 1013, idle sessions with 4000, the drain with 1001; the key
+// passes as the subprotocol.
+func TestRealtimeLimits(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a, _ := rtAPI(t, c, Config{APIKey: "k", Realtime: RealtimeConfig{MaxSessions: 1, MaxMessageBytes: 1024, IdleTimeout: time.Second}})
+	url := "ws" + strings.TrimPrefix(a.base, "http") + "/v1/realtime"
+	_, resp, err := websocket.Dial(testCtx(t), url, nil)
+	require.Error(t, err, "no key")
+	assert.Equal(t, 401, resp.StatusCode)
+
+	conn, _, err := websocket.Dial(testCtx(t), url, &websocket.DialOptions{Subprotocols: []string{"realtime", realtimeKeyPrefix + "k"}})
+	require.NoError(t, err)
+	defer conn.CloseNow()
+	assert.Equal(t, "realtime", conn.Subprotocol())
+	require.Equal(t, "session.created", readRaw(t, conn)["type"])
+
+	second, _, err := websocket.Dial(testCtx(t), url, &websocket.DialOptions{Subprotocols: []string{realtimeKeyPrefix + "k"}})
+	require.NoError(t, err)
+	_, _, err = second.Read(testCtx(t))
+	assert.Equal(t, websocket.StatusCode(closeTryAgain), websocket.CloseStatus(err), "%v", err)
+
+	require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(`{"type":"x","pad":"`+strings.Repeat("a", 2000)+`"}`)))
+	_, _, err = conn.Read(testCtx(t))
+	assert.Equal(t, websocket.StatusMessageTooBig, websocket.CloseStatus(err), "%v", err)
+
+	idle := dialWhenFree(t, url)
+	_, _, err = idle.Read(testCtx(t))
+	assert.Equal(t, websocket.StatusCode(closeIdle), websocket.CloseStatus(err), "%v", err)
+
+	draining := dialWhenFree(t, url)
+	a.Drain()
+	_, _, err = draining.Read(testCtx(t))
+	assert.Equal(t, websocket.StatusGoingAway, websocket.CloseStatus(err), "%v", err)
+	require.NoError(t, a.WaitRealtime(testCtx(t)), "every session ended")
+	refused, _, err := websocket.Dial(testCtx(t), url, &websocket.DialOptions{Subprotocols: []string{realtimeKeyPrefix + "k"}})
+	require.NoError(t, err)
+	_, _, err = refused.Read(testCtx(t))
+	assert.Equal(t, websocket.StatusCode(closeTryAgain), websocket.CloseStatus(err), "a draining head takes no session")
+}
+
+// TestRealtimeDrainBusy: a session whose response runs when the head
+// drains is closed with 1001 once the response has ended, not before.
+func TestRealtimeDrainBusy(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 5 * time.Millisecond}})
+	a, _ := rtAPI(t, c, Config{})
+	conn := rawConn(t, a)
+	for _, ev := range []string{`{"type":"session.update","session":{"type":"realtime","output_modalities":["text"]}}`,
+		`{"type":"conversation.item.create","item":{"type":"message","role":"user","content":[{"type":"input_text","text":"Talk."}]}}`,
+		`{"type":"response.create"}`} {
+		require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(ev)))
+	}
+	drained, done := false, false
+	for {
+		_, data, err := conn.Read(testCtx(t))
+		if err != nil {
+			assert.Equal(t, websocket.StatusGoingAway, websocket.CloseStatus(err), "%v", err)
+			break
+		}
+		typ := eventType(data)
+		if typ == "response.output_text.delta" && !drained {
+			drained = true
+			a.Drain()
+		}
+		if typ == "response.done" {
+			require.True(t, drained)
+			assert.Contains(t, string(data), `"status":"completed"`, "the running response finishes")
+			done = true
+		}
+	}
+	assert.True(t, done, "response.done came before the close")
+	require.NoError(t, a.WaitRealtime(testCtx(t)))
+}
+
+// dialWhenFree opens a session once the head's one slot is free, and reads
+// its session.created.
+func dialWhenFree(t *testing.T, url string) *websocket.Conn {
+	t.Helper()
+	var conn *websocket.Conn
+	require.Eventually(t, func() bool {
+		c, _, err := websocket.Dial(testCtx(t), url, &websocket.DialOptions{Subprotocols: []string{realtimeKeyPrefix + "k"}})
+		require.NoError(t, err)
+		_, data, err := c.Read(testCtx(t))
+		if err != nil {
+			return false
+		}
+		require.Contains(t, string(data), "session.created")
+		conn = c
+		return true
+	}, wait, 5*time.Millisecond, "no free session slot")
+	t.Cleanup(func() { _ = conn.CloseNow() })
+	return conn
+}
+
+// TestRealtimeSpeechBargeIn: with server_vad, speech appended while a
+// response plays cancels it (turn_detected) on every stage; the speech's
+// end commits the buffer, which this text-input pipeline answers with an
+// error event.
+func TestRealtimeSpeechBargeIn(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 20 * time.Millisecond}})
+	a, _ := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sayUser(t, conn, "Tell me a long story.")
+	sent := false
+	tr := respond(t, conn, func(ev realtime.RealtimeServerEventUnion) {
+		if ev.Type == "response.output_audio.delta" && !sent {
+			sent = true
+			speech := base64.StdEncoding.EncodeToString(tone(200, 0.3))
+			require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfInputAudioBufferAppend(speech)))
+		}
+	})
+	require.Equal(t, realtime.RealtimeResponseStatus("cancelled"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	assert.Contains(t, tr.done.RawJSON(), `"reason":"turn_detected"`)
+	assert.Contains(t, tr.types, "input_audio_buffer.speech_started")
+	require.Eventually(t, func() bool { return allIdle(c) }, wait, time.Millisecond, "stages still busy")
+
+	silence := base64.StdEncoding.EncodeToString(tone(600, 0))
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfInputAudioBufferAppend(silence)))
+	var types []string
+	for len(types) < 3 {
+		ev, err := conn.Recv(testCtx(t))
+		require.NoError(t, err)
+		types = append(types, ev.Type)
+		if ev.Type == "error" {
+			assert.Equal(t, "audio_input_unsupported", ev.AsRealtimeErrorEvent().Error.Code)
+		}
+	}
+	assert.Equal(t, []string{"input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "error"}, types)
+}
+
+// BenchmarkRealtimeCancel: the time from response.cancel sent to
+// response.done received, which the head sends once Execute has returned,
+// i.e. once every stage's call has ended (an upper bound of the head's
+// troupe_realtime_cancel_latency_seconds: it adds two loopback hops). Each
+// of n sessions runs audio turns cancelled at their first audio delta.
+func BenchmarkRealtimeCancel(b *testing.B) {
+	for _, n := range []int{1, 8, 32} {
+		b.Run(fmt.Sprintf("sessions=%d", n), func(b *testing.B) { benchCancel(b, n) })
+	}
+}
+
+func benchCancel(b *testing.B, sessions int) {
+	c := startCluster(b, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 5 * time.Millisecond, MaxNumSeqs: 64}})
+	m, err := NewMetrics(prometheus.NewRegistry())
+	require.NoError(b, err)
+	srv := New(c.Head, Config{Logger: slog.New(slog.DiscardHandler), Metrics: m})
+	hs := httptest.NewServer(srv.Handler())
+	defer hs.Close()
+	url := "ws" + strings.TrimPrefix(hs.URL, "http") + "/v1/realtime"
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var mu sync.Mutex
+	var lat []time.Duration
+	var next atomic.Int64
+	g, gctx := errgroup.WithContext(ctx)
+	b.ResetTimer()
+	for range sessions {
+		g.Go(func() error {
+			conn, _, err := websocket.Dial(gctx, url, nil)
+			if err != nil {
+				return err
+			}
+			defer conn.CloseNow()
+			for _, ev := range []string{`{"type":"conversation.item.create","item":{"type":"message","role":"user","content":[{"type":"input_text","text":"Talk."}]}}`} {
+				if err := conn.Write(gctx, websocket.MessageText, []byte(ev)); err != nil {
+					return err
+				}
+			}
+			for next.Add(1) <= int64(b.N) {
+				if err := conn.Write(gctx, websocket.MessageText, []byte(`{"type":"response.create"}`)); err != nil {
+					return err
+				}
+				var sent time.Time
+				for {
+					_, data, err := conn.Read(gctx)
+					if err != nil {
+						return err
+					}
+					switch typ := eventType(data); {
+					case typ == "response.output_audio.delta" && sent.IsZero():
+						sent = time.Now()
+						if err := conn.Write(gctx, websocket.MessageText, []byte(`{"type":"response.cancel"}`)); err != nil {
+							return err
+						}
+					case typ == "response.done":
+						if sent.IsZero() {
+							return fmt.Errorf("a response ended before its first audio: %s", data)
+						}
+						mu.Lock()
+						lat = append(lat, time.Since(sent))
+						mu.Unlock()
+					}
+					if eventType(data) == "response.done" {
+						break
+					}
+				}
+			}
+			return nil
+		})
+	}
+	require.NoError(b, g.Wait())
+	b.StopTimer()
+	require.Eventually(b, func() bool { return allIdle(c) }, wait, time.Millisecond)
+	slices.Sort(lat)
+	b.ReportMetric(float64(lat[len(lat)/2].Microseconds())/1000, "p50_ms")
+	b.ReportMetric(float64(lat[len(lat)*99/100].Microseconds())/1000, "p99_ms")
+	// The head's own view: cancel event handled → Execute returned.
+	reg := prometheus.NewRegistry()
+	require.NoError(b, reg.Register(m.realtime.cancelLatency))
+	fams, err := reg.Gather()
+	require.NoError(b, err)
+	h := fams[0].GetMetric()[0].GetHistogram()
+	b.ReportMetric(1000*h.GetSampleSum()/float64(h.GetSampleCount()), "head_mean_ms")
+}
+
+func eventType(data []byte) string {
+	var ev struct {
+		Type string `json:"type"`
+	}
+	_ = json.Unmarshal(data, &ev)
+	return ev.Type
+}
+
+// TestRealtimeFailedTurn: a response past the request timeout ends failed,
+// its error in response.done, and the session goes on.
+func TestRealtimeFailedTurn(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 50 * time.Millisecond}})
+	a, _ := rtAPI(t, c, Config{RequestTimeout: 20 * time.Millisecond})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "", "text")
+	sayUser(t, conn, "Talk.")
+	tr := respond(t, conn, nil)
+	require.Equal(t, realtime.RealtimeResponseStatus("failed"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	assert.Contains(t, tr.done.RawJSON(), `"code":"timeout"`)
+	assert.Equal(t, 1.0, testutil.ToFloat64(a.cfg.Metrics.realtime.turns.WithLabelValues("failed")))
+	sessionUpdate(t, conn, "still here", "text")
+}
