@@ -4,8 +4,6 @@ import (
 	"context"
 	"time"
 
-	"golang.org/x/sync/errgroup"
-
 	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -41,32 +39,17 @@ func (h *Head) executeFrom(ctx context.Context, req Request, first, n int, in *s
 	if first < n-1 {
 		in.OutputWordsPerChunk = h.segmentUnits(first, n, stagepb.RoleText)
 	}
-	run := &streamedRun{req: req, n: n, inputs: make([]*stageInput, n), audio: newFirstAudio()}
-	for i := first + 1; i < n; i++ {
-		run.inputs[i] = newStageInput()
-	}
-	outputs := make([]*stageOutput, n)
-	g, gctx := errgroup.WithContext(ctx)
-	for i := first; i < n; i++ {
+	run := newStreamedRun(req, first, n, nil)
+	outputs, err := h.runStreamed(ctx, run, first, func(gctx context.Context, i int) *stageRun {
 		sr := h.streamedStage(gctx, run, i, in)
 		if i == first {
 			// Its input is the request's text, whole: a Generate routed on it.
 			sr.input, sr.in = nil, in
 			sr.route = &router.Request{Text: in.GetText(), SessionKey: req.SessionKey}
 		}
-		g.Go(func() error {
-			out, err := h.runStage(gctx, sr)
-			if err != nil {
-				return err
-			}
-			outputs[i] = out
-			if i+1 < n {
-				run.inputs[i+1].close()
-			}
-			return nil
-		})
-	}
-	if err := g.Wait(); err != nil {
+		return sr
+	})
+	if err != nil {
 		return nil, 0, err
 	}
 	res := &Result{Text: in.GetText(), PromptTokens: outputs[first].promptTokens, CompletionTokens: outputs[first].generationTokens}

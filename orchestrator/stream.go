@@ -32,14 +32,41 @@ func (h *Head) executeStreamed(ctx context.Context, req Request, n int, prompt *
 	if !readByClient(req, onText, 0, n) {
 		prompt.OutputWordsPerChunk = h.segmentUnits(0, n, stagepb.RoleText)
 	}
+	run := newStreamedRun(req, 0, n, onText)
+	outputs, err := h.runStreamed(ctx, run, 0, func(gctx context.Context, i int) *stageRun {
+		return h.streamedStage(gctx, run, i, prompt)
+	})
+	if err != nil {
+		return nil, 0, err
+	}
+	res := &Result{}
+	for i, out := range outputs {
+		res.add(i, out)
+	}
+	return res, run.audio.since(), nil
+}
+
+// newStreamedRun makes the run of stages first..n-1 of req, each after the
+// first fed by the one before it.
+func newStreamedRun(req Request, first, n int, onText func(string) error) *streamedRun {
 	run := &streamedRun{req: req, n: n, onText: onText, inputs: make([]*stageInput, n), audio: newFirstAudio()}
-	for i := 1; i < n; i++ {
+	for i := first + 1; i < n; i++ {
 		run.inputs[i] = newStageInput()
 	}
-	outputs := make([]*stageOutput, n)
+	return run
+}
+
+// runStreamed runs the stages first..run.n-1 at once, each described by
+// stageOf, through the one attempt loop (runStage). The goroutines are
+// owned by an errgroup: the first stage to fail cancels the others, and
+// runStreamed returns once every one has ended. A stage that ends closes
+// the next one's input. outputs is indexed by stage (nil before first).
+func (h *Head) runStreamed(ctx context.Context, run *streamedRun, first int, stageOf func(gctx context.Context, stage int) *stageRun) (outputs []*stageOutput, err error) {
+	n := run.n
+	outputs = make([]*stageOutput, n)
 	g, gctx := errgroup.WithContext(ctx)
-	for i := range n {
-		sr := h.streamedStage(gctx, run, i, prompt)
+	for i := first; i < n; i++ {
+		sr := stageOf(gctx, i)
 		g.Go(func() error {
 			out, err := h.runStage(gctx, sr)
 			if err != nil {
@@ -53,13 +80,9 @@ func (h *Head) executeStreamed(ctx context.Context, req Request, n int, prompt *
 		})
 	}
 	if err := g.Wait(); err != nil {
-		return nil, 0, err
+		return nil, err
 	}
-	res := &Result{}
-	for i, out := range outputs {
-		res.add(i, out)
-	}
-	return res, run.audio.since(), nil
+	return outputs, nil
 }
 
 // streamedStage describes stage of a streamed request for the attempt
