@@ -163,8 +163,13 @@ func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond)
 // serveHTTP serves the head's HTTP API on loopback as `troupe head` does
 // (httpapi.NewHTTPServer) until the benchmark ends.
 func serveHTTP(b *testing.B, h *orchestrator.Head) string {
+	return serveHTTPWith(b, h, httpapi.Config{Logger: slog.New(slog.DiscardHandler)})
+}
+
+// serveHTTPWith is serveHTTP with the API's configuration cfg.
+func serveHTTPWith(b *testing.B, h *orchestrator.Head, cfg httpapi.Config) string {
 	b.Helper()
-	api := httpapi.New(h, httpapi.Config{Logger: slog.New(slog.DiscardHandler)})
+	api := httpapi.New(h, cfg)
 	srv := httpapi.NewHTTPServer("127.0.0.1:0", api.Handler())
 	lis, err := net.Listen("tcp", srv.Addr)
 	require.NoError(b, err)

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
-	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -323,22 +322,7 @@ func workloadOf(name string) string {
 // serveRoutingHTTP serves a head's HTTP API as `troupe head` does, with
 // its default session header, until the benchmark ends.
 func serveRoutingHTTP(b *testing.B, h *orchestrator.Head) string {
-	b.Helper()
-	api := httpapi.New(h, httpapi.Config{Logger: slog.New(slog.DiscardHandler), SessionHeader: "X-Session-ID"})
-	srv := httpapi.NewHTTPServer("127.0.0.1:0", api.Handler())
-	lis, err := net.Listen("tcp", srv.Addr)
-	require.NoError(b, err)
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(lis) }()
-	b.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		if err := srv.Shutdown(ctx); err != nil {
-			_ = srv.Close()
-		}
-		require.ErrorIs(b, <-served, http.ErrServerClosed)
-	})
-	return "http://" + lis.Addr().String()
+	return serveHTTPWith(b, h, httpapi.Config{Logger: slog.New(slog.DiscardHandler), SessionHeader: "X-Session-ID"})
 }
 
 // routingTable renders the results as the markdown table of
