@@ -107,3 +107,12 @@ func partAttributes(msgs []*stagepb.ChatMessage) []attribute.KeyValue {
 	}
 	return []attribute.KeyValue{attribute.StringSlice("troupe.request.part_kinds", kinds), attribute.IntSlice("troupe.request.part_bytes", sizes)}
 }
+
+// CheckParts is the refusal Execute gives, before any work, to a
+// conversation with a media part that stage 0's routable replicas cannot
+// take (an *Error of kind ErrBadRequest whose cause is a *PartError); nil
+// when they take every part. A client that holds a part until its turn
+// (a realtime session's committed audio) asks before keeping it.
+func (h *Head) CheckParts(msgs []*stagepb.ChatMessage) error {
+	return checkParts(h.router.Snapshot(), msgs, h.cfg.Pipeline.Stages[0].Name)
+}

@@ -25,7 +25,11 @@ type Config struct {
 	// InputRole is what the engine takes: "" for what its role takes
 	// (stagepb.InputRoleOf), or audio with role text: a speech recognizer
 	// (asr.go), which transcribes the audio parts of a conversation.
-	InputRole            string
+	InputRole string
+	// TextOnly makes a text-in engine take no media parts, as one serving a
+	// text-only model: Health lists none, so the head refuses a
+	// conversation with a media part before it reaches the engine.
+	TextOnly             bool
 	MaxNumSeqs           int // most requests running at once
 	MaxNumBatchedTokens  int // token budget of one engine step (chunked prefill)
 	NumKVBlocks          int // KV cache size in blocks

@@ -408,13 +408,16 @@ func (m *mailbox) take() (chunks []*stagepb.GenerateChunk, final bool, err error
 func (e *Engine) ContinuesInput() bool { return e.cfg.Role != stagepb.RoleText }
 
 // inputParts are the media kinds the engine takes, with their bytes: a
-// text-in role all of them (see MediaTokens), a speech recognizer audio,
-// codes none.
+// text-in role all of them (see MediaTokens) unless Config.TextOnly, a
+// speech recognizer audio, codes none.
 func (e *Engine) inputParts() []string {
 	switch e.inputRole() {
 	case stagepb.RoleAudio:
 		return []string{stagepb.PartAudio}
 	case stagepb.RoleText:
+		if e.cfg.TextOnly {
+			return nil
+		}
 		return mediaParts
 	}
 	return nil

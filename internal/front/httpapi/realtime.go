@@ -59,7 +59,8 @@ type RealtimeConfig struct {
 	// session with 1009. <= 0: DefaultRealtimeMaxMessageBytes.
 	MaxMessageBytes int64
 	// HistoryBytes bounds the conversation sent to the thinker each turn
-	// (the text of its items); the oldest items are dropped first, the
+	// (the text of its items, and the WAV bytes of its audio items: 48000
+	// a second); the oldest items are dropped first, the
 	// newest user item always kept. <= 0: DefaultRealtimeHistoryBytes.
 	HistoryBytes int
 }
@@ -294,6 +295,9 @@ type rtSessionConn struct {
 // historyItem is one message of the conversation.
 type historyItem struct {
 	id, role, text string
+	// audio is a committed input audio buffer as a WAV file (PCM16 24 kHz
+	// mono): the item is one input_audio part, and text is empty.
+	audio []byte
 	// audioMs is the audio the client received of an assistant item.
 	audioMs int64
 }
@@ -598,12 +602,16 @@ func (c *rtSessionConn) itemCreate(ctx context.Context, ev *clientEvent) {
 func (c *rtSessionConn) appendItem(h *historyItem) *string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	var prev *string
-	if n := len(c.items); n > 0 {
-		prev = &c.items[n-1].id
-	}
+	prev := c.lastItemIDLocked()
 	c.items = append(c.items, h)
 	return prev
+}
+
+func (c *rtSessionConn) lastItemIDLocked() *string {
+	if n := len(c.items); n > 0 {
+		return &c.items[n-1].id
+	}
+	return nil
 }
 
 // itemTruncate keeps of an assistant item the text the client heard: the
@@ -676,32 +684,76 @@ func (c *rtSessionConn) audioAppend(ctx context.Context, ev *clientEvent) {
 		case vadStopped:
 			ms := v.stopMs
 			c.send(ctx, &serverEvent{Type: "input_audio_buffer.speech_stopped", AudioEndMs: &ms})
-			c.audioCommit(ctx, nil)
+			if c.audioCommit(ctx, nil) && (td.CreateResponse == nil || *td.CreateResponse) {
+				c.autoRespond(ctx)
+			}
 		}
 	}
 }
 
-// audioCommit commits the input audio buffer: a user audio message, which
-// this pipeline cannot answer yet (its first stage takes text), so the
-// commit is followed by an error event and the item is not kept.
-func (c *rtSessionConn) audioCommit(ctx context.Context, ev *clientEvent) {
+// audioCommit commits the input audio buffer (ev is nil for server VAD's
+// commit): a user message item of one input_audio part, the buffer's PCM as
+// a WAV file, which reaches the thinker as a chat request's input_audio
+// part does. It reports whether the item was kept. A pipeline whose stage 0
+// does not take audio (the head's refusal, Backend.CheckParts) gets the
+// commit followed by an audio_input_unsupported error, and the item is not
+// kept.
+func (c *rtSessionConn) audioCommit(ctx context.Context, ev *clientEvent) bool {
 	c.mu.Lock()
 	n := len(c.audioIn)
+	var wav []byte
+	var err error
+	if n > 0 {
+		wav, err = appendWAV(nil, c.audioIn, realtimeSampleRate)
+	}
 	c.audioIn = c.audioIn[:0]
 	if c.vad != nil {
 		c.vad.reset()
 	}
-	var prev *string
-	if k := len(c.items); k > 0 {
-		prev = &c.items[k-1].id
-	}
 	c.mu.Unlock()
 	if n == 0 {
 		c.fail(ctx, ev, "input_audio_buffer_commit_empty", "", "the input audio buffer is empty")
-		return
+		return false
 	}
-	c.send(ctx, &serverEvent{Type: "input_audio_buffer.committed", ItemID: "item_" + newResponseID()[:24], PreviousItemID: prev})
-	c.fail(ctx, ev, "audio_input_unsupported", "", "audio input needs a pipeline whose first stage takes audio; this one takes text: send the user's words as an input_text item")
+	if err != nil {
+		panic(fmt.Sprintf("httpapi: %v", err)) // maxInputAudioBytes keeps the buffer far below RIFF's 4 GiB
+	}
+	h := &historyItem{id: "item_" + newResponseID()[:24], role: "user", audio: wav}
+	var pe *orchestrator.PartError
+	if refused := c.s.b.CheckParts([]*stagepb.ChatMessage{h.message()}); errors.As(refused, &pe) {
+		c.mu.Lock()
+		prev := c.lastItemIDLocked()
+		c.mu.Unlock()
+		c.send(ctx, &serverEvent{Type: "input_audio_buffer.committed", ItemID: h.id, PreviousItemID: prev})
+		c.fail(ctx, ev, "audio_input_unsupported", "", "audio input needs a pipeline whose first stage takes audio: stage %q takes no audio parts; send the user's words as an input_text item", pe.Stage)
+		return false
+	}
+	prev := c.appendItem(h)
+	c.send(ctx, &serverEvent{Type: "input_audio_buffer.committed", ItemID: h.id, PreviousItemID: prev})
+	out := &rtItem{ID: h.id, Object: "realtime.item", Type: "message", Status: "completed", Role: "user", Content: []rtContent{{Type: "input_audio"}}}
+	c.send(ctx, &serverEvent{Type: "conversation.item.added", PreviousItemID: prev, Item: out})
+	c.send(ctx, &serverEvent{Type: "conversation.item.done", PreviousItemID: prev, Item: out})
+	return true
+}
+
+// autoRespond starts the response to speech server VAD committed. A
+// response the speech cancelled (barge-in) is waited for first; one that
+// still runs (interrupt_response false) keeps the floor, and none starts.
+func (c *rtSessionConn) autoRespond(ctx context.Context) {
+	c.mu.Lock()
+	t := c.turn
+	c.mu.Unlock()
+	if t != nil {
+		if t.cancelAt.Load() == 0 {
+			return
+		}
+		select {
+		case <-t.done:
+		case <-ctx.Done():
+			return
+		}
+	}
+	c.responseCreate(ctx, nil)
 }
 
 func (c *rtSessionConn) responseCreate(ctx context.Context, ev *clientEvent) {
@@ -729,14 +781,28 @@ func (c *rtSessionConn) responseCreate(ctx context.Context, ev *clientEvent) {
 	go c.runTurn(ctx, tctx, t, after, msgs, prompt, audio, modalities, voice)
 }
 
+// message is the item as a chat request's message: its text, or its audio
+// as one input_audio part of format wav (content.go's decoding).
+func (h *historyItem) message() *stagepb.ChatMessage {
+	m := &stagepb.ChatMessage{Role: h.role, Content: h.text}
+	if h.audio != nil {
+		m.Parts = []*stagepb.ContentPart{{Kind: stagepb.PartAudio, Data: h.audio, Format: "wav"}}
+	}
+	return m
+}
+
+// size is what the item counts against HistoryBytes: its text's bytes and
+// its WAV file's.
+func (h *historyItem) size() int { return len(h.text) + len(h.audio) }
+
 // conversationLocked is what the thinker gets: the instructions as the
-// system message, then the newest items whose text fits HistoryBytes
+// system message, then the newest items whose size fits HistoryBytes
 // (whole items, oldest dropped first; the newest item always), rendered as
 // a chat request's messages are (chatPrompt).
 func (c *rtSessionConn) conversationLocked() ([]*stagepb.ChatMessage, string) {
 	budget, first := c.cfg.HistoryBytes, len(c.items)
 	for first > 0 {
-		n := len(c.items[first-1].text)
+		n := c.items[first-1].size()
 		if first < len(c.items) && n > budget {
 			break
 		}
@@ -748,7 +814,7 @@ func (c *rtSessionConn) conversationLocked() ([]*stagepb.ChatMessage, string) {
 		msgs = append(msgs, &stagepb.ChatMessage{Role: "system", Content: c.instructions})
 	}
 	for _, it := range c.items[first:] {
-		msgs = append(msgs, &stagepb.ChatMessage{Role: it.role, Content: it.text})
+		msgs = append(msgs, it.message())
 	}
 	var b strings.Builder
 	for i, m := range msgs {

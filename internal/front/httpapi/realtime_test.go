@@ -181,6 +181,142 @@ func TestRealtimeHistoryBudget(t *testing.T) {
 	c.items = []*historyItem{{role: "user", text: strings.Repeat("x", 50)}}
 	msgs, _ = c.conversationLocked()
 	assert.Len(t, msgs, 2, "the newest item is kept whatever its size")
+
+	// An audio item counts its WAV bytes.
+	c.items = []*historyItem{{role: "assistant", text: "bbbb"}, {role: "user", audio: make([]byte, 8)}}
+	msgs, prompt = c.conversationLocked()
+	require.Len(t, msgs, 2, "4 bytes of text and 8 of audio are over 10")
+	assert.Equal(t, "system: sys\nuser: ", prompt)
+	require.Len(t, msgs[1].Parts, 1)
+	assert.Equal(t, "wav", msgs[1].Parts[0].GetFormat())
+	c.cfg.HistoryBytes = 12
+	msgs, _ = c.conversationLocked()
+	assert.Len(t, msgs, 3, "12 bytes hold both")
+}
+
+// wavOf is the WAV file a realtime session makes of committed PCM.
+func wavOf(t *testing.T, pcm []byte) []byte {
+	t.Helper()
+	wav, err := appendWAV(nil, pcm, realtimeSampleRate)
+	require.NoError(t, err)
+	return wav
+}
+
+// audioMessage is a chat user message of one input_audio part.
+func audioMessage(wav []byte) openai.ChatCompletionMessageParamUnion {
+	return openai.UserMessage([]openai.ChatCompletionContentPartUnionParam{
+		openai.InputAudioContentPart(openai.ChatCompletionContentPartInputAudioInputAudioParam{Data: base64.StdEncoding.EncodeToString(wav), Format: "wav"})})
+}
+
+// recvUntil reads events until one of type last, and returns their types
+// and that event; an error event fails the test.
+func recvUntil(t *testing.T, conn *realtime.RealtimeConnection, last string, onEvent func(realtime.RealtimeServerEventUnion)) ([]string, realtime.RealtimeServerEventUnion) {
+	t.Helper()
+	var types []string
+	for {
+		ev, err := conn.Recv(testCtx(t))
+		require.NoError(t, err)
+		require.NotEqual(t, "error", ev.Type, "%s", ev.RawJSON())
+		types = append(types, ev.Type)
+		if onEvent != nil {
+			onEvent(ev)
+		}
+		if ev.Type == last {
+			return types, ev
+		}
+	}
+}
+
+// assertAudioItem asserts ev (conversation.item.added or .done) is the
+// user item of committed audio id.
+func assertAudioItem(t *testing.T, ev realtime.RealtimeServerEventUnion, id string) {
+	t.Helper()
+	var got struct {
+		Item struct {
+			ID, Role string
+			Content  []struct{ Type string }
+		}
+	}
+	require.NoError(t, json.Unmarshal([]byte(ev.RawJSON()), &got))
+	assert.Equal(t, id, got.Item.ID, "%s", ev.RawJSON())
+	assert.Equal(t, "user", got.Item.Role)
+	require.Len(t, got.Item.Content, 1, "%s", ev.RawJSON())
+	assert.Equal(t, "input_audio", got.Item.Content[0].Type)
+}
+
+// TestRealtimeAudioInput: a committed input audio buffer becomes a user
+// item of one input_audio part, which the thinker hears as a chat
+// request's input_audio part of the same PCM as WAV: the answers are
+// equal, and the audio stays in the history of the next turn.
+func TestRealtimeAudioInput(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a, _ := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "Be brief.", "text")
+	quiet := tone(300, 0.01) // under server VAD's threshold: no speech, no automatic commit
+	for _, chunk := range [][]byte{quiet[:4000], quiet[4000:]} {
+		require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfInputAudioBufferAppend(base64.StdEncoding.EncodeToString(chunk))))
+	}
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventUnionParam{OfInputAudioBufferCommit: &realtime.InputAudioBufferCommitEventParam{}}))
+	ev, err := conn.Recv(testCtx(t))
+	require.NoError(t, err)
+	require.Equal(t, "input_audio_buffer.committed", ev.Type, "%s", ev.RawJSON())
+	id := ev.AsInputAudioBufferCommittedEvent().ItemID
+	types, done := recvUntil(t, conn, "conversation.item.done", func(ev realtime.RealtimeServerEventUnion) { assertAudioItem(t, ev, id) })
+	assert.Equal(t, []string{"conversation.item.added", "conversation.item.done"}, types)
+	assertAudioItem(t, done, id)
+
+	wav := wavOf(t, quiet)
+	history := []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("Be brief."), audioMessage(wav)}
+	tr := respond(t, conn, nil)
+	require.Equal(t, realtime.RealtimeResponseStatus("completed"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	assert.NotEmpty(t, tr.text)
+	assert.Equal(t, chatText(t, a, history...), tr.text)
+	assert.GreaterOrEqual(t, tr.done.Response.Usage.InputTokens, int64(sim.MediaTokens(wav)))
+
+	history = append(history, openai.AssistantMessage(tr.text), openai.UserMessage("And then?"))
+	sayUser(t, conn, "And then?")
+	tr = respond(t, conn, nil)
+	require.Equal(t, realtime.RealtimeResponseStatus("completed"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	assert.Equal(t, chatText(t, a, history...), tr.text, "the audio item is in the history")
+}
+
+// TestRealtimeVADTurn: with server_vad (create_response by default),
+// speech then silence is detected, committed as an audio item and
+// answered without a response.create.
+func TestRealtimeVADTurn(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a, _ := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "Be brief.", "text")
+	speech, silence := tone(400, 0.3), tone(600, 0)
+	for _, chunk := range [][]byte{speech, silence} {
+		require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfInputAudioBufferAppend(base64.StdEncoding.EncodeToString(chunk))))
+	}
+	var id string
+	var text strings.Builder
+	types, ev := recvUntil(t, conn, "response.done", func(ev realtime.RealtimeServerEventUnion) {
+		switch ev.Type {
+		case "input_audio_buffer.committed":
+			id = ev.AsInputAudioBufferCommittedEvent().ItemID
+		case "conversation.item.added", "conversation.item.done":
+			if strings.Contains(ev.RawJSON(), `"role":"user"`) {
+				assertAudioItem(t, ev, id)
+			}
+		case "response.output_text.delta":
+			text.WriteString(ev.AsResponseTextDeltaEvent().Delta)
+		}
+	})
+	require.GreaterOrEqual(t, len(types), 7)
+	assert.Equal(t, []string{"input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
+		"conversation.item.added", "conversation.item.done", "response.created"}, types[:6])
+	done := ev.AsResponseDoneEvent()
+	require.Equal(t, realtime.RealtimeResponseStatus("completed"), done.Response.Status, "%s", ev.RawJSON())
+	// The committed buffer is all the audio appended: the speech, and the
+	// silence whose chunk ended it.
+	wav := wavOf(t, append(slices.Clone(speech), silence...))
+	assert.NotEmpty(t, text.String())
+	assert.Equal(t, chatText(t, a, openai.SystemMessage("Be brief."), audioMessage(wav)), text.String())
 }
 
 // allIdle reports whether no stage runs a request.
@@ -481,10 +617,10 @@ func dialWhenFree(t *testing.T, url string) *websocket.Conn {
 
 // TestRealtimeSpeechBargeIn: with server_vad, speech appended while a
 // response plays cancels it (turn_detected) on every stage; the speech's
-// end commits the buffer, which this text-input pipeline answers with an
-// error event.
+// end commits the buffer, which this pipeline, whose thinker takes no audio,
+// answers with an error event (the head's refusal), keeping no item.
 func TestRealtimeSpeechBargeIn(t *testing.T) {
-	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 20 * time.Millisecond}})
+	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 20 * time.Millisecond, TextOnly: true}})
 	a, _ := rtAPI(t, c, Config{})
 	conn := connect(t, a)
 	sayUser(t, conn, "Tell me a long story.")

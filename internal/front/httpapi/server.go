@@ -43,6 +43,7 @@ import (
 type Backend interface {
 	Pipeline() orchestrator.Pipeline
 	Execute(ctx context.Context, req orchestrator.Request, onText func(delta string) error) (*orchestrator.Result, error)
+	CheckParts(msgs []*stagepb.ChatMessage) error
 	Replicas() []orchestrator.ReplicaStatus
 	Ready() (bool, string)
 	ResolveStage(stage string) (int, error)

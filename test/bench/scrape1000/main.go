@@ -235,9 +235,10 @@ func (backend) Pipeline() orchestrator.Pipeline { return orchestrator.DefaultPip
 func (backend) Execute(context.Context, orchestrator.Request, func(string) error) (*orchestrator.Result, error) {
 	return nil, errNoHead
 }
-func (backend) Replicas() []orchestrator.ReplicaStatus { return nil }
-func (backend) Ready() (bool, string)                  { return true, "" }
-func (backend) ResolveStage(string) (int, error)       { return 0, errNoHead }
+func (backend) CheckParts([]*stagepb.ChatMessage) error { return nil }
+func (backend) Replicas() []orchestrator.ReplicaStatus  { return nil }
+func (backend) Ready() (bool, string)                   { return true, "" }
+func (backend) ResolveStage(string) (int, error)        { return 0, errNoHead }
 func (backend) Sleep(context.Context, int, uint32, int) (stagepb.SleepState, error) {
 	return 0, errNoHead
 }
