@@ -31,7 +31,6 @@ type Affinity struct {
 // whether it is the session's first choice (false: the first choice was
 // over the load bound).
 func (a Affinity) Pick(session string, c []*Replica) (*Replica, bool) {
-	ranked := Rank(session, c)
 	sc := newScorer(c, a.MaxAge)
 	var total int64
 	for _, r := range c {
@@ -42,19 +41,35 @@ func (a Affinity) Pick(session string, c []*Replica) (*Replica, bool) {
 		factor = AffinityLoadFactor
 	}
 	bound := int64(math.Ceil(factor * float64(total+1) / float64(len(c))))
-	for i, r := range ranked {
-		if sc.score(r)+1 <= bound {
-			return r, i == 0
+	// The heaviest replica within the bound is the first of Rank's order
+	// within it: one pass, no sort (distinct keys have distinct weights).
+	sk := sessionHash(session)
+	var heaviest, chosen *Replica
+	var hw, cw uint64
+	for _, r := range c {
+		w := weight(sk, r.Key)
+		if heaviest == nil || w > hw {
+			heaviest, hw = r, w
+		}
+		if sc.score(r)+1 <= bound && (chosen == nil || w > cw) {
+			chosen, cw = r, w
 		}
 	}
-	return ranked[0], true // unreachable: the least loaded is never above the average
+	if chosen == nil {
+		return heaviest, true // unreachable: the least loaded is never above the average
+	}
+	return chosen, chosen == heaviest
+}
+
+func sessionHash(session string) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(session))
+	return h.Sum64()
 }
 
 // Rank orders candidates by their weight for session, heaviest first.
 func Rank(session string, c []*Replica) []*Replica {
-	h := fnv.New64a()
-	h.Write([]byte(session))
-	sk := h.Sum64()
+	sk := sessionHash(session)
 	type weighted struct {
 		r *Replica
 		w uint64

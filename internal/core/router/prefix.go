@@ -1,6 +1,8 @@
 package router
 
 import (
+	"cmp"
+	"slices"
 	"sync"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
@@ -70,35 +72,61 @@ func (x *PrefixIndex) Len() int {
 // Blocks on a matched path count as used.
 func (x *PrefixIndex) Match(hashes []uint64, keys []Key) []int {
 	out := make([]int, len(keys))
-	live := len(keys)
+	x.match(hashes, keys, out, nil)
+	return out
+}
+
+// match is Match into out (len(keys), zeroed). Its cost follows the
+// replicas that hold the first block, not len(keys), when keys are sorted
+// (as a stage's candidates are); live is scratch space it may reuse.
+func (x *PrefixIndex) match(hashes []uint64, keys []Key, out, live []int) []int {
+	if len(hashes) == 0 || len(keys) == 0 {
+		return live
+	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	for i, h := range hashes {
-		e := x.entries[h]
-		if e == nil {
-			break
+	e := x.entries[hashes[0]]
+	if e == nil {
+		return live
+	}
+	// live: the keys that hold every block so far.
+	live = live[:0]
+	if slices.IsSortedFunc(keys, compareKeys) {
+		for _, hd := range e.holders {
+			if k, ok := slices.BinarySearchFunc(keys, hd.key, compareKeys); ok && hd.held {
+				live = append(live, k)
+			}
 		}
-		found := false
+		slices.Sort(live) // the order of keys, as the linear scan below gives
+	} else {
 		for k, key := range keys {
-			if out[k] != i { // stopped earlier
-				continue
-			}
 			if e.holds(key) {
-				out[k]++
-				found = true
-			} else {
-				live--
+				live = append(live, k)
 			}
-		}
-		if !found {
-			break
-		}
-		x.touch(e)
-		if live == 0 {
-			break
 		}
 	}
-	return out
+	for i := 0; len(live) > 0; {
+		for _, k := range live {
+			out[k]++
+		}
+		x.touch(e)
+		if i++; i == len(hashes) {
+			break
+		}
+		if e = x.entries[hashes[i]]; e == nil {
+			break
+		}
+		live = slices.DeleteFunc(live, func(k int) bool { return !e.holds(keys[k]) })
+	}
+	return live
+}
+
+// compareKeys orders keys by stage, then replica id.
+func compareKeys(a, b Key) int {
+	if c := cmp.Compare(a.Stage, b.Stage); c != 0 {
+		return c
+	}
+	return cmp.Compare(a.Replica, b.Replica)
 }
 
 // Insert records the head's guess that key now holds every block of hashes.

@@ -1,11 +1,11 @@
 package router
 
 import (
-	"cmp"
 	"encoding/binary"
 	"hash/fnv"
 	"math/rand/v2"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
@@ -187,32 +187,61 @@ func HeadTokenBlockHashes(ids []uint32) []uint64 {
 	return out
 }
 
+// cand is one candidate of a prefix-aware pick.
+type cand struct {
+	r             *Replica
+	s             scheme
+	score         int64 // the scorer's, read once per pick
+	match, blocks int
+	floor         float64 // the home's: counts as holding at least this share
+}
+
+// pickScratch is a pick's working memory, reused through a pool so that a
+// pick allocates nothing that grows with the stage.
+type pickScratch struct {
+	cs      []cand
+	schemes []scheme
+	keys    []Key
+	idx     []int
+	out     []int
+	live    []int
+}
+
+var pickScratchPool = sync.Pool{New: func() any { return new(pickScratch) }}
+
 // Pick implements Policy.
 func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
-	type cand struct {
-		r             *Replica
-		s             scheme
-		match, blocks int
-		floor         float64 // the home's: counts as holding at least this share
-	}
+	sp := pickScratchPool.Get().(*pickScratch)
+	defer pickScratchPool.Put(sp)
 	sc := newScorer(c, p.MaxAge)
-	score := sc.score
-	cs := make([]cand, len(c))
-	groups := map[scheme][]int{} // replicas that share a scheme are matched in one pass
+	cs := slices.Grow(sp.cs[:0], len(c))[:len(c)]
+	sp.cs = cs
+	schemes := sp.schemes[:0]
 	for i, r := range c {
-		cs[i] = cand{r: r, s: p.schemeOf(r)}
-		groups[cs[i].s] = append(groups[cs[i].s], i)
-	}
-	for s, idx := range groups {
-		hs := p.hashesOf(req, s)
-		keys := make([]Key, len(idx))
-		for k, j := range idx {
-			keys[k] = cs[j].r.Key
+		cs[i] = cand{r: r, s: p.schemeOf(r), score: sc.score(r)}
+		if !slices.Contains(schemes, cs[i].s) {
+			schemes = append(schemes, cs[i].s)
 		}
-		for k, m := range p.index.Match(hs, keys) {
+	}
+	sp.schemes = schemes
+	// Replicas that share a scheme are matched in one pass.
+	for _, s := range schemes {
+		hs := p.hashesOf(req, s)
+		keys, idx := sp.keys[:0], sp.idx[:0]
+		for j := range cs {
+			if cs[j].s == s {
+				keys, idx = append(keys, cs[j].r.Key), append(idx, j)
+			}
+		}
+		out := slices.Grow(sp.out[:0], len(keys))[:len(keys)]
+		clear(out)
+		sp.keys, sp.idx, sp.out = keys, idx, out
+		sp.live = p.index.match(hs, keys, out, sp.live)
+		for k, m := range out {
 			cs[idx[k]].match, cs[idx[k]].blocks = m, len(hs)
 		}
 	}
+	defer clear(cs) // the pool holds no replica
 	ratio := func(x cand) float64 {
 		if x.blocks <= 0 {
 			return x.floor
@@ -221,7 +250,7 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	}
 	least, n := 0, 1
 	for i := 1; i < len(cs); i++ {
-		switch a, b := score(cs[i].r), score(cs[least].r); {
+		switch a, b := cs[i].score, cs[least].score; {
 		case a < b:
 			least, n = i, 1
 		case a == b:
@@ -234,10 +263,10 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	// longest is the candidate with the longest match among those ok
 	// accepts, ties to the less loaded, then at random; -1 when none
 	// matches at all.
-	longest := func(ok func(*Replica) bool) int {
+	longest := func(ok func(cand) bool) int {
 		best, n := -1, 0
 		for i, x := range cs {
-			if (x.match == 0 && x.floor == 0) || !ok(x.r) {
+			if (x.match == 0 && x.floor == 0) || !ok(x) {
 				continue
 			}
 			if best < 0 {
@@ -245,7 +274,7 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 				continue
 			}
 			rx, rb := ratio(x), ratio(cs[best])
-			sx, sb := score(x.r), score(cs[best].r)
+			sx, sb := x.score, cs[best].score
 			switch {
 			case rx > rb || (rx == rb && sx < sb):
 				best, n = i, 1
@@ -261,23 +290,30 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	d := Decision{Policy: PolicyPrefixAware, Reason: ReasonLoad}
 	var total int64
 	for _, x := range cs {
-		total += score(x.r)
+		total += x.score
 	}
 	bound := p.bound(total, len(cs))
-	within := func(r *Replica) bool { return float64(score(r)+1) <= bound }
+	within := func(x cand) bool { return float64(x.score+1) <= bound }
 	// With no match anywhere, or when the preferred replica is above the
 	// bound, the prefix's rendezvous order decides: every head ranks the
 	// replicas alike for the same prefix, so they agree without talking.
+	// The first in rendezvous order within the bound is the heaviest
+	// within it: one pass, no sort (distinct keys have distinct weights).
 	rendezvous := func() int {
 		if req.Text == "" && len(req.Tokens) == 0 {
 			return least // nothing to agree on
 		}
-		for _, i := range p.rank(req, len(cs), func(i int) Key { return cs[i].r.Key }) {
-			if within(cs[i].r) {
-				return i
+		root := p.root(req)
+		chosen, cw := -1, uint64(0)
+		for i, x := range cs {
+			if w := weight(root, x.r.Key); within(x) && (chosen < 0 || w > cw) {
+				chosen, cw = i, w
 			}
 		}
-		return least
+		if chosen < 0 {
+			return least
+		}
+		return chosen
 	}
 	// An input longer than its root has a home: the first replica in its
 	// rendezvous order within the bound, which counts as holding at least
@@ -289,21 +325,21 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		cs[rendezvous()].floor = float64(p.RootBlocks) / float64(len(hs))
 	}
 	chosen := least
-	best := longest(func(*Replica) bool { return true })
+	best := longest(func(cand) bool { return true })
 	switch {
 	case best < 0:
 		chosen = rendezvous()
-	case p.overloaded(score(cs[best].r), score(cs[least].r)):
+	case p.overloaded(cs[best].score, cs[least].score):
 		// Load rules the preferred replica out, and every other one
 		// as loaded; among the rest the cache still decides (a shorter
 		// match, such as a shared system prompt, beats none).
 		d.Reason = ReasonLoadFallback
-		if alt := longest(func(r *Replica) bool { return !p.overloaded(score(r), score(cs[least].r)) }); alt >= 0 {
+		if alt := longest(func(x cand) bool { return !p.overloaded(x.score, cs[least].score) }); alt >= 0 {
 			chosen = alt
 		}
 	default:
 		chosen, d.Reason = best, ReasonPrefixMatch
-		if within(cs[best].r) {
+		if within(cs[best]) {
 			break
 		}
 		// The preferred replica is busier than its share: its prefix is
@@ -316,7 +352,7 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		if alt < 0 {
 			alt = rendezvous()
 		}
-		if alt != best && within(cs[alt].r) && cs[best].match-cs[alt].match <= p.ReplicateMaxBlocks {
+		if alt != best && within(cs[alt]) && cs[best].match-cs[alt].match <= p.ReplicateMaxBlocks {
 			chosen, d.Reason = alt, ReasonPrefixReplicated
 		}
 	}
@@ -346,31 +382,21 @@ func (p *PrefixAware) bound(total int64, n int) float64 {
 	return max(p.ReplicateFactor*avg, avg+float64(p.ReplicateSlack))
 }
 
-// rank orders candidates by their rendezvous weight for req's prefix: the
-// hash of its first RootBlocks head blocks (text or token ids), so inputs
-// that share those blocks, such as a system prompt, rank replicas alike on
-// every head. An input shorter than a block ranks by its whole text.
-func (p *PrefixAware) rank(req *Request, n int, key func(int) Key) []int {
+// root is the rendezvous key of req's prefix: the hash of its first
+// RootBlocks head blocks (text or token ids), so inputs that share those
+// blocks, such as a system prompt, rank replicas alike on every head. An
+// input shorter than a block ranks by its whole text.
+func (p *PrefixAware) root(req *Request) uint64 {
 	hs := p.hashesOf(req, scheme{})
-	var root uint64
 	if len(hs) > 0 {
-		root = hs[min(max(p.RootBlocks, 1), len(hs))-1]
-	} else {
-		h := fnv.New64a()
-		h.Write([]byte(req.Text))
-		for _, id := range req.Tokens {
-			h.Write(binary.LittleEndian.AppendUint32(nil, id))
-		}
-		root = h.Sum64()
+		return hs[min(max(p.RootBlocks, 1), len(hs))-1]
 	}
-	idx := make([]int, n)
-	ws := make([]uint64, n)
-	for i := range idx {
-		idx[i] = i
-		ws[i] = weight(root, key(i))
+	h := fnv.New64a()
+	h.Write([]byte(req.Text))
+	for _, id := range req.Tokens {
+		h.Write(binary.LittleEndian.AppendUint32(nil, id))
 	}
-	slices.SortFunc(idx, func(a, b int) int { return cmp.Compare(ws[b], ws[a]) })
-	return idx
+	return h.Sum64()
 }
 
 // overloaded reports whether a replica of load s is too far above the least

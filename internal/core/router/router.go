@@ -406,11 +406,20 @@ func NewWithBreaker(stages []StageRouting, dial Dialer, log *slog.Logger, b Brea
 func (r *Router) Pick(stage int, req *Request, exclude []*Replica) (Decision, error) {
 	s := r.snap.Load()
 	all := s.Stage(stage)
-	candidates := make([]*Replica, 0, len(all))
-	for _, rep := range all {
+	// The snapshot's own slice serves while every replica is routable (a
+	// policy does not modify its candidates); a copy only once one is not.
+	candidates := all
+	for i, rep := range all {
 		if rep.Routable() && !slices.Contains(exclude, rep) {
-			candidates = append(candidates, rep)
+			continue
 		}
+		candidates = append(make([]*Replica, 0, len(all)-1), all[:i]...)
+		for _, rep := range all[i+1:] {
+			if rep.Routable() && !slices.Contains(exclude, rep) {
+				candidates = append(candidates, rep)
+			}
+		}
+		break
 	}
 	if len(candidates) == 0 {
 		return Decision{}, s.noReplica(stage)

@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"strconv"
 
+	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
@@ -58,6 +59,32 @@ func writeText(w http.ResponseWriter, status int, text string) {
 // detached ones included.
 func (s *Server) replicas(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, replicaList{Data: s.b.Replicas()})
+}
+
+// replicasSD serves GET /v1/replicas/sd: Prometheus HTTP service discovery
+// (http_sd_config) over the replicas the head routes or will route, one
+// target group each. Workers serve no /metrics (the head exposes their
+// stats): each target is the replica's gRPC address, labelled
+// endpoint="grpc", for a gRPC health probe (blackbox_exporter's grpc
+// prober), not for a scrape. Labels hold only identity, so a target's
+// labels do not change while it lives; detached replicas are left out.
+func (s *Server) replicasSD(w http.ResponseWriter, _ *http.Request) {
+	groups := []sdTargetGroup{} // Prometheus wants [] when there is none, not null
+	for _, r := range s.b.Replicas() {
+		if r.State == orchestrator.StateDetached {
+			continue
+		}
+		groups = append(groups, sdTargetGroup{
+			Targets: []string{r.Addr},
+			Labels: map[string]string{
+				"stage":        r.StageName,
+				"replica":      strconv.FormatUint(uint64(r.Replica), 10),
+				"engine_index": strconv.Itoa(r.EngineIndex),
+				"endpoint":     "grpc",
+			},
+		})
+	}
+	writeJSON(w, http.StatusOK, groups)
 }
 
 // sleep serves POST /v1/replicas/{stage}/{replica}/sleep?level=1|2.

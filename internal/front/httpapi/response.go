@@ -144,6 +144,13 @@ type replicaList struct {
 	Data []orchestrator.ReplicaStatus `json:"data"`
 }
 
+// sdTargetGroup is one element of GET /v1/replicas/sd, Prometheus's
+// http_sd format.
+type sdTargetGroup struct {
+	Targets []string          `json:"targets"`
+	Labels  map[string]string `json:"labels"`
+}
+
 // sleepAnswer is the body of a successful sleep or wake_up.
 type sleepAnswer struct {
 	Stage      int    `json:"stage"`

@@ -198,6 +198,7 @@ func New(b Backend, cfg Config) *Server {
 	handle(servingMuxes, "GET /v1/models", http.HandlerFunc(s.models))
 	handle(servingMuxes, "GET /v1/models/{model...}", http.HandlerFunc(s.model))
 	handle(adminMuxes, "GET /v1/replicas", http.HandlerFunc(s.replicas))
+	handle(adminMuxes, "GET /v1/replicas/sd", http.HandlerFunc(s.replicasSD))
 	handle(adminMuxes, "POST /v1/replicas/{stage}/{replica}/sleep", http.HandlerFunc(s.sleep))
 	handle(adminMuxes, "POST /v1/replicas/{stage}/{replica}/wake_up", http.HandlerFunc(s.wakeUp))
 	if cfg.Gatherer != nil || cfg.Exposer != nil {

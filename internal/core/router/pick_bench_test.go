@@ -1,0 +1,105 @@
+package router
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+)
+
+// benchRouter is a one-stage router over n routable replicas that are
+// connected to nothing: Pick reads only their keys, loads and engine info.
+func benchRouter(n int, st StageRouting, engine EngineInfo) (*Router, []*Replica) {
+	r := New([]StageRouting{st}, nil, nil)
+	reps := make([]*Replica, n)
+	byKey := make(map[Key]*Replica, n)
+	for i := range reps {
+		rep := &Replica{Key: key(uint32(i)), Engine: engine}
+		rep.healthy.Store(true)
+		rep.SetLoad(int64(i % 7))
+		reps[i], byKey[rep.Key] = rep, rep
+	}
+	r.snap.Store(&Snapshot{stages: [][]*Replica{reps}, byKey: byKey})
+	return r, reps
+}
+
+// byteTokens is a toy tokenizer: one id per byte.
+func byteTokens(s string) []uint32 {
+	out := make([]uint32, len(s))
+	for i := range len(s) {
+		out[i] = uint32(s[i])
+	}
+	return out
+}
+
+// BenchmarkPick is the cost of one routing decision (Router.Pick) per
+// policy and stage size, with its p99 over the run (docs/benchmarks.md,
+// "Pick cost"). Inputs share one of 64 system prompts and differ in their
+// tail, so prefix_aware's index holds as many prefixes as a busy stage's.
+func BenchmarkPick(b *testing.B) {
+	systems := make([]string, 64)
+	for i := range systems {
+		systems[i] = strings.Repeat(fmt.Sprintf("system prompt %d: answer briefly and politely. ", i), 12)
+	}
+	texts := make([]string, 4096)
+	for i := range texts {
+		texts[i] = systems[i%len(systems)] + fmt.Sprintf("user %d: question number %d?", i%512, i)
+	}
+	toy := EngineInfo{Name: "toy", BlockSize: 16, KVEvents: true}
+	policies := []struct {
+		name    string
+		session bool
+		engine  EngineInfo
+		policy  func() Policy
+	}{
+		{name: "round_robin", policy: func() Policy { return &RoundRobin{} }},
+		{name: "least_loaded", policy: func() Policy { return LeastLoaded{} }},
+		{name: "power_of_two", policy: func() Policy { return PowerOfTwo{} }},
+		{name: "prefix_aware_head", policy: func() Policy { return NewPrefixAware(PolicyOptions{PrefixSource: PrefixSourceHead}) }},
+		{name: "prefix_aware_engine", engine: toy, policy: func() Policy {
+			return NewPrefixAware(PolicyOptions{Tokenizers: map[string]Tokenizer{"toy": byteTokens}})
+		}},
+		{name: "session_affinity", session: true, policy: func() Policy { return LeastLoaded{} }},
+	}
+	for _, pc := range policies {
+		for _, n := range []int{10, 100, 1000, 10000} {
+			b.Run(fmt.Sprintf("policy=%s/replicas=%d", pc.name, n), func(b *testing.B) {
+				p := pc.policy()
+				r, reps := benchRouter(n, StageRouting{Policy: p, SessionAffinity: pc.session}, pc.engine)
+				if pa, ok := p.(*PrefixAware); ok && pc.engine.KVEvents {
+					// Each system prompt is cached on a few replicas.
+					for i, s := range systems {
+						for k := range 3 {
+							rep := reps[(i*7+k*131)%n]
+							pa.ApplyKVEvents(rep, &stagepb.KvEvents{Seq: uint64(i + 1), Stored: stagepb.BlockHashes(byteTokens(s), toy.BlockSize)})
+						}
+					}
+				}
+				sample := make([]time.Duration, 0, min(b.N, 1<<20))
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := range b.N {
+					req := &Request{Text: texts[i%len(texts)]}
+					if pc.session {
+						req.SessionKey = texts[i%len(texts)][len(texts[i%len(texts)])-24:]
+					}
+					start := time.Now()
+					d, err := r.Pick(0, req, nil)
+					took := time.Since(start)
+					if err != nil || d.Replica == nil {
+						b.Fatalf("pick: %v", err)
+					}
+					if len(sample) < cap(sample) {
+						sample = append(sample, took)
+					}
+				}
+				b.StopTimer()
+				slices.Sort(sample)
+				b.ReportMetric(float64(sample[len(sample)*99/100].Nanoseconds()), "p99-ns")
+			})
+		}
+	}
+}
