@@ -148,6 +148,9 @@ func TestRoutedOnlyAfterSeriesBound(t *testing.T) {
 		register(t, cli, "talker", id, addr)
 	}
 	waitFor(t, "12 replicas routable", func() bool { return len(h.router.Snapshot().All()) == 12 })
+	// Joins can all land before the reader's first pass; it must have
+	// checked replicas (at the latest, all 12 routed) before it stops.
+	waitFor(t, "the reader checked routed replicas", func() bool { return seen.Load() > 0 })
 	close(stop)
 	wg.Wait()
 	assert.Zero(t, violations.Load(), "a routable replica had no bound series")
