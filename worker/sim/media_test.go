@@ -33,14 +33,14 @@ func TestChatTokensTextOnly(t *testing.T) {
 // its place; equal bytes give equal tokens, other bytes others; a URL part
 // is refused.
 func TestChatTokensMedia(t *testing.T) {
-	img := bytes.Repeat([]byte{7}, 3*MediaBytesPerToken+5)
+	img := bytes.Repeat([]byte{7}, 3*tokenizers.MediaBytesPerToken+5)
 	msgs := func(data []byte) []*stagepb.ChatMessage {
 		return []*stagepb.ChatMessage{{Role: "user", Content: "what is this", Parts: []*stagepb.ContentPart{
 			{Kind: stagepb.PartText, Text: "what is"}, {Kind: stagepb.PartImage, Data: data}, {Kind: stagepb.PartText, Text: "this"}}}}
 	}
 	a, err := chatTokens(msgs(img))
 	require.NoError(t, err)
-	assert.Equal(t, 4, MediaTokens(img))
+	assert.Equal(t, 4, tokenizers.MediaTokens(img))
 	assert.Len(t, a, 1+1+2+4+1, "BOS, role, two words, the image's 4 tokens, one word")
 	b, err := chatTokens(msgs(bytes.Clone(img)))
 	require.NoError(t, err)
@@ -51,6 +51,7 @@ func TestChatTokensMedia(t *testing.T) {
 	require.NoError(t, err)
 	assert.NotEqual(t, a[4:8], c[4:8], "other bytes, other tokens")
 	assert.Equal(t, a[:4], c[:4])
+	assert.Equal(t, tokenizers.Sim(tokenizers.ChatText(msgs(img))), a, "the head's tokenization of the routing text is the sim's")
 
 	_, err = chatTokens([]*stagepb.ChatMessage{{Role: "user", Parts: []*stagepb.ContentPart{{Kind: stagepb.PartImage, Url: "https://example.com/a.png"}}}})
 	assert.Equal(t, codes.InvalidArgument, status.Code(err))
@@ -62,7 +63,7 @@ func TestGenerateCountsMediaTokens(t *testing.T) {
 	e := newEngine(t, Config{})
 	assert.ElementsMatch(t, []string{"image", "audio", "video"}, e.Health().GetInputParts())
 	assert.False(t, e.Health().GetInputPartUrls())
-	audio := bytes.Repeat([]byte{1, 2}, 2*MediaBytesPerToken)
+	audio := bytes.Repeat([]byte{1, 2}, 2*tokenizers.MediaBytesPerToken)
 	req := &stagepb.GenerateRequest{RequestId: "m", Sampling: &stagepb.SamplingParams{MaxTokens: 4},
 		Input: &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: []*stagepb.ChatMessage{{Role: "user", Parts: []*stagepb.ContentPart{
 			{Kind: stagepb.PartAudio, Data: audio, Format: "wav"}, {Kind: stagepb.PartImage, Data: []byte("png")}}}}}}}
