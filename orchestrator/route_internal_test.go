@@ -1,6 +1,8 @@
 package orchestrator
 
 import (
+	"bytes"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -8,6 +10,7 @@ import (
 
 	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
 func TestRouteOfEachInput(t *testing.T) {
@@ -26,6 +29,28 @@ func TestRouteOfEachInput(t *testing.T) {
 	r = routeOf(&stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: []uint32{1}}}}, "")
 	assert.Empty(t, r.Text)
 	assert.Empty(t, r.Tokens)
+}
+
+// A chat's media parts are in its routing key, by the hash of their bytes:
+// two requests on the same image share the prefix through it, and the
+// routing text is the sim's own (worker/sim TestChatTokensMedia checks the
+// sim tokenizes it as it reads the chat).
+func TestRouteOfMedia(t *testing.T) {
+	img := bytes.Repeat([]byte{3}, 3000)
+	chat := func(data []byte, question string) *stagepb.GenerateRequest {
+		msgs := []*stagepb.ChatMessage{{Role: "user", Content: question, Parts: []*stagepb.ContentPart{
+			{Kind: stagepb.PartImage, Data: data}, {Kind: stagepb.PartText, Text: question}}}}
+		return &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: msgs}}}
+	}
+	a := routeOf(chat(img, "what is it"), "").Text
+	b := routeOf(chat(bytes.Clone(img), "who made it"), "").Text
+	imgWords := tokenizers.MediaText(&stagepb.ContentPart{Kind: stagepb.PartImage, Data: img})
+	assert.Equal(t, "user: "+imgWords+" what is it", a)
+	assert.Equal(t, tokenizers.ChatText(chat(img, "what is it").GetChat().GetMessages()), a)
+	assert.True(t, strings.HasPrefix(b, "user: "+imgWords+" "), "the same image, the same prefix")
+	other := bytes.Clone(img)
+	other[len(other)-1] = 4
+	assert.NotEqual(t, a, routeOf(chat(other, "what is it"), "").Text, "other bytes, another key")
 }
 
 func TestPipelineBalance(t *testing.T) {

@@ -35,6 +35,8 @@ type workerFlags struct {
 	leaseTTL, drainTimeout, decodeLatency                                time.Duration
 	numSpec, maxNumSeqs, maxBatchedTokens, numKVBlocks, blockSize        int
 	prefillTPS                                                           float64
+	encoderCacheEntries                                                  int
+	encodeTimePerKiB                                                     time.Duration
 	noPrefixCaching                                                      bool
 	upstream                                                             upstreamFlags
 	voice, espeakBinary                                                  string
@@ -76,6 +78,8 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.BoolVar(&f.noPrefixCaching, "no-enable-prefix-caching", false, "sim: turn the prefix cache off")
 	fs.Float64Var(&f.prefillTPS, "prefill-tps", 0, "sim: prefill throughput in tokens per second (0: instant)")
 	fs.DurationVar(&f.decodeLatency, "decode-latency", 0, "sim: duration of one decode step (0: instant)")
+	fs.IntVar(&f.encoderCacheEntries, "encoder-cache-entries", sim.DefaultEncoderCacheEntries, "sim: media parts the multimodal encoder cache keeps")
+	fs.DurationVar(&f.encodeTimePerKiB, "encode-time-per-kib", sim.DefaultEncodeTimePerKiB, "sim: encoder time per KiB of a media part missing from the encoder cache (negative: instant)")
 	u := &f.upstream
 	fs.StringVar(&u.url, "upstream", "", "openai engines: the upstream's base URL as OpenAI clients take it, e.g. http://127.0.0.1:8001/v1 (/v1 may be left out)")
 	fs.StringVar(&u.model, "upstream-model", "", "openai engines: the upstream's model (default: the first of its /v1/models)")
@@ -143,9 +147,11 @@ func (f *workerFlags) simConfig(log *slog.Logger) (sim.Config, error) {
 		PrefillTokensPerSec:  f.prefillTPS,
 		DecodeTokenLatency:   f.decodeLatency,
 		NumSpeculativeTokens: f.numSpec,
+		EncoderCacheEntries:  f.encoderCacheEntries,
+		EncodeTimePerKiB:     f.encodeTimePerKiB,
 		Logger:               log,
 	}
-	for name, v := range map[string]int{"max-num-seqs": f.maxNumSeqs, "max-num-batched-tokens": f.maxBatchedTokens, "num-kv-blocks": f.numKVBlocks, "block-size": f.blockSize} {
+	for name, v := range map[string]int{"max-num-seqs": f.maxNumSeqs, "max-num-batched-tokens": f.maxBatchedTokens, "num-kv-blocks": f.numKVBlocks, "block-size": f.blockSize, "encoder-cache-entries": f.encoderCacheEntries} {
 		if v <= 0 {
 			return sim.Config{}, fmt.Errorf("--%s must be positive, got %d", name, v)
 		}

@@ -1020,8 +1020,13 @@ type EngineStats struct {
 	PromptAudioTokens uint64 `protobuf:"varint,24,opt,name=prompt_audio_tokens,json=promptAudioTokens,proto3" json:"prompt_audio_tokens,omitempty"`
 	PromptImageTokens uint64 `protobuf:"varint,25,opt,name=prompt_image_tokens,json=promptImageTokens,proto3" json:"prompt_image_tokens,omitempty"`
 	PromptVideoTokens uint64 `protobuf:"varint,26,opt,name=prompt_video_tokens,json=promptVideoTokens,proto3" json:"prompt_video_tokens,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Per-request deltas of the multimodal encoder cache: media parts looked
+	// up (each media part of a request, once, when it is first scheduled)
+	// and found (not encoded again).
+	MmCacheQueries uint64 `protobuf:"varint,27,opt,name=mm_cache_queries,json=mmCacheQueries,proto3" json:"mm_cache_queries,omitempty"`
+	MmCacheHits    uint64 `protobuf:"varint,28,opt,name=mm_cache_hits,json=mmCacheHits,proto3" json:"mm_cache_hits,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *EngineStats) Reset() {
@@ -1190,6 +1195,20 @@ func (x *EngineStats) GetPromptImageTokens() uint64 {
 func (x *EngineStats) GetPromptVideoTokens() uint64 {
 	if x != nil {
 		return x.PromptVideoTokens
+	}
+	return 0
+}
+
+func (x *EngineStats) GetMmCacheQueries() uint64 {
+	if x != nil {
+		return x.MmCacheQueries
+	}
+	return 0
+}
+
+func (x *EngineStats) GetMmCacheHits() uint64 {
+	if x != nil {
+		return x.MmCacheHits
 	}
 	return 0
 }
@@ -2176,7 +2195,7 @@ const file_stage_proto_rawDesc = "" +
 	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +
 	"\rsegment_units\x18\x02 \x01(\rR\fsegmentUnits\x12\x12\n" +
 	"\x04text\x18\x03 \x01(\tR\x04text\x12\x14\n" +
-	"\x05codes\x18\x04 \x03(\rR\x05codes\"\xe4\b\n" +
+	"\x05codes\x18\x04 \x03(\rR\x05codes\"\xb2\t\n" +
 	"\vEngineStats\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\x04R\fpromptTokens\x12+\n" +
 	"\x11generation_tokens\x18\x02 \x01(\x04R\x10generationTokens\x120\n" +
@@ -2198,7 +2217,9 @@ const file_stage_proto_rawDesc = "" +
 	"\x13kv_cache_usage_perc\x18\x17 \x01(\x01R\x10kvCacheUsagePerc\x12.\n" +
 	"\x13prompt_audio_tokens\x18\x18 \x01(\x04R\x11promptAudioTokens\x12.\n" +
 	"\x13prompt_image_tokens\x18\x19 \x01(\x04R\x11promptImageTokens\x12.\n" +
-	"\x13prompt_video_tokens\x18\x1a \x01(\x04R\x11promptVideoTokens\"h\n" +
+	"\x13prompt_video_tokens\x18\x1a \x01(\x04R\x11promptVideoTokens\x12(\n" +
+	"\x10mm_cache_queries\x18\x1b \x01(\x04R\x0emmCacheQueries\x12\"\n" +
+	"\rmm_cache_hits\x18\x1c \x01(\x04R\vmmCacheHits\"h\n" +
 	"\bKvEvents\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x18\n" +
 	"\acleared\x18\x02 \x01(\bR\acleared\x12\x16\n" +

@@ -8,18 +8,22 @@
 package tokenizers
 
 import (
+	"fmt"
 	"hash/fnv"
 	"maps"
+	"strconv"
 	"strings"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
 // ChatText is a conversation as an engine without a chat template reads it
-// (the sim does): one "role: content" line per message, joined by "\n". The
-// head routes a chat request on it, so its blocks are the ones the sim
-// caches; a chat input and the text input ChatText(messages) give the same
-// output.
+// (the sim does): one "role: content" line per message, joined by "\n". A
+// message with a media part reads as its parts in order, joined by " ":
+// a text part its text, a media part its MediaWords, so the head routes a
+// repeated image or audio clip as a repeated prefix. The head routes a chat
+// request on it, so its blocks are the ones the sim caches; a chat input
+// and the text input ChatText(messages) give the same output.
 func ChatText(msgs []*stagepb.ChatMessage) string {
 	n := 0
 	for _, m := range msgs {
@@ -33,9 +37,76 @@ func ChatText(msgs []*stagepb.ChatMessage) string {
 		}
 		b.WriteString(m.GetRole())
 		b.WriteString(": ")
-		b.WriteString(m.GetContent())
+		if !hasMedia(m) {
+			b.WriteString(m.GetContent())
+			continue
+		}
+		for k, p := range m.GetParts() {
+			if k > 0 {
+				b.WriteByte(' ')
+			}
+			if p.GetKind() == stagepb.PartText {
+				b.WriteString(p.GetText())
+				continue
+			}
+			writeMediaWords(&b, p)
+		}
 	}
 	return b.String()
+}
+
+// hasMedia reports whether m has a part other than text.
+func hasMedia(m *stagepb.ChatMessage) bool {
+	for _, p := range m.GetParts() {
+		if p.GetKind() != stagepb.PartText {
+			return true
+		}
+	}
+	return false
+}
+
+// MediaBytesPerToken sizes media tokens: a media part with bytes
+// (ContentPart.data) is MediaTokens(data) prompt tokens.
+const MediaBytesPerToken = 1024
+
+// MediaTokens is how many prompt tokens a media part of data's bytes
+// becomes: 1 + len(data)/MediaBytesPerToken. A part by URL (no bytes) is 1.
+func MediaTokens(data []byte) int { return 1 + len(data)/MediaBytesPerToken }
+
+// MediaHash names a media part by its content: the FNV-1a hash of its
+// bytes, or of its URL when it has none. Equal bytes, equal hash: the sim's
+// encoder cache and the routing key both use it.
+func MediaHash(p *stagepb.ContentPart) uint64 {
+	h := fnv.New64a()
+	if len(p.GetData()) > 0 {
+		h.Write(p.GetData())
+	} else {
+		h.Write([]byte(p.GetUrl()))
+	}
+	return h.Sum64()
+}
+
+// MediaText is a media part as ChatText writes it: its MediaTokens words.
+func MediaText(p *stagepb.ContentPart) string {
+	var b strings.Builder
+	writeMediaWords(&b, p)
+	return b.String()
+}
+
+// writeMediaWords writes a media part as MediaTokens words, each one token
+// of the sim: "<kind:hash>" then "<kind:hash:j>" for j = 1..n-1, hash being
+// MediaHash in 16 hex digits.
+func writeMediaWords(b *strings.Builder, p *stagepb.ContentPart) {
+	head := fmt.Sprintf("<%s:%016x", p.GetKind(), MediaHash(p))
+	b.WriteString(head)
+	b.WriteByte('>')
+	for j := 1; j < MediaTokens(p.GetData()); j++ {
+		b.WriteByte(' ')
+		b.WriteString(head)
+		b.WriteByte(':')
+		b.WriteString(strconv.Itoa(j))
+		b.WriteByte('>')
+	}
 }
 
 // SimEngine is the sim engine's name, as its Health reports it.

@@ -1,6 +1,8 @@
 package tokenizers_test
 
 import (
+	"bytes"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -44,4 +46,27 @@ func TestChatText(t *testing.T) {
 	assert.Equal(t, "system: be brief\nand kind\nuser: ", tokenizers.ChatText(short))
 	assert.Equal(t, "system: be brief\nand kind\nuser: \nassistant: ok  fine\nuser: é", tokenizers.ChatText(long))
 	assert.True(t, strings.HasPrefix(tokenizers.ChatText(long), tokenizers.ChatText(short)))
+}
+
+// A message with media reads as its parts: each media part as MediaTokens
+// words named by the hash of its bytes (or URL), so equal bytes give the
+// same text and Sim makes MediaTokens tokens of it.
+func TestChatTextMedia(t *testing.T) {
+	img := bytes.Repeat([]byte{7}, 2*tokenizers.MediaBytesPerToken+1)
+	msgs := func(p *stagepb.ContentPart) []*stagepb.ChatMessage {
+		return []*stagepb.ChatMessage{{Role: "system", Content: "be brief"}, {Role: "user", Content: "what is this", Parts: []*stagepb.ContentPart{
+			{Kind: stagepb.PartText, Text: "what is"}, p, {Kind: stagepb.PartText, Text: "this"}}}}
+	}
+	a := tokenizers.ChatText(msgs(&stagepb.ContentPart{Kind: stagepb.PartImage, Data: img}))
+	h := fmt.Sprintf("%016x", tokenizers.MediaHash(&stagepb.ContentPart{Data: img}))
+	assert.Equal(t, "system: be brief\nuser: what is <image:"+h+"> <image:"+h+":1> <image:"+h+":2> this", a)
+	assert.Equal(t, a, tokenizers.ChatText(msgs(&stagepb.ContentPart{Kind: stagepb.PartImage, Data: bytes.Clone(img)})))
+	assert.Len(t, tokenizers.Sim(a), 1+3+3+tokenizers.MediaTokens(img)+1, "BOS, the system line, user: what is, the image, this")
+
+	other := bytes.Clone(img)
+	other[0] = 8
+	assert.NotEqual(t, a, tokenizers.ChatText(msgs(&stagepb.ContentPart{Kind: stagepb.PartImage, Data: other})))
+	byURL := tokenizers.ChatText(msgs(&stagepb.ContentPart{Kind: stagepb.PartAudio, Url: "https://example.com/a.wav"}))
+	assert.Equal(t, 1, strings.Count(byURL, "<audio:"), "a part by URL is one word")
+	assert.Equal(t, tokenizers.MediaText(&stagepb.ContentPart{Kind: stagepb.PartImage, Data: img}), "<image:"+h+"> <image:"+h+":1> <image:"+h+":2>")
 }

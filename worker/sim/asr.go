@@ -45,7 +45,7 @@ func asrInput(req *stagepb.GenerateRequest) (prompt []uint32, words int, err err
 			if len(p.GetData()) == 0 {
 				return nil, 0, invalidArgument("speech recognition takes audio with its bytes, not by URL")
 			}
-			prompt = appendMediaTokens(prompt, p.GetKind(), p.GetData(), MediaTokens(p.GetData()))
+			prompt = append(prompt, tokenizers.Sim(tokenizers.MediaText(p))[1:]...) // without its BOS
 			words += TranscriptWords(p.GetData())
 		}
 	}

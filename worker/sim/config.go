@@ -16,10 +16,17 @@ const (
 	DefaultMaxNumBatchedTokens = 8192
 	DefaultNumKVBlocks         = 4096
 	DefaultBlockSize           = 16
+	// DefaultEncoderCacheEntries is how many media parts' encoder outputs
+	// the encoder cache keeps.
+	DefaultEncoderCacheEntries = 256
+	// DefaultEncodeTimePerKiB is what encoding a media part not in the
+	// encoder cache costs per KiB of its bytes: 20 µs, about 20 ms a MiB.
+	DefaultEncodeTimePerKiB = 20 * time.Microsecond
 )
 
 // Config configures a sim Engine. Zero fields take the defaults above; the
-// delays default to 0, which makes the engine run as fast as it can.
+// prefill and decode delays default to 0, which makes the engine run as
+// fast as it can (the encoder's, of media only, to DefaultEncodeTimePerKiB).
 type Config struct {
 	Role string // a stagepb role; default stagepb.RoleText
 	// InputRole is what the engine takes: "" for what its role takes
@@ -43,7 +50,14 @@ type Config struct {
 	DecodeTokenLatency time.Duration
 	// NumSpeculativeTokens is K, the draft positions per decode step (0: off).
 	NumSpeculativeTokens int
-	Logger               *slog.Logger // default slog.Default()
+	// EncoderCacheEntries bounds the multimodal encoder cache (media parts,
+	// by the hash of their bytes, least recently used evicted first).
+	EncoderCacheEntries int
+	// EncodeTimePerKiB is the encoder's time per KiB of a media part
+	// missing from the encoder cache, added to the step that first
+	// schedules its request. 0: DefaultEncodeTimePerKiB; negative: instant.
+	EncodeTimePerKiB time.Duration
+	Logger           *slog.Logger // default slog.Default()
 }
 
 // Validate reports what is wrong with the configuration, if anything.
@@ -64,6 +78,7 @@ func (c Config) Validate() error {
 	}{
 		{"max-num-seqs", c.MaxNumSeqs}, {"max-num-batched-tokens", c.MaxNumBatchedTokens},
 		{"num-kv-blocks", c.NumKVBlocks}, {"block-size", c.BlockSize},
+		{"encoder-cache-entries", c.EncoderCacheEntries},
 	} {
 		if f.v < 0 {
 			errs = append(errs, fmt.Errorf("sim: %s must be positive, got %d", f.name, f.v))
@@ -111,6 +126,13 @@ func (c Config) withDefaults() Config {
 		c.PrefillTokensPerSec = 0
 	}
 	c.DecodeTokenLatency = max(c.DecodeTokenLatency, 0)
+	if c.EncoderCacheEntries <= 0 {
+		c.EncoderCacheEntries = DefaultEncoderCacheEntries
+	}
+	if c.EncodeTimePerKiB == 0 {
+		c.EncodeTimePerKiB = DefaultEncodeTimePerKiB
+	}
+	c.EncodeTimePerKiB = max(c.EncodeTimePerKiB, 0)
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}

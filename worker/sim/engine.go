@@ -134,6 +134,7 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 	}
 	s := newSeq(req.GetRequestId(), role, prompt, buildPlan(role, prompt, ctxLen, p), p.seed)
 	countMediaTokens(req.GetChat().GetMessages(), s.delta)
+	s.media = mediaItemsOf(req.GetChat().GetMessages())
 	return e.run(ctx, s, emit)
 }
 
@@ -182,7 +183,7 @@ func (e *Engine) abort(s *seq) {
 }
 
 // Sleep puts the engine to sleep: level 1 offloads the weights, level 2
-// also discards the KV cache (the prefix cache is emptied). A sleeping
+// also discards the KV cache (the prefix and encoder caches are emptied). A sleeping
 // engine refuses Generate with FailedPrecondition. The engine must be idle:
 // with requests in flight Sleep fails with FailedPrecondition (drain first).
 func (e *Engine) Sleep(ctx context.Context, level int) (stagepb.SleepState, error) {
@@ -270,6 +271,7 @@ func (e *Engine) loop(sc *scheduler) {
 			sleep, _ = stagepb.SleepStateForLevel(ev.level) // Sleep checked the level
 			if sleep == stagepb.SleepState_SLEEP_STATE_DISCARD_ALL {
 				sc.pool.reset()
+				sc.encoder.clear()
 			}
 			e.cfg.Logger.Info("sim: engine asleep", "sleep_state", sleep.Name())
 		case evWake:
@@ -345,7 +347,8 @@ func (e *Engine) loop(sc *scheduler) {
 }
 
 // stepDuration is how long a step takes: its prefill tokens at the prefill
-// throughput, plus one decode latency if it decodes anything.
+// throughput, plus one decode latency if it decodes anything, plus the
+// encoding of the media parts it missed in the encoder cache.
 func (e *Engine) stepDuration(b *batch) time.Duration {
 	var d time.Duration
 	if b.prefillTokens > 0 && e.cfg.PrefillTokensPerSec > 0 {
@@ -354,6 +357,7 @@ func (e *Engine) stepDuration(b *batch) time.Duration {
 	if b.decodeTokens > 0 {
 		d += e.cfg.DecodeTokenLatency
 	}
+	d += time.Duration(b.encodeBytes) * e.cfg.EncodeTimePerKiB / 1024
 	return d
 }
 

@@ -46,6 +46,8 @@ type seq struct {
 
 	arrival, firstScheduled, firstToken time.Time
 
+	media []mediaItem // media parts to encode; nil once encoded
+
 	delta *stagepb.EngineStats // counters since the last chunk
 	box   *mailbox
 }
@@ -70,6 +72,7 @@ type step struct {
 type batch struct {
 	steps                       []step
 	prefillTokens, decodeTokens int
+	encodeBytes                 int // media bytes the encoder computes in this step
 }
 
 // Snapshot is the state of an engine, published after every change.
@@ -85,6 +88,8 @@ type Snapshot struct {
 	Preemptions        uint64
 	PrefixCacheQueries uint64    // tokens looked up, as vLLM counts them
 	PrefixCacheHits    uint64    // tokens found
+	MMCacheQueries     uint64    // media parts looked up in the encoder cache
+	MMCacheHits        uint64    // media parts found there
 	Finished           [5]uint64 // requests finished, indexed by stagepb.FinishReason
 	Closed             bool
 }
@@ -108,6 +113,7 @@ type scheduler struct {
 	running    []*seq // admission order; the last one is preempted first
 	waiting    []*seq // arrival order; preempted requests go to the front
 	inProgress map[uint64]int
+	encoder    *encoderCache
 	// pendingIter holds the token counts of steps not yet reported: each
 	// step is reported once, on the next chunk any request emits.
 	pendingIter []uint32
@@ -115,7 +121,8 @@ type scheduler struct {
 }
 
 func newScheduler(cfg Config) *scheduler {
-	return &scheduler{cfg: cfg, pool: newBlockPool(cfg.NumKVBlocks), inProgress: map[uint64]int{}}
+	return &scheduler{cfg: cfg, pool: newBlockPool(cfg.NumKVBlocks), inProgress: map[uint64]int{},
+		encoder: newEncoderCache(cfg.EncoderCacheEntries)}
 }
 
 func (sc *scheduler) busy() bool    { return len(sc.running)+len(sc.waiting) > 0 }
@@ -248,6 +255,7 @@ func (sc *scheduler) schedule(now time.Time) *batch {
 		}
 		sc.waiting = slices.Delete(sc.waiting, i, i+1)
 		sc.admit(s, hits, need, now)
+		b.encodeBytes += sc.encode(s)
 		b.add(step{seq: s, tokens: n})
 		budget -= n
 	}
@@ -294,6 +302,23 @@ func (sc *scheduler) admit(s *seq, hits []int32, fresh int, now time.Time) {
 	}
 	s.state = stateRunning
 	sc.running = append(sc.running, s)
+}
+
+// encode looks s's media parts up in the encoder cache, once (when s is
+// first scheduled), and returns the bytes of those it must encode.
+func (sc *scheduler) encode(s *seq) (missed int) {
+	for _, m := range s.media {
+		s.delta.MmCacheQueries++
+		sc.totals.MMCacheQueries++
+		if sc.encoder.lookup(m.hash) {
+			s.delta.MmCacheHits++
+			sc.totals.MMCacheHits++
+			continue
+		}
+		missed += m.bytes
+	}
+	s.media = nil
+	return missed
 }
 
 // commitBlocks caches every newly computed full block.

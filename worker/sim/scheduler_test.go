@@ -84,6 +84,8 @@ func sums(chunks []*stagepb.GenerateChunk) *stagepb.EngineStats {
 		t.PromptAudioTokens += s.GetPromptAudioTokens()
 		t.PromptImageTokens += s.GetPromptImageTokens()
 		t.PromptVideoTokens += s.GetPromptVideoTokens()
+		t.MmCacheQueries += s.GetMmCacheQueries()
+		t.MmCacheHits += s.GetMmCacheHits()
 		t.NumPreemptions += s.GetNumPreemptions()
 		t.SpecDecodeNumDrafts += s.GetSpecDecodeNumDrafts()
 		t.SpecDecodeNumDraftTokens += s.GetSpecDecodeNumDraftTokens()

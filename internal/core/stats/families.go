@@ -300,6 +300,8 @@ func perReplicaFamilies(maxModelLen int) []*family {
 		counter("prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", func(e *engine) *atomic.Uint64 { return &e.prefixHits }),
 		counter("num_preemptions_total", "Cumulative number of preemptions from the engine.", func(e *engine) *atomic.Uint64 { return &e.preemptions }),
 		counter("prompt_tokens_cached_total", "Number of cached prompt tokens (local + external).", func(e *engine) *atomic.Uint64 { return &e.promptCached }),
+		counter("mm_cache_queries_total", "Multi-modal cache queries, in terms of number of queried media items.", func(e *engine) *atomic.Uint64 { return &e.mmQueries }),
+		counter("mm_cache_hits_total", "Multi-modal cache hits, in terms of number of cached media items.", func(e *engine) *atomic.Uint64 { return &e.mmHits }),
 	}
 	spec := []*family{
 		counter("spec_decode_num_drafts_total", "Number of spec decoding drafts.", func(e *engine) *atomic.Uint64 { return &e.specDrafts }),
@@ -356,6 +358,7 @@ type engine struct {
 	success                                [len(stagepb.FinishReasons)]atomic.Uint64
 	prefixQueries, prefixHits, preemptions atomic.Uint64
 	promptCached                           atomic.Uint64
+	mmQueries, mmHits                      atomic.Uint64 // the multimodal encoder cache, in media parts
 
 	// specK is K: spec-decode series exist for K > 0, positions 0..K-1.
 	// It only grows while the replica is known.

@@ -422,6 +422,8 @@ func (l *Logger) Record(index int, s *stagepb.EngineStats) error {
 	add(&e.promptBySource[2], s.PromptTokensExternalKvTransfer)
 	add(&e.prefixQueries, s.PrefixCacheQueries)
 	add(&e.prefixHits, s.PrefixCacheHits)
+	add(&e.mmQueries, s.MmCacheQueries)
+	add(&e.mmHits, s.MmCacheHits)
 	add(&e.preemptions, s.NumPreemptions)
 	add(&e.promptCached, s.PromptTokensLocalCacheHit+s.PromptTokensExternalKvTransfer)
 	if k := int(e.specK.Load()); k > 0 {

@@ -26,7 +26,8 @@ var statFamilies = []string{
 	"troupe_time_to_first_token_seconds", "troupe_inter_token_latency_seconds", "troupe_e2e_request_latency_seconds",
 	"troupe_request_queue_time_seconds", "troupe_request_prefill_time_seconds", "troupe_request_decode_time_seconds",
 	"troupe_request_prompt_tokens", "troupe_request_generation_tokens", "troupe_iteration_tokens_total",
-	"troupe_prompt_tokens_cached_total", "troupe_request_time_per_output_token_seconds",
+	"troupe_prompt_tokens_cached_total", "troupe_mm_cache_queries_total", "troupe_mm_cache_hits_total",
+	"troupe_request_time_per_output_token_seconds",
 	"troupe_request_inference_time_seconds", "troupe_request_max_num_generation_tokens",
 	"troupe_request_params_max_tokens", "troupe_request_params_n", "troupe_request_prefill_kv_computed_tokens",
 	"troupe_stage_info", "troupe_cache_config_info",
@@ -126,6 +127,12 @@ troupe_num_preemptions_total{` + lbl + `} 0
 # HELP troupe_prompt_tokens_cached_total Number of cached prompt tokens (local + external).
 # TYPE troupe_prompt_tokens_cached_total counter
 troupe_prompt_tokens_cached_total{` + lbl + `} 0
+# HELP troupe_mm_cache_queries_total Multi-modal cache queries, in terms of number of queried media items.
+# TYPE troupe_mm_cache_queries_total counter
+troupe_mm_cache_queries_total{` + lbl + `} 0
+# HELP troupe_mm_cache_hits_total Multi-modal cache hits, in terms of number of cached media items.
+# TYPE troupe_mm_cache_hits_total counter
+troupe_mm_cache_hits_total{` + lbl + `} 0
 # HELP troupe_spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE troupe_spec_decode_num_drafts_total counter
 troupe_spec_decode_num_drafts_total{` + lbl + `} 0
@@ -194,9 +201,9 @@ troupe_cache_config_info{block_size="16",enable_prefix_caching="true",engine_kin
 	n, err := testutil.GatherAndCount(reg, statFamilies...)
 	require.NoError(t, err)
 	const (
-		gauges     = 1 + 1 + 1 + 2 + 3 + 1 // running, waiting, kv, by reason, sleep states, attached
-		counters   = 1 + 1 + 3 + 4 + 1 + 1 + 1 + 1
-		spec       = 1 + 1 + 1 + 2 // K = 2 positions
+		gauges     = 1 + 1 + 1 + 2 + 3 + 1             // running, waiting, kv, by reason, sleep states, attached
+		counters   = 1 + 1 + 3 + 4 + 1 + 1 + 1 + 1 + 2 // ..., mm cache queries and hits
+		spec       = 1 + 1 + 1 + 2                     // K = 2 positions
 		histograms = 15
 		info       = 2
 	)
@@ -494,7 +501,7 @@ func TestRejoinContinuity(t *testing.T) {
 	idx, err := rg.Attach(k)
 	require.NoError(t, err)
 	require.NoError(t, l.Register(idx, replica(0, 3)))
-	require.NoError(t, l.Record(idx, &stagepb.EngineStats{PromptTokens: 20, GenerationTokens: 5, PrefixCacheQueries: 20, PrefixCacheHits: 8}))
+	require.NoError(t, l.Record(idx, &stagepb.EngineStats{PromptTokens: 20, GenerationTokens: 5, PrefixCacheQueries: 20, PrefixCacheHits: 8, MmCacheQueries: 3, MmCacheHits: 2}))
 	require.NoError(t, l.Detach(idx))
 
 	// Another replica joins meanwhile; then 0/3 comes back as a new process.
@@ -507,9 +514,11 @@ func TestRejoinContinuity(t *testing.T) {
 	r := replica(0, 3)
 	r.Addr = "127.0.0.1:9"
 	require.NoError(t, l.Register(again, r))
-	require.NoError(t, l.Record(again, &stagepb.EngineStats{PromptTokens: 1, PrefixCacheQueries: 1}))
+	require.NoError(t, l.Record(again, &stagepb.EngineStats{PromptTokens: 1, PrefixCacheQueries: 1, MmCacheQueries: 1}))
 
 	s := gatherSeries(t, reg)
+	require.Equal(t, 4.0, s[seriesKey("troupe_mm_cache_queries_total", 0, 3)])
+	require.Equal(t, 2.0, s[seriesKey("troupe_mm_cache_hits_total", 0, 3)])
 	require.Equal(t, 21.0, s[seriesKey("troupe_prompt_tokens_total", 0, 3)])
 	require.Equal(t, 5.0, s[seriesKey("troupe_generation_tokens_total", 0, 3)])
 	require.Equal(t, 21.0, s[seriesKey("troupe_prefix_cache_queries_total", 0, 3)])

@@ -15,7 +15,6 @@ import (
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/tokenizers"
-	"github.com/troupe-serving/troupe/worker/sim"
 )
 
 // TestParseChatMediaParts: media parts are decoded once, at the head, to
@@ -96,14 +95,14 @@ func TestMediaPartsSim(t *testing.T) {
 		MaxCompletionTokens: openai.Int(8),
 	}
 	text := []*stagepb.ChatMessage{{Role: "system", Content: "be brief"}, {Role: "user", Content: "describe"}}
-	wantPrompt := len(tokenizers.Sim(tokenizers.ChatText(text))) + sim.MediaTokens(img) + sim.MediaTokens(audio)
+	wantPrompt := len(tokenizers.Sim(tokenizers.ChatText(text))) + tokenizers.MediaTokens(img) + tokenizers.MediaTokens(audio)
 
 	hits0 := counter(t, c, "troupe_prefix_cache_hits_total", "0", "", "")
 	res, err := client.Chat.Completions.New(ctx, params)
 	require.NoError(t, err)
 	assert.Equal(t, int64(wantPrompt), res.Usage.PromptTokens)
-	assert.Equal(t, int64(sim.MediaTokens(audio)), res.Usage.PromptTokensDetails.AudioTokens)
-	assert.Contains(t, res.RawJSON(), fmt.Sprintf(`"image_tokens":%d`, sim.MediaTokens(img)))
+	assert.Equal(t, int64(tokenizers.MediaTokens(audio)), res.Usage.PromptTokensDetails.AudioTokens)
+	assert.Contains(t, res.RawJSON(), fmt.Sprintf(`"image_tokens":%d`, tokenizers.MediaTokens(img)))
 	assert.NotEmpty(t, res.Choices[0].Message.Content)
 	again, err := client.Chat.Completions.New(ctx, params)
 	require.NoError(t, err)
@@ -121,7 +120,7 @@ func TestMediaPartsSim(t *testing.T) {
 	}
 	require.NoError(t, stream.Err())
 	require.NoError(t, stream.Close())
-	assert.Equal(t, int64(sim.MediaTokens(audio)), usage.PromptTokensDetails.AudioTokens)
+	assert.Equal(t, int64(tokenizers.MediaTokens(audio)), usage.PromptTokensDetails.AudioTokens)
 
 	prompt0 := counter(t, c, "troupe_prompt_tokens_total", "0", "", "")
 	url := `{"model":"troupe-omni-sim","messages":[{"role":"user","content":[{"type":"text","text":"what"},{"type":"image_url","image_url":{"url":"https://example.com/cat.png"}}]}]}`
