@@ -42,6 +42,8 @@ func init() {
 			detail: "TRACE_ID is a trace id (32 hex digits) or a whole traceparent header value; flags may come before or after it.", run: runTrace},
 		{name: "bench", args: "[compare A.json B.json]", summary: "load a troupe head (or any OpenAI-compatible server) and report latencies, throughput and goodput",
 			detail: benchDetail, run: runBench},
+		{name: "talk", summary: "run a realtime voice session from the terminal: send text or a WAV, print and save the answers",
+			detail: talkDetail, run: runTalk},
 		{name: "version", summary: "print the version and the build's VCS revision", run: runVersion},
 		{name: "help", args: "[COMMAND]", summary: "show the help of a command", run: runHelp},
 	}
