@@ -69,6 +69,26 @@ type objects struct {
 	secrets      map[string]*corev1.Secret
 	pdbs         map[string]*policyv1.PodDisruptionBudget
 	rules        map[string]*prometheusRule
+	podMonitors  map[string]*podMonitor
+}
+
+// podMonitor is the part of prometheus-operator's PodMonitor the chart
+// writes.
+type podMonitor struct {
+	APIVersion string         `json:"apiVersion"`
+	Kind       string         `json:"kind"`
+	Metadata   map[string]any `json:"metadata"`
+	Spec       struct {
+		JobLabel string `json:"jobLabel"`
+		Selector struct {
+			MatchLabels map[string]string `json:"matchLabels"`
+		} `json:"selector"`
+		PodMetricsEndpoints []struct {
+			Port     string `json:"port"`
+			Path     string `json:"path"`
+			Interval string `json:"interval"`
+		} `json:"podMetricsEndpoints"`
+	} `json:"spec"`
 }
 
 // prometheusRule is the part of prometheus-operator's PrometheusRule the
@@ -147,7 +167,7 @@ func decodeAll(t *testing.T, rendered map[string]string) *objects {
 		deployments: map[string]*appsv1.Deployment{}, statefulSets: map[string]*appsv1.StatefulSet{},
 		services: map[string]*corev1.Service{}, configMaps: map[string]*corev1.ConfigMap{},
 		secrets: map[string]*corev1.Secret{}, pdbs: map[string]*policyv1.PodDisruptionBudget{},
-		rules: map[string]*prometheusRule{},
+		rules: map[string]*prometheusRule{}, podMonitors: map[string]*podMonitor{},
 	}
 	names := make([]string, 0, len(rendered))
 	for n := range rendered {
@@ -195,6 +215,9 @@ func decodeAll(t *testing.T, rendered map[string]string) *objects {
 			case "policy/v1 PodDisruptionBudget":
 				p := &policyv1.PodDisruptionBudget{}
 				o.pdbs[head.Metadata.Name], obj = p, p
+			case "monitoring.coreos.com/v1 PodMonitor":
+				m := &podMonitor{}
+				o.podMonitors[head.Metadata.Name], obj = m, m
 			case "monitoring.coreos.com/v1 PrometheusRule":
 				r := &prometheusRule{}
 				o.rules[head.Metadata.Name], obj = r, r
@@ -232,6 +255,7 @@ func TestChartRenders(t *testing.T) {
 			rendered, err := render(c, values(t, file, map[string]any{
 				"clusterToken.value":                testToken,
 				"monitoring.prometheusRule.enabled": true,
+				"monitoring.podMonitor.enabled":     true,
 				"head.apiKeySecret.name":            "api-key",
 			}))
 			if err != nil {
@@ -376,6 +400,25 @@ func checkObjects(t *testing.T, o *objects, externalEtcd bool) {
 		checkTroupeContainer(t, name, tmpl, o, externalEtcd)
 	}
 	checkPipeline(t, o)
+	for name, m := range o.podMonitors {
+		tmpl, ok := selected(workloads, m.Spec.Selector.MatchLabels)
+		if !ok {
+			t.Errorf("PodMonitor %s: selector matches no workload's pods", name)
+			continue
+		}
+		// The alerts of deploy/prometheus/rules.yml select job="troupe-head".
+		if job := tmpl.Labels[m.Spec.JobLabel]; job != "troupe-head" {
+			t.Errorf("PodMonitor %s: job from label %q is %q, want troupe-head", name, m.Spec.JobLabel, job)
+		}
+		for _, e := range m.Spec.PodMetricsEndpoints {
+			if !hasPort(tmpl.Spec.Containers, intstr.FromString(e.Port)) || e.Path != "/metrics" {
+				t.Errorf("PodMonitor %s: endpoint %+v is not the head's /metrics port", name, e)
+			}
+		}
+	}
+	if len(o.rules) > 0 && len(o.podMonitors) == 0 {
+		t.Errorf("a PrometheusRule without the PodMonitor: nothing scrapes job troupe-head")
+	}
 	for name, r := range o.rules {
 		checkRules(t, name, r)
 	}
