@@ -50,6 +50,14 @@ haproxy="$(command -v haproxy || echo /usr/sbin/haproxy)"
 step "go test -race (all packages)"
 go test -race -count=1 -timeout 15m ./...
 
+# The Helm chart's test is its own module (Helm's and Kubernetes' libraries
+# stay out of troupe's): it renders deploy/helm/troupe with Helm's library
+# for each values file, strict-decodes every object into the Kubernetes API
+# types, checks their references, and runs `helm lint`'s checks in process.
+step "Helm chart (deploy/helm)"
+staticcheck="$(go tool -n staticcheck)" # the main module's staticcheck, run in the chart's module
+(cd deploy/helm && go vet ./... && "$staticcheck" ./... && go test -count=1 ./...)
+
 # Each fuzz target for a bounded number of inputs, about 10 s each on an
 # idle 2-core machine (go test -fuzz takes one target per run); their seed
 # inputs (f.Add; no corpus is checked in) already ran as plain tests above.

@@ -1,0 +1,709 @@
+package helm
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"helm.sh/helm/v3/pkg/chart"
+	"helm.sh/helm/v3/pkg/chart/loader"
+	"helm.sh/helm/v3/pkg/chartutil"
+	"helm.sh/helm/v3/pkg/engine"
+	"helm.sh/helm/v3/pkg/lint"
+	"helm.sh/helm/v3/pkg/lint/support"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"sigs.k8s.io/yaml"
+)
+
+const (
+	chartDir = "troupe"
+	// A cluster token of the required 16 bytes and more, for rendering.
+	testToken = "0123456789abcdef0123456789abcdef"
+)
+
+// valuesFiles are the chart's values files; "" is values.yaml alone.
+var valuesFiles = []string{"", "values-vllm.yaml", "values-vllm-omni.yaml"}
+
+// copies are the chart's copies of files owned elsewhere in the repository
+// (Helm reads only files inside the chart, and ignores symlinks out of it).
+var copies = map[string]string{
+	"troupe/files/rules.yml":   "../prometheus/rules.yml",
+	"troupe/files/troupe.json": "../grafana/troupe.json",
+}
+
+// TestCopiesMatchTheirOwners: the chart's rules and dashboard are
+// deploy/prometheus/rules.yml and deploy/grafana/troupe.json, byte for byte.
+func TestCopiesMatchTheirOwners(t *testing.T) {
+	for cp, owner := range copies {
+		got, err := os.ReadFile(cp)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, err := os.ReadFile(owner)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Errorf("%s differs from %s: run cp %s %s", cp, owner, owner, cp)
+		}
+	}
+}
+
+// objects are one rendering's objects by kind and name.
+type objects struct {
+	deployments  map[string]*appsv1.Deployment
+	statefulSets map[string]*appsv1.StatefulSet
+	services     map[string]*corev1.Service
+	configMaps   map[string]*corev1.ConfigMap
+	secrets      map[string]*corev1.Secret
+	pdbs         map[string]*policyv1.PodDisruptionBudget
+	rules        map[string]*prometheusRule
+	podMonitors  map[string]*podMonitor
+}
+
+// podMonitor is the part of prometheus-operator's PodMonitor the chart
+// writes.
+type podMonitor struct {
+	APIVersion string         `json:"apiVersion"`
+	Kind       string         `json:"kind"`
+	Metadata   map[string]any `json:"metadata"`
+	Spec       struct {
+		JobLabel string `json:"jobLabel"`
+		Selector struct {
+			MatchLabels map[string]string `json:"matchLabels"`
+		} `json:"selector"`
+		PodMetricsEndpoints []struct {
+			Port     string `json:"port"`
+			Path     string `json:"path"`
+			Interval string `json:"interval"`
+		} `json:"podMetricsEndpoints"`
+	} `json:"spec"`
+}
+
+// prometheusRule is the part of prometheus-operator's PrometheusRule the
+// chart writes (the type is a CRD, not in k8s.io/api).
+type prometheusRule struct {
+	APIVersion string         `json:"apiVersion"`
+	Kind       string         `json:"kind"`
+	Metadata   map[string]any `json:"metadata"`
+	Spec       struct {
+		Groups []any `json:"groups"`
+	} `json:"spec"`
+}
+
+func loadChart(t *testing.T) *chart.Chart {
+	t.Helper()
+	c, err := loader.Load(chartDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// values reads a values file over the chart's defaults and applies set
+// (dotted keys) over it, as `helm -f file --set k=v` does.
+func values(t *testing.T, file string, set map[string]any) map[string]any {
+	t.Helper()
+	vals := map[string]any{}
+	if file != "" {
+		v, err := chartutil.ReadValuesFile(filepath.Join(chartDir, file))
+		if err != nil {
+			t.Fatal(err)
+		}
+		vals = v.AsMap()
+	}
+	for key, v := range set {
+		m := vals
+		parts := strings.Split(key, ".")
+		for _, p := range parts[:len(parts)-1] {
+			next, ok := m[p].(map[string]any)
+			if !ok {
+				next = map[string]any{}
+				m[p] = next
+			}
+			m = next
+		}
+		m[parts[len(parts)-1]] = v
+	}
+	return vals
+}
+
+func render(c *chart.Chart, vals map[string]any) (map[string]string, error) {
+	rv, err := chartutil.ToRenderValues(c, vals, chartutil.ReleaseOptions{Name: "demo", Namespace: "troupe", IsInstall: true}, nil)
+	if err != nil {
+		return nil, err
+	}
+	return engine.Render(c, rv)
+}
+
+var docSeparator = regexp.MustCompile(`(?m)^---\s*$`)
+
+// decodeStrict decodes one YAML document into v, refusing unknown fields.
+func decodeStrict(doc string, v any) error {
+	js, err := yaml.YAMLToJSON([]byte(doc))
+	if err != nil {
+		return err
+	}
+	dec := json.NewDecoder(bytes.NewReader(js))
+	dec.DisallowUnknownFields()
+	return dec.Decode(v)
+}
+
+// decodeAll strict-decodes every rendered object into its API type.
+func decodeAll(t *testing.T, rendered map[string]string) *objects {
+	t.Helper()
+	o := &objects{
+		deployments: map[string]*appsv1.Deployment{}, statefulSets: map[string]*appsv1.StatefulSet{},
+		services: map[string]*corev1.Service{}, configMaps: map[string]*corev1.ConfigMap{},
+		secrets: map[string]*corev1.Secret{}, pdbs: map[string]*policyv1.PodDisruptionBudget{},
+		rules: map[string]*prometheusRule{}, podMonitors: map[string]*podMonitor{},
+	}
+	names := make([]string, 0, len(rendered))
+	for n := range rendered {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, file := range names {
+		if !strings.HasSuffix(file, ".yaml") {
+			continue // NOTES.txt, helpers
+		}
+		for _, doc := range docSeparator.Split(rendered[file], -1) {
+			var head struct {
+				APIVersion string `json:"apiVersion"`
+				Kind       string `json:"kind"`
+				Metadata   struct {
+					Name string `json:"name"`
+				} `json:"metadata"`
+			}
+			if err := yaml.Unmarshal([]byte(doc), &head); err != nil {
+				t.Fatalf("%s: %v\n%s", file, err, doc)
+			}
+			if head.Kind == "" {
+				if strings.TrimSpace(stripComments(doc)) != "" {
+					t.Fatalf("%s: a document without kind:\n%s", file, doc)
+				}
+				continue
+			}
+			var obj any
+			switch head.APIVersion + " " + head.Kind {
+			case "apps/v1 Deployment":
+				d := &appsv1.Deployment{}
+				o.deployments[head.Metadata.Name], obj = d, d
+			case "apps/v1 StatefulSet":
+				s := &appsv1.StatefulSet{}
+				o.statefulSets[head.Metadata.Name], obj = s, s
+			case "v1 Service":
+				s := &corev1.Service{}
+				o.services[head.Metadata.Name], obj = s, s
+			case "v1 ConfigMap":
+				c := &corev1.ConfigMap{}
+				o.configMaps[head.Metadata.Name], obj = c, c
+			case "v1 Secret":
+				s := &corev1.Secret{}
+				o.secrets[head.Metadata.Name], obj = s, s
+			case "policy/v1 PodDisruptionBudget":
+				p := &policyv1.PodDisruptionBudget{}
+				o.pdbs[head.Metadata.Name], obj = p, p
+			case "monitoring.coreos.com/v1 PodMonitor":
+				m := &podMonitor{}
+				o.podMonitors[head.Metadata.Name], obj = m, m
+			case "monitoring.coreos.com/v1 PrometheusRule":
+				r := &prometheusRule{}
+				o.rules[head.Metadata.Name], obj = r, r
+			default:
+				t.Fatalf("%s: unexpected object %s %s", file, head.APIVersion, head.Kind)
+			}
+			if err := decodeStrict(doc, obj); err != nil {
+				t.Fatalf("%s: %s %s: %v", file, head.Kind, head.Metadata.Name, err)
+			}
+		}
+	}
+	return o
+}
+
+func stripComments(doc string) string {
+	var b strings.Builder
+	for _, line := range strings.Split(doc, "\n") {
+		if !strings.HasPrefix(strings.TrimSpace(line), "#") {
+			b.WriteString(line + "\n")
+		}
+	}
+	return b.String()
+}
+
+// TestChartRenders renders every values file and checks the objects'
+// references to each other and to the flags they run with.
+func TestChartRenders(t *testing.T) {
+	c := loadChart(t)
+	for _, file := range valuesFiles {
+		name := file
+		if name == "" {
+			name = "values.yaml"
+		}
+		t.Run(name, func(t *testing.T) {
+			rendered, err := render(c, values(t, file, map[string]any{
+				"clusterToken.value":                testToken,
+				"monitoring.prometheusRule.enabled": true,
+				"monitoring.podMonitor.enabled":     true,
+				"head.apiKeySecret.name":            "api-key",
+			}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			o := decodeAll(t, rendered)
+			checkObjects(t, o, false)
+		})
+	}
+}
+
+// TestExternalEtcdAndExistingSecret: with external etcd endpoints no etcd is
+// deployed and every troupe process dials them; an existing Secret is
+// mounted and none is created.
+func TestExternalEtcdAndExistingSecret(t *testing.T) {
+	c := loadChart(t)
+	endpoints := []any{"http://etcd-0.etcd:2379", "http://etcd-1.etcd:2379", "http://etcd-2.etcd:2379"}
+	rendered, err := render(c, values(t, "", map[string]any{
+		"etcd.external.endpoints":     endpoints,
+		"clusterToken.existingSecret": "my-token",
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := decodeAll(t, rendered)
+	if len(o.statefulSets) != 0 {
+		t.Errorf("external etcd: the chart still deploys %d StatefulSets", len(o.statefulSets))
+	}
+	if len(o.secrets) != 0 {
+		t.Errorf("existingSecret: the chart still creates %d Secrets", len(o.secrets))
+	}
+	for name, d := range o.deployments {
+		got := flagValue(t, d.Spec.Template.Spec.Containers[0], "etcd-endpoints")
+		if want := "http://etcd-0.etcd:2379,http://etcd-1.etcd:2379,http://etcd-2.etcd:2379"; got != want {
+			t.Errorf("%s: --etcd-endpoints=%s, want %s", name, got, want)
+		}
+		if s := secretVolume(d.Spec.Template.Spec, "cluster-token"); s != "my-token" {
+			t.Errorf("%s: cluster-token volume from Secret %q, want my-token", name, s)
+		}
+	}
+	checkObjects(t, o, true)
+}
+
+// TestChartRefusesBrokenValues: values that would render a broken cluster
+// fail the rendering with a message that says what to set.
+func TestChartRefusesBrokenValues(t *testing.T) {
+	c := loadChart(t)
+	for _, tc := range []struct {
+		name string
+		set  map[string]any
+		want string
+	}{
+		{"no token", map[string]any{}, "clusterToken"},
+		{"short token", map[string]any{"clusterToken.value": "short"}, "16 bytes"},
+		{"three etcd members", map[string]any{"clusterToken.value": testToken, "etcd.replicas": 3}, "etcd.external.endpoints"},
+		{"stage without workers", map[string]any{"clusterToken.value": testToken,
+			"pipeline.stages": []any{map[string]any{"name": "thinker"}, map[string]any{"name": "speech"}}}, `stage "speech" has no entry in stages`},
+		{"stage name not a DNS label", map[string]any{"clusterToken.value": testToken,
+			"stages": []any{map[string]any{"name": "Thinker_1", "replicas": 1}}}, "not a DNS label"},
+		{"gpu without sidecar", map[string]any{"clusterToken.value": testToken,
+			"stages": []any{map[string]any{"name": "thinker", "replicas": 1, "gpu": 1}}}, "gpu goes to the stage's first sidecar"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := render(c, values(t, "", tc.set))
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("render: %v, want an error containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestLint runs `helm lint`'s checks (in process) on every values file.
+func TestLint(t *testing.T) {
+	for _, file := range valuesFiles {
+		vals := values(t, file, map[string]any{"clusterToken.value": testToken})
+		linter := lint.All(chartDir, vals, "troupe", false)
+		for _, m := range linter.Messages {
+			if m.Severity >= support.WarningSev {
+				t.Errorf("%s: %s", file, m)
+			}
+		}
+	}
+}
+
+// checkObjects checks the references of one rendering.
+func checkObjects(t *testing.T, o *objects, externalEtcd bool) {
+	t.Helper()
+	workloads := map[string]corev1.PodTemplateSpec{}
+	claims := map[string][]string{} // a StatefulSet's volume claim templates, by workload
+	for name, d := range o.deployments {
+		checkSelector(t, "Deployment "+name, d.Spec.Selector.MatchLabels, d.Spec.Template.Labels)
+		workloads[name] = d.Spec.Template
+	}
+	for name, s := range o.statefulSets {
+		checkSelector(t, "StatefulSet "+name, s.Spec.Selector.MatchLabels, s.Spec.Template.Labels)
+		if _, ok := o.services[s.Spec.ServiceName]; !ok {
+			t.Errorf("StatefulSet %s: serviceName %s is no Service", name, s.Spec.ServiceName)
+		}
+		workloads[name] = s.Spec.Template
+		for _, c := range s.Spec.VolumeClaimTemplates {
+			claims[name] = append(claims[name], c.Name)
+		}
+	}
+	for name, s := range o.services {
+		tmpl, ok := selected(workloads, s.Spec.Selector)
+		if !ok {
+			t.Errorf("Service %s: selector %v matches no workload's pods", name, s.Spec.Selector)
+			continue
+		}
+		for _, p := range s.Spec.Ports {
+			if !hasPort(tmpl.Spec.Containers, p.TargetPort) {
+				t.Errorf("Service %s: targetPort %s is no container port", name, p.TargetPort.String())
+			}
+		}
+	}
+	for name, p := range o.pdbs {
+		if _, ok := selected(workloads, p.Spec.Selector.MatchLabels); !ok {
+			t.Errorf("PodDisruptionBudget %s: selector matches no workload's pods", name)
+		}
+	}
+	for name, tmpl := range workloads {
+		spec := tmpl.Spec
+		for _, v := range spec.Volumes {
+			if v.ConfigMap != nil {
+				if _, ok := o.configMaps[v.ConfigMap.Name]; !ok {
+					t.Errorf("%s: volume %s: no ConfigMap %s", name, v.Name, v.ConfigMap.Name)
+				}
+			}
+			if v.Secret != nil && v.Name == "cluster-token" && !externalEtcd {
+				if _, ok := o.secrets[v.Secret.SecretName]; !ok {
+					t.Errorf("%s: volume %s: no Secret %s", name, v.Name, v.Secret.SecretName)
+				}
+			}
+		}
+		for _, ct := range spec.Containers {
+			for _, m := range ct.VolumeMounts {
+				if !hasVolume(spec, m.Name) && !slices.Contains(claims[name], m.Name) {
+					t.Errorf("%s: container %s mounts %s, no volume of the pod", name, ct.Name, m.Name)
+				}
+			}
+		}
+		checkTroupeContainer(t, name, tmpl, o, externalEtcd)
+	}
+	checkPipeline(t, o)
+	for name, m := range o.podMonitors {
+		tmpl, ok := selected(workloads, m.Spec.Selector.MatchLabels)
+		if !ok {
+			t.Errorf("PodMonitor %s: selector matches no workload's pods", name)
+			continue
+		}
+		// The alerts of deploy/prometheus/rules.yml select job="troupe-head".
+		if job := tmpl.Labels[m.Spec.JobLabel]; job != "troupe-head" {
+			t.Errorf("PodMonitor %s: job from label %q is %q, want troupe-head", name, m.Spec.JobLabel, job)
+		}
+		for _, e := range m.Spec.PodMetricsEndpoints {
+			if !hasPort(tmpl.Spec.Containers, intstr.FromString(e.Port)) || e.Path != "/metrics" {
+				t.Errorf("PodMonitor %s: endpoint %+v is not the head's /metrics port", name, e)
+			}
+		}
+	}
+	if len(o.rules) > 0 && len(o.podMonitors) == 0 {
+		t.Errorf("a PrometheusRule without the PodMonitor: nothing scrapes job troupe-head")
+	}
+	for name, r := range o.rules {
+		checkRules(t, name, r)
+	}
+	for name, cm := range o.configMaps {
+		if cm.Labels["grafana_dashboard"] != "1" {
+			continue
+		}
+		want, err := os.ReadFile("../grafana/troupe.json")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := cm.Data["troupe.json"]; got != string(want) {
+			t.Errorf("ConfigMap %s: troupe.json is not deploy/grafana/troupe.json (%d bytes, want %d)", name, len(got), len(want))
+		}
+		if !json.Valid([]byte(cm.Data["troupe.json"])) {
+			t.Errorf("ConfigMap %s: troupe.json is not JSON", name)
+		}
+	}
+}
+
+// checkTroupeContainer checks the troupe container's probes and grace
+// period against the flags it runs with.
+func checkTroupeContainer(t *testing.T, name string, tmpl corev1.PodTemplateSpec, o *objects, externalEtcd bool) {
+	t.Helper()
+	ct := tmpl.Spec.Containers[0]
+	if len(ct.Args) == 0 {
+		t.Fatalf("%s: container %s has no args", name, ct.Name)
+	}
+	for _, p := range []*corev1.Probe{ct.ReadinessProbe, ct.LivenessProbe} {
+		if p == nil {
+			continue
+		}
+		switch {
+		case p.HTTPGet != nil:
+			if !hasPort([]corev1.Container{ct}, p.HTTPGet.Port) {
+				t.Errorf("%s: probe port %s is no container port", name, p.HTTPGet.Port.String())
+			}
+		case p.GRPC != nil:
+			if !hasPort([]corev1.Container{ct}, intstr.FromInt32(p.GRPC.Port)) {
+				t.Errorf("%s: gRPC probe port %d is no container port", name, p.GRPC.Port)
+			}
+		}
+	}
+	if ct.ReadinessProbe == nil {
+		t.Errorf("%s: no readiness probe", name)
+	}
+	grace := time.Duration(0)
+	if tmpl.Spec.TerminationGracePeriodSeconds != nil {
+		grace = time.Duration(*tmpl.Spec.TerminationGracePeriodSeconds) * time.Second
+	}
+	switch ct.Args[0] {
+	case "head":
+		port := portOf(t, name, flagValue(t, ct, "http"))
+		rp := ct.ReadinessProbe.HTTPGet
+		if rp == nil || rp.Path != "/readyz" || containerPort(ct, rp.Port) != port {
+			t.Errorf("%s: readiness %+v, want GET /readyz on --http's port %d", name, rp, port)
+		}
+		if lp := ct.LivenessProbe; lp == nil || lp.HTTPGet == nil || lp.HTTPGet.Path != "/healthz" || containerPort(ct, lp.HTTPGet.Port) != port {
+			t.Errorf("%s: liveness %+v, want GET /healthz on port %d", name, lp, port)
+		}
+		need := duration(t, name, flagValue(t, ct, "shutdown-delay")) + duration(t, name, flagValue(t, ct, "drain-timeout"))
+		if grace <= need {
+			t.Errorf("%s: terminationGracePeriodSeconds %v, want more than --shutdown-delay + --drain-timeout = %v", name, grace, need)
+		}
+		pipe := flagValue(t, ct, "pipeline")
+		if !mounted(ct, pipe) {
+			t.Errorf("%s: --pipeline=%s is in no mount", name, pipe)
+		}
+		if ann := tmpl.Annotations; ann["prometheus.io/scrape"] != "true" || ann["prometheus.io/port"] != fmt.Sprint(port) {
+			t.Errorf("%s: scrape annotations %v, want the head's port %d", name, ann, port)
+		}
+	case "worker":
+		port := portOf(t, name, flagValue(t, ct, "listen"))
+		if g := ct.ReadinessProbe.GRPC; g == nil || g.Port != port {
+			t.Errorf("%s: readiness %+v, want gRPC health on --listen's port %d", name, ct.ReadinessProbe, port)
+		}
+		if adv := flagValue(t, ct, "advertise"); adv != fmt.Sprintf("$(POD_IP):%d", port) {
+			t.Errorf("%s: --advertise=%s, want $(POD_IP):%d", name, adv, port)
+		}
+		if !envFromField(ct, "POD_IP", "status.podIP") {
+			t.Errorf("%s: no POD_IP from status.podIP", name)
+		}
+		if id := flagValue(t, ct, "replica-id"); id != "auto" {
+			t.Errorf("%s: --replica-id=%s, want auto", name, id)
+		}
+		if need := duration(t, name, flagValue(t, ct, "drain-timeout")); grace <= need {
+			t.Errorf("%s: terminationGracePeriodSeconds %v, want more than --drain-timeout %v", name, grace, need)
+		}
+	case "etcd":
+		port := portOf(t, name, flagValue(t, ct, "listen-client-urls"))
+		if rp := ct.ReadinessProbe.HTTPGet; rp == nil || rp.Path != "/health" || containerPort(ct, rp.Port) != port {
+			t.Errorf("%s: readiness %+v, want GET /health on the client port %d", name, rp, port)
+		}
+		if !mounted(ct, flagValue(t, ct, "data-dir")) {
+			t.Errorf("%s: --data-dir is in no mount", name)
+		}
+		return
+	default:
+		t.Fatalf("%s: unknown troupe command %q", name, ct.Args[0])
+	}
+	tok := flagValue(t, ct, "cluster-token-file")
+	if !mounted(ct, tok) {
+		t.Errorf("%s: --cluster-token-file=%s is in no mount", name, tok)
+	}
+	if !externalEtcd {
+		ep := flagValue(t, ct, "etcd-endpoints")
+		host := strings.Split(strings.TrimPrefix(ep, "http://"), ":")[0]
+		if _, ok := o.services[host]; !ok {
+			t.Errorf("%s: --etcd-endpoints=%s names no Service", name, ep)
+		}
+	}
+}
+
+// checkPipeline: every stage of the heads' pipeline has a Deployment of
+// workers with that --stage.
+func checkPipeline(t *testing.T, o *objects) {
+	t.Helper()
+	var pipe struct {
+		Model  string `json:"model"`
+		Stages []struct {
+			Name string `json:"name"`
+		} `json:"stages"`
+	}
+	found := false
+	for name, cm := range o.configMaps {
+		text, ok := cm.Data["pipeline.yaml"]
+		if !ok {
+			continue
+		}
+		found = true
+		if err := yaml.Unmarshal([]byte(text), &pipe); err != nil {
+			t.Fatalf("ConfigMap %s: %v", name, err)
+		}
+	}
+	if !found || pipe.Model == "" || len(pipe.Stages) == 0 {
+		t.Fatalf("no pipeline ConfigMap with a model and stages: %+v", pipe)
+	}
+	stages := map[string]bool{}
+	for _, d := range o.deployments {
+		ct := d.Spec.Template.Spec.Containers[0]
+		if ct.Args[0] == "worker" {
+			stages[flagValue(t, ct, "stage")] = true
+		}
+	}
+	for _, s := range pipe.Stages {
+		if !stages[s.Name] {
+			t.Errorf("pipeline stage %s has no worker Deployment (workers: %v)", s.Name, stages)
+		}
+	}
+}
+
+// checkRules: the PrometheusRule's groups are deploy/prometheus/rules.yml's.
+func checkRules(t *testing.T, name string, r *prometheusRule) {
+	t.Helper()
+	data, err := os.ReadFile("../prometheus/rules.yml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want struct {
+		Groups []any `json:"groups"`
+	}
+	if err := yaml.Unmarshal(data, &want); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := json.Marshal(r.Spec.Groups)
+	exp, _ := json.Marshal(want.Groups)
+	if len(want.Groups) == 0 || !bytes.Equal(got, exp) {
+		t.Errorf("PrometheusRule %s: groups differ from deploy/prometheus/rules.yml", name)
+	}
+}
+
+func checkSelector(t *testing.T, what string, sel, labels map[string]string) {
+	t.Helper()
+	if len(sel) == 0 || !subset(sel, labels) {
+		t.Errorf("%s: selector %v does not match its pod labels %v", what, sel, labels)
+	}
+}
+
+func subset(sel, labels map[string]string) bool {
+	for k, v := range sel {
+		if labels[k] != v {
+			return false
+		}
+	}
+	return true
+}
+
+// selected is the one workload whose pods sel matches.
+func selected(workloads map[string]corev1.PodTemplateSpec, sel map[string]string) (corev1.PodTemplateSpec, bool) {
+	var match []corev1.PodTemplateSpec
+	for _, tmpl := range workloads {
+		if len(sel) > 0 && subset(sel, tmpl.Labels) {
+			match = append(match, tmpl)
+		}
+	}
+	if len(match) != 1 {
+		return corev1.PodTemplateSpec{}, false
+	}
+	return match[0], true
+}
+
+func hasPort(cts []corev1.Container, p intstr.IntOrString) bool {
+	for _, ct := range cts {
+		if containerPort(ct, p) != 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// containerPort is the number of the container's port p (a name or a
+// number), 0 if it has none.
+func containerPort(ct corev1.Container, p intstr.IntOrString) int32 {
+	for _, cp := range ct.Ports {
+		if (p.Type == intstr.String && cp.Name == p.StrVal) || (p.Type == intstr.Int && cp.ContainerPort == p.IntVal) {
+			return cp.ContainerPort
+		}
+	}
+	return 0
+}
+
+func hasVolume(spec corev1.PodSpec, name string) bool {
+	for _, v := range spec.Volumes {
+		if v.Name == name {
+			return true
+		}
+	}
+	return false
+}
+
+func secretVolume(spec corev1.PodSpec, name string) string {
+	for _, v := range spec.Volumes {
+		if v.Name == name && v.Secret != nil {
+			return v.Secret.SecretName
+		}
+	}
+	return ""
+}
+
+func mounted(ct corev1.Container, path string) bool {
+	for _, m := range ct.VolumeMounts {
+		if strings.HasPrefix(path, strings.TrimSuffix(m.MountPath, "/")+"/") {
+			return true
+		}
+	}
+	return false
+}
+
+func envFromField(ct corev1.Container, name, field string) bool {
+	for _, e := range ct.Env {
+		if e.Name == name && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == field {
+			return true
+		}
+	}
+	return false
+}
+
+// flagValue is the value of --name=value in the container's args.
+func flagValue(t *testing.T, ct corev1.Container, name string) string {
+	t.Helper()
+	for _, a := range ct.Args {
+		if v, ok := strings.CutPrefix(a, "--"+name+"="); ok {
+			return v
+		}
+	}
+	t.Fatalf("container %s: no --%s= in %v", ct.Name, name, ct.Args)
+	return ""
+}
+
+// portOf is the port of an address or URL ending in :port.
+func portOf(t *testing.T, what, addr string) int32 {
+	t.Helper()
+	i := strings.LastIndex(addr, ":")
+	var p int32
+	if _, err := fmt.Sscan(addr[i+1:], &p); err != nil || i < 0 {
+		t.Fatalf("%s: no port in %q", what, addr)
+	}
+	return p
+}
+
+func duration(t *testing.T, what, s string) time.Duration {
+	t.Helper()
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	return d
+}
