@@ -27,6 +27,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
 
@@ -272,7 +273,7 @@ func TestRealtimeAudioInput(t *testing.T) {
 	require.Equal(t, realtime.RealtimeResponseStatus("completed"), tr.done.Response.Status, "%s", tr.done.RawJSON())
 	assert.NotEmpty(t, tr.text)
 	assert.Equal(t, chatText(t, a, history...), tr.text)
-	assert.GreaterOrEqual(t, tr.done.Response.Usage.InputTokens, int64(sim.MediaTokens(wav)))
+	assert.GreaterOrEqual(t, tr.done.Response.Usage.InputTokens, int64(tokenizers.MediaTokens(wav)))
 
 	history = append(history, openai.AssistantMessage(tr.text), openai.UserMessage("And then?"))
 	sayUser(t, conn, "And then?")
