@@ -210,7 +210,13 @@ func urlPart(param, kind string, m *mediaURL) (*stagepb.ContentPart, *apiError) 
 // decodeDataURL decodes data:[<mediatype>][;base64],<data> (RFC 2397): the
 // media type without its parameters, and the bytes.
 func decodeDataURL(u string) (mime string, data []byte, err error) {
-	header, payload, ok := strings.Cut(u[len("data:"):], ",")
+	// The scheme matched case-insensitively, and a bare "data" (no colon)
+	// reaches here too: cut at the colon, not at a fixed length.
+	_, rest, ok := strings.Cut(u, ":")
+	if !ok {
+		return "", nil, errors.New("no colon after data")
+	}
+	header, payload, ok := strings.Cut(rest, ",")
 	if !ok {
 		return "", nil, errors.New("no comma before the data")
 	}
