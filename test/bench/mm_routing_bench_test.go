@@ -123,24 +123,12 @@ func runMultimodalRouting(b *testing.B, policy string) mmResult {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			t0 := time.Now()
-			var first time.Duration
-			stream := client.Chat.Completions.NewStreaming(ctx, params, option.WithJSONSet("ignore_eos", true))
-			for stream.Next() {
-				if ch := stream.Current(); first == 0 && len(ch.Choices) > 0 && ch.Choices[0].Delta.Content != "" {
-					first = time.Since(t0)
-				}
-			}
-			err := stream.Err()
-			_ = stream.Close()
+			first, _, _, _, err := streamChatCompletion(ctx, client, params, option.WithJSONSet("ignore_eos", true))
 			mu.Lock()
 			defer mu.Unlock()
-			if err == nil && first == 0 {
-				err = fmt.Errorf("bench: request %d streamed no text", i)
-			}
 			if err != nil {
 				if firstErr == nil {
-					firstErr = err
+					firstErr = fmt.Errorf("bench: request %d: %w", i, err)
 				}
 				return
 			}

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"math"
@@ -216,41 +217,18 @@ func runRouting(b *testing.B, rc routingCase) routingResult {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			t0 := time.Now()
-			var first time.Duration
-			var text strings.Builder
-			var used int64
-			stream := client.Chat.Completions.NewStreaming(ctx, params, opts...)
-			for stream.Next() {
-				chunk := stream.Current()
-				if chunk.Usage.CompletionTokens > 0 {
-					used = chunk.Usage.CompletionTokens
-				}
-				if len(chunk.Choices) == 0 || chunk.Choices[0].Delta.Content == "" {
-					continue
-				}
-				if first == 0 {
-					first = time.Since(t0)
-				}
-				text.WriteString(chunk.Choices[0].Delta.Content)
-			}
-			err := stream.Err()
-			_ = stream.Close()
-			total := time.Since(t0)
+			first, total, reply, used, err := streamChatCompletion(ctx, client, params, opts...)
 			mu.Lock()
 			defer mu.Unlock()
-			if err == nil && first == 0 {
-				err = fmt.Errorf("bench: request %d streamed no text", i)
-			}
 			if err != nil {
 				if firstErr == nil {
-					firstErr = err
+					firstErr = fmt.Errorf("bench: request %d: %w", i, err)
 				}
 				return
 			}
 			ttfts, e2e = append(ttfts, first), append(e2e, total)
 			tokens += int(used)
-			w.Reply(turn, text.String())
+			w.Reply(turn, reply)
 		}()
 	}
 	wg.Wait()
@@ -351,4 +329,34 @@ func routingTable(rs []routingResult) string {
 			ms(r.ttftP50), ms(base.ttftP50)/ms(r.ttftP50), ms(r.ttftP99), ms(r.e2e), r.busiest/r.idlest)
 	}
 	return sb.String()
+}
+
+// streamChatCompletion sends one streamed chat completion through the official
+// client, as a user would: first is the time to the first text delta,
+// total to the stream's end, used the completion tokens of the final usage.
+// A stream that gives no text is an error.
+func streamChatCompletion(ctx context.Context, client openai.Client, params openai.ChatCompletionNewParams, opts ...option.RequestOption) (first, total time.Duration, text string, used int64, err error) {
+	t0 := time.Now()
+	var b strings.Builder
+	stream := client.Chat.Completions.NewStreaming(ctx, params, opts...)
+	for stream.Next() {
+		chunk := stream.Current()
+		if chunk.Usage.CompletionTokens > 0 {
+			used = chunk.Usage.CompletionTokens
+		}
+		if len(chunk.Choices) == 0 || chunk.Choices[0].Delta.Content == "" {
+			continue
+		}
+		if first == 0 {
+			first = time.Since(t0)
+		}
+		b.WriteString(chunk.Choices[0].Delta.Content)
+	}
+	err = stream.Err()
+	_ = stream.Close()
+	total = time.Since(t0)
+	if err == nil && first == 0 {
+		err = errors.New("bench: the stream gave no text")
+	}
+	return first, total, b.String(), used, err
 }
