@@ -22,6 +22,9 @@ import (
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/worker"
 	"github.com/troupe-serving/troupe/worker/openai"
+
+	oai "github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
 )
 
 // benchTokens is the length of every benchmark answer.
@@ -252,26 +255,31 @@ func BenchmarkAddedLatency(b *testing.B) {
 	srv := startWorker(b, head, "thinker", e)
 	head.WaitState(b, "thinker", srv.Member().ReplicaID, "attached")
 	troupe := serveAPI(b, head) + "/v1"
-	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}}
-	defer client.CloseIdleConnections()
-	body := []byte(`{"model":"troupe-omni-sim","stream":true,"max_tokens":16,"ignore_eos":true,"seed":1,` +
-		`"messages":[{"role":"user","content":"how far is the sea"}]}`)
+	// The official client, as a user calls either server; one HTTP client
+	// under both, so the two paths differ only in what answers.
+	httpClient := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}}
+	defer httpClient.CloseIdleConnections()
+	params := oai.ChatCompletionNewParams{
+		Model:     "troupe-omni-sim",
+		MaxTokens: oai.Int(16),
+		Seed:      oai.Int(1),
+		Messages:  []oai.ChatCompletionMessageParamUnion{oai.UserMessage("how far is the sea")},
+	}
+	clients := map[string]*oai.Client{}
+	for _, base := range []string{a.base, troupe} {
+		c := oai.NewClient(option.WithBaseURL(base+"/"), option.WithAPIKey("unused"), option.WithHTTPClient(httpClient), option.WithMaxRetries(0))
+		clients[base] = &c
+	}
 	stream := func(base string) (ttft, total time.Duration) {
 		start := time.Now()
-		req, err := http.NewRequest(http.MethodPost, base+"/chat/completions", bytes.NewReader(body))
-		require.NoError(b, err)
-		req.Header.Set("Content-Type", "application/json")
-		resp, err := client.Do(req)
-		require.NoError(b, err)
-		defer resp.Body.Close()
-		require.Equal(b, http.StatusOK, resp.StatusCode)
-		sc := bufio.NewScanner(resp.Body)
-		for sc.Scan() {
-			if ttft == 0 && bytes.Contains(sc.Bytes(), []byte(`"content":"`)) && !bytes.Contains(sc.Bytes(), []byte(`"content":""`)) {
+		s := clients[base].Chat.Completions.NewStreaming(context.Background(), params, option.WithJSONSet("ignore_eos", true))
+		for s.Next() {
+			if c := s.Current(); ttft == 0 && len(c.Choices) > 0 && c.Choices[0].Delta.Content != "" {
 				ttft = time.Since(start)
 			}
 		}
-		require.NoError(b, sc.Err())
+		require.NoError(b, s.Err())
+		require.NoError(b, s.Close())
 		require.NotZero(b, ttft, "no content")
 		return ttft, time.Since(start)
 	}
