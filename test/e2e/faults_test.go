@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"context"
 	"fmt"
 	"syscall"
 	"testing"
@@ -82,22 +83,21 @@ func TestEtcdFreezeIsNotAnOutage(t *testing.T) {
 	startWorker(t, etcd, "thinker", "--replica-id", "0", "--lease-ttl", "2s")
 	h.waitState(ctx, t, "thinker", 0, "attached")
 
-	stop := make(chan struct{})
+	// The load stops before the processes do, also when the test fails
+	// early: a request logged after the test ended would panic.
+	loadCtx, stopLoad := context.WithCancel(ctx)
 	var sent, failed int
 	var g errgroup.Group
+	t.Cleanup(func() { stopLoad(); _ = g.Wait() })
 	g.Go(func() error {
-		for {
-			select {
-			case <-stop:
-				return nil
-			default:
-			}
+		for loadCtx.Err() == nil {
 			sent++
-			if _, err := h.chat(ctx, seeded(userPrompt(modelName, "still there?", 4), int64(sent))); err != nil {
+			if _, err := h.chat(loadCtx, seeded(userPrompt(modelName, "still there?", 4), int64(sent))); err != nil && loadCtx.Err() == nil {
 				failed++
 				t.Logf("request %d failed: %v", sent, err)
 			}
 		}
+		return nil
 	})
 	etcdProc.signal(t, syscall.SIGSTOP)
 	t.Cleanup(func() { _ = etcdProc.cmd.Process.Signal(syscall.SIGCONT) })
@@ -109,25 +109,23 @@ func TestEtcdFreezeIsNotAnOutage(t *testing.T) {
 		t.Fatal(ctx.Err())
 	}
 	etcdProc.signal(t, syscall.SIGCONT)
-	// The expiry reaches the head as a leave, and the re-registration as a
-	// second join; only then is the fault over.
+	// The re-registration reaches the head as a second join; only then is
+	// the fault over. The expiry shows as a leave only when the head's
+	// watch delivers the delete: a watch broken by the freeze re-lists and
+	// finds the new record in place of the old one, a join without a leave.
 	eventuallyWithin(ctx, t, 20*time.Second, "the lease expired and the replica re-registered", func() (bool, string, error) {
 		m, err := h.scrape(ctx)
 		if err != nil {
 			return false, "", err
 		}
-		leaves, _, err := m.value("troupe_membership_events_total", map[string]string{"type": "leave"})
-		if err != nil {
-			return false, "", err
-		}
 		joins, _, err := m.value("troupe_membership_events_total", map[string]string{"type": "join"})
-		return leaves >= 1 && joins >= 2, fmt.Sprintf("%v leaves, %v joins", leaves, joins), err
+		return joins >= 2, fmt.Sprintf("%v joins", joins), err
 	})
 	eventuallyWithin(ctx, t, 20*time.Second, "the replica is attached with a record again", func() (bool, string, error) {
 		r, _, err := h.replica(ctx, "thinker", 0)
 		return err == nil && r.State == "attached" && r.LeaseLostUntil == nil, fmt.Sprintf("state %s lease_lost_until %v", r.State, r.LeaseLostUntil), err
 	})
-	close(stop)
+	stopLoad()
 	require.NoError(t, g.Wait())
 	t.Logf("%d requests during and after a 5 s etcd freeze (lease TTL 2 s), %d failed", sent, failed)
 	assert.Zero(t, failed, "an etcd freeze fails no request")

@@ -475,7 +475,9 @@ func readRaw(t *testing.T, conn *websocket.Conn) map[string]any {
 // TestRealtimeBadEvents: every bad event is answered with an error event
 // in OpenAI's shape, naming the client's event_id, and the session goes on.
 func TestRealtimeBadEvents(t *testing.T) {
-	c := startCluster(t, orchestratortest.Options{})
+	// Slow decoding keeps the first response running while the second
+	// response.create arrives; an instant response could finish first.
+	c := startCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 50 * time.Millisecond}})
 	a, _ := rtAPI(t, c, Config{})
 	conn := rawConn(t, a)
 	for _, tc := range []struct{ event, code string }{
@@ -505,9 +507,9 @@ func TestRealtimeBadEvents(t *testing.T) {
 	// A second response.create while one runs is out of order.
 	require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(`{"type":"session.update","session":{"type":"realtime","output_modalities":["text"]}}`)))
 	require.Equal(t, "session.updated", readRaw(t, conn)["type"])
-	for range 2 {
-		require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(`{"type":"response.create","event_id":"r"}`)))
-	}
+	require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(`{"type":"response.create","event_id":"r"}`)))
+	require.Equal(t, "response.created", readRaw(t, conn)["type"])
+	require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(`{"type":"response.create","event_id":"r"}`)))
 	sawBusy := false
 	for {
 		ev := readRaw(t, conn)
