@@ -110,6 +110,9 @@ type Config struct {
 	// not hold them: troupe head gives them a registry of their own, which
 	// nothing gathers on the /metrics path.
 	StatsMetrics prometheus.Registerer
+	// Autoscale configures troupe_stage_desired_replicas (zero: the
+	// defaults of AutoscaleConfig).
+	Autoscale AutoscaleConfig
 }
 
 // Head is the orchestrator. Run owns its goroutines; Execute, Replicas,
@@ -136,7 +139,8 @@ type Head struct {
 	events  *prometheus.CounterVec
 	invalid prometheus.Counter
 	errors  *prometheus.CounterVec
-	etcdUp  prometheus.Gauge // set by MonitorEtcd, run by Run
+	etcdUp  prometheus.Gauge   // set by MonitorEtcd, run by Run
+	desired []prometheus.Gauge // troupe_stage_desired_replicas by stage, set by runAutoscale
 	etcd    *clientv3.Client
 	created time.Time // when New built the head: the watch lag before its first list
 
@@ -179,6 +183,7 @@ type tracked struct {
 	routed     bool               // attached: its series are bound and the router has it
 	refused    string             // why the head refused to route it (roles, identity); "" when not refused
 	instance   string             // the worker's instance id, from the probe ("" for older workers)
+	capacity   uint32             // max_num_seqs from the probe (0: not reported)
 	times      joinTimes          // of its latest join
 }
 
@@ -266,6 +271,7 @@ func withDefaults(cfg Config) (_ Config, callTracer trace.Tracer, _ error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	cfg.Autoscale = cfg.Autoscale.withDefaults()
 	if cfg.TracerProvider == nil {
 		cfg.TracerProvider = noop.NewTracerProvider()
 	} else {
@@ -382,7 +388,7 @@ func (h *Head) registerMetrics(routing []router.StageRouting) error {
 			h.decisions[i][r] = decisions.WithLabelValues(strconv.Itoa(i), st.Policy.Name(), r.String())
 		}
 	}
-	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}} {
+	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}, h.newDesiredReplicas()} {
 		if err := h.cfg.Metrics.Register(c); err != nil {
 			return fmt.Errorf("orchestrator: register metrics: %w", err)
 		}
@@ -458,6 +464,10 @@ func (h *Head) Run(ctx context.Context) error {
 				h.etcdUp.Set(v)
 			},
 		})
+		return nil
+	})
+	g.Go(func() error {
+		h.runAutoscale(gctx)
 		return nil
 	})
 	g.Go(func() error {
@@ -669,6 +679,7 @@ func (h *Head) attach(pr probeResult) {
 		why = fmt.Sprintf("the record is for stage %s, but the worker at %s serves stage %s", t.member.Stage, t.member.Addr, s)
 	}
 	t.instance = pr.health.GetInstanceId()
+	t.capacity = pr.health.GetCacheConfig().GetMaxNumSeqs()
 	if why == "" {
 		why = h.checkIdentity(t, pr.health)
 	}

@@ -54,6 +54,8 @@ type Options struct {
 	// Cluster.StatsMetrics instead of Metrics, as troupe head does; /metrics
 	// then serves them with the Head as its httpapi.Exposer.
 	SeparateStats bool
+	// Autoscale is orchestrator.Config.Autoscale (zero: the defaults).
+	Autoscale orchestrator.AutoscaleConfig
 }
 
 // Cluster is a running troupe. Its goroutines are stopped by t.Cleanup.
@@ -170,6 +172,7 @@ func (c *Cluster) startHead(t testing.TB, metrics, statsMetrics *prometheus.Regi
 		Logger:            c.opts.Logger,
 		Breaker:           c.opts.Breaker,
 		StallTimeout:      c.opts.StallTimeout,
+		Autoscale:         c.opts.Autoscale,
 	}
 	if statsMetrics != nil { // a nil *Registry is not a nil Registerer
 		cfg.StatsMetrics = statsMetrics
