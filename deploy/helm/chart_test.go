@@ -20,6 +20,7 @@ import (
 	"helm.sh/helm/v3/pkg/lint"
 	"helm.sh/helm/v3/pkg/lint/support"
 	appsv1 "k8s.io/api/apps/v1"
+	autoscalingv2 "k8s.io/api/autoscaling/v2"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
@@ -33,7 +34,7 @@ const (
 )
 
 // valuesFiles are the chart's values files; "" is values.yaml alone.
-var valuesFiles = []string{"", "values-vllm.yaml", "values-vllm-omni.yaml"}
+var valuesFiles = []string{"", "values-vllm.yaml", "values-vllm-omni.yaml", "values-autoscaling.yaml"}
 
 // copies are the chart's copies of files owned elsewhere in the repository
 // (Helm reads only files inside the chart, and ignores symlinks out of it).
@@ -70,6 +71,32 @@ type objects struct {
 	pdbs         map[string]*policyv1.PodDisruptionBudget
 	rules        map[string]*prometheusRule
 	podMonitors  map[string]*podMonitor
+	hpas         map[string]*autoscalingv2.HorizontalPodAutoscaler
+	scaled       map[string]*scaledObject
+}
+
+// scaledObject is the part of KEDA's ScaledObject (keda.sh/v1alpha1, a
+// CRD, not in k8s.io/api) the chart writes.
+type scaledObject struct {
+	APIVersion string         `json:"apiVersion"`
+	Kind       string         `json:"kind"`
+	Metadata   map[string]any `json:"metadata"`
+	Spec       struct {
+		ScaleTargetRef struct {
+			Name string `json:"name"`
+		} `json:"scaleTargetRef"`
+		MinReplicaCount int32 `json:"minReplicaCount"`
+		MaxReplicaCount int32 `json:"maxReplicaCount"`
+		PollingInterval int32 `json:"pollingInterval"`
+		Triggers        []struct {
+			Type     string `json:"type"`
+			Metadata struct {
+				ServerAddress string `json:"serverAddress"`
+				Query         string `json:"query"`
+				Threshold     string `json:"threshold"`
+			} `json:"metadata"`
+		} `json:"triggers"`
+	} `json:"spec"`
 }
 
 // podMonitor is the part of prometheus-operator's PodMonitor the chart
@@ -168,6 +195,7 @@ func decodeAll(t *testing.T, rendered map[string]string) *objects {
 		services: map[string]*corev1.Service{}, configMaps: map[string]*corev1.ConfigMap{},
 		secrets: map[string]*corev1.Secret{}, pdbs: map[string]*policyv1.PodDisruptionBudget{},
 		rules: map[string]*prometheusRule{}, podMonitors: map[string]*podMonitor{},
+		hpas: map[string]*autoscalingv2.HorizontalPodAutoscaler{}, scaled: map[string]*scaledObject{},
 	}
 	names := make([]string, 0, len(rendered))
 	for n := range rendered {
@@ -221,6 +249,12 @@ func decodeAll(t *testing.T, rendered map[string]string) *objects {
 			case "monitoring.coreos.com/v1 PrometheusRule":
 				r := &prometheusRule{}
 				o.rules[head.Metadata.Name], obj = r, r
+			case "autoscaling/v2 HorizontalPodAutoscaler":
+				h := &autoscalingv2.HorizontalPodAutoscaler{}
+				o.hpas[head.Metadata.Name], obj = h, h
+			case "keda.sh/v1alpha1 ScaledObject":
+				so := &scaledObject{}
+				o.scaled[head.Metadata.Name], obj = so, so
 			default:
 				t.Fatalf("%s: unexpected object %s %s", file, head.APIVersion, head.Kind)
 			}
@@ -315,6 +349,10 @@ func TestChartRefusesBrokenValues(t *testing.T) {
 			"pipeline.stages": []any{map[string]any{"name": "thinker"}, map[string]any{"name": "speech"}}}, `stage "speech" has no entry in stages`},
 		{"stage name not a DNS label", map[string]any{"clusterToken.value": testToken,
 			"stages": []any{map[string]any{"name": "Thinker_1", "replicas": 1}}}, "not a DNS label"},
+		{"hpa and keda", map[string]any{"clusterToken.value": testToken,
+			"autoscaling.hpa.enabled": true, "autoscaling.keda.enabled": true}, "not both"},
+		{"keda without prometheus", map[string]any{"clusterToken.value": testToken,
+			"autoscaling.keda.enabled": true}, "autoscaling.keda.serverAddress"},
 		{"gpu without sidecar", map[string]any{"clusterToken.value": testToken,
 			"stages": []any{map[string]any{"name": "thinker", "replicas": 1, "gpu": 1}}}, "gpu goes to the stage's first sidecar"},
 	} {
@@ -400,6 +438,7 @@ func checkObjects(t *testing.T, o *objects, externalEtcd bool) {
 		checkTroupeContainer(t, name, tmpl, o, externalEtcd)
 	}
 	checkPipeline(t, o)
+	checkAutoscalers(t, o)
 	for name, m := range o.podMonitors {
 		tmpl, ok := selected(workloads, m.Spec.Selector.MatchLabels)
 		if !ok {
@@ -706,4 +745,116 @@ func duration(t *testing.T, what, s string) time.Duration {
 		t.Fatalf("%s: %v", what, err)
 	}
 	return d
+}
+
+// checkAutoscalers checks that every HorizontalPodAutoscaler and KEDA
+// ScaledObject scales one stage's Deployment on that stage's
+// troupe_stage_desired_replicas, that such a Deployment sets no replicas of
+// its own, and that stages without one keep theirs.
+func checkAutoscalers(t *testing.T, o *objects) {
+	t.Helper()
+	scaled := map[string]bool{}
+	stageOf := func(what, target string) (string, bool) {
+		d, ok := o.deployments[target]
+		if !ok {
+			t.Errorf("%s: target %s is no Deployment", what, target)
+			return "", false
+		}
+		if d.Spec.Replicas != nil {
+			t.Errorf("%s: Deployment %s sets replicas %d: it and the autoscaler would fight", what, target, *d.Spec.Replicas)
+		}
+		scaled[target] = true
+		return d.Spec.Template.Labels["troupe.io/stage"], true
+	}
+	for name, h := range o.hpas {
+		what := "HorizontalPodAutoscaler " + name
+		if h.Spec.ScaleTargetRef.Kind != "Deployment" || h.Spec.ScaleTargetRef.APIVersion != "apps/v1" {
+			t.Errorf("%s: target %+v is not an apps/v1 Deployment", what, h.Spec.ScaleTargetRef)
+		}
+		stage, ok := stageOf(what, h.Spec.ScaleTargetRef.Name)
+		if !ok {
+			continue
+		}
+		if h.Spec.MinReplicas == nil || *h.Spec.MinReplicas < 1 || *h.Spec.MinReplicas > h.Spec.MaxReplicas {
+			t.Errorf("%s: replicas %v..%d", what, h.Spec.MinReplicas, h.Spec.MaxReplicas)
+		}
+		if len(h.Spec.Metrics) != 1 || h.Spec.Metrics[0].External == nil {
+			t.Errorf("%s: want one External metric, got %+v", what, h.Spec.Metrics)
+			continue
+		}
+		ext := h.Spec.Metrics[0].External
+		if ext.Metric.Name != "troupe_stage_desired_replicas" || ext.Metric.Selector == nil || ext.Metric.Selector.MatchLabels["stage_name"] != stage {
+			t.Errorf("%s: metric %+v, want troupe_stage_desired_replicas{stage_name=%q}", what, ext.Metric, stage)
+		}
+		if ext.Target.Type != autoscalingv2.AverageValueMetricType || ext.Target.AverageValue == nil || ext.Target.AverageValue.String() != "1" {
+			t.Errorf("%s: target %+v, want an average value of 1 (replicas = the recommendation)", what, ext.Target)
+		}
+	}
+	for name, so := range o.scaled {
+		what := "ScaledObject " + name
+		stage, ok := stageOf(what, so.Spec.ScaleTargetRef.Name)
+		if !ok {
+			continue
+		}
+		if so.Spec.MinReplicaCount < 1 || so.Spec.MinReplicaCount > so.Spec.MaxReplicaCount {
+			t.Errorf("%s: replicas %d..%d", what, so.Spec.MinReplicaCount, so.Spec.MaxReplicaCount)
+		}
+		want := fmt.Sprintf("max(troupe_stage_desired_replicas{stage_name=%q})", stage)
+		if len(so.Spec.Triggers) != 1 || so.Spec.Triggers[0].Type != "prometheus" || so.Spec.Triggers[0].Metadata.Query != want ||
+			so.Spec.Triggers[0].Metadata.Threshold != "1" || so.Spec.Triggers[0].Metadata.ServerAddress == "" {
+			t.Errorf("%s: triggers %+v, want one prometheus trigger %s, threshold 1", what, so.Spec.Triggers, want)
+		}
+	}
+	for name, d := range o.deployments {
+		if stage := d.Spec.Template.Labels["troupe.io/stage"]; stage != "" && !scaled[name] && len(scaled) > 0 {
+			t.Errorf("stage %s (Deployment %s) has no autoscaler while others have", stage, name)
+		}
+	}
+}
+
+// TestAutoscalers: the HPAs of values-autoscaling.yaml, the KEDA
+// alternative, and neither by default; one per stage, with the bounds a
+// stage overrides.
+func TestAutoscalers(t *testing.T) {
+	c := loadChart(t)
+	for _, tc := range []struct {
+		name      string
+		file      string
+		set       map[string]any
+		hpa, keda int
+	}{
+		{"default", "", nil, 0, 0},
+		{"hpa", "values-autoscaling.yaml", nil, 3, 0},
+		{"keda", "values-autoscaling.yaml", map[string]any{"autoscaling.hpa.enabled": false, "autoscaling.keda.enabled": true,
+			"autoscaling.keda.serverAddress": "http://prometheus:9090"}, 0, 3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			set := map[string]any{"clusterToken.value": testToken}
+			for k, v := range tc.set {
+				set[k] = v
+			}
+			rendered, err := render(c, values(t, tc.file, set))
+			if err != nil {
+				t.Fatal(err)
+			}
+			o := decodeAll(t, rendered)
+			if len(o.hpas) != tc.hpa || len(o.scaled) != tc.keda {
+				t.Fatalf("%d HorizontalPodAutoscalers and %d ScaledObjects, want %d and %d", len(o.hpas), len(o.scaled), tc.hpa, tc.keda)
+			}
+			checkObjects(t, o, false)
+			bounds := map[string][2]int32{}
+			for _, h := range o.hpas {
+				bounds[h.Spec.ScaleTargetRef.Name] = [2]int32{*h.Spec.MinReplicas, h.Spec.MaxReplicas}
+			}
+			for _, so := range o.scaled {
+				bounds[so.Spec.ScaleTargetRef.Name] = [2]int32{so.Spec.MinReplicaCount, so.Spec.MaxReplicaCount}
+			}
+			if tc.hpa+tc.keda > 0 {
+				want := map[string][2]int32{"demo-troupe-thinker": {2, 8}, "demo-troupe-talker": {1, 8}, "demo-troupe-vocoder": {1, 16}}
+				if fmt.Sprint(bounds) != fmt.Sprint(want) {
+					t.Errorf("bounds %v, want %v (values-autoscaling.yaml)", bounds, want)
+				}
+			}
+		})
+	}
 }
