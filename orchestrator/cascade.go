@@ -27,7 +27,12 @@ func recognizesSpeech(snap *router.Snapshot) bool {
 // conversation's audio; stage 1, the text stage, answers the conversation
 // with each audio part replaced by the transcript, and its text is the
 // client's (onText, usage); the later stages speak it, the last one's
-// audio to req.OnAudio. The stages run one after the other.
+// audio to req.OnAudio. The recognition ends before the text stage starts
+// (its transcript is the text stage's prompt); the stages after it run as
+// executeStreamed runs a pipeline's stages, all at once, each fed by the
+// one before while it runs, so that the audio starts while the text stage
+// still writes — or one after the other when the pipeline does not stream
+// between stages.
 func (h *Head) executeCascade(ctx context.Context, req Request, n int, in *stagepb.GenerateRequest, onText func(string) error) (*Result, time.Duration, error) {
 	heard, err := h.runStage(ctx, &stageRun{req: req, stage: 0, n: n, in: in, route: &router.Request{SessionKey: req.SessionKey}})
 	if err != nil {
@@ -35,6 +40,47 @@ func (h *Head) executeCascade(ctx context.Context, req Request, n int, in *stage
 	}
 	next := &stagepb.GenerateRequest{RequestId: req.ID, Sampling: req.Sampling, Voice: req.Voice,
 		Input: &stagepb.GenerateRequest_Chat{Chat: &stagepb.Chat{Messages: transcribed(req.Messages, heard.text.String())}}}
+	if h.cfg.Pipeline.StreamsBetweenStages() {
+		return h.cascadeStreamed(ctx, req, n, next, onText)
+	}
+	return h.cascadeSequential(ctx, req, n, next, onText)
+}
+
+// cascadeStreamed runs stages 1..n-1 of a cascade at once on prompt, the
+// transcribed conversation, through the streamed-stage path (runStreamed):
+// stage 1 is a Generate of prompt whose text goes to onText and to the
+// next stage as it is made.
+func (h *Head) cascadeStreamed(ctx context.Context, req Request, n int, prompt *stagepb.GenerateRequest, onText func(string) error) (*Result, time.Duration, error) {
+	prompt.OutputCodesPerChunk = h.segmentUnits(1, n, stagepb.RoleCodes)
+	if onText == nil {
+		prompt.OutputWordsPerChunk = h.segmentUnits(1, n, stagepb.RoleText)
+	}
+	run := newStreamedRun(req, 1, n, onText)
+	run.text = 1
+	outputs, err := h.runStreamed(ctx, run, 1, func(gctx context.Context, i int) *stageRun {
+		sr := h.streamedStage(gctx, run, i, prompt)
+		if i == 1 {
+			// Its input is the transcribed conversation, whole: a Generate
+			// routed on it.
+			sr.input, sr.in = nil, prompt
+			sr.route = routeOf(prompt, req.SessionKey)
+		}
+		return sr
+	})
+	if err != nil {
+		return nil, 0, err
+	}
+	res := &Result{}
+	res.add(0, outputs[1]) // the text stage: the client's text and usage
+	for i := 2; i < n; i++ {
+		res.add(i, outputs[i])
+	}
+	return res, run.audio.since(), nil
+}
+
+// cascadeSequential runs stages 1..n-1 of a cascade one after the other
+// on next, the transcribed conversation (a pipeline with streaming off).
+func (h *Head) cascadeSequential(ctx context.Context, req Request, n int, next *stagepb.GenerateRequest, onText func(string) error) (*Result, time.Duration, error) {
 	audio := newFirstAudio()
 	res := &Result{}
 	for i := 1; i < n; i++ {

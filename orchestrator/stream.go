@@ -19,6 +19,9 @@ type streamedRun struct {
 	req    Request
 	n      int
 	onText func(string) error
+	// text is the stage whose text the client reads through onText and
+	// whose usage is the request's: 0, or 1 after a cascade's recognizer.
+	text   int
 	inputs []*stageInput // by stage; nil for stage 0, whose input is the prompt
 	audio  *firstAudio
 }
@@ -93,7 +96,7 @@ func (h *Head) streamedStage(ctx context.Context, run *streamedRun, stage int, p
 	req := run.req
 	sr := &stageRun{req: req, stage: stage, n: run.n, in: prompt, route: &router.Request{SessionKey: req.SessionKey},
 		forward: run.forwarder(ctx, stage), streamed: true}
-	read := readByClient(req, run.onText, stage, run.n)
+	read := readByClient(req, run.onText, stage-run.text, run.n-run.text)
 	if read {
 		sr.flush = req.Flush
 	}
@@ -110,16 +113,17 @@ func (h *Head) streamedStage(ctx context.Context, run *streamedRun, stage int, p
 	return sr
 }
 
-// forwarder is stage's forwarder: stage 0's text goes to the client, each
-// stage's output but the last's to the next stage's input, and the last
-// stage's audio to req.OnAudio (its first audio stops the audio clock).
+// forwarder is stage's forwarder: stage run.text's text goes to the
+// client, each stage's output but the last's to the next stage's input,
+// and the last stage's audio to req.OnAudio (its first audio stops the
+// audio clock).
 // Only the text is visible (see forwarder): a failed last stage is
 // retried and skips the samples the client already has.
 func (run *streamedRun) forwarder(ctx context.Context, stage int) forwarder {
 	last := stage == run.n-1
 	return func(o output) (bool, error) {
 		visible := false
-		if stage == 0 && run.onText != nil && o.text != "" {
+		if stage == run.text && run.onText != nil && o.text != "" {
 			visible = true
 			if err := run.onText(o.text); err != nil {
 				return true, err

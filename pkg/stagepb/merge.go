@@ -69,6 +69,8 @@ func mergeStats(d, s *EngineStats) {
 	d.PromptAudioTokens += s.PromptAudioTokens
 	d.PromptImageTokens += s.PromptImageTokens
 	d.PromptVideoTokens += s.PromptVideoTokens
+	d.MmCacheQueries += s.MmCacheQueries
+	d.MmCacheHits += s.MmCacheHits
 	d.NumPreemptions += s.NumPreemptions
 	d.SpecDecodeNumDrafts += s.SpecDecodeNumDrafts
 	d.SpecDecodeNumDraftTokens += s.SpecDecodeNumDraftTokens

@@ -6,6 +6,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -80,5 +81,29 @@ func TestHasOutput(t *testing.T) {
 	assert.False(t, stagepb.HasOutput(nil))
 	for _, c := range []*stagepb.GenerateChunk{{Text: "a"}, {TokenIds: []uint32{1}}, {Codes: []uint32{1}}, {AudioPcm16: []byte{0, 0}}} {
 		assert.True(t, stagepb.HasOutput(c), "%v", c)
+	}
+}
+
+// TestMergeChunkAddsEveryCounter: every singular uint64 field of
+// EngineStats is a per-request delta, so merging adds it; a field added to
+// the proto and forgotten in mergeStats fails here (mm_cache_* were).
+func TestMergeChunkAddsEveryCounter(t *testing.T) {
+	a, b := &stagepb.EngineStats{}, &stagepb.EngineStats{}
+	fields := a.ProtoReflect().Descriptor().Fields()
+	var counters []protoreflect.FieldDescriptor
+	for i := range fields.Len() {
+		fd := fields.Get(i)
+		if fd.Kind() == protoreflect.Uint64Kind && fd.Cardinality() != protoreflect.Repeated {
+			counters = append(counters, fd)
+			a.ProtoReflect().Set(fd, protoreflect.ValueOfUint64(1))
+			b.ProtoReflect().Set(fd, protoreflect.ValueOfUint64(2))
+		}
+	}
+	require.NotEmpty(t, counters)
+	dst := &stagepb.GenerateChunk{}
+	stagepb.MergeChunk(dst, &stagepb.GenerateChunk{Stats: a})
+	stagepb.MergeChunk(dst, &stagepb.GenerateChunk{Stats: b})
+	for _, fd := range counters {
+		assert.Equal(t, uint64(3), dst.GetStats().ProtoReflect().Get(fd).Uint(), "%s is added", fd.Name())
 	}
 }

@@ -6,8 +6,13 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	oa "github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
@@ -125,4 +130,72 @@ func TestMediaPartsReachUpstream(t *testing.T) {
 	assert.Equal(t, "data:audio/mpeg;base64,"+base64.StdEncoding.EncodeToString(wav), parts[0].AudioURL.URL)
 	assert.Equal(t, "data:video/mp4;base64,"+base64.StdEncoding.EncodeToString(mp4), parts[1].VideoURL.URL)
 	assert.Equal(t, "http://example.com/v.mp4", parts[2].VideoURL.URL)
+}
+
+// TestMMCacheCountersReachHead: the upstream's vLLM multimodal-cache
+// counters (vllm:mm_cache_queries, vllm:mm_cache_hits, summed over its
+// engines) reach the head's per-replica troupe_mm_cache_* counters as
+// their increases, each exactly once, as the prefix-cache counters do.
+func TestMMCacheCountersReachHead(t *testing.T) {
+	vllm, err := os.ReadFile(filepath.Join("testdata", "vllm.prom"))
+	require.NoError(t, err)
+	text := string(vllm)
+	var current atomic.Pointer[string]
+	current.Store(&text)
+	f := newFake(t)
+	chatting(f)
+	scrapes := metricsFrom(f, &current)
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1})
+	e, err := openai.New(openai.Config{URL: f.URL, HealthInterval: 20 * time.Millisecond, Logger: quiet()})
+	require.NoError(t, err)
+	srv := startWorker(t, c, "thinker", e)
+	c.WaitState(t, "thinker", srv.Member().ReplicaID, "attached")
+	client := oa.NewClient(option.WithBaseURL(serveAPI(t, c)+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	ask := func() {
+		t.Helper()
+		_, err := client.Chat.Completions.New(testCtx(t), oa.ChatCompletionNewParams{
+			Model: "troupe-omni-sim", Messages: []oa.ChatCompletionMessageParamUnion{oa.UserMessage("x")}})
+		require.NoError(t, err)
+	}
+	replica := strconv.FormatUint(uint64(srv.Member().ReplicaID), 10)
+	counter := func(name string) float64 {
+		t.Helper()
+		fams, err := c.Metrics.Gather()
+		require.NoError(t, err)
+		for _, fam := range fams {
+			if fam.GetName() != name {
+				continue
+			}
+			for _, m := range fam.GetMetric() {
+				for _, l := range m.GetLabel() {
+					if l.GetName() == "replica" && l.GetValue() == replica {
+						return m.GetCounter().GetValue()
+					}
+				}
+			}
+		}
+		t.Fatalf("no %s series of replica %s", name, replica)
+		return 0
+	}
+	ask()
+	assert.Zero(t, counter("troupe_mm_cache_queries_total"), "the first scrape is the baseline")
+
+	// The upstream encoded 7 more media items (engine 0: 4, engine 1: 3),
+	// 5 of them from its cache.
+	more := replaceAll(text, map[string]string{
+		`vllm:mm_cache_queries_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 50.0`: `vllm:mm_cache_queries_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 54.0`,
+		`vllm:mm_cache_queries_total{engine="1",model_name="Qwen/Qwen3-0.6B"} 10.0`: `vllm:mm_cache_queries_total{engine="1",model_name="Qwen/Qwen3-0.6B"} 13.0`,
+		`vllm:mm_cache_hits_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 20.0`:    `vllm:mm_cache_hits_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 23.0`,
+		`vllm:mm_cache_hits_total{engine="1",model_name="Qwen/Qwen3-0.6B"} 4.0`:     `vllm:mm_cache_hits_total{engine="1",model_name="Qwen/Qwen3-0.6B"} 6.0`,
+	})
+	n := scrapes.Load()
+	current.Store(&more)
+	require.Eventually(t, func() bool { return scrapes.Load() >= n+2 }, wait, time.Millisecond)
+	ask()
+	require.Eventually(t, func() bool { return counter("troupe_mm_cache_queries_total") == 7 }, time.Second, time.Millisecond,
+		"the increase reaches the head with the request's last chunk")
+	assert.Equal(t, 5.0, counter("troupe_mm_cache_hits_total"))
+	ask()
+	assert.Equal(t, 7.0, counter("troupe_mm_cache_queries_total"), "counted once")
+	assert.Equal(t, 5.0, counter("troupe_mm_cache_hits_total"))
 }

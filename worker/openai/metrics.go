@@ -22,6 +22,11 @@ type Load struct {
 	HasPrefixCounters  bool
 	PrefixCacheQueries float64
 	PrefixCacheHits    float64
+	// HasMMCounters says whether the two cumulative multimodal-cache
+	// counters (media items, as vLLM counts them) were found.
+	HasMMCounters  bool
+	MMCacheQueries float64
+	MMCacheHits    float64
 	// CacheHitRate is SGLang's prefix-cache hit rate gauge (0..1). It is
 	// parsed but not forwarded: the head has counters, not a rate.
 	CacheHitRate float64
@@ -34,11 +39,13 @@ type metricNames struct {
 	engine                    string
 	running, waiting, kv      []string
 	prefixQueries, prefixHits []string
+	mmQueries, mmHits         []string
 	hitRate                   []string
 }
 
 // engines are the published names: vLLM v1 (kv_cache_usage_perc;
-// gpu_cache_usage_perc in older releases; gpu_prefix_cache_* in v0),
+// gpu_cache_usage_perc in older releases; gpu_prefix_cache_* in v0;
+// mm_cache_* for the multimodal encoder cache, v0.11 on),
 // SGLang and llama.cpp (server --metrics).
 var engines = []metricNames{
 	{
@@ -48,6 +55,8 @@ var engines = []metricNames{
 		kv:            []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"},
 		prefixQueries: []string{"vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"},
 		prefixHits:    []string{"vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"},
+		mmQueries:     []string{"vllm:mm_cache_queries"},
+		mmHits:        []string{"vllm:mm_cache_hits"},
 	},
 	{
 		engine:  "sglang",
@@ -95,6 +104,12 @@ func ParseMetrics(r io.Reader, model string) (Load, error) {
 		if okQ && okH {
 			l.HasPrefixCounters = true
 			l.PrefixCacheQueries, l.PrefixCacheHits = sum(q, model), sum(h, model)
+		}
+		mq, okQ := find(fams, e.mmQueries)
+		mh, okH := find(fams, e.mmHits)
+		if okQ && okH {
+			l.HasMMCounters = true
+			l.MMCacheQueries, l.MMCacheHits = sum(mq, model), sum(mh, model)
 		}
 		if f, ok := find(fams, e.hitRate); ok {
 			l.CacheHitRate = mean(f, model)

@@ -26,10 +26,12 @@ func TestParseMetrics(t *testing.T) {
 		want        Load
 	}{
 		{"vllm.prom", "Qwen/Qwen3-0.6B", Load{Engine: "vllm", Running: 7, Waiting: 6, KVCacheUsage: 0.375,
-			HasPrefixCounters: true, PrefixCacheQueries: 12000, PrefixCacheHits: 4800}},
+			HasPrefixCounters: true, PrefixCacheQueries: 12000, PrefixCacheHits: 4800,
+			HasMMCounters: true, MMCacheQueries: 60, MMCacheHits: 24}},
 		// No configured model: every series counts.
 		{"vllm.prom", "", Load{Engine: "vllm", Running: 7, Waiting: 6, KVCacheUsage: 0.375,
-			HasPrefixCounters: true, PrefixCacheQueries: 12000, PrefixCacheHits: 4800}},
+			HasPrefixCounters: true, PrefixCacheQueries: 12000, PrefixCacheHits: 4800,
+			HasMMCounters: true, MMCacheQueries: 60, MMCacheHits: 24}},
 		{"vllm_v0.prom", "meta-llama/Llama-3.1-8B-Instruct", Load{Engine: "vllm", Running: 7, Waiting: 2, KVCacheUsage: 0.9,
 			HasPrefixCounters: true, PrefixCacheQueries: 5000, PrefixCacheHits: 1234}},
 		{"sglang.prom", "Qwen/Qwen2.5-7B-Instruct", Load{Engine: "sglang", Running: 6, Waiting: 9, KVCacheUsage: 0.3, CacheHitRate: 0.625}},
@@ -46,6 +48,9 @@ func TestParseMetrics(t *testing.T) {
 			assert.InDelta(t, tc.want.PrefixCacheQueries, got.PrefixCacheQueries, 1e-9)
 			assert.InDelta(t, tc.want.PrefixCacheHits, got.PrefixCacheHits, 1e-9)
 			assert.InDelta(t, tc.want.CacheHitRate, got.CacheHitRate, 1e-9)
+			assert.Equal(t, tc.want.HasMMCounters, got.HasMMCounters)
+			assert.InDelta(t, tc.want.MMCacheQueries, got.MMCacheQueries, 1e-9)
+			assert.InDelta(t, tc.want.MMCacheHits, got.MMCacheHits, 1e-9)
 		})
 	}
 }

@@ -193,8 +193,9 @@ func (u *upstream) get(ctx context.Context, url string, v any) (int, error) {
 }
 
 // scrape reads the upstream's /metrics (at the server root) into the load
-// gauges and the pending prefix-cache counters. A scrape that fails keeps
-// the previous load; an upstream without /metrics reports zeros.
+// gauges and the pending prefix-cache and multimodal-cache counters. A
+// scrape that fails keeps the previous load; an upstream without /metrics
+// reports zeros.
 func (u *upstream) scrape(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, u.checkTimeout())
 	defer cancel()
@@ -226,6 +227,10 @@ func (u *upstream) scrape(ctx context.Context) {
 	if prev := u.load.Load(); prev != nil && l.HasPrefixCounters && prev.HasPrefixCounters {
 		u.pendingQueries.Add(counterDelta(prev.PrefixCacheQueries, l.PrefixCacheQueries))
 		u.pendingHits.Add(counterDelta(prev.PrefixCacheHits, l.PrefixCacheHits))
+	}
+	if prev := u.load.Load(); prev != nil && l.HasMMCounters && prev.HasMMCounters {
+		u.pendingMMQueries.Add(counterDelta(prev.MMCacheQueries, l.MMCacheQueries))
+		u.pendingMMHits.Add(counterDelta(prev.MMCacheHits, l.MMCacheHits))
 	}
 	u.load.Store(&l)
 }

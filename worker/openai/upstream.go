@@ -207,6 +207,8 @@ type upstream struct {
 	// Prefix-cache counter increases the upstream reported since the last
 	// chunk that carried them (see takeCounters).
 	pendingQueries, pendingHits atomic.Uint64
+	// Multimodal-cache counter increases (media items), likewise.
+	pendingMMQueries, pendingMMHits atomic.Uint64
 
 	ownedBy  atomic.Pointer[string] // the model's owned_by in /v1/models: which server it is
 	inFlight atomic.Int32           // requests this worker has at the upstream
@@ -319,12 +321,14 @@ func (u *upstream) gauges() *stagepb.EngineStats {
 	}
 }
 
-// takeCounters adds the prefix-cache counter increases scraped since the
-// last call to s: each increase reaches the head exactly once, on
-// whichever request's chunk comes next.
+// takeCounters adds the prefix-cache and multimodal-cache counter
+// increases scraped since the last call to s: each increase reaches the
+// head exactly once, on whichever request's chunk comes next.
 func (u *upstream) takeCounters(s *stagepb.EngineStats) {
 	s.PrefixCacheQueries += u.pendingQueries.Swap(0)
 	s.PrefixCacheHits += u.pendingHits.Swap(0)
+	s.MmCacheQueries += u.pendingMMQueries.Swap(0)
+	s.MmCacheHits += u.pendingMMHits.Swap(0)
 }
 
 // admit refuses a request the engine cannot run now.

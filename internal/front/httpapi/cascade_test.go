@@ -3,9 +3,14 @@ package httpapi
 import (
 	"bytes"
 	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -55,4 +60,67 @@ func TestCascade(t *testing.T) {
 	assert.NotEmpty(t, pcm, "spoken")
 
 	assert.Equal(t, 2, c.Head.SpeechStages(), "the speech endpoint starts at the talker, after the thinker")
+}
+
+// TestCascadeStreamsSpeech: in a streamed chat through a cascade, the
+// recognizer ends first (its transcript is the thinker's prompt), and then
+// the thinker's text streams into the speech stages while the thinker
+// still writes: the first audio event reaches the client before the
+// thinker's last text delta. With streaming off the stages run one after
+// the other and the first audio comes only after the last text delta;
+// both give the same text.
+func TestCascadeStreamsSpeech(t *testing.T) {
+	audio := bytes.Repeat([]byte{3, 0, 5, 0}, 2000)
+	var texts []string
+	for _, streaming := range []bool{true, false} {
+		t.Run(fmt.Sprintf("streaming=%v", streaming), func(t *testing.T) {
+			p := orchestrator.Pipeline{Model: model, Streaming: &streaming,
+				Stages: []orchestrator.Stage{{Name: "asr"}, {Name: "thinker"}, {Name: "talker"}, {Name: "vocoder"}}}
+			c := startCluster(t, orchestratortest.Options{Pipeline: p, Sim: sim.Config{DecodeTokenLatency: 4 * time.Millisecond}})
+			client := startAPI(t, c, Config{}, nil, nil).openai()
+			stream := client.Chat.Completions.NewStreaming(testCtx(t), openai.ChatCompletionNewParams{
+				Model: model,
+				Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage([]openai.ChatCompletionContentPartUnionParam{
+					openai.InputAudioContentPart(openai.ChatCompletionContentPartInputAudioInputAudioParam{Data: base64.StdEncoding.EncodeToString(audio), Format: "wav"}),
+				})},
+				Seed:       openai.Int(2),
+				MaxTokens:  openai.Int(48),
+				Modalities: []string{"text", "audio"},
+				Audio:      openai.ChatCompletionAudioParam{Voice: openai.ChatCompletionAudioParamVoiceUnion{OfString: openai.String("alloy")}, Format: "pcm16"},
+			}, option.WithJSONSet("ignore_eos", true))
+			firstAudio, lastText, i := -1, -1, 0
+			var text strings.Builder
+			for ; stream.Next(); i++ {
+				ch := stream.Current()
+				if len(ch.Choices) == 0 {
+					continue
+				}
+				if d := ch.Choices[0].Delta; d.Content != "" {
+					lastText = i
+					text.WriteString(d.Content)
+				}
+				var delta struct {
+					Audio struct {
+						Data string `json:"data"`
+					} `json:"audio"`
+				}
+				require.NoError(t, json.Unmarshal([]byte(ch.Choices[0].Delta.RawJSON()), &delta))
+				if delta.Audio.Data != "" && firstAudio < 0 {
+					firstAudio = i
+				}
+			}
+			require.NoError(t, stream.Err())
+			require.NoError(t, stream.Close())
+			require.GreaterOrEqual(t, firstAudio, 0, "audio was streamed")
+			require.GreaterOrEqual(t, lastText, 0, "text was streamed")
+			if streaming {
+				assert.Less(t, firstAudio, lastText, "the first audio event before the thinker's last text delta (of %d events)", i)
+			} else {
+				assert.Greater(t, firstAudio, lastText, "one stage after the other: the audio after the text")
+			}
+			texts = append(texts, text.String())
+		})
+	}
+	require.Len(t, texts, 2)
+	assert.Equal(t, texts[0], texts[1], "the same answer either way")
 }
