@@ -396,8 +396,9 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 
 // serveWorkerMetrics serves a fresh registry's /metrics on listen until
 // stop is called (stop waits for the server). With an empty listen there is
-// no endpoint: the registry is nil and stop does nothing.
-func serveWorkerMetrics(listen string, log *slog.Logger, stdout io.Writer) (reg *prometheus.Registry, stop func(), err error) {
+// no endpoint: the registerer is nil (an untyped nil, which
+// worker.Config.Metrics takes for none) and stop does nothing.
+func serveWorkerMetrics(listen string, log *slog.Logger, stdout io.Writer) (_ prometheus.Registerer, stop func(), err error) {
 	if listen == "" {
 		return nil, func() {}, nil
 	}
@@ -405,7 +406,7 @@ func serveWorkerMetrics(listen string, log *slog.Logger, stdout io.Writer) (reg 
 	if err != nil {
 		return nil, nil, fmt.Errorf("troupe worker: --metrics-listen: %w", err)
 	}
-	reg = prometheus.NewRegistry()
+	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
