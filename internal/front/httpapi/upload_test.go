@@ -17,6 +17,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
@@ -69,28 +71,34 @@ func slowUpload(t *testing.T, a *api, send func(conn net.Conn) error) *http.Resp
 func TestSlowUploadIsCut(t *testing.T) {
 	c := startCluster(t, orchestratortest.Options{Pipeline: orchestrator.Pipeline{Model: model, Stages: []orchestrator.Stage{{Name: "thinker"}}}})
 
-	t.Run("trickle", func(t *testing.T) {
-		reg := prometheus.NewRegistry()
-		m, err := NewMetrics(reg)
-		require.NoError(t, err)
-		a := startAPI(t, c, Config{BodyIdleTimeout: 500 * time.Millisecond, Metrics: m}, nil, nil)
-		tick := time.NewTicker(50 * time.Millisecond)
-		defer tick.Stop()
-		sent := 0
-		resp := slowUpload(t, a, func(conn net.Conn) error {
-			<-tick.C
-			sent++
-			_, err := conn.Write([]byte{' '})
-			return err
+	// Traced: the deadlines reach the connection through otelhttp's
+	// response writer too.
+	traced := sdktrace.NewTracerProvider()
+	t.Cleanup(func() { _ = traced.Shutdown(context.Background()) })
+	for name, tp := range map[string]trace.TracerProvider{"trickle": nil, "trickle, traced": traced} {
+		t.Run(name, func(t *testing.T) {
+			reg := prometheus.NewRegistry()
+			m, err := NewMetrics(reg)
+			require.NoError(t, err)
+			a := startAPI(t, c, Config{BodyIdleTimeout: 500 * time.Millisecond, Metrics: m, TracerProvider: tp}, nil, nil)
+			tick := time.NewTicker(50 * time.Millisecond)
+			defer tick.Stop()
+			sent := 0
+			resp := slowUpload(t, a, func(conn net.Conn) error {
+				<-tick.C
+				sent++
+				_, err := conn.Write([]byte{' '})
+				return err
+			})
+			require.NotNil(t, resp, "answered, not dropped")
+			body, _ := io.ReadAll(resp.Body)
+			wantError(t, resp, body, http.StatusRequestTimeout, "invalid_request_error", "body_too_slow")
+			t.Logf("cut after %d of 100000 bytes: %s", sent, body)
+			assert.Less(t, sent, 100000)
+			assert.True(t, resp.Close, "the connection is closed after the answer")
+			assert.Equal(t, 1.0, testutil.ToFloat64(m.requests.WithLabelValues("/v1/chat/completions", "post", "408")))
 		})
-		require.NotNil(t, resp, "answered, not dropped")
-		body, _ := io.ReadAll(resp.Body)
-		wantError(t, resp, body, http.StatusRequestTimeout, "invalid_request_error", "body_too_slow")
-		t.Logf("cut after %d of 100000 bytes: %s", sent, body)
-		assert.Less(t, sent, 100000)
-		assert.True(t, resp.Close, "the connection is closed after the answer")
-		assert.Equal(t, 1.0, testutil.ToFloat64(m.requests.WithLabelValues("/v1/chat/completions", "post", "408")))
-	})
+	}
 
 	t.Run("stall after a fast start", func(t *testing.T) {
 		// A rate of 1 B/s: the 50,000 bytes sent at once earn hours of
