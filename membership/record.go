@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/etcdserverpb"
@@ -44,6 +45,10 @@ type leased struct {
 	wrote        chan struct{}    // closed and replaced whenever written changes
 	lease        clientv3.LeaseID // the lease the record is (or is being) written under
 	stale        clientv3.LeaseID // a lost lease that may still hold the record
+
+	// answered is when etcd last confirmed the lease (its grant or write,
+	// or a keepalive answer), in Unix nanoseconds; see LastKeepAlive.
+	answered atomic.Int64
 
 	closeOnce sync.Once
 	closeErr  error
@@ -86,12 +91,19 @@ func (r *leased) setRecord(key string, record any) error {
 func (r *leased) start(lease clientv3.LeaseID, grantedTTL int64, attrs ...any) {
 	r.lease = lease
 	r.written, r.writtenValue = r.version, r.value
+	r.answered.Store(time.Now().UnixNano())
 	runCtx, stop := context.WithCancel(context.Background())
 	r.stop = stop
 	go r.run(runCtx, lease)
 	r.lg.Info("membership: registered", append([]any{"key", r.key}, append(attrs,
 		"lease", fmt.Sprintf("%x", int64(lease)), "ttl", time.Duration(grantedTTL)*time.Second)...)...)
 }
+
+// LastKeepAlive is when etcd last confirmed the registration's lease: its
+// grant, or the latest keepalive answer (the client asks every third of
+// the TTL). Healthy, it is within about a third of the TTL of now; a lease
+// silent for the whole TTL has expired in etcd.
+func (r *leased) LastKeepAlive() time.Time { return time.Unix(0, r.answered.Load()) }
 
 // Key returns the etcd key of the record.
 func (r *leased) Key() string { return r.key }
@@ -324,6 +336,7 @@ func (r *leased) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 			if !ok {
 				return
 			}
+			r.answered.Store(time.Now().UnixNano())
 			deadline.Reset(silence)
 		case <-deadline.C:
 			r.lg.Warn("membership: no keepalive answer for twice the TTL; treating the lease as lost", "key", r.key)
@@ -462,6 +475,7 @@ func (r *leased) reregister(ctx context.Context, old clientv3.LeaseID) (clientv3
 	attemptTimeout := max(time.Duration(r.ttlSecs)*time.Second, 5*time.Second)
 	for {
 		if lease, ok, holder, err := r.reregisterOnce(ctx, old, attemptTimeout); err == nil && ok {
+			r.answered.Store(time.Now().UnixNano())
 			r.lg.Info("membership: re-registered", "key", r.key, "lease", fmt.Sprintf("%x", int64(lease)))
 			r.emit(RegistrationEvent{Type: Reregistered, Lease: lease})
 			return lease, true

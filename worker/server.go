@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
@@ -115,7 +116,12 @@ type Config struct {
 	// EtcdClient registers the replica; nil serves without registering
 	// (Registered is closed once serving).
 	EtcdClient *clientv3.Client
-	Logger     *slog.Logger // default slog.Default()
+	// Metrics, when set with an EtcdClient, gets the worker's etcd gauges:
+	// troupe_etcd_up (its etcd probe, as the head's) and
+	// troupe_lease_keepalive_lag_seconds (see docs/contracts.md). Serve it
+	// on the worker's own metrics endpoint; never the global registry.
+	Metrics prometheus.Registerer
+	Logger  *slog.Logger // default slog.Default()
 	// MaxMessageBytes caps a received gRPC message (a request and its
 	// prompt); default stagepb.DefaultMaxMessageBytes, which takes the
 	// head's default body limit. gRPC's own default is 4 MiB.
@@ -151,6 +157,7 @@ type Server struct {
 	registered chan struct{} // closed once registered (or serving, without etcd)
 	member     atomic.Pointer[membership.Member]
 	reg        atomic.Pointer[membership.Registration] // nil without etcd or before registering
+	etcdUp     prometheus.Gauge                        // nil without Config.Metrics; set by Run's etcd monitor
 
 	// sleepMu serializes sleep state changes with their record updates, so
 	// the record always ends with the engine's latest state.
@@ -215,6 +222,10 @@ func New(cfg Config) (*Server, error) {
 		lis.Close()
 		return nil, err
 	}
+	if err := s.registerMetrics(); err != nil {
+		lis.Close()
+		return nil, err
+	}
 	s.lis = lis
 
 	opts := []grpc.ServerOption{
@@ -239,6 +250,43 @@ func New(cfg Config) (*Server, error) {
 	s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
 	s.health.SetServingStatus(stagepb.StageService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_NOT_SERVING)
 	return s, nil
+}
+
+// registerMetrics registers the etcd gauges on Config.Metrics (see
+// Config.Metrics); nothing without it or without an etcd client.
+func (s *Server) registerMetrics() error {
+	if s.cfg.Metrics == nil || s.cfg.EtcdClient == nil {
+		return nil
+	}
+	s.etcdUp = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "troupe_etcd_up",
+		Help: "1 while the worker's etcd client gets answers to a linearizable read (probed every 2s), else 0.",
+	})
+	for _, c := range []prometheus.Collector{s.etcdUp, keepAliveLag{s}} {
+		if err := s.cfg.Metrics.Register(c); err != nil {
+			return fmt.Errorf("worker: register metrics: %w", err)
+		}
+	}
+	return nil
+}
+
+// keepAliveLagDesc describes troupe_lease_keepalive_lag_seconds.
+var keepAliveLagDesc = prometheus.NewDesc("troupe_lease_keepalive_lag_seconds",
+	"Seconds since etcd last confirmed the replica's lease (its grant or a keepalive answer, asked every third of the TTL); absent while not registered. At the TTL the lease has expired.",
+	nil, nil)
+
+// keepAliveLag writes troupe_lease_keepalive_lag_seconds from the current
+// registration at each scrape.
+type keepAliveLag struct{ s *Server }
+
+func (c keepAliveLag) Describe(ch chan<- *prometheus.Desc) { ch <- keepAliveLagDesc }
+
+func (c keepAliveLag) Collect(ch chan<- prometheus.Metric) {
+	reg := c.s.reg.Load()
+	if reg == nil {
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(keepAliveLagDesc, prometheus.GaugeValue, time.Since(reg.LastKeepAlive()).Seconds())
 }
 
 // newInstanceID is a random 16-byte hex id.
@@ -333,7 +381,19 @@ func (s *Server) Run(ctx context.Context) error {
 		monitored := make(chan struct{})
 		go func() {
 			defer close(monitored)
-			membership.MonitorEtcd(mctx, s.cfg.EtcdClient, membership.HealthConfig{Who: "worker " + s.cfg.Stage, Logger: s.log})
+			membership.MonitorEtcd(mctx, s.cfg.EtcdClient, membership.HealthConfig{
+				Who: "worker " + s.cfg.Stage, Logger: s.log,
+				OnChange: func(up bool) {
+					if s.etcdUp == nil {
+						return
+					}
+					v := 0.0
+					if up {
+						v = 1
+					}
+					s.etcdUp.Set(v)
+				},
+			})
 		}()
 		defer func() { stopMonitor(); <-monitored }()
 	}

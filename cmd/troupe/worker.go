@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"math"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"runtime"
@@ -16,6 +17,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"google.golang.org/grpc"
@@ -40,6 +44,7 @@ type workerFlags struct {
 	noPrefixCaching                                                      bool
 	upstream                                                             upstreamFlags
 	voice, espeakBinary                                                  string
+	metricsListen                                                        string
 	espeakConcurrency                                                    int
 	maxMessage                                                           byteSize
 	tls                                                                  *tlsFlags
@@ -92,6 +97,7 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.StringVar(&f.voice, "voice", "", "speech engines: voice when the request names none (default: the upstream's own for openai-speech, en for espeak)")
 	fs.StringVar(&f.espeakBinary, "espeak-binary", espeak.DefaultBinary, "espeak: the espeak-ng executable")
 	fs.IntVar(&f.espeakConcurrency, "espeak-concurrency", runtime.NumCPU(), "espeak: most espeak-ng processes at once; more requests wait")
+	fs.StringVar(&f.metricsListen, "metrics-listen", "", "serve the worker's own /metrics (troupe_etcd_up, troupe_lease_keepalive_lag_seconds, Go and process) over plain HTTP on this address (default: none)")
 	f.tls = addTLSFlags(fs, "the worker's gRPC server; a CA requires client certificates")
 	f.otel = addOtelFlags(fs)
 	f.log = addLogFlags(fs)
@@ -317,6 +323,12 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 	}
 	defer func() { stopEngine(); <-engDone }()
 
+	metrics, stopMetrics, err := serveWorkerMetrics(wf.metricsListen, log, stdout)
+	if err != nil {
+		return err
+	}
+	defer stopMetrics()
+
 	srv, err := worker.New(worker.Config{
 		Stage:           wf.stage,
 		ReplicaID:       id,
@@ -332,6 +344,7 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 		Model:           wf.model,
 		Version:         version,
 		EtcdClient:      cli,
+		Metrics:         metrics,
 		Logger:          log,
 		ServerOptions: []grpc.ServerOption{
 			grpc.Creds(creds),
@@ -379,6 +392,34 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 			return serr
 		}
 	}
+}
+
+// serveWorkerMetrics serves a fresh registry's /metrics on listen until
+// stop is called (stop waits for the server). With an empty listen there is
+// no endpoint: the registerer is nil (an untyped nil, which
+// worker.Config.Metrics takes for none) and stop does nothing.
+func serveWorkerMetrics(listen string, log *slog.Logger, stdout io.Writer) (_ prometheus.Registerer, stop func(), err error) {
+	if listen == "" {
+		return nil, func() {}, nil
+	}
+	lis, err := net.Listen("tcp", listen)
+	if err != nil {
+		return nil, nil, fmt.Errorf("troupe worker: --metrics-listen: %w", err)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		if err := hs.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("troupe worker: metrics server stopped", "err", err)
+		}
+	}()
+	fmt.Fprintf(stdout, "troupe worker: metrics on http://%s/metrics\n", lis.Addr())
+	return reg, func() { _ = hs.Close(); <-served }, nil
 }
 
 // loopbackOnly reports whether listen binds a loopback address only.

@@ -11,6 +11,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"os"
 	"strings"
 	"sync"
 	"time"
@@ -102,6 +103,10 @@ func (s *Server) readBody(r *http.Request) ([]byte, *apiError) {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
 			return nil, tooLarge(s.cfg.MaxBodyBytes)
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return nil, &apiError{Status: http.StatusRequestTimeout, Type: typeInvalidRequest, Code: "body_too_slow",
+				Message: s.slowBodyMessage()}
 		}
 		s.log.DebugContext(r.Context(), "httpapi: reading the body", "request_id", requestIDFrom(r.Context()), "err", err)
 		return nil, badRequest("", "invalid_body", "cannot read the request body: the upload broke off or its framing is malformed")

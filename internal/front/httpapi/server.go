@@ -120,6 +120,16 @@ type Config struct {
 	// server-wide WriteTimeout, which would cut long streams. <= 0 means
 	// DefaultWriteStallTimeout.
 	WriteStallTimeout time.Duration
+	// BodyIdleTimeout and BodyMinRate bound how slowly a request body may
+	// arrive (see pacedBody): each read waits at most BodyIdleTimeout, and
+	// once BodyIdleTimeout has passed since the request began, the body's
+	// average rate must be at least BodyMinRate bytes per second, until
+	// the whole request's DefaultBodyReadTimeout. A body that misses a
+	// deadline is answered 408 and its connection closed. <= 0:
+	// DefaultBodyIdleTimeout and DefaultBodyMinRate; BodyMinRate < 0: no
+	// rate.
+	BodyIdleTimeout time.Duration
+	BodyMinRate     int64
 	// SessionHeader names the header whose value is a request's session
 	// key, for session affinity (troupe head: X-Session-ID). Empty: none.
 	SessionHeader string
@@ -168,6 +178,12 @@ func New(b Backend, cfg Config) *Server {
 	}
 	if cfg.WriteStallTimeout <= 0 {
 		cfg.WriteStallTimeout = DefaultWriteStallTimeout
+	}
+	if cfg.BodyIdleTimeout <= 0 {
+		cfg.BodyIdleTimeout = DefaultBodyIdleTimeout
+	}
+	if cfg.BodyMinRate == 0 {
+		cfg.BodyMinRate = DefaultBodyMinRate
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -280,9 +296,12 @@ func (s *Server) AdminHandler() http.Handler { return s.admin }
 // streaming set:
 //   - ReadHeaderTimeout 10s and MaxHeaderBytes 64 KiB bound slow or huge
 //     headers (slowloris).
-//   - ReadTimeout 60s bounds reading the whole request, body included:
-//     an upload that has not finished by then is cut. Uploads take no
-//     admission slot (see admitted), so slow ones cannot starve requests.
+//   - ReadTimeout 60s (DefaultBodyReadTimeout) bounds reading the whole
+//     request, body included: an upload that has not finished by then is
+//     cut. Within it, the Server paces each body (Config.BodyIdleTimeout,
+//     Config.BodyMinRate): a body trickled slowly is cut long before.
+//     Uploads take no admission slot (see admitted), so slow ones cannot
+//     starve requests.
 //     net/http lifts that deadline once the body has been read (its
 //     background read for client disconnects runs without one), so it
 //     never cuts a long generation; TestSlowStreams holds it to that.
@@ -296,7 +315,7 @@ func NewHTTPServer(addr string, h http.Handler) *http.Server {
 		Addr:              addr,
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
-		ReadTimeout:       60 * time.Second,
+		ReadTimeout:       DefaultBodyReadTimeout,
 		IdleTimeout:       120 * time.Second,
 		MaxHeaderBytes:    64 << 10,
 	}
@@ -400,7 +419,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMu
 		h.Set("Connection", "close")
 		writeError(sw, tooLarge(s.cfg.MaxBodyBytes))
 	default:
-		r.Body = http.MaxBytesReader(sw, r.Body, s.cfg.MaxBodyBytes)
+		r.Body = http.MaxBytesReader(sw, s.paced(sw, r, start), s.cfg.MaxBodyBytes)
 		dispatch(sw, r, mux)
 	}
 	// otelhttp names the span from its own copy of the request, which the
