@@ -607,6 +607,13 @@ wait_for 30 "Prometheus ready at $prom" prom_ready
 # scrapes rather than being in a target's first sample.
 head_ip="$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$(containers head)")"
 wait_for 30 "Prometheus scraping the head at $head_ip" has_data "up{job=\"troupe-head\",instance=\"$head_ip:8000\"} == 1"
+# The workers' own metrics (--metrics-listen :9100): a running worker of
+# every stage is scraped and reports etcd reachable.
+for stage in thinker talker vocoder; do
+  worker_ip="$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' \
+    "$(docker ps -q --filter "label=com.docker.compose.project=$project" --filter "label=com.docker.compose.service=$stage" | head -n1)")"
+  wait_for 30 "Prometheus scraping the $stage worker at $worker_ip:9100" has_data "troupe_etcd_up{job=\"troupe-worker\",instance=\"$worker_ip:9100\"} == 1"
+done
 
 # Traffic of every kind the panels show: text and audio, a stream, and
 # answers that never reach a replica (400, 404).
