@@ -27,6 +27,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/tokenizers"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
@@ -184,7 +185,7 @@ func TestRealtimeHistoryBudget(t *testing.T) {
 	assert.Len(t, msgs, 2, "the newest item is kept whatever its size")
 
 	// An audio item counts its WAV bytes.
-	c.items = []*historyItem{{role: "assistant", text: "bbbb"}, {role: "user", audio: make([]byte, 8)}}
+	c.items = []*historyItem{{role: "assistant", text: "bbbb"}, {role: "user", parts: []*stagepb.ContentPart{{Kind: stagepb.PartAudio, Data: make([]byte, 8), Format: "wav"}}}}
 	msgs, prompt = c.conversationLocked()
 	require.Len(t, msgs, 2, "4 bytes of text and 8 of audio are over 10")
 	assert.Equal(t, "system: sys\nuser: ", prompt)
@@ -280,6 +281,49 @@ func TestRealtimeAudioInput(t *testing.T) {
 	tr = respond(t, conn, nil)
 	require.Equal(t, realtime.RealtimeResponseStatus("completed"), tr.done.Response.Status, "%s", tr.done.RawJSON())
 	assert.Equal(t, chatText(t, a, history...), tr.text, "the audio item is in the history")
+}
+
+// TestRealtimeAudioItem: conversation.item.create with an input_audio part
+// (base64 PCM16 at 24 kHz) next to a text part is a user message the
+// thinker hears as a chat request's text and input_audio parts of the same
+// audio as WAV; the item shown does not echo the audio back, and a
+// response.create answers it.
+func TestRealtimeAudioItem(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a, _ := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "Be brief.", "text")
+	pcm := tone(300, 0.2)
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfConversationItemCreate(realtime.RealtimeConversationItemUserMessageParam{
+		Content: []realtime.RealtimeConversationItemUserMessageContentParam{
+			{Type: "input_text", Text: openai.String("Listen:")},
+			{Type: "input_audio", Audio: openai.String(base64.StdEncoding.EncodeToString(pcm))}}})))
+	for _, want := range []string{"conversation.item.added", "conversation.item.done"} {
+		ev, err := conn.Recv(testCtx(t))
+		require.NoError(t, err)
+		require.Equal(t, want, ev.Type, "%s", ev.RawJSON())
+		var got struct {
+			Item struct {
+				Role    string
+				Content []map[string]any
+			}
+		}
+		require.NoError(t, json.Unmarshal([]byte(ev.RawJSON()), &got))
+		assert.Equal(t, "user", got.Item.Role)
+		require.Len(t, got.Item.Content, 2, "%s", ev.RawJSON())
+		assert.Equal(t, "input_audio", got.Item.Content[1]["type"])
+		assert.NotContains(t, got.Item.Content[1], "audio", "the audio is not echoed back")
+	}
+	tr := respond(t, conn, nil)
+	require.Equal(t, realtime.RealtimeResponseStatus("completed"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	wav := wavOf(t, pcm)
+	assert.GreaterOrEqual(t, tr.done.Response.Usage.InputTokens, int64(tokenizers.MediaTokens(wav)))
+	user := openai.UserMessage([]openai.ChatCompletionContentPartUnionParam{openai.TextContentPart("Listen:"),
+		openai.InputAudioContentPart(openai.ChatCompletionContentPartInputAudioInputAudioParam{Data: base64.StdEncoding.EncodeToString(wav), Format: "wav"})})
+	assert.NotEmpty(t, tr.text)
+	assert.Equal(t, chatText(t, a, openai.SystemMessage("Be brief."), user), tr.text)
+	// Without the text part the thinker answers otherwise: both parts reached it.
+	assert.NotEqual(t, chatText(t, a, openai.SystemMessage("Be brief."), audioMessage(wav)), tr.text, "the text part reaches the thinker")
 }
 
 // TestRealtimeVADTurn: with server_vad (create_response by default),
@@ -489,7 +533,9 @@ func TestRealtimeBadEvents(t *testing.T) {
 		{`{"type":"input_audio_buffer.commit","event_id":"e1"}`, "input_audio_buffer_commit_empty"},
 		{`{"type":"session.update","event_id":"e1","session":{"type":"realtime","audio":{"output":{"format":{"type":"audio/pcmu"}}}}}`, "invalid_value"},
 		{`{"type":"session.update","event_id":"e1","session":{"type":"realtime","output_modalities":["video"]}}`, "invalid_value"},
-		{`{"type":"conversation.item.create","event_id":"e1","item":{"type":"message","role":"user","content":[{"type":"input_audio","audio":"AAAA"}]}}`, "audio_input_unsupported"},
+		{`{"type":"conversation.item.create","event_id":"e1","item":{"type":"message","role":"user","content":[{"type":"input_audio","audio":"***"}]}}`, "invalid_base64"},
+		{`{"type":"conversation.item.create","event_id":"e1","item":{"type":"message","role":"user","content":[{"type":"input_audio","audio":"AA=="}]}}`, "invalid_value"},
+		{`{"type":"conversation.item.create","event_id":"e1","item":{"type":"message","role":"assistant","content":[{"type":"input_audio","audio":"AAAA"}]}}`, "invalid_value"},
 		{`{"type":"conversation.item.truncate","event_id":"e1","item_id":"nope","content_index":0,"audio_end_ms":10}`, "invalid_value"},
 	} {
 		require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(tc.event)))
@@ -652,6 +698,14 @@ func TestRealtimeSpeechBargeIn(t *testing.T) {
 		}
 	}
 	assert.Equal(t, []string{"input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "error"}, types)
+
+	// An audio item is refused the same way, and kept out of the history.
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfConversationItemCreate(realtime.RealtimeConversationItemUserMessageParam{
+		Content: []realtime.RealtimeConversationItemUserMessageContentParam{{Type: "input_audio", Audio: openai.String(silence)}}})))
+	ev, err := conn.Recv(testCtx(t))
+	require.NoError(t, err)
+	require.Equal(t, "error", ev.Type, "%s", ev.RawJSON())
+	assert.Equal(t, "audio_input_unsupported", ev.AsRealtimeErrorEvent().Error.Code)
 }
 
 // BenchmarkRealtimeCancel: the time from response.cancel sent to
