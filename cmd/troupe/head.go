@@ -44,17 +44,17 @@ type headFlags struct {
 	apiKeyFile, adminAPIKeyFile                        string
 	// apiKeyOnArgv: --api-key came from the command line (see
 	// noteArgvSecrets), where ps shows it.
-	apiKeyOnArgv                               bool
-	sessionHeader, headID, advertise           string
-	logStats, untrustedParent, sessionUser     bool
-	maxBody                                    byteSize
-	maxInFlight                                int
-	maxPartBytes                               byteSize
-	maxContentParts                            int
+	apiKeyOnArgv                           bool
+	sessionHeader, headID, advertise       string
+	logStats, untrustedParent, sessionUser bool
+	maxBody                                byteSize
+	maxInFlight                            int
+	maxPartBytes                           byteSize
+	maxContentParts                        int
 	// realtime bounds GET /v1/realtime (--realtime-*).
-	realtimeMaxSessions     int
-	realtimeIdleTimeout     time.Duration
-	realtimeMaxMessageBytes byteSize
+	realtimeMaxSessions                        int
+	realtimeIdleTimeout                        time.Duration
+	realtimeMaxMessageBytes                    byteSize
 	detachedTTL, reconcile                     time.Duration
 	stallTimeout, leaseLossGrace, signalMaxAge time.Duration
 	maxMigrations                              int
