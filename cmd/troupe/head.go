@@ -44,17 +44,13 @@ type headFlags struct {
 	apiKeyFile, adminAPIKeyFile                        string
 	// apiKeyOnArgv: --api-key came from the command line (see
 	// noteArgvSecrets), where ps shows it.
-	apiKeyOnArgv                           bool
-	sessionHeader, headID, advertise       string
-	logStats, untrustedParent, sessionUser bool
-	maxBody                                byteSize
-	maxInFlight                            int
-	maxPartBytes                           byteSize
-	maxContentParts                        int
-	// realtime bounds GET /v1/realtime (--realtime-*).
-	realtimeMaxSessions                        int
-	realtimeIdleTimeout                        time.Duration
-	realtimeMaxMessageBytes                    byteSize
+	apiKeyOnArgv                               bool
+	sessionHeader, headID, advertise           string
+	logStats, untrustedParent, sessionUser     bool
+	maxBody                                    byteSize
+	maxInFlight                                int
+	maxPartBytes                               byteSize
+	maxContentParts                            int
 	detachedTTL, reconcile                     time.Duration
 	stallTimeout, leaseLossGrace, signalMaxAge time.Duration
 	maxMigrations                              int
@@ -65,6 +61,10 @@ type headFlags struct {
 	// builtPipeline, when set, is the pipeline instead of --pipeline's
 	// (troupe up --speech builds its own).
 	builtPipeline *orchestrator.Pipeline
+	// realtime bounds GET /v1/realtime (--realtime-*).
+	realtimeMaxSessions     int
+	realtimeIdleTimeout     time.Duration
+	realtimeMaxMessageBytes byteSize
 }
 
 func addHeadFlags(fs *flag.FlagSet) *headFlags {
