@@ -44,6 +44,9 @@ const (
 const (
 	SpanRealtimeSession = "troupe.realtime.session"
 	SpanRealtimeTurn    = "troupe.realtime.turn"
+	// EventRealtimeCancel is the turn span's event at the time a cancel
+	// (response.cancel, or speech detected) reached the head.
+	EventRealtimeCancel = "cancel"
 )
 
 // RealtimeConfig bounds GET /v1/realtime. The zero value uses the defaults.
@@ -933,6 +936,9 @@ func (c *rtSessionConn) runTurn(sctx, ctx context.Context, t *rtTurn, after <-ch
 		if m := c.s.rtMetrics(); m != nil {
 			m.cancelLatency.Observe(time.Since(time.Unix(0, cancelAt)).Seconds())
 		}
+		// When the cancel reached the head: the workers' server spans under
+		// the turn end when each stage's work stopped (BenchmarkRealtimeCancel).
+		span.AddEvent(EventRealtimeCancel, trace.WithTimestamp(time.Unix(0, cancelAt)))
 	}
 	if err == nil && audio && audioBytes == 0 {
 		err = errNoAudio
