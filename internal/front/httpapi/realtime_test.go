@@ -712,6 +712,31 @@ func TestRealtimeSpeechBargeIn(t *testing.T) {
 	assert.Equal(t, "audio_input_unsupported", ev.AsRealtimeErrorEvent().Error.Code)
 }
 
+// TestRealtimeCancelSpan: a cancelled turn's span has a cancel event, and
+// the workers' server spans of every stage under the turn end after it:
+// the interval BenchmarkRealtimeCancel reports.
+func TestRealtimeCancelSpan(t *testing.T) {
+	c, tp, rec := benchTracedCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 20 * time.Millisecond}})
+	a, _ := rtAPI(t, c, Config{TracerProvider: tp})
+	conn := connect(t, a)
+	sayUser(t, conn, "Tell me a long story.")
+	cancelled := false
+	tr := respond(t, conn, func(ev realtime.RealtimeServerEventUnion) {
+		if ev.Type == "response.output_audio.delta" && !cancelled {
+			cancelled = true
+			require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventUnionParam{OfResponseCancel: &realtime.ResponseCancelEventParam{}}))
+		}
+	})
+	require.Equal(t, realtime.RealtimeResponseStatus("cancelled"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	waitIdle(t, c)
+	var lat []time.Duration
+	require.Eventually(t, func() bool {
+		lat = workerCancelLatencies(rec, len(c.Head.Pipeline().Stages))
+		return len(lat) == 1
+	}, wait, 10*time.Millisecond, "one cancelled turn, its workers' spans ended")
+	assert.GreaterOrEqual(t, lat[0], time.Duration(0), "the last stage stopped after the cancel reached the head")
+}
+
 // BenchmarkRealtimeCancel: barge-in latency measured at the workers, and
 // time to first audio, with n sessions of the official client
 // (client.Realtime.Connect) each running audio turns cancelled
@@ -730,7 +755,7 @@ func BenchmarkRealtimeCancel(b *testing.B) {
 
 // benchTracedCluster is a cluster whose head and workers record their
 // spans on rec, propagated over every hop (as orchestrator's tracing tests).
-func benchTracedCluster(b *testing.B, opts orchestratortest.Options) (*orchestratortest.Cluster, *sdktrace.TracerProvider, *tracetest.SpanRecorder) {
+func benchTracedCluster(b testing.TB, opts orchestratortest.Options) (*orchestratortest.Cluster, *sdktrace.TracerProvider, *tracetest.SpanRecorder) {
 	rec := tracetest.NewSpanRecorder()
 	headTP := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()), sdktrace.WithSpanProcessor(rec))
 	workerTP := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.ParentBased(sdktrace.NeverSample())), sdktrace.WithSpanProcessor(rec))
