@@ -61,10 +61,15 @@ type headFlags struct {
 	// builtPipeline, when set, is the pipeline instead of --pipeline's
 	// (troupe up --speech builds its own).
 	builtPipeline *orchestrator.Pipeline
+	// realtime bounds GET /v1/realtime (--realtime-*).
+	realtimeMaxSessions     int
+	realtimeIdleTimeout     time.Duration
+	realtimeMaxMessageBytes byteSize
 }
 
 func addHeadFlags(fs *flag.FlagSet) *headFlags {
-	f := &headFlags{maxBody: httpapi.DefaultMaxBodyBytes, maxPartBytes: httpapi.DefaultMaxPartBytes}
+	f := &headFlags{maxBody: httpapi.DefaultMaxBodyBytes, maxPartBytes: httpapi.DefaultMaxPartBytes,
+		realtimeMaxMessageBytes: httpapi.DefaultRealtimeMaxMessageBytes}
 	fs.StringVar(&f.http, "http", "127.0.0.1:8000", "address of the HTTP API")
 	fs.StringVar(&f.adminHTTP, "admin-http", "", "serve admin routes and /metrics on this separate address")
 	fs.StringVar(&f.pipeline, "pipeline", "", "pipeline YAML file (default: thinker → talker → vocoder, model troupe-omni-sim)")
@@ -81,6 +86,9 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.Var(&f.maxPartBytes, "max-part-bytes", "largest media part (image, audio, video) of a chat request once decoded, a `size` such as 8MiB")
 	fs.IntVar(&f.maxContentParts, "max-content-parts", httpapi.DefaultMaxContentParts, "most media parts one chat request may hold")
 	fs.IntVar(&f.maxInFlight, "max-in-flight", 1024, "completions the head runs at once; beyond it 429 with Retry-After (0: no limit)")
+	fs.IntVar(&f.realtimeMaxSessions, "realtime-max-sessions", httpapi.DefaultRealtimeMaxSessions, "most realtime (WebSocket) sessions the head holds at once; one more is closed with 1013")
+	fs.DurationVar(&f.realtimeIdleTimeout, "realtime-idle-timeout", httpapi.DefaultRealtimeIdleTimeout, "close (4000) a realtime session that sent no event for this long")
+	fs.Var(&f.realtimeMaxMessageBytes, "realtime-max-message-bytes", "largest client message of a realtime session, a `size` such as 1MiB; a bigger one closes the session with 1009")
 	fs.DurationVar(&f.detachedTTL, "detached-series-ttl", 0, "delete the series of replicas detached longer than this (0: keep forever)")
 	fs.DurationVar(&f.reconcile, "reconcile-interval", membership.DefaultReconcileInterval, "period of the full membership re-list that repairs drift")
 	fs.DurationVar(&f.stallTimeout, "stall-timeout", orchestrator.DefaultStallTimeout, "fail and retry a stage attempt that makes no progress for this long")
@@ -150,6 +158,26 @@ func readKeyFile(flagName, path string) (string, error) {
 	return k, nil
 }
 
+// realtime is the realtime sessions' limits. The flags' zero values, which
+// validate refuses, never reach it.
+func (f *headFlags) realtime() httpapi.RealtimeConfig {
+	return httpapi.RealtimeConfig{MaxSessions: f.realtimeMaxSessions, IdleTimeout: f.realtimeIdleTimeout,
+		MaxMessageBytes: int64(f.realtimeMaxMessageBytes)}
+}
+
+// validateRealtime refuses --realtime-* limits that are not positive.
+func (f *headFlags) validateRealtime() error {
+	switch {
+	case f.realtimeMaxSessions <= 0:
+		return fmt.Errorf("troupe head: --realtime-max-sessions must be at least 1, got %d", f.realtimeMaxSessions)
+	case f.realtimeIdleTimeout <= 0:
+		return fmt.Errorf("troupe head: --realtime-idle-timeout must be positive, got %s", f.realtimeIdleTimeout)
+	case f.realtimeMaxMessageBytes <= 0:
+		return errors.New("troupe head: --realtime-max-message-bytes must be positive")
+	}
+	return nil
+}
+
 // grpcMessageLimit is the gRPC message limit that lets a prompt as large
 // as the HTTP body limit through: the body limit plus the request's
 // headroom, capped at what gRPC can take.
@@ -176,6 +204,9 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 		return err
 	}
 	hf.noteArgvSecrets(fs)
+	if err := hf.validateRealtime(); err != nil {
+		return err
+	}
 	log, flushLog := hf.log.logger()
 	defer flushLog()
 	setHeadGC()
@@ -329,6 +360,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		MaxInFlight:     hf.maxInFlight,
 		MaxContentParts: hf.maxContentParts,
 		MaxPartBytes:    int64(hf.maxPartBytes),
+		Realtime:        hf.realtime(),
 	})
 
 	handler := api.Handler()

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"io"
 	"math"
 	"os"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/coder/websocket"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -117,4 +119,53 @@ func TestTalkAgainstUp(t *testing.T) {
 		code, _, _ = talkRun("--url", base, "--api-key", "k")
 		assert.Equal(t, 2, code, "no flag takes the key itself")
 	})
+}
+
+// TestUpRealtimeLimits: troupe up's --realtime-* flags reach the head's
+// realtime endpoint: the second session of --realtime-max-sessions 1 is
+// closed with 1013, a message over --realtime-max-message-bytes with 1009,
+// a session idle for --realtime-idle-timeout with 4000; non-positive
+// limits are refused before anything starts.
+func TestUpRealtimeLimits(t *testing.T) {
+	for _, bad := range [][]string{{"--realtime-max-sessions", "0"}, {"--realtime-idle-timeout", "0s"}} {
+		err := runUp(context.Background(), bad, io.Discard)
+		assert.ErrorContains(t, err, bad[0], "%v", bad)
+	}
+	assert.Error(t, runUp(context.Background(), []string{"--realtime-max-message-bytes", "0"}, io.Discard), "a size is positive")
+	up := background(t, "up", runUp, "--http", "127.0.0.1:0", "--log-level", "error",
+		"--realtime-max-sessions", "1", "--realtime-max-message-bytes", "1KiB", "--realtime-idle-timeout", "500ms")
+	base := up.wait(t, apiRE)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	url := "ws" + strings.TrimPrefix(base, "http") + "/v1/realtime"
+	dial := func() *websocket.Conn {
+		conn, _, err := websocket.Dial(ctx, url, nil)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = conn.CloseNow() })
+		return conn
+	}
+	first := dial()
+	_, data, err := first.Read(ctx)
+	require.NoError(t, err)
+	require.Contains(t, string(data), `"session.created"`)
+	_, _, err = dial().Read(ctx)
+	assert.Equal(t, websocket.StatusCode(1013), websocket.CloseStatus(err), "%v", err)
+
+	require.NoError(t, first.Write(ctx, websocket.MessageText, []byte(`{"type":"x","pad":"`+strings.Repeat("a", 1100)+`"}`)))
+	_, _, err = first.Read(ctx)
+	assert.Equal(t, websocket.StatusMessageTooBig, websocket.CloseStatus(err), "%v", err)
+
+	// The slot frees once the head has ended the first session.
+	var idle *websocket.Conn
+	require.Eventually(t, func() bool {
+		c := dial()
+		if _, data, err := c.Read(ctx); err == nil {
+			require.Contains(t, string(data), `"session.created"`)
+			idle = c
+			return true
+		}
+		return false
+	}, 30*time.Second, 10*time.Millisecond)
+	_, _, err = idle.Read(ctx)
+	assert.Equal(t, websocket.StatusCode(4000), websocket.CloseStatus(err), "%v", err)
 }

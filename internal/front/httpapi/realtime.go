@@ -44,6 +44,9 @@ const (
 const (
 	SpanRealtimeSession = "troupe.realtime.session"
 	SpanRealtimeTurn    = "troupe.realtime.turn"
+	// EventRealtimeCancel is the turn span's event at the time a cancel
+	// (response.cancel, or speech detected) reached the head.
+	EventRealtimeCancel = "cancel"
 )
 
 // RealtimeConfig bounds GET /v1/realtime. The zero value uses the defaults.
@@ -295,9 +298,12 @@ type rtSessionConn struct {
 // historyItem is one message of the conversation.
 type historyItem struct {
 	id, role, text string
-	// audio is a committed input audio buffer as a WAV file (PCM16 24 kHz
-	// mono): the item is one input_audio part, and text is empty.
-	audio []byte
+	// parts is, for a user item with audio, its parts in order as a chat
+	// request's content carries them: each input_audio part a WAV file
+	// (PCM16 24 kHz mono), each text part as text (text joins them too).
+	// A committed input audio buffer is one audio part and no text. nil:
+	// text only.
+	parts []*stagepb.ContentPart
 	// audioMs is the audio the client received of an assistant item.
 	audioMs int64
 }
@@ -572,28 +578,66 @@ func (c *rtSessionConn) itemCreate(ctx context.Context, ev *clientEvent) {
 		c.fail(ctx, ev, "invalid_value", "item.role", "unknown role %q: expected user, system or assistant", it.Role)
 		return
 	}
-	var text strings.Builder
+	var texts []string
+	var parts []*stagepb.ContentPart
+	audioBytes := 0
+	content := make([]rtContent, 0, len(it.Content))
 	for i, p := range it.Content {
 		switch p.Type {
 		case "input_text", "text", "output_text":
-			if i > 0 {
-				text.WriteByte('\n')
+			texts = append(texts, p.Text)
+			parts = append(parts, &stagepb.ContentPart{Kind: stagepb.PartText, Text: p.Text})
+		case "input_audio":
+			if it.Role != "user" {
+				c.fail(ctx, ev, "invalid_value", fmt.Sprintf("item.content[%d].type", i), "input_audio is a user message's part, not a %s one", it.Role)
+				return
 			}
-			text.WriteString(p.Text)
-		case "input_audio", "audio", "output_audio":
-			c.fail(ctx, ev, "audio_input_unsupported", fmt.Sprintf("item.content[%d]", i), "audio input needs a pipeline whose first stage takes audio; this one takes text")
-			return
+			b, err := base64.StdEncoding.DecodeString(p.Audio)
+			switch {
+			case err != nil:
+				c.fail(ctx, ev, "invalid_base64", fmt.Sprintf("item.content[%d].audio", i), "audio is not valid base64: %v", err)
+				return
+			case len(b) == 0 || len(b)%2 != 0:
+				c.fail(ctx, ev, "invalid_value", fmt.Sprintf("item.content[%d].audio", i), "audio must be PCM16 mono at %d Hz: a non-empty, even number of bytes (got %d)", realtimeSampleRate, len(b))
+				return
+			case audioBytes+len(b) > maxInputAudioBytes:
+				c.fail(ctx, ev, "invalid_value", fmt.Sprintf("item.content[%d].audio", i), "an item holds at most %d bytes of audio", maxInputAudioBytes)
+				return
+			}
+			audioBytes += len(b)
+			wav, err := appendWAV(nil, b, realtimeSampleRate)
+			if err != nil {
+				panic(fmt.Sprintf("httpapi: %v", err)) // maxInputAudioBytes keeps the audio far below RIFF's 4 GiB
+			}
+			parts = append(parts, &stagepb.ContentPart{Kind: stagepb.PartAudio, Data: wav, Format: "wav"})
+		case "audio", "output_audio":
+			// An assistant's audio is kept as its transcript, as the
+			// assistant items troupe makes are.
+			if p.Transcript != nil {
+				texts = append(texts, *p.Transcript)
+				parts = append(parts, &stagepb.ContentPart{Kind: stagepb.PartText, Text: *p.Transcript})
+			}
 		default:
 			c.fail(ctx, ev, "invalid_value", fmt.Sprintf("item.content[%d].type", i), "unknown content type %q", p.Type)
 			return
 		}
+		p.Audio = "" // the item shown does not echo the audio back
+		content = append(content, p)
 	}
-	h := &historyItem{id: it.ID, role: it.Role, text: text.String()}
+	h := &historyItem{id: it.ID, role: it.Role, text: strings.Join(texts, "\n")}
 	if h.id == "" {
 		h.id = "item_" + newResponseID()[:24]
 	}
+	if audioBytes > 0 {
+		h.parts = parts // as a chat request with a media part carries them
+		var pe *orchestrator.PartError
+		if refused := c.s.b.CheckParts([]*stagepb.ChatMessage{h.message()}); errors.As(refused, &pe) {
+			c.fail(ctx, ev, "audio_input_unsupported", "item.content", "audio input needs a pipeline whose first stage takes audio: stage %q takes no audio parts; send the user's words as an input_text item", pe.Stage)
+			return
+		}
+	}
 	prev := c.appendItem(h)
-	out := &rtItem{ID: h.id, Object: "realtime.item", Type: "message", Status: "completed", Role: h.role, Content: it.Content}
+	out := &rtItem{ID: h.id, Object: "realtime.item", Type: "message", Status: "completed", Role: h.role, Content: content}
 	c.send(ctx, &serverEvent{Type: "conversation.item.added", PreviousItemID: prev, Item: out})
 	c.send(ctx, &serverEvent{Type: "conversation.item.done", PreviousItemID: prev, Item: out})
 }
@@ -718,7 +762,8 @@ func (c *rtSessionConn) audioCommit(ctx context.Context, ev *clientEvent) bool {
 	if err != nil {
 		panic(fmt.Sprintf("httpapi: %v", err)) // maxInputAudioBytes keeps the buffer far below RIFF's 4 GiB
 	}
-	h := &historyItem{id: "item_" + newResponseID()[:24], role: "user", audio: wav}
+	h := &historyItem{id: "item_" + newResponseID()[:24], role: "user",
+		parts: []*stagepb.ContentPart{{Kind: stagepb.PartAudio, Data: wav, Format: "wav"}}}
 	var pe *orchestrator.PartError
 	if refused := c.s.b.CheckParts([]*stagepb.ChatMessage{h.message()}); errors.As(refused, &pe) {
 		c.mu.Lock()
@@ -781,19 +826,24 @@ func (c *rtSessionConn) responseCreate(ctx context.Context, ev *clientEvent) {
 	go c.runTurn(ctx, tctx, t, after, msgs, prompt, audio, modalities, voice)
 }
 
-// message is the item as a chat request's message: its text, or its audio
-// as one input_audio part of format wav (content.go's decoding).
+// message is the item as a chat request's message: its text, and with
+// audio its parts, each input_audio one of format wav (content.go's
+// decoding).
 func (h *historyItem) message() *stagepb.ChatMessage {
 	m := &stagepb.ChatMessage{Role: h.role, Content: h.text}
-	if h.audio != nil {
-		m.Parts = []*stagepb.ContentPart{{Kind: stagepb.PartAudio, Data: h.audio, Format: "wav"}}
-	}
+	m.Parts = h.parts
 	return m
 }
 
 // size is what the item counts against HistoryBytes: its text's bytes and
-// its WAV file's.
-func (h *historyItem) size() int { return len(h.text) + len(h.audio) }
+// its WAV files'.
+func (h *historyItem) size() int {
+	n := len(h.text)
+	for _, p := range h.parts {
+		n += len(p.GetData())
+	}
+	return n
+}
 
 // conversationLocked is what the thinker gets: the instructions as the
 // system message, then the newest items whose size fits HistoryBytes
@@ -886,6 +936,9 @@ func (c *rtSessionConn) runTurn(sctx, ctx context.Context, t *rtTurn, after <-ch
 		if m := c.s.rtMetrics(); m != nil {
 			m.cancelLatency.Observe(time.Since(time.Unix(0, cancelAt)).Seconds())
 		}
+		// When the cancel reached the head: the workers' server spans under
+		// the turn end when each stage's work stopped (BenchmarkRealtimeCancel).
+		span.AddEvent(EventRealtimeCancel, trace.WithTimestamp(time.Unix(0, cancelAt)))
 	}
 	if err == nil && audio && audioBytes == 0 {
 		err = errNoAudio

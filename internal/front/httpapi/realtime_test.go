@@ -16,17 +16,22 @@ import (
 
 	"github.com/coder/websocket"
 	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
 	"github.com/openai/openai-go/v3/realtime"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
 
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/tokenizers"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
@@ -184,7 +189,7 @@ func TestRealtimeHistoryBudget(t *testing.T) {
 	assert.Len(t, msgs, 2, "the newest item is kept whatever its size")
 
 	// An audio item counts its WAV bytes.
-	c.items = []*historyItem{{role: "assistant", text: "bbbb"}, {role: "user", audio: make([]byte, 8)}}
+	c.items = []*historyItem{{role: "assistant", text: "bbbb"}, {role: "user", parts: []*stagepb.ContentPart{{Kind: stagepb.PartAudio, Data: make([]byte, 8), Format: "wav"}}}}
 	msgs, prompt = c.conversationLocked()
 	require.Len(t, msgs, 2, "4 bytes of text and 8 of audio are over 10")
 	assert.Equal(t, "system: sys\nuser: ", prompt)
@@ -280,6 +285,49 @@ func TestRealtimeAudioInput(t *testing.T) {
 	tr = respond(t, conn, nil)
 	require.Equal(t, realtime.RealtimeResponseStatus("completed"), tr.done.Response.Status, "%s", tr.done.RawJSON())
 	assert.Equal(t, chatText(t, a, history...), tr.text, "the audio item is in the history")
+}
+
+// TestRealtimeAudioItem: conversation.item.create with an input_audio part
+// (base64 PCM16 at 24 kHz) next to a text part is a user message the
+// thinker hears as a chat request's text and input_audio parts of the same
+// audio as WAV; the item shown does not echo the audio back, and a
+// response.create answers it.
+func TestRealtimeAudioItem(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a, _ := rtAPI(t, c, Config{})
+	conn := connect(t, a)
+	sessionUpdate(t, conn, "Be brief.", "text")
+	pcm := tone(300, 0.2)
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfConversationItemCreate(realtime.RealtimeConversationItemUserMessageParam{
+		Content: []realtime.RealtimeConversationItemUserMessageContentParam{
+			{Type: "input_text", Text: openai.String("Listen:")},
+			{Type: "input_audio", Audio: openai.String(base64.StdEncoding.EncodeToString(pcm))}}})))
+	for _, want := range []string{"conversation.item.added", "conversation.item.done"} {
+		ev, err := conn.Recv(testCtx(t))
+		require.NoError(t, err)
+		require.Equal(t, want, ev.Type, "%s", ev.RawJSON())
+		var got struct {
+			Item struct {
+				Role    string
+				Content []map[string]any
+			}
+		}
+		require.NoError(t, json.Unmarshal([]byte(ev.RawJSON()), &got))
+		assert.Equal(t, "user", got.Item.Role)
+		require.Len(t, got.Item.Content, 2, "%s", ev.RawJSON())
+		assert.Equal(t, "input_audio", got.Item.Content[1]["type"])
+		assert.NotContains(t, got.Item.Content[1], "audio", "the audio is not echoed back")
+	}
+	tr := respond(t, conn, nil)
+	require.Equal(t, realtime.RealtimeResponseStatus("completed"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	wav := wavOf(t, pcm)
+	assert.GreaterOrEqual(t, tr.done.Response.Usage.InputTokens, int64(tokenizers.MediaTokens(wav)))
+	user := openai.UserMessage([]openai.ChatCompletionContentPartUnionParam{openai.TextContentPart("Listen:"),
+		openai.InputAudioContentPart(openai.ChatCompletionContentPartInputAudioInputAudioParam{Data: base64.StdEncoding.EncodeToString(wav), Format: "wav"})})
+	assert.NotEmpty(t, tr.text)
+	assert.Equal(t, chatText(t, a, openai.SystemMessage("Be brief."), user), tr.text)
+	// Without the text part the thinker answers otherwise: both parts reached it.
+	assert.NotEqual(t, chatText(t, a, openai.SystemMessage("Be brief."), audioMessage(wav)), tr.text, "the text part reaches the thinker")
 }
 
 // TestRealtimeVADTurn: with server_vad (create_response by default),
@@ -489,7 +537,9 @@ func TestRealtimeBadEvents(t *testing.T) {
 		{`{"type":"input_audio_buffer.commit","event_id":"e1"}`, "input_audio_buffer_commit_empty"},
 		{`{"type":"session.update","event_id":"e1","session":{"type":"realtime","audio":{"output":{"format":{"type":"audio/pcmu"}}}}}`, "invalid_value"},
 		{`{"type":"session.update","event_id":"e1","session":{"type":"realtime","output_modalities":["video"]}}`, "invalid_value"},
-		{`{"type":"conversation.item.create","event_id":"e1","item":{"type":"message","role":"user","content":[{"type":"input_audio","audio":"AAAA"}]}}`, "audio_input_unsupported"},
+		{`{"type":"conversation.item.create","event_id":"e1","item":{"type":"message","role":"user","content":[{"type":"input_audio","audio":"***"}]}}`, "invalid_base64"},
+		{`{"type":"conversation.item.create","event_id":"e1","item":{"type":"message","role":"user","content":[{"type":"input_audio","audio":"AA=="}]}}`, "invalid_value"},
+		{`{"type":"conversation.item.create","event_id":"e1","item":{"type":"message","role":"assistant","content":[{"type":"input_audio","audio":"AAAA"}]}}`, "invalid_value"},
 		{`{"type":"conversation.item.truncate","event_id":"e1","item_id":"nope","content_index":0,"audio_end_ms":10}`, "invalid_value"},
 	} {
 		require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(tc.event)))
@@ -652,91 +702,209 @@ func TestRealtimeSpeechBargeIn(t *testing.T) {
 		}
 	}
 	assert.Equal(t, []string{"input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "error"}, types)
+
+	// An audio item is refused the same way, and kept out of the history.
+	require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventParamOfConversationItemCreate(realtime.RealtimeConversationItemUserMessageParam{
+		Content: []realtime.RealtimeConversationItemUserMessageContentParam{{Type: "input_audio", Audio: openai.String(silence)}}})))
+	ev, err := conn.Recv(testCtx(t))
+	require.NoError(t, err)
+	require.Equal(t, "error", ev.Type, "%s", ev.RawJSON())
+	assert.Equal(t, "audio_input_unsupported", ev.AsRealtimeErrorEvent().Error.Code)
 }
 
-// BenchmarkRealtimeCancel: the time from response.cancel sent to
-// response.done received, which the head sends once Execute has returned,
-// i.e. once every stage's call has ended (an upper bound of the head's
-// troupe_realtime_cancel_latency_seconds: it adds two loopback hops). Each
-// of n sessions runs audio turns cancelled at their first audio delta.
+// TestRealtimeCancelSpan: a cancelled turn's span has a cancel event, and
+// the workers' server spans of every stage under the turn end after it:
+// the interval BenchmarkRealtimeCancel reports.
+func TestRealtimeCancelSpan(t *testing.T) {
+	c, tp, rec := benchTracedCluster(t, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 20 * time.Millisecond}})
+	a, _ := rtAPI(t, c, Config{TracerProvider: tp})
+	conn := connect(t, a)
+	sayUser(t, conn, "Tell me a long story.")
+	cancelled := false
+	tr := respond(t, conn, func(ev realtime.RealtimeServerEventUnion) {
+		if ev.Type == "response.output_audio.delta" && !cancelled {
+			cancelled = true
+			require.NoError(t, conn.Send(testCtx(t), realtime.RealtimeClientEventUnionParam{OfResponseCancel: &realtime.ResponseCancelEventParam{}}))
+		}
+	})
+	require.Equal(t, realtime.RealtimeResponseStatus("cancelled"), tr.done.Response.Status, "%s", tr.done.RawJSON())
+	waitIdle(t, c)
+	var lat []time.Duration
+	require.Eventually(t, func() bool {
+		lat = workerCancelLatencies(rec, len(c.Head.Pipeline().Stages))
+		return len(lat) == 1
+	}, wait, 10*time.Millisecond, "one cancelled turn, its workers' spans ended")
+	assert.GreaterOrEqual(t, lat[0], time.Duration(0), "the last stage stopped after the cancel reached the head")
+}
+
+// BenchmarkRealtimeCancel: barge-in latency measured at the workers, and
+// time to first audio, with n sessions of the official client
+// (client.Realtime.Connect) each running audio turns cancelled
+// (response.cancel) at their first audio delta. cancel_p50_ms and
+// cancel_p99_ms are, per turn, the time from the cancel reaching the head
+// (the turn span's cancel event) to the last worker server span under the
+// turn ending: every stage's call has returned at its worker, the engine's
+// request aborted. ttfa_* is response.create sent to the first
+// response.output_audio.delta received, at the client. Tracing is on for
+// the spans (every span sampled), which the figures include.
 func BenchmarkRealtimeCancel(b *testing.B) {
 	for _, n := range []int{1, 8, 32} {
 		b.Run(fmt.Sprintf("sessions=%d", n), func(b *testing.B) { benchCancel(b, n) })
 	}
 }
 
+// benchTracedCluster is a cluster whose head and workers record their
+// spans on rec, propagated over every hop (as orchestrator's tracing tests).
+func benchTracedCluster(b testing.TB, opts orchestratortest.Options) (*orchestratortest.Cluster, *sdktrace.TracerProvider, *tracetest.SpanRecorder) {
+	rec := tracetest.NewSpanRecorder()
+	headTP := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()), sdktrace.WithSpanProcessor(rec))
+	workerTP := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.ParentBased(sdktrace.NeverSample())), sdktrace.WithSpanProcessor(rec))
+	b.Cleanup(func() {
+		_ = headTP.Shutdown(context.Background())
+		_ = workerTP.Shutdown(context.Background())
+	})
+	prop := propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
+	opts.HeadTracer, opts.WorkerTracer = headTP, workerTP
+	opts.HeadDialOptions = []grpc.DialOption{grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelgrpc.WithTracerProvider(headTP), otelgrpc.WithPropagators(prop)))}
+	opts.WorkerServerOptions = []grpc.ServerOption{grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(workerTP), otelgrpc.WithPropagators(prop)))}
+	return startCluster(b, opts), headTP, rec
+}
+
 func benchCancel(b *testing.B, sessions int) {
-	c := startCluster(b, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 5 * time.Millisecond, MaxNumSeqs: 64}})
+	c, tp, rec := benchTracedCluster(b, orchestratortest.Options{Sim: sim.Config{DecodeTokenLatency: 5 * time.Millisecond, MaxNumSeqs: 64}})
 	m, err := NewMetrics(prometheus.NewRegistry())
 	require.NoError(b, err)
-	srv := New(c.Head, Config{Logger: slog.New(slog.DiscardHandler), Metrics: m})
+	srv := New(c.Head, Config{Logger: slog.New(slog.DiscardHandler), Metrics: m, TracerProvider: tp})
 	hs := httptest.NewServer(srv.Handler())
 	defer hs.Close()
-	url := "ws" + strings.TrimPrefix(hs.URL, "http") + "/v1/realtime"
+	client := openai.NewClient(option.WithBaseURL(hs.URL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	var mu sync.Mutex
-	var lat []time.Duration
+	var ttfa []time.Duration
 	var next atomic.Int64
 	g, gctx := errgroup.WithContext(ctx)
 	b.ResetTimer()
 	for range sessions {
 		g.Go(func() error {
-			conn, _, err := websocket.Dial(gctx, url, nil)
-			if err != nil {
-				return err
-			}
-			defer conn.CloseNow()
-			for _, ev := range []string{`{"type":"conversation.item.create","item":{"type":"message","role":"user","content":[{"type":"input_text","text":"Talk."}]}}`} {
-				if err := conn.Write(gctx, websocket.MessageText, []byte(ev)); err != nil {
-					return err
-				}
-			}
-			for next.Add(1) <= int64(b.N) {
-				if err := conn.Write(gctx, websocket.MessageText, []byte(`{"type":"response.create"}`)); err != nil {
-					return err
-				}
-				var sent time.Time
-				for {
-					_, data, err := conn.Read(gctx)
-					if err != nil {
-						return err
-					}
-					switch typ := eventType(data); {
-					case typ == "response.output_audio.delta" && sent.IsZero():
-						sent = time.Now()
-						if err := conn.Write(gctx, websocket.MessageText, []byte(`{"type":"response.cancel"}`)); err != nil {
-							return err
-						}
-					case typ == "response.done":
-						if sent.IsZero() {
-							return fmt.Errorf("a response ended before its first audio: %s", data)
-						}
-						mu.Lock()
-						lat = append(lat, time.Since(sent))
-						mu.Unlock()
-					}
-					if eventType(data) == "response.done" {
-						break
-					}
-				}
-			}
-			return nil
+			ttfas, err := benchSession(gctx, client, &next, int64(b.N))
+			mu.Lock()
+			ttfa = append(ttfa, ttfas...)
+			mu.Unlock()
+			return err
 		})
 	}
 	require.NoError(b, g.Wait())
 	b.StopTimer()
-	require.Eventually(b, func() bool { return allIdle(c) }, wait, time.Millisecond)
-	slices.Sort(lat)
-	b.ReportMetric(float64(lat[len(lat)/2].Microseconds())/1000, "p50_ms")
-	b.ReportMetric(float64(lat[len(lat)*99/100].Microseconds())/1000, "p99_ms")
-	// The head's own view: cancel event handled → Execute returned.
-	reg := prometheus.NewRegistry()
-	require.NoError(b, reg.Register(m.realtime.cancelLatency))
-	fams, err := reg.Gather()
-	require.NoError(b, err)
-	h := fams[0].GetMetric()[0].GetHistogram()
-	b.ReportMetric(1000*h.GetSampleSum()/float64(h.GetSampleCount()), "head_mean_ms")
+	waitIdle(b, c)
+	var lat []time.Duration
+	stages := len(c.Head.Pipeline().Stages)
+	require.Eventually(b, func() bool {
+		lat = workerCancelLatencies(rec, stages)
+		return len(lat) == len(ttfa)
+	}, wait, 10*time.Millisecond, "every cancelled turn's worker spans ended")
+	b.ReportMetric(quantileMs(lat, 50), "cancel_p50_ms")
+	b.ReportMetric(quantileMs(lat, 99), "cancel_p99_ms")
+	b.ReportMetric(quantileMs(ttfa, 50), "ttfa_p50_ms")
+	b.ReportMetric(quantileMs(ttfa, 99), "ttfa_p99_ms")
+}
+
+// benchSession runs audio turns on one session until next passes n, each
+// cancelled at its first audio delta, and returns their times to first
+// audio.
+func benchSession(ctx context.Context, client openai.Client, next *atomic.Int64, n int64) ([]time.Duration, error) {
+	conn, err := client.Realtime.Connect(ctx, realtime.RealtimeConnectionOptions{})
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Abort()
+	if err := conn.Send(ctx, realtime.RealtimeClientEventParamOfConversationItemCreate(realtime.RealtimeConversationItemUserMessageParam{
+		Content: []realtime.RealtimeConversationItemUserMessageContentParam{{Type: "input_text", Text: openai.String("Talk.")}}})); err != nil {
+		return nil, err
+	}
+	var out []time.Duration
+	for next.Add(1) <= n {
+		start := time.Now()
+		if err := conn.Send(ctx, realtime.RealtimeClientEventUnionParam{OfResponseCreate: &realtime.ResponseCreateEventParam{}}); err != nil {
+			return out, err
+		}
+		first := false
+		for {
+			ev, err := conn.Recv(ctx)
+			if err != nil {
+				return out, err
+			}
+			if ev.Type == "error" {
+				return out, fmt.Errorf("error event: %s", ev.RawJSON())
+			}
+			if ev.Type == "response.output_audio.delta" && !first {
+				first = true
+				out = append(out, time.Since(start))
+				if err := conn.Send(ctx, realtime.RealtimeClientEventUnionParam{OfResponseCancel: &realtime.ResponseCancelEventParam{}}); err != nil {
+					return out, err
+				}
+			}
+			if ev.Type == "response.done" {
+				if !first {
+					return out, fmt.Errorf("a response ended before its first audio: %s", ev.RawJSON())
+				}
+				break
+			}
+		}
+	}
+	return out, nil
+}
+
+// workerCancelLatencies is, for each turn span with a cancel event whose
+// subtree holds a worker server span of every stage, the time from the
+// cancel to the last of those spans' ends.
+func workerCancelLatencies(rec *tracetest.SpanRecorder, stages int) []time.Duration {
+	spans := rec.Ended()
+	children := map[trace.SpanID][]sdktrace.ReadOnlySpan{}
+	for _, s := range spans {
+		children[s.Parent().SpanID()] = append(children[s.Parent().SpanID()], s)
+	}
+	var out []time.Duration
+	for _, s := range spans {
+		if s.Name() != SpanRealtimeTurn {
+			continue
+		}
+		var cancelAt time.Time
+		for _, e := range s.Events() {
+			if e.Name == EventRealtimeCancel {
+				cancelAt = e.Time
+			}
+		}
+		if cancelAt.IsZero() {
+			continue
+		}
+		var last time.Time
+		servers := 0
+		queue := []sdktrace.ReadOnlySpan{s}
+		for len(queue) > 0 {
+			sp := queue[0]
+			queue = queue[1:]
+			if sp.SpanKind() == trace.SpanKindServer {
+				servers++
+				if sp.EndTime().After(last) {
+					last = sp.EndTime()
+				}
+			}
+			queue = append(queue, children[sp.SpanContext().SpanID()]...)
+		}
+		if servers < stages {
+			return nil // a worker's span has not ended yet
+		}
+		out = append(out, last.Sub(cancelAt))
+	}
+	return out
+}
+
+// quantileMs is the q-th percentile of ds, in milliseconds.
+func quantileMs(ds []time.Duration, q int) float64 {
+	ds = slices.Clone(ds)
+	slices.Sort(ds)
+	return float64(ds[(len(ds)-1)*q/100].Microseconds()) / 1000
 }
 
 func eventType(data []byte) string {
