@@ -10,7 +10,9 @@ import (
 	"github.com/troupe-serving/troupe/membership/embedetcd"
 )
 
-// runEtcd runs a standalone single-node etcd server until ctx ends.
+// runEtcd runs an etcd server until ctx ends: a single node by default, or
+// one member of a static cluster given by --initial-cluster (a StatefulSet of
+// three runs three, each with its own --name).
 func runEtcd(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet("etcd")
 	dataDir := fs.String("data-dir", "", "directory for etcd's WAL and database (required)")
@@ -19,6 +21,9 @@ func runEtcd(ctx context.Context, args []string, stdout io.Writer) error {
 	listenPeer := fs.String("listen-peer-urls", "", "comma-separated URLs to serve peers on (default: the client host, client port + 1)")
 	advertiseClient := fs.String("advertise-client-urls", "", "client URLs to advertise (default: the listen client URLs)")
 	advertisePeer := fs.String("initial-advertise-peer-urls", "", "peer URLs to advertise (default: the listen peer URLs)")
+	initialCluster := fs.String("initial-cluster", "", "every `member` of a new cluster as etcd's flag, name=peerURL,name2=peerURL2; must name --name at its advertised peer URLs (default: this member alone)")
+	clusterState := fs.String("initial-cluster-state", "new", "cluster `state`: new bootstraps the cluster in --initial-cluster; existing joins a running one (after etcdctl member add)")
+	clusterToken := fs.String("initial-cluster-token", "", "`token` that keeps clusters bootstrapped from the same --initial-cluster apart (default etcd's etcd-cluster)")
 	logLevel := fs.String("log-level", "warn", "etcd log level: debug, info, warn, error")
 	certFile := fs.String("cert-file", "", "server certificate for clients (PEM); listen client URLs must be https://")
 	keyFile := fs.String("key-file", "", "server key for clients (PEM)")
@@ -43,6 +48,9 @@ func runEtcd(ctx context.Context, args []string, stdout io.Writer) error {
 		ListenPeerURLs:      splitList(*listenPeer),
 		AdvertiseClientURLs: splitList(*advertiseClient),
 		AdvertisePeerURLs:   splitList(*advertisePeer),
+		InitialCluster:      *initialCluster,
+		ClusterState:        *clusterState,
+		ClusterToken:        *clusterToken,
 		ClientCertFile:      *certFile,
 		ClientKeyFile:       *keyFile,
 		ClientCAFile:        *trustedCA,

@@ -65,6 +65,11 @@ type headFlags struct {
 	realtimeMaxSessions     int
 	realtimeIdleTimeout     time.Duration
 	realtimeMaxMessageBytes byteSize
+
+	// autoscaleTarget, autoscaleCooldown, autoscaleInterval: the
+	// recommendation of troupe_stage_desired_replicas (see autoscale).
+	autoscaleTarget                      float64
+	autoscaleCooldown, autoscaleInterval time.Duration
 }
 
 func addHeadFlags(fs *flag.FlagSet) *headFlags {
@@ -100,10 +105,32 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.DurationVar(&f.leaseTTL, "lease-ttl", membership.DefaultTTL, "etcd lease TTL of the head's record")
 	fs.DurationVar(&f.shutdownDelay, "shutdown-delay", 0, "on SIGTERM, answer /readyz 503 and keep serving this long before draining, so a load balancer stops sending first")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", httpapi.DefaultDrainTimeout, "on SIGTERM, how long in-flight requests may finish before they are cut")
+	fs.Float64Var(&f.autoscaleTarget, "autoscale-target-utilization", orchestrator.DefaultTargetUtilization, "share of a replica's capacity troupe_stage_desired_replicas aims to use, a `fraction` in (0, 1]")
+	fs.DurationVar(&f.autoscaleCooldown, "autoscale-cooldown", orchestrator.DefaultScaleDownCooldown, "troupe_stage_desired_replicas rises at once but falls only after the lower figure held this long")
+	fs.DurationVar(&f.autoscaleInterval, "autoscale-interval", orchestrator.DefaultAutoscaleInterval, "how often troupe_stage_desired_replicas is computed")
 	f.tls = addTLSFlags(fs, "gRPC to workers")
 	f.otel = addOtelFlags(fs)
 	f.log = addLogFlags(fs)
 	return f
+}
+
+// autoscale is the orchestrator's AutoscaleConfig from the --autoscale-*
+// flags; a value out of range is an error (the orchestrator would silently
+// take its default instead).
+func (f *headFlags) autoscale() (orchestrator.AutoscaleConfig, error) {
+	switch {
+	case !(f.autoscaleTarget > 0 && f.autoscaleTarget <= 1): // also NaN
+		return orchestrator.AutoscaleConfig{}, fmt.Errorf("troupe head: --autoscale-target-utilization %v: want a fraction in (0, 1], e.g. 0.7", f.autoscaleTarget)
+	case f.autoscaleCooldown <= 0:
+		return orchestrator.AutoscaleConfig{}, fmt.Errorf("troupe head: --autoscale-cooldown %v: want a positive duration, e.g. 5m", f.autoscaleCooldown)
+	case f.autoscaleInterval <= 0:
+		return orchestrator.AutoscaleConfig{}, fmt.Errorf("troupe head: --autoscale-interval %v: want a positive duration, e.g. 1s", f.autoscaleInterval)
+	}
+	return orchestrator.AutoscaleConfig{
+		TargetUtilization: f.autoscaleTarget,
+		ScaleDownCooldown: f.autoscaleCooldown,
+		Interval:          f.autoscaleInterval,
+	}, nil
 }
 
 // noteArgvSecrets records which secrets fs took from the command line
@@ -222,6 +249,9 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	if err := p.ValidateRouting(hf.policy); err != nil {
 		return err
 	}
+	if _, err := hf.autoscale(); err != nil {
+		return err
+	}
 	cli, err := membership.Dial(ctx, ef.config())
 	if err != nil {
 		return err
@@ -286,6 +316,10 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	if err != nil {
 		return err
 	}
+	autoscale, err := hf.autoscale()
+	if err != nil {
+		return err
+	}
 
 	// metrics is gathered on /metrics; the per-replica stats are not on it
 	// (they are written by the head, the API's Exposer, see
@@ -331,6 +365,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		SignalMaxAge:      hf.signalMaxAge,
 		LeaseLossGrace:    hf.leaseLossGrace,
 		MaxMigrations:     hf.maxMigrations,
+		Autoscale:         autoscale,
 		Metrics:           metrics,
 		StatsMetrics:      statsMetrics,
 		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },

@@ -2,7 +2,9 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -15,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/orchestrator"
 )
 
 func TestAPIAddr(t *testing.T) {
@@ -88,6 +91,45 @@ func TestHeadShutdownFlags(t *testing.T) {
 	assert.Equal(t, 45*time.Second, hf.drainTimeout)
 	assert.Equal(t, "head-a", hf.headID)
 	assert.Equal(t, membership.DefaultTTL, hf.leaseTTL)
+}
+
+// TestHeadAutoscaleFlags: the --autoscale-* flags (or their environment
+// variables) become the orchestrator's AutoscaleConfig, their defaults are
+// the orchestrator's, and a value out of range stops `troupe head` before
+// it dials etcd (the endpoint below is never listened on) with an error
+// naming the flag.
+func TestHeadAutoscaleFlags(t *testing.T) {
+	fs := newFlagSet("head")
+	hf := addHeadFlags(fs)
+	require.NoError(t, parseFlags(fs, nil))
+	cfg, err := hf.autoscale()
+	require.NoError(t, err)
+	assert.Equal(t, orchestrator.AutoscaleConfig{
+		TargetUtilization: orchestrator.DefaultTargetUtilization,
+		ScaleDownCooldown: orchestrator.DefaultScaleDownCooldown,
+		Interval:          orchestrator.DefaultAutoscaleInterval,
+	}, cfg)
+
+	t.Setenv("TROUPE_AUTOSCALE_COOLDOWN", "90s")
+	fs = newFlagSet("head")
+	hf = addHeadFlags(fs)
+	require.NoError(t, parseFlags(fs, []string{"--autoscale-target-utilization", "0.5", "--autoscale-interval", "250ms"}))
+	cfg, err = hf.autoscale()
+	require.NoError(t, err)
+	assert.Equal(t, orchestrator.AutoscaleConfig{TargetUtilization: 0.5, ScaleDownCooldown: 90 * time.Second, Interval: 250 * time.Millisecond}, cfg)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, tc := range []struct{ args, want string }{
+		{"--autoscale-target-utilization=0", "--autoscale-target-utilization 0: want a fraction in (0, 1]"},
+		{"--autoscale-target-utilization=1.5", "--autoscale-target-utilization 1.5: want a fraction in (0, 1]"},
+		{"--autoscale-target-utilization=NaN", "--autoscale-target-utilization NaN"},
+		{"--autoscale-cooldown=0s", "--autoscale-cooldown 0s: want a positive duration"},
+		{"--autoscale-interval=-1s", "--autoscale-interval -1s: want a positive duration"},
+	} {
+		err := runHead(ctx, []string{"--etcd-endpoints", "http://127.0.0.1:1", tc.args}, io.Discard)
+		assert.ErrorContains(t, err, tc.want, tc.args)
+	}
 }
 
 // TestHeadKeys: the API key comes from a file, the environment or (with a

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -333,6 +334,91 @@ func TestExternalEtcdAndExistingSecret(t *testing.T) {
 	checkObjects(t, o, true)
 }
 
+// TestEtcdThreeMembers: etcd.replicas=3 renders a StatefulSet of three
+// members started in parallel, each named after its pod, whose
+// --initial-cluster names every member at its stable DNS name through the
+// headless Service, on the peer port that Service and the container expose,
+// and a PodDisruptionBudget that lets one member go at a time.
+func TestEtcdThreeMembers(t *testing.T) {
+	c := loadChart(t)
+	rendered, err := render(c, values(t, "", map[string]any{"clusterToken.value": testToken, "etcd.replicas": 3}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := decodeAll(t, rendered)
+	checkObjects(t, o, false)
+	const sts, ns = "demo-troupe-etcd", "troupe"
+	s, ok := o.statefulSets[sts]
+	if !ok {
+		t.Fatalf("no StatefulSet %s among %v", sts, slices.Collect(maps.Keys(o.statefulSets)))
+	}
+	if s.Spec.Replicas == nil || *s.Spec.Replicas != 3 {
+		t.Errorf("replicas %v, want 3", s.Spec.Replicas)
+	}
+	if s.Spec.PodManagementPolicy != appsv1.ParallelPodManagement {
+		t.Errorf("podManagementPolicy %q, want Parallel: no member is ready before a quorum", s.Spec.PodManagementPolicy)
+	}
+	if len(s.Spec.VolumeClaimTemplates) == 0 {
+		t.Errorf("no volume claim templates: a member must keep its data dir across restarts")
+	}
+	hl, ok := o.services[s.Spec.ServiceName]
+	if !ok || hl.Spec.ClusterIP != corev1.ClusterIPNone || !hl.Spec.PublishNotReadyAddresses {
+		t.Fatalf("serviceName %s: want a headless Service publishing not-ready pods, got %+v", s.Spec.ServiceName, hl)
+	}
+	ct := s.Spec.Template.Spec.Containers[0]
+	if !envFromField(ct, "POD_NAME", "metadata.name") {
+		t.Errorf("no POD_NAME from metadata.name")
+	}
+	if got := flagValue(t, ct, "name"); got != "$(POD_NAME)" {
+		t.Errorf("--name=%s, want $(POD_NAME)", got)
+	}
+	if got := flagValue(t, ct, "initial-cluster-state"); got != "new" {
+		t.Errorf("--initial-cluster-state=%s, want new", got)
+	}
+	peerPort := portOf(t, "--listen-peer-urls", flagValue(t, ct, "listen-peer-urls"))
+	if containerPort(ct, intstr.FromString("peer")) != peerPort {
+		t.Errorf("container port peer is not --listen-peer-urls' port %d", peerPort)
+	}
+	if !slices.ContainsFunc(hl.Spec.Ports, func(p corev1.ServicePort) bool { return p.Port == peerPort }) {
+		t.Errorf("headless Service %s has no port %d for peers", hl.Name, peerPort)
+	}
+	// Each pod's --initial-advertise-peer-urls (POD_NAME substituted, as
+	// the kubelet does) must be its own entry of --initial-cluster, and
+	// the list must name every pod and nothing else.
+	cluster := map[string]string{}
+	for _, m := range strings.Split(flagValue(t, ct, "initial-cluster"), ",") {
+		n, u, ok := strings.Cut(m, "=")
+		if !ok {
+			t.Fatalf("--initial-cluster entry %q is not name=URL", m)
+		}
+		cluster[n] = u
+	}
+	if len(cluster) != 3 {
+		t.Errorf("--initial-cluster names %d members, want 3: %v", len(cluster), cluster)
+	}
+	for i := range 3 {
+		pod := fmt.Sprintf("%s-%d", sts, i)
+		want := fmt.Sprintf("http://%s.%s.%s.svc:%d", pod, hl.Name, ns, peerPort)
+		if cluster[pod] != want {
+			t.Errorf("--initial-cluster gives %s %q, want %q", pod, cluster[pod], want)
+		}
+		adv := strings.ReplaceAll(flagValue(t, ct, "initial-advertise-peer-urls"), "$(POD_NAME)", pod)
+		if adv != cluster[pod] {
+			t.Errorf("%s advertises peer URL %s, the cluster lists %s", pod, adv, cluster[pod])
+		}
+	}
+	pdb, ok := o.pdbs[sts]
+	if !ok {
+		t.Fatalf("no PodDisruptionBudget %s", sts)
+	}
+	if pdb.Spec.MaxUnavailable == nil || pdb.Spec.MaxUnavailable.IntValue() != 1 {
+		t.Errorf("etcd PodDisruptionBudget maxUnavailable %v, want 1", pdb.Spec.MaxUnavailable)
+	}
+	if !subset(pdb.Spec.Selector.MatchLabels, s.Spec.Template.Labels) {
+		t.Errorf("etcd PodDisruptionBudget selects %v, not the etcd pods %v", pdb.Spec.Selector.MatchLabels, s.Spec.Template.Labels)
+	}
+}
+
 // TestChartRefusesBrokenValues: values that would render a broken cluster
 // fail the rendering with a message that says what to set.
 func TestChartRefusesBrokenValues(t *testing.T) {
@@ -344,7 +430,9 @@ func TestChartRefusesBrokenValues(t *testing.T) {
 	}{
 		{"no token", map[string]any{}, "clusterToken"},
 		{"short token", map[string]any{"clusterToken.value": "short"}, "16 bytes"},
-		{"three etcd members", map[string]any{"clusterToken.value": testToken, "etcd.replicas": 3}, "etcd.external.endpoints"},
+		{"two etcd members", map[string]any{"clusterToken.value": testToken, "etcd.replicas": 2}, "etcd.replicas: 1 or 3 members"},
+		{"three etcd members without volumes", map[string]any{"clusterToken.value": testToken, "etcd.replicas": 3,
+			"etcd.persistence.enabled": false}, "3 members need etcd.persistence.enabled"},
 		{"stage without workers", map[string]any{"clusterToken.value": testToken,
 			"pipeline.stages": []any{map[string]any{"name": "thinker"}, map[string]any{"name": "speech"}}}, `stage "speech" has no entry in stages`},
 		{"stage name not a DNS label", map[string]any{"clusterToken.value": testToken,

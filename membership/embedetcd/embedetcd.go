@@ -1,6 +1,7 @@
-// Package embedetcd runs a single-node etcd server in this process with the
-// official server/v3/embed package. `troupe etcd`, `troupe up` and the tests
-// (through membershiptest) share it.
+// Package embedetcd runs an etcd server in this process with the official
+// server/v3/embed package: a single node by default, or one member of a
+// cluster bootstrapped from a static initial cluster. `troupe etcd`,
+// `troupe up` and the tests (through membershiptest) share it.
 //
 // Compared to embed.StartEtcd it adds three things: sane defaults for one
 // node (advertised URLs are the listen URLs, the initial cluster is this
@@ -18,10 +19,12 @@ import (
 	"os"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 
 	"go.etcd.io/etcd/client/pkg/v3/transport"
+	"go.etcd.io/etcd/client/pkg/v3/types"
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -54,6 +57,18 @@ type Config struct {
 	AdvertiseClientURLs []string
 	// AdvertisePeerURLs default to ListenPeerURLs, likewise.
 	AdvertisePeerURLs []string
+	// InitialCluster lists every member of a new cluster as etcd's
+	// --initial-cluster does: "name=peerURL,name2=peerURL2" (a name may
+	// repeat for several URLs). It must name this member (Name) with its
+	// AdvertisePeerURLs. Default: this member alone.
+	InitialCluster string
+	// ClusterState is "new" (default) to bootstrap a cluster with
+	// InitialCluster, or "existing" to join one whose members already run
+	// (the member was added with `etcdctl member add` first).
+	ClusterState string
+	// ClusterToken keeps the members of different clusters bootstrapped
+	// with the same InitialCluster apart; default etcd's "etcd-cluster".
+	ClusterToken string
 	// TickMs and ElectionMs are raft's heartbeat and election timeout;
 	// defaults 100 and 1000 as in etcd. The smallest lease TTL etcd grants
 	// is 1.5 × ElectionMs (rounded up to seconds).
@@ -117,7 +132,9 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 	if len(ec.AdvertisePeerUrls) == 0 {
 		ec.AdvertisePeerUrls = advertised(ec.ListenPeerUrls)
 	}
-	ec.InitialCluster = ec.InitialClusterFromName(ec.Name)
+	if err := initialCluster(ec, cfg); err != nil {
+		return nil, err
+	}
 	if cfg.TickMs > 0 {
 		ec.TickMs = cfg.TickMs
 	}
@@ -230,6 +247,52 @@ type streamWithContext struct {
 }
 
 func (s *streamWithContext) Context() context.Context { return s.ctx }
+
+// initialCluster sets the bootstrap membership and checks it names this
+// member at its advertised peer URLs, so a typo fails here with a message
+// that names the flag values rather than deep in raft's bootstrap.
+func initialCluster(ec *embed.Config, cfg Config) error {
+	switch cfg.ClusterState {
+	case "", embed.ClusterStateFlagNew:
+		ec.ClusterState = embed.ClusterStateFlagNew
+	case embed.ClusterStateFlagExisting:
+		ec.ClusterState = embed.ClusterStateFlagExisting
+	default:
+		return fmt.Errorf("embedetcd: cluster state %q: want %q or %q", cfg.ClusterState, embed.ClusterStateFlagNew, embed.ClusterStateFlagExisting)
+	}
+	if cfg.ClusterToken != "" {
+		ec.InitialClusterToken = cfg.ClusterToken
+	}
+	if strings.TrimSpace(cfg.InitialCluster) == "" {
+		ec.InitialCluster = ec.InitialClusterFromName(ec.Name)
+		return nil
+	}
+	members, err := types.NewURLsMap(cfg.InitialCluster)
+	if err != nil {
+		return fmt.Errorf("embedetcd: initial cluster %q: want name=http://host:port,...: %w", cfg.InitialCluster, err)
+	}
+	for name, urls := range members {
+		if name == "" {
+			return fmt.Errorf("embedetcd: initial cluster %q: a member has no name", cfg.InitialCluster)
+		}
+		for _, u := range urls {
+			if u.Scheme != "http" && u.Scheme != "https" || u.Port() == "" {
+				return fmt.Errorf("embedetcd: initial cluster: member %q peer URL %q: want http://host:port", name, u.String())
+			}
+		}
+	}
+	mine, ok := members[ec.Name]
+	if !ok {
+		return fmt.Errorf("embedetcd: initial cluster %q does not name this member %q", cfg.InitialCluster, ec.Name)
+	}
+	for _, adv := range ec.AdvertisePeerUrls {
+		if !slices.ContainsFunc(mine, func(u url.URL) bool { return u.String() == adv.String() }) {
+			return fmt.Errorf("embedetcd: initial cluster gives member %q the peer URLs %s, not its advertised peer URL %s", ec.Name, mine.String(), adv.String())
+		}
+	}
+	ec.InitialCluster = members.String()
+	return nil
+}
 
 // clientTLS configures TLS for clients and checks that it agrees with the
 // listen URLs' schemes, so a half-configured server fails at start.

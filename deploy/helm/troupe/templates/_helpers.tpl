@@ -67,8 +67,11 @@ capabilities:
 {{- if and (not .Values.clusterToken.existingSecret) (lt (len .Values.clusterToken.value) 16) -}}
 {{- fail "clusterToken: set existingSecret, or value to 16 bytes at least (openssl rand -hex 32; docs/security.md)" -}}
 {{- end -}}
-{{- if and (not .Values.etcd.external.endpoints) (ne (int .Values.etcd.replicas) 1) -}}
-{{- fail "etcd.replicas: troupe etcd runs a single member; for more, run etcd outside the chart and set etcd.external.endpoints" -}}
+{{- if and (not .Values.etcd.external.endpoints) (not (has (int .Values.etcd.replicas) (list 1 3))) -}}
+{{- fail "etcd.replicas: 1 or 3 members (a quorum of 2 tolerates one lost member); for another size, run etcd outside the chart and set etcd.external.endpoints" -}}
+{{- end -}}
+{{- if and (not .Values.etcd.external.endpoints) (eq (int .Values.etcd.replicas) 3) (not .Values.etcd.persistence.enabled) -}}
+{{- fail "etcd.replicas: 3 members need etcd.persistence.enabled: a member restarted with an empty data dir cannot rejoin its cluster" -}}
 {{- end -}}
 {{- $names := list -}}
 {{- range .Values.stages -}}
