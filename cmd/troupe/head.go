@@ -70,11 +70,15 @@ type headFlags struct {
 	// recommendation of troupe_stage_desired_replicas (see autoscale).
 	autoscaleTarget                      float64
 	autoscaleCooldown, autoscaleInterval time.Duration
+
+	// bodyIdleTimeout, bodyMinRate pace request bodies (httpapi.pacedBody).
+	bodyIdleTimeout time.Duration
+	bodyMinRate     byteSize
 }
 
 func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	f := &headFlags{maxBody: httpapi.DefaultMaxBodyBytes, maxPartBytes: httpapi.DefaultMaxPartBytes,
-		realtimeMaxMessageBytes: httpapi.DefaultRealtimeMaxMessageBytes}
+		realtimeMaxMessageBytes: httpapi.DefaultRealtimeMaxMessageBytes, bodyMinRate: httpapi.DefaultBodyMinRate}
 	fs.StringVar(&f.http, "http", "127.0.0.1:8000", "address of the HTTP API")
 	fs.StringVar(&f.adminHTTP, "admin-http", "", "serve admin routes and /metrics on this separate address")
 	fs.StringVar(&f.pipeline, "pipeline", "", "pipeline YAML file (default: thinker → talker → vocoder, model troupe-omni-sim)")
@@ -107,6 +111,8 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", httpapi.DefaultDrainTimeout, "on SIGTERM, how long in-flight requests may finish before they are cut")
 	fs.Float64Var(&f.autoscaleTarget, "autoscale-target-utilization", orchestrator.DefaultTargetUtilization, "share of a replica's capacity troupe_stage_desired_replicas aims to use, a `fraction` in (0, 1]")
 	fs.DurationVar(&f.autoscaleCooldown, "autoscale-cooldown", orchestrator.DefaultScaleDownCooldown, "troupe_stage_desired_replicas rises at once but falls only after the lower figure held this long")
+	fs.DurationVar(&f.bodyIdleTimeout, "body-idle-timeout", httpapi.DefaultBodyIdleTimeout, "longest pause while a request body arrives, and the time before --body-min-rate applies; slower: 408 body_too_slow")
+	fs.Var(&f.bodyMinRate, "body-min-rate", "slowest average rate of a request body once --body-idle-timeout has passed since the request began, a `size` per second such as 8KiB")
 	fs.DurationVar(&f.autoscaleInterval, "autoscale-interval", orchestrator.DefaultAutoscaleInterval, "how often troupe_stage_desired_replicas is computed")
 	f.tls = addTLSFlags(fs, "gRPC to workers")
 	f.otel = addOtelFlags(fs)
@@ -192,8 +198,9 @@ func (f *headFlags) realtime() httpapi.RealtimeConfig {
 		MaxMessageBytes: int64(f.realtimeMaxMessageBytes)}
 }
 
-// validateRealtime refuses --realtime-* limits that are not positive.
-func (f *headFlags) validateRealtime() error {
+// validateLimits refuses --realtime-* limits and a --body-idle-timeout
+// that are not positive.
+func (f *headFlags) validateLimits() error {
 	switch {
 	case f.realtimeMaxSessions <= 0:
 		return fmt.Errorf("troupe head: --realtime-max-sessions must be at least 1, got %d", f.realtimeMaxSessions)
@@ -201,6 +208,8 @@ func (f *headFlags) validateRealtime() error {
 		return fmt.Errorf("troupe head: --realtime-idle-timeout must be positive, got %s", f.realtimeIdleTimeout)
 	case f.realtimeMaxMessageBytes <= 0:
 		return errors.New("troupe head: --realtime-max-message-bytes must be positive")
+	case f.bodyIdleTimeout <= 0:
+		return fmt.Errorf("troupe head: --body-idle-timeout must be positive, got %s", f.bodyIdleTimeout)
 	}
 	return nil
 }
@@ -231,7 +240,7 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 		return err
 	}
 	hf.noteArgvSecrets(fs)
-	if err := hf.validateRealtime(); err != nil {
+	if err := hf.validateLimits(); err != nil {
 		return err
 	}
 	log, flushLog := hf.log.logger()
@@ -396,6 +405,8 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		MaxContentParts: hf.maxContentParts,
 		MaxPartBytes:    int64(hf.maxPartBytes),
 		Realtime:        hf.realtime(),
+		BodyIdleTimeout: hf.bodyIdleTimeout,
+		BodyMinRate:     int64(hf.bodyMinRate),
 	})
 
 	handler := api.Handler()

@@ -41,7 +41,7 @@ func runUp(ctx context.Context, args []string, stdout io.Writer) error {
 	if *replicas < 1 || *replicas > 64 {
 		return fmt.Errorf("--replicas must be in 1..64, got %d", *replicas)
 	}
-	if err := hf.validateRealtime(); err != nil {
+	if err := hf.validateLimits(); err != nil {
 		return err
 	}
 	log, flushLog := hf.log.logger()
