@@ -528,20 +528,7 @@ func checkObjects(t *testing.T, o *objects, externalEtcd bool) {
 	checkPipeline(t, o)
 	checkAutoscalers(t, o)
 	for name, m := range o.podMonitors {
-		tmpl, ok := selected(workloads, m.Spec.Selector.MatchLabels)
-		if !ok {
-			t.Errorf("PodMonitor %s: selector matches no workload's pods", name)
-			continue
-		}
-		// The alerts of deploy/prometheus/rules.yml select job="troupe-head".
-		if job := tmpl.Labels[m.Spec.JobLabel]; job != "troupe-head" {
-			t.Errorf("PodMonitor %s: job from label %q is %q, want troupe-head", name, m.Spec.JobLabel, job)
-		}
-		for _, e := range m.Spec.PodMetricsEndpoints {
-			if !hasPort(tmpl.Spec.Containers, intstr.FromString(e.Port)) || e.Path != "/metrics" {
-				t.Errorf("PodMonitor %s: endpoint %+v is not the head's /metrics port", name, e)
-			}
-		}
+		checkPodMonitor(t, name, m, workloads)
 	}
 	if len(o.rules) > 0 && len(o.podMonitors) == 0 {
 		t.Errorf("a PrometheusRule without the PodMonitor: nothing scrapes job troupe-head")
@@ -627,6 +614,13 @@ func checkTroupeContainer(t *testing.T, name string, tmpl corev1.PodTemplateSpec
 		}
 		if !envFromField(ct, "POD_IP", "status.podIP") {
 			t.Errorf("%s: no POD_IP from status.podIP", name)
+		}
+		mport := portOf(t, name, flagValue(t, ct, "metrics-listen"))
+		if !hasPort([]corev1.Container{ct}, intstr.FromInt32(mport)) {
+			t.Errorf("%s: --metrics-listen's port %d is no container port", name, mport)
+		}
+		if ann := tmpl.Annotations; ann["prometheus.io/scrape"] != "true" || ann["prometheus.io/port"] != fmt.Sprint(mport) {
+			t.Errorf("%s: scrape annotations %v, want the worker's metrics port %d", name, ann, mport)
 		}
 		if id := flagValue(t, ct, "replica-id"); id != "auto" {
 			t.Errorf("%s: --replica-id=%s, want auto", name, id)
@@ -734,6 +728,47 @@ func subset(sel, labels map[string]string) bool {
 }
 
 // selected is the one workload whose pods sel matches.
+// checkPodMonitor: a PodMonitor selects either the heads (job troupe-head,
+// the job deploy/prometheus/rules.yml's alerts select) or every stage's
+// workers (job troupe-worker, their --metrics-listen), on a port and path
+// their pods serve /metrics on.
+func checkPodMonitor(t *testing.T, name string, m *podMonitor, workloads map[string]corev1.PodTemplateSpec) {
+	t.Helper()
+	var match []corev1.PodTemplateSpec
+	workers := 0
+	for _, tmpl := range workloads {
+		if tmpl.Labels["troupe.io/job"] == "troupe-worker" {
+			workers++
+		}
+		if len(m.Spec.Selector.MatchLabels) > 0 && subset(m.Spec.Selector.MatchLabels, tmpl.Labels) {
+			match = append(match, tmpl)
+		}
+	}
+	if len(match) == 0 {
+		t.Errorf("PodMonitor %s: selector matches no workload's pods", name)
+		return
+	}
+	job := match[0].Labels[m.Spec.JobLabel]
+	switch {
+	case job == "troupe-head" && len(match) != 1:
+		t.Errorf("PodMonitor %s: selects %d workloads, want the heads' only", name, len(match))
+	case job == "troupe-worker" && len(match) != workers:
+		t.Errorf("PodMonitor %s: selects %d workloads, want every stage's workers (%d)", name, len(match), workers)
+	case job != "troupe-head" && job != "troupe-worker":
+		t.Errorf("PodMonitor %s: job from label %q is %q, want troupe-head or troupe-worker", name, m.Spec.JobLabel, job)
+	}
+	for _, tmpl := range match {
+		if got := tmpl.Labels[m.Spec.JobLabel]; got != job {
+			t.Errorf("PodMonitor %s: selects pods of jobs %q and %q", name, job, got)
+		}
+		for _, e := range m.Spec.PodMetricsEndpoints {
+			if !hasPort(tmpl.Spec.Containers, intstr.FromString(e.Port)) || e.Path != "/metrics" {
+				t.Errorf("PodMonitor %s: endpoint %+v is not a /metrics port of its pods", name, e)
+			}
+		}
+	}
+}
+
 func selected(workloads map[string]corev1.PodTemplateSpec, sel map[string]string) (corev1.PodTemplateSpec, bool) {
 	var match []corev1.PodTemplateSpec
 	for _, tmpl := range workloads {
