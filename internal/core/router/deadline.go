@@ -1,0 +1,220 @@
+package router
+
+import (
+	"math"
+	"sync/atomic"
+	"time"
+)
+
+// PolicyDeadline routes on predicted time to first output (docs/routing.md,
+// Deadline-aware routing).
+const PolicyDeadline = "deadline"
+
+// DefaultDeadlineCapacity is how many requests a replica is assumed to run
+// at once without slowing each other's first output, when the pipeline's
+// `deadline.capacity` does not say.
+const DefaultDeadlineCapacity = 8
+
+// deadlineAlpha is the weight of a new observation in the per-replica
+// moving averages.
+const deadlineAlpha = 0.3
+
+// DeadlineOptions configure the deadline policy (pipeline `deadline:`).
+type DeadlineOptions struct {
+	// Capacity scales the prediction with load: a replica with score s
+	// (engine-reported running+waiting plus this head's in flight) is
+	// predicted to answer in unit × (1 + s/Capacity). 0: the default.
+	Capacity int
+	// Admission refuses a stage attempt that no replica is predicted to
+	// answer in time (Decision.Reason ReasonDeadlineShed) instead of
+	// routing it to the least loaded replica.
+	Admission bool
+}
+
+// deadlineStats are what the head learned of one replica's timing: moving
+// averages kept in atomics, written by the attempts that end on it and
+// read by picks. Both are float64 bits; 0 means no observation yet.
+type deadlineStats struct {
+	unit atomic.Uint64 // first-output seconds of an attempt, divided by its load factor at the pick
+	rtf  atomic.Uint64 // audio seconds made per wall second, after the first output
+}
+
+// Deadline routes each stage attempt to a replica predicted to give its
+// first output before Request.Deadline, and to keep Request.MinRTF, the
+// least loaded of those (scorer's load). The prediction per replica is
+// unit × (1 + score/Capacity), where unit is the moving average of its
+// observed time to first output divided by the same load factor at the
+// time of each pick (so one formula learns both a slow replica and a busy
+// one), and a replica not yet observed takes the mean unit of those that
+// were (0 when none was: it is tried). The real-time check compares the
+// replica's moving average of audio seconds per wall second with
+// Request.MinRTF; a replica not yet observed passes it.
+//
+// When no replica is predicted to make it, Pick returns the least loaded
+// replica with ReasonLoadFallback, or, with Admission, ReasonDeadlineShed:
+// the caller refuses the request (the head answers 429
+// deadline_unmeetable). A request without targets is routed as
+// least_loaded (ReasonLoad).
+//
+// Pick is O(replicas) and allocates nothing; the averages are updated
+// lock-free by Observe and ObserveRate.
+type Deadline struct {
+	MaxAge   time.Duration
+	Affinity Affinity
+	Options  DeadlineOptions
+}
+
+// Name implements Policy.
+func (*Deadline) Name() string { return PolicyDeadline }
+
+// Reasons implements Policy.
+func (p *Deadline) Reasons() []Reason {
+	if p.Options.Admission {
+		return []Reason{ReasonLoad, ReasonDeadline, ReasonDeadlineShed, ReasonLoadFallback}
+	}
+	return []Reason{ReasonLoad, ReasonDeadline, ReasonLoadFallback}
+}
+
+func (p *Deadline) capacity() float64 {
+	if p.Options.Capacity <= 0 {
+		return DefaultDeadlineCapacity
+	}
+	return float64(p.Options.Capacity)
+}
+
+// factor is the load factor of a replica whose score is s.
+func (p *Deadline) factor(s int64) float64 { return 1 + float64(max(s, 0))/p.capacity() }
+
+func loadFloat(a *atomic.Uint64) float64 { return math.Float64frombits(a.Load()) }
+
+// Predict is the predicted time to first output on r for a new attempt,
+// given its load score and the unit to assume when r has none; 0 when
+// nothing is known.
+func (p *Deadline) predict(r *Replica, score int64, prior float64) float64 {
+	u := loadFloat(&r.deadline.unit)
+	if u == 0 {
+		u = prior
+	}
+	return u * p.factor(score)
+}
+
+// Pick implements Policy.
+func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
+	sc := newScorer(c, p.MaxAge)
+	var sum float64
+	var known int
+	for _, r := range c {
+		if u := loadFloat(&r.deadline.unit); u > 0 {
+			sum += u
+			known++
+		}
+	}
+	prior := 0.0
+	if known > 0 {
+		prior = sum / float64(known)
+	}
+	budget := math.Inf(1)
+	if !req.Deadline.IsZero() {
+		budget = float64(req.Deadline.UnixNano()-sc.now) / float64(time.Second)
+	}
+	var best, least *Replica
+	var bestScore, leastScore int64
+	var bestPred, leastPred float64
+	for _, r := range c {
+		s := sc.score(r)
+		pred := p.predict(r, s, prior)
+		if least == nil || s < leastScore {
+			least, leastScore, leastPred = r, s, pred
+		}
+		if pred > budget || !keepsRate(r, req.MinRTF) {
+			continue
+		}
+		if best == nil || s < bestScore || (s == bestScore && pred < bestPred) {
+			best, bestScore, bestPred = r, s, pred
+		}
+	}
+	d := Decision{Policy: PolicyDeadline, Reason: ReasonDeadline, Replica: best, Score: bestScore, Predicted: seconds(bestPred)}
+	switch {
+	case req.Deadline.IsZero() && req.MinRTF == 0:
+		d = Decision{Policy: PolicyDeadline, Reason: ReasonLoad, Replica: least, Score: leastScore, Predicted: seconds(leastPred)}
+	case best == nil:
+		d = Decision{Policy: PolicyDeadline, Reason: ReasonLoadFallback, Replica: least, Score: leastScore, Predicted: seconds(leastPred)}
+		if p.Options.Admission {
+			d.Reason = ReasonDeadlineShed
+		}
+	}
+	return d
+}
+
+func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+
+// keepsRate reports whether r is known to keep min audio seconds per wall
+// second, or not known not to.
+func keepsRate(r *Replica, min float64) bool {
+	if min <= 0 {
+		return true
+	}
+	rtf := loadFloat(&r.deadline.rtf)
+	return rtf == 0 || rtf >= min
+}
+
+// Observe records that an attempt routed to r by d gave its first output
+// after ttft. Safe for concurrent use, lock-free.
+func (p *Deadline) Observe(r *Replica, d Decision, ttft time.Duration) {
+	ewma(&r.deadline.unit, ttft.Seconds()/p.factor(d.Score))
+}
+
+// ObserveRate records the audio seconds per wall second an attempt on r
+// made after its first output. Safe for concurrent use, lock-free.
+func (p *Deadline) ObserveRate(r *Replica, rtf float64) {
+	if rtf > 0 && !math.IsInf(rtf, 0) {
+		ewma(&r.deadline.rtf, rtf)
+	}
+}
+
+// ewma moves the average in a toward x (the first observation sets it).
+func ewma(a *atomic.Uint64, x float64) {
+	if x <= 0 || math.IsNaN(x) {
+		return
+	}
+	for {
+		old := a.Load()
+		v := x
+		if old != 0 {
+			o := math.Float64frombits(old)
+			v = o + deadlineAlpha*(x-o)
+		}
+		if a.CompareAndSwap(old, math.Float64bits(v)) {
+			return
+		}
+	}
+}
+
+// PredictedFirstOutput is the deadline policy's current prediction for a
+// new attempt on r (for /v1/replicas and tests); ok is false when r's
+// stage does not route by deadline.
+func (rt *Router) PredictedFirstOutput(r *Replica) (time.Duration, bool) {
+	p, ok := rt.stages[r.Key.Stage].Policy.(*Deadline)
+	if !ok {
+		return 0, false
+	}
+	return seconds(p.predict(r, newScorer([]*Replica{r}, p.MaxAge).score(r), 0)), true
+}
+
+// ObserveFirstOutput hands an attempt's time to first output to its
+// stage's policy, when that policy learns from it (deadline). Safe for
+// concurrent use.
+func (rt *Router) ObserveFirstOutput(d Decision, ttft time.Duration) {
+	if p, ok := rt.stages[d.Replica.Key.Stage].Policy.(*Deadline); ok && ttft > 0 {
+		p.Observe(d.Replica, d, ttft)
+	}
+}
+
+// ObserveRate hands an attempt's audio rate (audio seconds per wall second
+// after its first output) to its stage's policy, when that policy learns
+// from it. Safe for concurrent use.
+func (rt *Router) ObserveRate(r *Replica, rtf float64) {
+	if p, ok := rt.stages[r.Key.Stage].Policy.(*Deadline); ok {
+		p.ObserveRate(r, rtf)
+	}
+}
