@@ -132,6 +132,12 @@ type Head struct {
 	decisions   [][len(router.Reasons)]prometheus.Counter
 	ejections   []prometheus.Counter // by stage
 	decisionVec *prometheus.CounterVec
+	// Deadline routing, by stage: whether the stage's policy is deadline,
+	// the pipeline's targets for it, and its prediction error histogram
+	// (nil unless deadline).
+	deadlineStage   []bool
+	targets         []Targets
+	predictionError []prometheus.Observer
 
 	events  *prometheus.CounterVec
 	invalid prometheus.Counter
@@ -291,7 +297,7 @@ func stageRouting(cfg Config) ([]router.StageRouting, error) {
 	}
 	routing := make([]router.StageRouting, len(cfg.Pipeline.Stages))
 	for i, st := range cfg.Pipeline.Stages {
-		p, err := router.NewPolicy(st.EffectivePolicy(cfg.Policy), router.PolicyOptions{PrefixSource: st.PrefixSource, Tokenizers: tokenizers, SignalMaxAge: cfg.SignalMaxAge, Balance: st.RouterBalance()})
+		p, err := router.NewPolicy(st.EffectivePolicy(cfg.Policy), router.PolicyOptions{PrefixSource: st.PrefixSource, Tokenizers: tokenizers, SignalMaxAge: cfg.SignalMaxAge, Balance: st.RouterBalance(), Deadline: st.deadlineOptions()})
 		if err != nil {
 			return nil, fmt.Errorf("orchestrator: stage %q: %w", st.Name, err)
 		}
@@ -382,7 +388,8 @@ func (h *Head) registerMetrics(routing []router.StageRouting) error {
 			h.decisions[i][r] = decisions.WithLabelValues(strconv.Itoa(i), st.Policy.Name(), r.String())
 		}
 	}
-	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}} {
+	predictionError := h.deadlineMetrics(routing)
+	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}, predictionError} {
 		if err := h.cfg.Metrics.Register(c); err != nil {
 			return fmt.Errorf("orchestrator: register metrics: %w", err)
 		}

@@ -1,0 +1,83 @@
+package httpapi
+
+import (
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/worker/sim"
+)
+
+// The X-Troupe-Deadline header, through the official client: a malformed
+// one is a 400 invalid_deadline; a target the deadline policy predicts no
+// replica can meet is refused early with 429 deadline_unmeetable (counted
+// as reason deadline_shed) under admission; a meetable one is served and
+// counted as reason deadline, and the prediction's error is observed.
+func TestDeadlineHeader(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{
+		Pipeline: orchestrator.Pipeline{Model: model, Stages: []orchestrator.Stage{
+			{Name: "thinker", Policy: "deadline", Deadline: &orchestrator.Deadline{Admission: true}},
+		}},
+		ReplicasPerStage: 2,
+		Sim:              sim.Config{DecodeTokenLatency: 20 * time.Millisecond},
+	})
+	a := startAPI(t, c, Config{}, nil, nil)
+	client := a.openai()
+	chat := func(deadline string) (*openai.ChatCompletion, error) {
+		var opts []option.RequestOption
+		if deadline != "" {
+			opts = append(opts, option.WithHeader("X-Troupe-Deadline", deadline))
+		}
+		return client.Chat.Completions.New(testCtx(t), openai.ChatCompletionNewParams{
+			Model:               model,
+			Messages:            []openai.ChatCompletionMessageParamUnion{openai.UserMessage("hello there")},
+			MaxCompletionTokens: openai.Int(3),
+		}, opts...)
+	}
+
+	for _, bad := range []string{"ttft", "ttft=fast", "ttft=-5ms", "rtf=0", "ttfb=1s", "ttft=1s,ttft=2s", ","} {
+		_, err := chat(bad)
+		oe := apiErrorOf(t, err)
+		assert.Equal(t, http.StatusBadRequest, oe.StatusCode, "header %q", bad)
+		assert.Equal(t, "invalid_deadline", oe.Code, "header %q", bad)
+		assert.Contains(t, oe.Message, "X-Troupe-Deadline", "header %q", bad)
+	}
+
+	// Without targets the policy balances load; the first answer teaches
+	// it the replica's time to first output.
+	_, err := chat("")
+	require.NoError(t, err)
+	assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", "0", "reason", "load"))
+
+	_, err = chat("ttft=30s")
+	require.NoError(t, err)
+	assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", "0", "reason", "deadline"))
+
+	// 1 ms is below any replica's predicted first token (one 20 ms step).
+	_, err = chat("ttft=1ms, ttfa=5s")
+	oe := apiErrorOf(t, err)
+	assert.Equal(t, http.StatusTooManyRequests, oe.StatusCode)
+	assert.Equal(t, "deadline_unmeetable", oe.Code)
+	assert.Contains(t, oe.Message, `stage "thinker"`)
+	assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", "0", "reason", "deadline_shed"))
+	assert.Equal(t, 2.0, counter(t, c, "troupe_request_success_total", "0", "", ""), "the refused request never ran")
+
+	fams, err := c.Metrics.Gather()
+	require.NoError(t, err)
+	var observed uint64
+	for _, f := range fams {
+		if f.GetName() == "troupe_router_deadline_prediction_error_seconds" {
+			for _, m := range f.GetMetric() {
+				observed += m.GetHistogram().GetSampleCount()
+			}
+		}
+	}
+	assert.Equal(t, uint64(1), observed, "the one request routed with a prediction is observed")
+}
