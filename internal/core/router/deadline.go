@@ -36,8 +36,15 @@ type DeadlineOptions struct {
 // read by picks. Both are float64 bits; 0 means no observation yet.
 type deadlineStats struct {
 	unit atomic.Uint64 // first-output seconds of an attempt, divided by its load factor at the pick
+	dev  atomic.Uint64 // the mean absolute deviation of unit's observations from it
 	rtf  atomic.Uint64 // audio seconds made per wall second, after the first output
 }
+
+// DeadlineMargin is how many mean deviations the in-time check adds to a
+// replica's predicted unit, as TCP's retransmission timer adds four to
+// the mean round trip (RFC 6298): a replica whose first outputs vary is
+// trusted with a target only with room to spare.
+const DeadlineMargin = 2
 
 // Deadline routes each stage attempt to a replica predicted to give its
 // first output before Request.Deadline, and to keep Request.MinRTF, the
@@ -50,10 +57,13 @@ type deadlineStats struct {
 // replica's moving average of audio seconds per wall second with
 // Request.MinRTF; a replica not yet observed passes it.
 //
-// When no replica is predicted to make it, Pick returns the least loaded
-// replica with ReasonLoadFallback, or, with Admission, ReasonDeadlineShed:
-// the caller refuses the request (the head answers 429
-// deadline_unmeetable). A request without targets is routed as
+// When no replica is predicted in time with the margin, Pick returns the
+// one predicted soonest (ties: the least loaded) with ReasonLoadFallback:
+// not the least loaded, which on a fleet of unequal replicas is often the
+// slow one that least_loaded keeps idle. With Admission the reason is
+// ReasonDeadlineShed instead and the caller refuses the request (the head
+// answers 429 deadline_unmeetable): admission refuses what is not
+// predicted in time with the margin, rather than serve it late. A request without targets is routed as
 // least_loaded (ReasonLoad).
 //
 // Pick is O(replicas) and allocates nothing; the averages are updated
@@ -87,15 +97,18 @@ func (p *Deadline) factor(s int64) float64 { return 1 + float64(max(s, 0))/p.cap
 
 func loadFloat(a *atomic.Uint64) float64 { return math.Float64frombits(a.Load()) }
 
-// Predict is the predicted time to first output on r for a new attempt,
+// predict is the predicted time to first output on r for a new attempt,
 // given its load score and the unit to assume when r has none; 0 when
-// nothing is known.
-func (p *Deadline) predict(r *Replica, score int64, prior float64) float64 {
+// nothing is known. bound is what the in-time check compares with the
+// target: the prediction plus DeadlineMargin mean deviations.
+func (p *Deadline) predict(r *Replica, score int64, prior float64) (pred, bound float64) {
 	u := loadFloat(&r.deadline.unit)
+	dev := loadFloat(&r.deadline.dev)
 	if u == 0 {
 		u = prior
 	}
-	return u * p.factor(score)
+	f := p.factor(score)
+	return u * f, (u + DeadlineMargin*dev) * f
 }
 
 // Pick implements Policy.
@@ -117,16 +130,19 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 	if !req.Deadline.IsZero() {
 		budget = float64(req.Deadline.UnixNano()-sc.now) / float64(time.Second)
 	}
-	var best, least *Replica
-	var bestScore, leastScore int64
-	var bestPred, leastPred float64
+	var best, least, soonest *Replica
+	var bestScore, leastScore, soonestScore int64
+	var bestPred, leastPred, soonestPred float64
 	for _, r := range c {
 		s := sc.score(r)
-		pred := p.predict(r, s, prior)
+		pred, bound := p.predict(r, s, prior)
 		if least == nil || s < leastScore {
 			least, leastScore, leastPred = r, s, pred
 		}
-		if pred > budget || !keepsRate(r, req.MinRTF) {
+		if soonest == nil || pred < soonestPred || (pred == soonestPred && s < soonestScore) {
+			soonest, soonestScore, soonestPred = r, s, pred
+		}
+		if bound > budget || !keepsRate(r, req.MinRTF) {
 			continue
 		}
 		if best == nil || s < bestScore || (s == bestScore && pred < bestPred) {
@@ -138,7 +154,7 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 	case req.Deadline.IsZero() && req.MinRTF == 0:
 		d = Decision{Policy: PolicyDeadline, Reason: ReasonLoad, Replica: least, Score: leastScore, Predicted: seconds(leastPred)}
 	case best == nil:
-		d = Decision{Policy: PolicyDeadline, Reason: ReasonLoadFallback, Replica: least, Score: leastScore, Predicted: seconds(leastPred)}
+		d = Decision{Policy: PolicyDeadline, Reason: ReasonLoadFallback, Replica: soonest, Score: soonestScore, Predicted: seconds(soonestPred)}
 		if p.Options.Admission {
 			d.Reason = ReasonDeadlineShed
 		}
@@ -161,7 +177,11 @@ func keepsRate(r *Replica, min float64) bool {
 // Observe records that an attempt routed to r by d gave its first output
 // after ttft. Safe for concurrent use, lock-free.
 func (p *Deadline) Observe(r *Replica, d Decision, ttft time.Duration) {
-	ewma(&r.deadline.unit, ttft.Seconds()/p.factor(d.Score))
+	x := ttft.Seconds() / p.factor(d.Score)
+	if u := loadFloat(&r.deadline.unit); u > 0 {
+		ewmaZero(&r.deadline.dev, math.Abs(x-u))
+	}
+	ewma(&r.deadline.unit, x)
 }
 
 // ObserveRate records the audio seconds per wall second an attempt on r
@@ -172,17 +192,28 @@ func (p *Deadline) ObserveRate(r *Replica, rtf float64) {
 	}
 }
 
-// ewma moves the average in a toward x (the first observation sets it).
+// ewma moves the average in a toward x; the first observation sets it.
 func ewma(a *atomic.Uint64, x float64) {
 	if x <= 0 || math.IsNaN(x) {
 		return
 	}
+	update(a, x, true)
+}
+
+// ewmaZero moves the average in a, which starts at zero, toward x.
+func ewmaZero(a *atomic.Uint64, x float64) {
+	if !math.IsNaN(x) {
+		update(a, x, false)
+	}
+}
+
+func update(a *atomic.Uint64, x float64, setFirst bool) {
 	for {
 		old := a.Load()
-		v := x
-		if old != 0 {
-			o := math.Float64frombits(old)
-			v = o + deadlineAlpha*(x-o)
+		o := math.Float64frombits(old)
+		v := o + deadlineAlpha*(x-o)
+		if old == 0 && setFirst {
+			v = x
 		}
 		if a.CompareAndSwap(old, math.Float64bits(v)) {
 			return
@@ -198,7 +229,8 @@ func (rt *Router) PredictedFirstOutput(r *Replica) (time.Duration, bool) {
 	if !ok {
 		return 0, false
 	}
-	return seconds(p.predict(r, newScorer([]*Replica{r}, p.MaxAge).score(r), 0)), true
+	pred, _ := p.predict(r, newScorer([]*Replica{r}, p.MaxAge).score(r), 0)
+	return seconds(pred), true
 }
 
 // ObserveFirstOutput hands an attempt's time to first output to its

@@ -64,9 +64,9 @@ func TestDeadlinePredictionScalesWithLoad(t *testing.T) {
 	c := replicas(2)
 	// Observed 60 ms while 2 requests were ahead: unit 30 ms.
 	p.Observe(c[0], Decision{Replica: c[0], Score: 2}, 60*time.Millisecond)
-	got, _ := func() (time.Duration, bool) {
-		return seconds(p.predict(c[0], 0, 0)), true
-	}()
+	pred, bound := p.predict(c[0], 0, 0)
+	got := seconds(pred)
+	assert.Equal(t, pred, bound, "no deviation seen yet")
 	assert.InDelta(t, float64(30*time.Millisecond), float64(got), float64(time.Millisecond), "idle: the unit")
 	for range 4 {
 		c[0].Acquire()
@@ -80,9 +80,39 @@ func TestDeadlinePredictionScalesWithLoad(t *testing.T) {
 	assert.Equal(t, c[1], d.Replica)
 	assert.InDelta(t, float64(30*time.Millisecond), float64(d.Predicted), float64(time.Millisecond))
 
-	// Later observations move the average by deadlineAlpha.
+	// Later observations move the average by deadlineAlpha, and the
+	// deviation from 0.
 	p.Observe(c[0], Decision{Replica: c[0], Score: 0}, 130*time.Millisecond)
-	assert.InDelta(t, 0.030+deadlineAlpha*(0.130-0.030), loadFloat(&c[0].deadline.unit), 1e-9)
+	u := 0.030 + deadlineAlpha*(0.130-0.030)
+	assert.InDelta(t, u, loadFloat(&c[0].deadline.unit), 1e-9)
+	dev := deadlineAlpha * 0.100
+	assert.InDelta(t, dev, loadFloat(&c[0].deadline.dev), 1e-9)
+	pred, bound = p.predict(c[0], 2, 0)
+	assert.InDelta(t, u*2, pred, 1e-9)
+	assert.InDelta(t, (u+DeadlineMargin*dev)*2, bound, 1e-9, "the in-time check adds the margin")
+}
+
+// A replica whose first outputs vary is trusted with a tight target only
+// with room for its deviation: of two replicas with the same mean, the
+// steady one takes a target near that mean, the erratic one does not.
+func TestDeadlineMarginForVariance(t *testing.T) {
+	p := &Deadline{}
+	c := replicas(2)
+	for i := range 40 {
+		p.Observe(c[0], Decision{}, 30*time.Millisecond)
+		jitter := 20 * time.Millisecond
+		if i%2 == 0 {
+			jitter = -jitter
+		}
+		p.Observe(c[1], Decision{}, 30*time.Millisecond+jitter)
+	}
+	c[0].Acquire()
+	defer c[0].Release()
+	d := p.Pick(&Request{Deadline: time.Now().Add(45 * time.Millisecond)}, c)
+	assert.Equal(t, c[0], d.Replica, "the steady replica, although busier")
+	assert.Equal(t, ReasonDeadline, d.Reason)
+	d = p.Pick(&Request{Deadline: time.Now().Add(500 * time.Millisecond)}, c)
+	assert.Equal(t, c[1], d.Replica, "with room, the less loaded")
 }
 
 // When no replica is predicted in time the least loaded one is returned,
@@ -95,7 +125,7 @@ func TestDeadlineUnmeetable(t *testing.T) {
 		c[1].Acquire()
 		d := p.Pick(&Request{Deadline: time.Now().Add(50 * time.Millisecond)}, c)
 		c[1].Release()
-		assert.Equal(t, c[0], d.Replica, "the least loaded")
+		assert.Equal(t, c[1], d.Replica, "the one predicted soonest, although busier")
 		want := ReasonLoadFallback
 		if admission {
 			want = ReasonDeadlineShed
