@@ -61,13 +61,13 @@ var deadlineCases = []deadlineCase{
 }
 
 type deadlineResult struct {
-	name          string
-	run           loadgen.RunResult
-	late, missed  int // OK past the target; late or shed or failed
-	slowShare     float64
-	shedCounted   float64 // troupe_router_decisions_total{reason="deadline_shed"}
-	predErr       float64 // mean actual − predicted first output, ms (deadline policy)
-	predN         uint64
+	name         string
+	run          loadgen.RunResult
+	late, missed int // OK past the target; late or shed or failed
+	slowShare    float64
+	shedCounted  float64 // troupe_router_decisions_total{reason="deadline_shed"}
+	predErr      float64 // mean actual − predicted first output, ms (deadline policy)
+	predN        uint64
 }
 
 // BenchmarkDeadline compares least_loaded with the deadline policy, with
