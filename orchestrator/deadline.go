@@ -95,6 +95,8 @@ type Deadline struct {
 	Targets `yaml:",inline"`
 	// Capacity: router.DeadlineOptions.Capacity (0: the default).
 	Capacity int `yaml:"capacity,omitempty"`
+	// Margin: router.DeadlineOptions.Margin (0: the default, 2).
+	Margin float64 `yaml:"margin,omitempty"`
 	// Admission refuses, with 429 deadline_unmeetable, a request that no
 	// replica of the stage is predicted to serve in time.
 	Admission bool `yaml:"admission,omitempty"`
@@ -104,7 +106,7 @@ func (d *Deadline) check(where string) error {
 	if d == nil {
 		return nil
 	}
-	if d.TTFT < 0 || d.TTFA < 0 || d.RTF < 0 || d.Capacity < 0 {
+	if d.TTFT < 0 || d.TTFA < 0 || d.RTF < 0 || d.Capacity < 0 || d.Margin < 0 {
 		return fmt.Errorf("orchestrator: pipeline: %s: deadline values must not be negative: %+v", where, *d)
 	}
 	return nil
@@ -127,7 +129,7 @@ func (s Stage) deadlineOptions() router.DeadlineOptions {
 	if s.Deadline == nil {
 		return router.DeadlineOptions{}
 	}
-	return router.DeadlineOptions{Capacity: s.Deadline.Capacity, Admission: s.Deadline.Admission}
+	return router.DeadlineOptions{Capacity: s.Deadline.Capacity, Margin: s.Deadline.Margin, Admission: s.Deadline.Admission}
 }
 
 // setDeadline sets what a deadline stage is routed on: when its first

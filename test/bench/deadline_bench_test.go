@@ -33,6 +33,9 @@ var (
 	deadlineTTFT     = envDuration("TROUPE_DEADLINE_TTFT", 50*time.Millisecond)
 	deadlineDuration = envDuration("TROUPE_DEADLINE_DURATION", 20*time.Second)
 	deadlineMaxTok   = 16
+	// deadlineAdmitMargin is the admission case's margin (see
+	// docs/routing.md): how many mean deviations of room a replica needs.
+	deadlineAdmitMargin = envFloat("TROUPE_DEADLINE_ADMIT_MARGIN", 1)
 )
 
 func envFloat(name string, def float64) float64 {
@@ -57,7 +60,7 @@ type deadlineCase struct {
 var deadlineCases = []deadlineCase{
 	{name: "least_loaded", stage: orchestrator.Stage{Policy: "least_loaded"}},
 	{name: "deadline", stage: orchestrator.Stage{Policy: "deadline", Deadline: &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: deadlineTTFT}, Capacity: deadlineSeqs}}},
-	{name: "deadline+admission", stage: orchestrator.Stage{Policy: "deadline", Deadline: &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: deadlineTTFT}, Capacity: deadlineSeqs, Admission: true}}},
+	{name: "deadline+admission", stage: orchestrator.Stage{Policy: "deadline", Deadline: &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: deadlineTTFT}, Capacity: deadlineSeqs, Admission: true, Margin: deadlineAdmitMargin}}},
 }
 
 type deadlineResult struct {
@@ -189,7 +192,7 @@ func runDeadline(b *testing.B, dc deadlineCase) deadlineResult {
 // with goodput as a multiple of the first case's (least_loaded).
 func deadlineTable(rs []deadlineResult) string {
 	var sb strings.Builder
-	fmt.Fprintf(&sb, "TTFT target %s, %.0f req/s Poisson for %s\n\n", deadlineTTFT, deadlineRate, deadlineDuration)
+	fmt.Fprintf(&sb, "TTFT target %s, %.0f req/s Poisson for %s, admission margin %.2g\n\n", deadlineTTFT, deadlineRate, deadlineDuration, deadlineAdmitMargin)
 	sb.WriteString("| policy | sent | served | shed (429) | shed counted | late (served past target) | missed (late + shed + failed) | goodput (req/s) | goodput ÷ least_loaded | TTFT p50 / p90 / p99 (ms) | slow replica's share | mean prediction error (ms) |\n")
 	sb.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|\n")
 	for _, r := range rs {

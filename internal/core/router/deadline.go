@@ -25,6 +25,9 @@ type DeadlineOptions struct {
 	// (engine-reported running+waiting plus this head's in flight) is
 	// predicted to answer in unit × (1 + s/Capacity). 0: the default.
 	Capacity int
+	// Margin is how many mean deviations the in-time check adds to the
+	// prediction (0: DeadlineMargin).
+	Margin float64
 	// Admission refuses a stage attempt that no replica is predicted to
 	// answer in time (Decision.Reason ReasonDeadlineShed) instead of
 	// routing it to the least loaded replica.
@@ -38,7 +41,18 @@ type deadlineStats struct {
 	unit atomic.Uint64 // first-output seconds of an attempt, divided by its load factor at the pick
 	dev  atomic.Uint64 // the mean absolute deviation of unit's observations from it
 	rtf  atomic.Uint64 // audio seconds made per wall second, after the first output
+	// seen is when the replica last got an attempt or an observation
+	// while shedding (unix nanoseconds): see DeadlineProbeAfter.
+	seen atomic.Int64
 }
+
+// DeadlineProbeAfter: under admission, a stage whose replicas are all
+// predicted late sheds every request, so nothing new is learned and a
+// prediction spoiled by a burst would shed forever. When the replica
+// predicted soonest has had no attempt for this long, one request goes to
+// it instead of being shed (a probe, as a circuit breaker's half-open
+// state), and its outcome updates the prediction.
+const DeadlineProbeAfter = time.Second
 
 // DeadlineMargin is how many mean deviations the in-time check adds to a
 // replica's predicted unit, as TCP's retransmission timer adds four to
@@ -92,6 +106,13 @@ func (p *Deadline) capacity() float64 {
 	return float64(p.Options.Capacity)
 }
 
+func (p *Deadline) margin() float64 {
+	if p.Options.Margin <= 0 {
+		return DeadlineMargin
+	}
+	return p.Options.Margin
+}
+
 // factor is the load factor of a replica whose score is s.
 func (p *Deadline) factor(s int64) float64 { return 1 + float64(max(s, 0))/p.capacity() }
 
@@ -108,7 +129,7 @@ func (p *Deadline) predict(r *Replica, score int64, prior float64) (pred, bound 
 		u = prior
 	}
 	f := p.factor(score)
-	return u * f, (u + DeadlineMargin*dev) * f
+	return u * f, (u + p.margin()*dev) * f
 }
 
 // Pick implements Policy.
@@ -155,7 +176,7 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 		d = Decision{Policy: PolicyDeadline, Reason: ReasonLoad, Replica: least, Score: leastScore, Predicted: seconds(leastPred)}
 	case best == nil:
 		d = Decision{Policy: PolicyDeadline, Reason: ReasonLoadFallback, Replica: soonest, Score: soonestScore, Predicted: seconds(soonestPred)}
-		if p.Options.Admission {
+		if p.Options.Admission && !probe(soonest, sc.now) {
 			d.Reason = ReasonDeadlineShed
 		}
 	}
@@ -163,6 +184,13 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 }
 
 func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+
+// probe reports whether r is due a probe (see DeadlineProbeAfter) and, if
+// so, claims it: of concurrent picks one gets it.
+func probe(r *Replica, now int64) bool {
+	seen := r.deadline.seen.Load()
+	return now-seen >= int64(DeadlineProbeAfter) && r.deadline.seen.CompareAndSwap(seen, now)
+}
 
 // keepsRate reports whether r is known to keep min audio seconds per wall
 // second, or not known not to.
@@ -177,6 +205,7 @@ func keepsRate(r *Replica, min float64) bool {
 // Observe records that an attempt routed to r by d gave its first output
 // after ttft. Safe for concurrent use, lock-free.
 func (p *Deadline) Observe(r *Replica, d Decision, ttft time.Duration) {
+	r.deadline.seen.Store(time.Now().UnixNano())
 	x := ttft.Seconds() / p.factor(d.Score)
 	if u := loadFloat(&r.deadline.unit); u > 0 {
 		ewmaZero(&r.deadline.dev, math.Abs(x-u))

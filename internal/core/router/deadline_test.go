@@ -185,3 +185,28 @@ func make16(d time.Duration) []time.Duration {
 	}
 	return out
 }
+
+// Under admission a stage whose replicas are all predicted late still
+// sends one request per DeadlineProbeAfter to the replica predicted
+// soonest, so a prediction spoiled by a burst is corrected.
+func TestDeadlineProbesWhileShedding(t *testing.T) {
+	p := &Deadline{Options: DeadlineOptions{Admission: true}}
+	c := replicas(2)
+	observe(p, c, 200*time.Millisecond, 100*time.Millisecond)
+	late := &Request{Deadline: time.Now().Add(50 * time.Millisecond)}
+	assert.Equal(t, ReasonDeadlineShed, p.Pick(late, c).Reason, "just observed: shed")
+
+	c[1].deadline.seen.Store(time.Now().Add(-2 * DeadlineProbeAfter).UnixNano())
+	d := p.Pick(late, c)
+	assert.Equal(t, ReasonLoadFallback, d.Reason, "a probe goes through")
+	assert.Equal(t, c[1], d.Replica, "to the replica predicted soonest")
+	assert.Equal(t, ReasonDeadlineShed, p.Pick(late, c).Reason, "one probe per interval")
+
+	// The probe's outcome, fast again, reopens the replica to targets.
+	for range 10 {
+		p.Observe(c[1], Decision{Replica: c[1]}, 10*time.Millisecond)
+	}
+	d = p.Pick(late, c)
+	assert.Equal(t, ReasonDeadline, d.Reason)
+	assert.Equal(t, c[1], d.Replica)
+}

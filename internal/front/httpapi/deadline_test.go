@@ -25,7 +25,8 @@ func TestDeadlineHeader(t *testing.T) {
 		Pipeline: orchestrator.Pipeline{Model: model, Stages: []orchestrator.Stage{
 			{Name: "thinker", Policy: "deadline", Deadline: &orchestrator.Deadline{Admission: true}},
 		}},
-		ReplicasPerStage: 2,
+		// One replica: an unobserved one would be probed (router.DeadlineProbeAfter).
+		ReplicasPerStage: 1,
 		Sim:              sim.Config{DecodeTokenLatency: 20 * time.Millisecond},
 	})
 	a := startAPI(t, c, Config{}, nil, nil)
