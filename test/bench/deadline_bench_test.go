@@ -28,6 +28,7 @@ var (
 	deadlinePrefill  = envFloat("TROUPE_DEADLINE_PREFILL_TPS", 4000) // tokens per second; the slow replica a third
 	deadlineStep     = 10 * time.Millisecond                         // one decode step
 	deadlineSeqs     = 4
+	deadlineCapacity = int(envFloat("TROUPE_DEADLINE_CAPACITY", 4))
 	deadlinePrompt   = 100 // words
 	deadlineRate     = envFloat("TROUPE_DEADLINE_RATE", 16)
 	deadlineTTFT     = envDuration("TROUPE_DEADLINE_TTFT", 50*time.Millisecond)
@@ -59,8 +60,8 @@ type deadlineCase struct {
 
 var deadlineCases = []deadlineCase{
 	{name: "least_loaded", stage: orchestrator.Stage{Policy: "least_loaded"}},
-	{name: "deadline", stage: orchestrator.Stage{Policy: "deadline", Deadline: &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: deadlineTTFT}, Capacity: deadlineSeqs}}},
-	{name: "deadline+admission", stage: orchestrator.Stage{Policy: "deadline", Deadline: &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: deadlineTTFT}, Capacity: deadlineSeqs, Admission: true, Margin: deadlineAdmitMargin}}},
+	{name: "deadline", stage: orchestrator.Stage{Policy: "deadline", Deadline: &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: deadlineTTFT}, Capacity: deadlineCapacity}}},
+	{name: "deadline+admission", stage: orchestrator.Stage{Policy: "deadline", Deadline: &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: deadlineTTFT}, Capacity: deadlineCapacity, Admission: true, Margin: deadlineAdmitMargin}}},
 }
 
 type deadlineResult struct {
