@@ -206,3 +206,17 @@ func (h *Head) deadlineMetrics(routing []router.StageRouting) prometheus.Collect
 	}
 	return vec
 }
+
+// predictionOf is what /v1/replicas shows of the deadline policy's view of
+// rep: its predicted first output now and its observed audio rate; nil
+// when unknown or when its stage routes otherwise.
+func (h *Head) predictionOf(rep *router.Replica) (predicted, rtf *float64) {
+	if d, ok := h.router.PredictedFirstOutput(rep); ok && d > 0 {
+		v := d.Seconds()
+		predicted = &v
+	}
+	if v := h.router.ObservedRate(rep); v > 0 {
+		rtf = &v
+	}
+	return predicted, rtf
+}

@@ -983,6 +983,12 @@ type ReplicaStatus struct {
 	Load                  *int64   `json:"load,omitempty"`
 	LoadAgeSeconds        *float64 `json:"load_age_s,omitempty"`
 	CacheReportAgeSeconds *float64 `json:"cache_report_age_s,omitempty"`
+	// PredictedFirstOutputSeconds is, on a stage whose policy is deadline,
+	// the predicted time to first output of an attempt sent to it now
+	// (absent: another policy, or nothing observed yet); RTF its observed
+	// audio seconds per wall second (absent: none observed).
+	PredictedFirstOutputSeconds *float64 `json:"predicted_first_output_s,omitempty"`
+	RTF                         *float64 `json:"rtf,omitempty"`
 	// LeaseLostUntil is set while the replica's record is gone but it still
 	// serves (its lease was lost): it stays routed until then, waiting for
 	// it to re-register.
@@ -1016,6 +1022,7 @@ func (h *Head) Replicas() []ReplicaStatus {
 		rep, ok := snap.Lookup(t.key)
 		if ok {
 			s.Load, s.LoadAgeSeconds, s.CacheReportAgeSeconds = signalAges(rep, time.Now())
+			s.PredictedFirstOutputSeconds, s.RTF = h.predictionOf(rep)
 			s.Addr = rep.Addr // the address traffic goes to, whatever a newer record says
 		}
 		switch {

@@ -279,3 +279,13 @@ func (rt *Router) ObserveRate(r *Replica, rtf float64) {
 		p.ObserveRate(r, rtf)
 	}
 }
+
+// ObservedRate is the moving average of r's audio seconds per wall second
+// that the deadline policy keeps; 0 when none was observed or r's stage
+// routes otherwise.
+func (rt *Router) ObservedRate(r *Replica) float64 {
+	if _, ok := rt.stages[r.Key.Stage].Policy.(*Deadline); !ok {
+		return 0
+	}
+	return loadFloat(&r.deadline.rtf)
+}

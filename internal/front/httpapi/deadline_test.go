@@ -1,9 +1,10 @@
 package httpapi
 
 import (
+	"encoding/json"
 	"net/http"
+	"strings"
 	"testing"
-	"time"
 
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
@@ -27,10 +28,13 @@ func TestDeadlineHeader(t *testing.T) {
 		}},
 		// One replica: an unobserved one would be probed (router.DeadlineProbeAfter).
 		ReplicasPerStage: 1,
-		Sim:              sim.Config{DecodeTokenLatency: 20 * time.Millisecond},
+		// About 100 ms of prefill for the prompt below: a first token no
+		// replica can give within 1 ms.
+		Sim: sim.Config{PrefillTokensPerSec: 2000},
 	})
 	a := startAPI(t, c, Config{}, nil, nil)
 	client := a.openai()
+	prompt := strings.Repeat("tell me about the weather ", 40)
 	chat := func(deadline string) (*openai.ChatCompletion, error) {
 		var opts []option.RequestOption
 		if deadline != "" {
@@ -38,7 +42,7 @@ func TestDeadlineHeader(t *testing.T) {
 		}
 		return client.Chat.Completions.New(testCtx(t), openai.ChatCompletionNewParams{
 			Model:               model,
-			Messages:            []openai.ChatCompletionMessageParamUnion{openai.UserMessage("hello there")},
+			Messages:            []openai.ChatCompletionMessageParamUnion{openai.UserMessage(prompt)},
 			MaxCompletionTokens: openai.Int(3),
 		}, opts...)
 	}
@@ -61,7 +65,7 @@ func TestDeadlineHeader(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", "0", "reason", "deadline"))
 
-	// 1 ms is below any replica's predicted first token (one 20 ms step).
+	// 1 ms is below any replica's predicted first token (the prefill).
 	_, err = chat("ttft=1ms, ttfa=5s")
 	oe := apiErrorOf(t, err)
 	assert.Equal(t, http.StatusTooManyRequests, oe.StatusCode)
@@ -69,6 +73,20 @@ func TestDeadlineHeader(t *testing.T) {
 	assert.Contains(t, oe.Message, `stage "thinker"`)
 	assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", "0", "reason", "deadline_shed"))
 	assert.Equal(t, 2.0, counter(t, c, "troupe_request_success_total", "0", "", ""), "the refused request never ran")
+
+	// /v1/replicas shows the prediction for the next attempt.
+	resp, body := a.do(t, "GET", "/v1/replicas", nil, nil)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
+	var list struct {
+		Data []struct {
+			Predicted *float64 `json:"predicted_first_output_s"`
+		} `json:"data"`
+	}
+	require.NoError(t, json.Unmarshal(body, &list))
+	require.Len(t, list.Data, 1)
+	require.NotNil(t, list.Data[0].Predicted)
+	assert.Greater(t, *list.Data[0].Predicted, 0.02, "at least part of the prefill")
+	assert.Less(t, *list.Data[0].Predicted, 30.0)
 
 	fams, err := c.Metrics.Gather()
 	require.NoError(t, err)
