@@ -3,8 +3,10 @@ package httpapi
 import (
 	"encoding/json"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
@@ -99,4 +101,54 @@ func TestDeadlineHeader(t *testing.T) {
 		}
 	}
 	assert.Equal(t, uint64(1), observed, "the one request routed with a prediction is observed")
+}
+
+// On a pipeline routed by deadline, an audio answer's stages are routed to
+// the header's first-audio target, and the vocoder's audio rate is
+// observed: /v1/replicas shows it.
+func TestDeadlineAudioRate(t *testing.T) {
+	p := orchestrator.DefaultPipeline()
+	for i := range p.Stages {
+		p.Stages[i].Policy = "deadline"
+	}
+	c := startCluster(t, orchestratortest.Options{Pipeline: p, Sim: sim.Config{DecodeTokenLatency: 2 * time.Millisecond}})
+	a := startAPI(t, c, Config{}, nil, nil)
+	client := a.openai()
+	params := openai.ChatCompletionNewParams{
+		Model:               model,
+		Messages:            []openai.ChatCompletionMessageParamUnion{openai.UserMessage("say hello to everyone here")},
+		MaxCompletionTokens: openai.Int(8),
+		Modalities:          []string{"text", "audio"},
+		Audio: openai.ChatCompletionAudioParam{
+			Format: openai.ChatCompletionAudioParamFormatWAV,
+			Voice:  openai.ChatCompletionAudioParamVoiceUnion{OfString: openai.String("alloy")},
+		},
+	}
+	res, err := client.Chat.Completions.New(testCtx(t), params, option.WithHeader("X-Troupe-Deadline", "ttft=30s,ttfa=30s,rtf=0.01"))
+	require.NoError(t, err)
+	require.NotEmpty(t, res.Choices[0].Message.Audio.Data)
+	for stage := range 3 {
+		assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", strconv.Itoa(stage), "reason", "deadline"), "stage %d", stage)
+	}
+
+	resp, body := a.do(t, "GET", "/v1/replicas", nil, nil)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
+	var list struct {
+		Data []struct {
+			Stage     int      `json:"stage"`
+			Predicted *float64 `json:"predicted_first_output_s"`
+			RTF       *float64 `json:"rtf"`
+		} `json:"data"`
+	}
+	require.NoError(t, json.Unmarshal(body, &list))
+	require.Len(t, list.Data, 3)
+	for _, r := range list.Data {
+		require.NotNil(t, r.Predicted, "stage %d: observed", r.Stage)
+		if r.Stage == 2 {
+			require.NotNil(t, r.RTF, "the vocoder's audio rate is observed")
+			assert.Positive(t, *r.RTF)
+		} else {
+			assert.Nil(t, r.RTF, "stage %d makes no audio", r.Stage)
+		}
+	}
 }
