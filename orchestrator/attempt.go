@@ -161,12 +161,21 @@ func (h *Head) excluded(sr *stageRun, tr *stageTrail, failed []*router.Replica) 
 // failed, and counts the decision. When none is left the stage fails with
 // the last attempt's error, or ErrNoReplica before any attempt.
 func (h *Head) pick(sr *stageRun, failed []*router.Replica, lastErr error) (router.Decision, error) {
+	h.setDeadline(sr)
 	d, err := h.router.Pick(sr.stage, sr.route, failed)
 	if err != nil {
 		if lastErr != nil {
 			return d, lastErr
 		}
 		return d, newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[sr.stage].Name)
+	}
+	if d.Reason == router.ReasonDeadlineShed {
+		if lastErr == nil {
+			h.countDecision(sr.stage, d)
+			return router.Decision{}, h.shed(sr, d)
+		}
+		// A retry is not refused: the request is under way.
+		d.Reason = router.ReasonLoadFallback
 	}
 	h.countDecision(sr.stage, d)
 	return d, nil
@@ -495,6 +504,7 @@ func (h *Head) finishAccounting(a *attemptRun, err error) {
 	fin.E2E = time.Since(a.start)
 	fin.PromptTokens, fin.GenerationTokens = out.promptTokens, out.generationTokens
 	fin.PrefillComputedTokens = out.computedTokens
+	h.observeDeadline(a)
 	if rerr := h.stats.RecordFinished(a.rep.EngineIndex, *fin); rerr != nil {
 		h.log.Debug("orchestrator: record finished", "err", rerr)
 	}

@@ -51,6 +51,13 @@ type Request struct {
 	Transcribe bool
 	// Language is the language of the audio to transcribe ("": detect).
 	Language string
+	// Deadline are the request's own targets (X-Troupe-Deadline); its zero
+	// fields take the pipeline's. They act on stages whose policy is
+	// deadline (docs/routing.md).
+	Deadline Targets
+	// Received is when the request came, from which its targets count
+	// (zero: when Execute starts).
+	Received time.Time
 	// Flush, when not nil, lets onText and OnAudio buffer what they
 	// deliver: Execute calls it whenever it has delivered all the output
 	// that has come so far and is about to wait for more, so output that
@@ -106,6 +113,9 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		req.Operation = telemetry.GenAIOperationChat
 	}
 	start := time.Now()
+	if req.Received.IsZero() {
+		req.Received = start
+	}
 	var ttfa time.Duration
 	defer func() {
 		r := stats.PipelineResult{Outcome: outcomeOf(ctx, err), E2E: time.Since(start), TTFA: ttfa}

@@ -135,6 +135,12 @@ type Head struct {
 	decisions   [][len(router.Reasons)]prometheus.Counter
 	ejections   []prometheus.Counter // by stage
 	decisionVec *prometheus.CounterVec
+	// Deadline routing, by stage: whether the stage's policy is deadline,
+	// the pipeline's targets for it, and its prediction error histogram
+	// (nil unless deadline).
+	deadlineStage   []bool
+	targets         []Targets
+	predictionError []prometheus.Observer
 
 	events  *prometheus.CounterVec
 	invalid prometheus.Counter
@@ -297,7 +303,7 @@ func stageRouting(cfg Config) ([]router.StageRouting, error) {
 	}
 	routing := make([]router.StageRouting, len(cfg.Pipeline.Stages))
 	for i, st := range cfg.Pipeline.Stages {
-		p, err := router.NewPolicy(st.EffectivePolicy(cfg.Policy), router.PolicyOptions{PrefixSource: st.PrefixSource, Tokenizers: tokenizers, SignalMaxAge: cfg.SignalMaxAge, Balance: st.RouterBalance()})
+		p, err := router.NewPolicy(st.EffectivePolicy(cfg.Policy), router.PolicyOptions{PrefixSource: st.PrefixSource, Tokenizers: tokenizers, SignalMaxAge: cfg.SignalMaxAge, Balance: st.RouterBalance(), Deadline: st.deadlineOptions()})
 		if err != nil {
 			return nil, fmt.Errorf("orchestrator: stage %q: %w", st.Name, err)
 		}
@@ -388,7 +394,8 @@ func (h *Head) registerMetrics(routing []router.StageRouting) error {
 			h.decisions[i][r] = decisions.WithLabelValues(strconv.Itoa(i), st.Policy.Name(), r.String())
 		}
 	}
-	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}, h.newDesiredReplicas()} {
+	predictionError := h.deadlineMetrics(routing)
+	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}, h.newDesiredReplicas(), predictionError} {
 		if err := h.cfg.Metrics.Register(c); err != nil {
 			return fmt.Errorf("orchestrator: register metrics: %w", err)
 		}
@@ -987,6 +994,12 @@ type ReplicaStatus struct {
 	Load                  *int64   `json:"load,omitempty"`
 	LoadAgeSeconds        *float64 `json:"load_age_s,omitempty"`
 	CacheReportAgeSeconds *float64 `json:"cache_report_age_s,omitempty"`
+	// PredictedFirstOutputSeconds is, on a stage whose policy is deadline,
+	// the predicted time to first output of an attempt sent to it now
+	// (absent: another policy, or nothing observed yet); RTF its observed
+	// audio seconds per wall second (absent: none observed).
+	PredictedFirstOutputSeconds *float64 `json:"predicted_first_output_s,omitempty"`
+	RTF                         *float64 `json:"rtf,omitempty"`
 	// LeaseLostUntil is set while the replica's record is gone but it still
 	// serves (its lease was lost): it stays routed until then, waiting for
 	// it to re-register.
@@ -1020,6 +1033,7 @@ func (h *Head) Replicas() []ReplicaStatus {
 		rep, ok := snap.Lookup(t.key)
 		if ok {
 			s.Load, s.LoadAgeSeconds, s.CacheReportAgeSeconds = signalAges(rep, time.Now())
+			s.PredictedFirstOutputSeconds, s.RTF = h.predictionOf(rep)
 			s.Addr = rep.Addr // the address traffic goes to, whatever a newer record says
 		}
 		switch {

@@ -21,6 +21,10 @@ type Pipeline struct {
 	// other, each on its whole input: slower to the first audio, kept to
 	// compare against.
 	Streaming *bool `yaml:"streaming,omitempty"`
+	// Deadline holds the targets of every stage that names none
+	// (docs/routing.md, Deadline-aware routing); its capacity and
+	// admission keys are per stage.
+	Deadline *Deadline `yaml:"deadline,omitempty"`
 }
 
 // Stage is one step of the pipeline. Only Name is required.
@@ -32,7 +36,7 @@ type Stage struct {
 	// 10 codes).
 	InputChunk int `yaml:"input_chunk,omitempty"`
 	// Policy routes the stage's requests: round_robin, least_loaded,
-	// power_of_two or prefix_aware. Empty: the head's default (--policy).
+	// power_of_two, prefix_aware or deadline. Empty: the head's default (--policy).
 	Policy string `yaml:"policy,omitempty"`
 	// PrefixSource is where prefix_aware learns what each replica caches:
 	// auto (default: what the engine reports, where it does) or head (the
@@ -44,6 +48,9 @@ type Stage struct {
 	// Balance tunes how the stage trades cache hits for balance; absent
 	// keys take the defaults (docs/routing.md).
 	Balance *Balance `yaml:"balance,omitempty"`
+	// Deadline holds the stage's targets and, with policy deadline, its
+	// capacity and admission (docs/routing.md).
+	Deadline *Deadline `yaml:"deadline,omitempty"`
 }
 
 // Balance are a stage's balance constants (router.Balance); zero or
@@ -93,6 +100,12 @@ func (s Stage) checkRouting(i int, def string) error {
 	}
 	if err := s.RouterBalance().Check(); err != nil {
 		return fmt.Errorf("orchestrator: pipeline: stage %d (%s): %w", i, s.Name, err)
+	}
+	if err := s.Deadline.check(fmt.Sprintf("stage %d (%s)", i, s.Name)); err != nil {
+		return err
+	}
+	if d := s.Deadline; d != nil && (d.Admission || d.Capacity != 0 || d.Margin != 0) && policy != router.PolicyDeadline {
+		return fmt.Errorf("orchestrator: pipeline: stage %d (%s): deadline capacity, margin and admission apply to policy deadline only, the stage's policy is %s", i, s.Name, policy)
 	}
 	if s.PrefixSource == "" {
 		return nil
@@ -148,6 +161,12 @@ func (p Pipeline) Validate() error {
 	}
 	if len(p.Stages) == 0 {
 		return errors.New("orchestrator: pipeline: at least one stage is required")
+	}
+	if err := p.Deadline.check("pipeline"); err != nil {
+		return err
+	}
+	if d := p.Deadline; d != nil && (d.Admission || d.Capacity != 0 || d.Margin != 0) {
+		return errors.New("orchestrator: pipeline: deadline capacity, margin and admission are set per stage, not for the pipeline")
 	}
 	seen := map[string]bool{}
 	for i, s := range p.Stages {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -77,4 +78,58 @@ stages:
 	assert.ErrorContains(t, err, "factors must be at least 1")
 	_, err = ParsePipeline([]byte("model: m\nstages:\n  - name: thinker\n    balance:\n      relative: 2\n"))
 	assert.Error(t, err, "unknown keys are errors")
+}
+
+// The pipeline's deadline keys: targets per pipeline and per stage (a
+// stage's own first), capacity and admission per deadline stage; and how a
+// stage attempt is due from them and the request's own targets.
+func TestPipelineDeadline(t *testing.T) {
+	p, err := ParsePipeline([]byte(`model: m
+deadline:
+  ttft: 500ms
+  ttfa: 800ms
+stages:
+  - name: thinker
+    policy: deadline
+    deadline:
+      ttft: 300ms
+      capacity: 4
+      admission: true
+  - name: talker
+    policy: deadline
+    deadline:
+      rtf: 1.5
+`))
+	require.NoError(t, err)
+	assert.Equal(t, Targets{TTFT: 300 * time.Millisecond, TTFA: 800 * time.Millisecond}, p.targets(0))
+	assert.Equal(t, Targets{TTFT: 500 * time.Millisecond, TTFA: 800 * time.Millisecond, RTF: 1.5}, p.targets(1))
+	assert.Equal(t, router.DeadlineOptions{Capacity: 4, Admission: true}, p.Stages[0].deadlineOptions())
+
+	h := &Head{deadlineStage: []bool{true, true}, targets: []Targets{p.targets(0), p.targets(1)}}
+	at := time.Unix(1000, 0)
+	sr := &stageRun{req: Request{Received: at}, stage: 0, route: &router.Request{}}
+	h.setDeadline(sr)
+	assert.Equal(t, at.Add(300*time.Millisecond), sr.route.Deadline, "stage 0: first text, the stage's ttft")
+	assert.Zero(t, sr.route.MinRTF)
+	sr = &stageRun{req: Request{Received: at, Deadline: Targets{TTFA: 2 * time.Second}}, stage: 1, route: &router.Request{}}
+	h.setDeadline(sr)
+	assert.Equal(t, at.Add(2*time.Second), sr.route.Deadline, "a later stage: first audio, the request's ttfa first")
+	assert.Equal(t, 1.5, sr.route.MinRTF)
+
+	_, err = ParsePipeline([]byte("model: m\nstages:\n  - name: thinker\n    policy: least_loaded\n    deadline:\n      admission: true\n"))
+	assert.ErrorContains(t, err, "policy deadline only")
+	_, err = ParsePipeline([]byte("model: m\ndeadline:\n  capacity: 3\nstages:\n  - name: thinker\n"))
+	assert.ErrorContains(t, err, "per stage")
+	_, err = ParsePipeline([]byte("model: m\nstages:\n  - name: thinker\n    deadline:\n      ttfb: 1s\n"))
+	assert.Error(t, err, "unknown keys are errors")
+}
+
+func TestParseTargets(t *testing.T) {
+	got, err := ParseTargets(" ttfa=800ms, ttft=500ms,rtf=1.2")
+	require.NoError(t, err)
+	assert.Equal(t, Targets{TTFT: 500 * time.Millisecond, TTFA: 800 * time.Millisecond, RTF: 1.2}, got)
+	for _, bad := range []string{"", "ttft", "ttft=0s", "ttft=5", "rtf=-1", "rtf=NaN", "ttfa=1s,ttfa=2s", "e2e=1s"} {
+		_, err := ParseTargets(bad)
+		assert.Error(t, err, "%q", bad)
+	}
 }

@@ -52,6 +52,7 @@ func BenchmarkPick(b *testing.B) {
 	policies := []struct {
 		name    string
 		session bool
+		due     bool // the request carries a deadline
 		engine  EngineInfo
 		policy  func() Policy
 	}{
@@ -63,6 +64,7 @@ func BenchmarkPick(b *testing.B) {
 			return NewPrefixAware(PolicyOptions{Tokenizers: map[string]Tokenizer{"toy": byteTokens}})
 		}},
 		{name: "session_affinity", session: true, policy: func() Policy { return LeastLoaded{} }},
+		{name: "deadline", due: true, policy: func() Policy { return &Deadline{} }},
 	}
 	for _, pc := range policies {
 		for _, n := range []int{10, 100, 1000, 10000} {
@@ -78,11 +80,20 @@ func BenchmarkPick(b *testing.B) {
 						}
 					}
 				}
+				if dp, ok := p.(*Deadline); ok {
+					// Every replica observed, a tenth of them too slow.
+					for i, rep := range reps {
+						dp.Observe(rep, Decision{}, time.Duration(20+180*(i%10/9))*time.Millisecond)
+					}
+				}
 				sample := make([]time.Duration, 0, min(b.N, 1<<20))
 				b.ReportAllocs()
 				b.ResetTimer()
 				for i := range b.N {
 					req := &Request{Text: texts[i%len(texts)]}
+					if pc.due {
+						req.Deadline = time.Now().Add(100 * time.Millisecond)
+					}
 					if pc.session {
 						req.SessionKey = texts[i%len(texts)][len(texts[i%len(texts)])-24:]
 					}

@@ -28,7 +28,7 @@ const (
 )
 
 // PolicyNames lists the valid --policy and pipeline `policy:` values.
-var PolicyNames = []string{PolicyRoundRobin, PolicyLeastLoaded, PolicyPowerOfTwo, PolicyPrefixAware}
+var PolicyNames = []string{PolicyRoundRobin, PolicyLeastLoaded, PolicyPowerOfTwo, PolicyPrefixAware, PolicyDeadline}
 
 // Where prefix_aware learns what a replica caches (pipeline `prefix_source:`).
 const (
@@ -62,6 +62,8 @@ type PolicyOptions struct {
 	SignalMaxAge time.Duration
 	// Balance are the balance constants; zero fields take the defaults.
 	Balance Balance
+	// Deadline configures the deadline policy.
+	Deadline DeadlineOptions
 }
 
 // Balance are the constants that trade cache hits for balance (pipeline
@@ -142,6 +144,8 @@ func NewPolicy(name string, opts PolicyOptions) (Policy, error) {
 		return PowerOfTwo{MaxAge: opts.SignalMaxAge, Affinity: aff}, nil
 	case PolicyPrefixAware:
 		return NewPrefixAware(opts), nil
+	case PolicyDeadline:
+		return &Deadline{MaxAge: opts.SignalMaxAge, Affinity: aff, Options: opts.Deadline}, nil
 	}
 	return nil, fmt.Errorf("router: unknown policy %q (want one of %v)", name, PolicyNames)
 }
@@ -174,10 +178,17 @@ const (
 	// above its share of the load (a hot prefix), so the request went to
 	// another replica that holds, or now gets, a copy of the prefix.
 	ReasonPrefixReplicated
+	// ReasonDeadline: the deadline policy found replicas predicted to meet
+	// the request's target and took the least loaded of them.
+	ReasonDeadline
+	// ReasonDeadlineShed: no replica is predicted to meet the target and
+	// the stage admits to deadlines: the request is refused (429
+	// deadline_unmeetable).
+	ReasonDeadlineShed
 )
 
 // Reasons lists every reason in label order (the value is the index).
-var Reasons = [...]Reason{ReasonRotation, ReasonLoad, ReasonPrefixMatch, ReasonAffinity, ReasonLoadFallback, ReasonPrefixReplicated}
+var Reasons = [...]Reason{ReasonRotation, ReasonLoad, ReasonPrefixMatch, ReasonAffinity, ReasonLoadFallback, ReasonPrefixReplicated, ReasonDeadline, ReasonDeadlineShed}
 
 // String is the reason's label value.
 func (r Reason) String() string {
@@ -194,6 +205,10 @@ func (r Reason) String() string {
 		return "load_fallback"
 	case ReasonPrefixReplicated:
 		return "prefix_replicated"
+	case ReasonDeadline:
+		return "deadline"
+	case ReasonDeadlineShed:
+		return "deadline_shed"
 	}
 	return "unknown"
 }
@@ -208,6 +223,10 @@ type Decision struct {
 	// or PrefixHead). PrefixSource is "" for other picks.
 	MatchBlocks, InputBlocks int
 	PrefixSource             string
+	// Deadline picks only: the chosen replica's load score at the pick and
+	// its predicted time to first output (0: nothing known).
+	Score     int64
+	Predicted time.Duration
 }
 
 // Values of Decision.PrefixSource (the troupe.route.prefix_source attribute).
@@ -228,6 +247,11 @@ type Request struct {
 	Tokens []uint32
 	// SessionKey, when not empty, asks for session affinity.
 	SessionKey string
+	// Deadline, when not zero, is when the stage's first output is due
+	// (the deadline policy); MinRTF, when above 0, is the audio seconds per
+	// wall second the stage must keep.
+	Deadline time.Time
+	MinRTF   float64
 
 	hashes []schemeHashes
 }
@@ -292,6 +316,8 @@ func affinityOf(p Policy) Affinity {
 	case *PrefixAware:
 		return p.Affinity
 	case *RoundRobin:
+		return p.Affinity
+	case *Deadline:
 		return p.Affinity
 	}
 	return Affinity{}

@@ -9,7 +9,7 @@
 // health) are atomics on the Replica and may change between snapshots.
 //
 // Each stage has its own Policy instance (round_robin, least_loaded,
-// power_of_two, prefix_aware) and, optionally, session affinity on top of
+// power_of_two, prefix_aware, deadline) and, optionally, session affinity on top of
 // it; Pick applies them. See docs/routing.md.
 package router
 
@@ -91,6 +91,8 @@ type Replica struct {
 	// The circuit breaker (see Breaker): consecutive failed attempts, how
 	// many ejections in a row, and until when (unix nanoseconds, 0: not
 	// ejected) the replica is out of rotation.
+	// deadline is what the deadline policy learned of its timing.
+	deadline     deadlineStats
 	failures     atomic.Int32
 	ejections    atomic.Int32
 	ejectedUntil atomic.Int64

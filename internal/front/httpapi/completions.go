@@ -127,6 +127,11 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 	defer cancel()
 	id := requestIDFrom(r.Context())
 	req := orchestrator.Request{ID: id, Prompt: j.prompt, Messages: j.messages, Voice: j.voice, Sampling: j.sampling, Stages: 1, Operation: j.operation, SessionKey: s.sessionKey(r, j)}
+	var e *apiError
+	if req.Deadline, e = deadlineOf(r); e != nil {
+		s.reject(w, r, e)
+		return
+	}
 	if j.audio {
 		req.Stages = len(s.b.Pipeline().Stages)
 	}

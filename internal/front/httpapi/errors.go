@@ -149,6 +149,11 @@ func fromBackend(err error, requestID string) *apiError {
 	case errors.Is(err, orchestrator.ErrNoReplica):
 		return &apiError{Status: http.StatusServiceUnavailable, Type: typeServer, Code: "no_replica",
 			Message: msg + "; retry shortly", RetryAfter: retryAfterSeconds}
+	case errors.Is(err, orchestrator.ErrDeadlineUnmeetable):
+		// Answered before the request runs: a retry after the load eases,
+		// or with a longer target, may be served.
+		return &apiError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: "deadline_unmeetable",
+			Message: msg, RetryAfter: retryAfterSeconds}
 	case errors.Is(err, orchestrator.ErrConflict):
 		return &apiError{Status: http.StatusConflict, Type: typeInvalidRequest, Code: "conflict", Message: msg}
 	case errors.Is(err, orchestrator.ErrBadRequest):
@@ -177,6 +182,25 @@ func fromBackend(err error, requestID string) *apiError {
 	default:
 		return &apiError{Status: http.StatusInternalServerError, Type: typeServer, Code: "internal_error", Message: msg + " (request id " + requestID + ")"}
 	}
+}
+
+// deadlineHeader carries a request's own targets (docs/api.md).
+const deadlineHeader = "X-Troupe-Deadline"
+
+// deadlineOf reads the request's X-Troupe-Deadline header, e.g.
+// "ttft=500ms,ttfa=800ms,rtf=1"; absent: no targets of its own. A header
+// that does not parse is a 400 invalid_deadline.
+func deadlineOf(r *http.Request) (orchestrator.Targets, *apiError) {
+	v := r.Header.Get(deadlineHeader)
+	if v == "" {
+		return orchestrator.Targets{}, nil
+	}
+	t, err := orchestrator.ParseTargets(v)
+	if err != nil {
+		return orchestrator.Targets{}, &apiError{Status: http.StatusBadRequest, Type: typeInvalidRequest, Code: "invalid_deadline",
+			Message: "invalid " + deadlineHeader + " header: " + strings.TrimPrefix(err.Error(), "orchestrator: ") + ` (want e.g. "ttft=500ms,ttfa=800ms,rtf=1")`}
+	}
+	return t, nil
 }
 
 // asleepHint tells the client of a stage whose replicas all sleep how to

@@ -122,6 +122,10 @@ func (s *Server) speech(w http.ResponseWriter, r *http.Request) {
 	id := requestIDFrom(r.Context())
 	req := orchestrator.Request{ID: id, Prompt: j.input, Voice: j.voice, Sampling: &stagepb.SamplingParams{}, Speech: true,
 		Operation: telemetry.GenAIOperationGenerateContent, SessionKey: s.sessionKey(r, job{})}
+	if req.Deadline, e = deadlineOf(r); e != nil {
+		s.reject(w, r, e)
+		return
+	}
 	var stream *sseWriter
 	started := false
 	if j.format == speechPCM {

@@ -1,0 +1,212 @@
+package router
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// observe feeds p the first-output times measured on c (one per replica),
+// each at the load the replica has now.
+func observe(p *Deadline, c []*Replica, ttft ...time.Duration) {
+	sc := newScorer(c, 0)
+	for i, r := range c {
+		p.Observe(r, Decision{Replica: r, Score: sc.score(r)}, ttft[i])
+	}
+}
+
+// A replica three times slower than the others is predicted so and left
+// out when its prediction misses the target, even while it is the least
+// loaded; the others share the load.
+func TestDeadlineAvoidsTheSlowReplica(t *testing.T) {
+	p := &Deadline{Options: DeadlineOptions{Capacity: 4}}
+	c := replicas(4)
+	observe(p, c, 40*time.Millisecond, 40*time.Millisecond, 40*time.Millisecond, 120*time.Millisecond)
+	served := map[uint32]int{}
+	var running []*Replica
+	for range 300 {
+		d := p.Pick(&Request{Deadline: time.Now().Add(100 * time.Millisecond)}, c)
+		require.NotNil(t, d.Replica)
+		served[d.Replica.Key.Replica]++
+		assert.Equal(t, ReasonDeadline, d.Reason)
+		assert.LessOrEqual(t, d.Predicted, 100*time.Millisecond, "a chosen replica is predicted in time")
+		d.Replica.Acquire()
+		running = append(running, d.Replica)
+		if len(running) > 6 {
+			running[0].Release()
+			running = running[1:]
+		}
+	}
+	assert.Zero(t, served[3], "the slow replica is never predicted in time")
+	for id := range uint32(3) {
+		assert.GreaterOrEqual(t, served[id], 60, "the fast replicas share the load: %v", served)
+	}
+	for _, r := range running {
+		r.Release()
+	}
+
+	// With the fast replicas busier, least_loaded takes the slow one; the
+	// deadline policy still does not while a fast one is in time.
+	for _, r := range c[:3] {
+		r.Acquire()
+		defer r.Release()
+	}
+	assert.Equal(t, c[3], LeastLoaded{}.Pick(&Request{}, c).Replica)
+	assert.NotEqual(t, c[3], p.Pick(&Request{Deadline: time.Now().Add(100 * time.Millisecond)}, c).Replica)
+}
+
+// The prediction grows with load: unit × (1 + score/capacity), the unit
+// learned from observations at their own load.
+func TestDeadlinePredictionScalesWithLoad(t *testing.T) {
+	p := &Deadline{Options: DeadlineOptions{Capacity: 2}}
+	c := replicas(2)
+	// Observed 60 ms while 2 requests were ahead: unit 30 ms.
+	p.Observe(c[0], Decision{Replica: c[0], Score: 2}, 60*time.Millisecond)
+	pred, bound := p.predict(c[0], 0, 0)
+	got := seconds(pred)
+	assert.Equal(t, pred, bound, "no deviation seen yet")
+	assert.InDelta(t, float64(30*time.Millisecond), float64(got), float64(time.Millisecond), "idle: the unit")
+	for range 4 {
+		c[0].Acquire()
+	}
+	d := p.Pick(&Request{Deadline: time.Now().Add(time.Second)}, c[:1])
+	assert.InDelta(t, float64(90*time.Millisecond), float64(d.Predicted), float64(time.Millisecond), "4 ahead at capacity 2: 3 units")
+	assert.Equal(t, int64(4), d.Score)
+
+	// c[1] was never observed: it takes the mean unit of those that were.
+	d = p.Pick(&Request{Deadline: time.Now().Add(time.Second)}, c)
+	assert.Equal(t, c[1], d.Replica)
+	assert.InDelta(t, float64(30*time.Millisecond), float64(d.Predicted), float64(time.Millisecond))
+
+	// Later observations move the average by deadlineAlpha, and the
+	// deviation from 0.
+	p.Observe(c[0], Decision{Replica: c[0], Score: 0}, 130*time.Millisecond)
+	u := 0.030 + deadlineAlpha*(0.130-0.030)
+	assert.InDelta(t, u, loadFloat(&c[0].deadline.unit), 1e-9)
+	dev := deadlineAlpha * 0.100
+	assert.InDelta(t, dev, loadFloat(&c[0].deadline.dev), 1e-9)
+	pred, bound = p.predict(c[0], 2, 0)
+	assert.InDelta(t, u*2, pred, 1e-9)
+	assert.InDelta(t, (u+DeadlineMargin*dev)*2, bound, 1e-9, "the in-time check adds the margin")
+}
+
+// A replica whose first outputs vary is trusted with a tight target only
+// with room for its deviation: of two replicas with the same mean, the
+// steady one takes a target near that mean, the erratic one does not.
+func TestDeadlineMarginForVariance(t *testing.T) {
+	p := &Deadline{}
+	c := replicas(2)
+	for i := range 40 {
+		p.Observe(c[0], Decision{}, 30*time.Millisecond)
+		jitter := 20 * time.Millisecond
+		if i%2 == 0 {
+			jitter = -jitter
+		}
+		p.Observe(c[1], Decision{}, 30*time.Millisecond+jitter)
+	}
+	c[0].Acquire()
+	defer c[0].Release()
+	d := p.Pick(&Request{Deadline: time.Now().Add(45 * time.Millisecond)}, c)
+	assert.Equal(t, c[0], d.Replica, "the steady replica, although busier")
+	assert.Equal(t, ReasonDeadline, d.Reason)
+	d = p.Pick(&Request{Deadline: time.Now().Add(500 * time.Millisecond)}, c)
+	assert.Equal(t, c[1], d.Replica, "with room, the less loaded")
+}
+
+// When no replica is predicted in time the least loaded one is returned,
+// as a fallback, or for the caller to refuse under admission.
+func TestDeadlineUnmeetable(t *testing.T) {
+	c := replicas(3)
+	for _, admission := range []bool{false, true} {
+		p := &Deadline{Options: DeadlineOptions{Admission: admission}}
+		observe(p, c, 200*time.Millisecond, 150*time.Millisecond, 300*time.Millisecond)
+		c[1].Acquire()
+		d := p.Pick(&Request{Deadline: time.Now().Add(50 * time.Millisecond)}, c)
+		c[1].Release()
+		assert.Equal(t, c[1], d.Replica, "the one predicted soonest, although busier")
+		want := ReasonLoadFallback
+		if admission {
+			want = ReasonDeadlineShed
+		}
+		assert.Equal(t, want, d.Reason)
+		assert.Contains(t, p.Reasons(), want)
+
+		// A deadline already past is unmeetable too.
+		d = p.Pick(&Request{Deadline: time.Now().Add(-time.Millisecond)}, c)
+		assert.Equal(t, want, d.Reason)
+		// No target: least_loaded.
+		d = p.Pick(&Request{}, c)
+		assert.Equal(t, ReasonLoad, d.Reason)
+	}
+}
+
+// The real-time check: a replica whose audio rate is below the target is
+// left out; one not yet observed is tried.
+func TestDeadlineKeepsRealTime(t *testing.T) {
+	p := &Deadline{}
+	c := replicas(3)
+	p.ObserveRate(c[0], 0.6)
+	p.ObserveRate(c[1], 2.5)
+	c[1].Acquire()
+	c[1].Acquire()
+	c[2].Acquire()
+	defer c[1].Release()
+	defer c[1].Release()
+	defer c[2].Release()
+	d := p.Pick(&Request{MinRTF: 1}, c)
+	assert.Equal(t, c[2], d.Replica, "the unobserved replica passes; the slow one does not although idle")
+	assert.Equal(t, ReasonDeadline, d.Reason)
+	p.ObserveRate(c[2], 0.9)
+	d = p.Pick(&Request{MinRTF: 1}, c)
+	assert.Equal(t, c[1], d.Replica)
+}
+
+// The policy is chosen by name and its picks allocate nothing.
+func TestDeadlinePolicyByName(t *testing.T) {
+	p, err := NewPolicy(PolicyDeadline, PolicyOptions{Deadline: DeadlineOptions{Capacity: 3, Admission: true}})
+	require.NoError(t, err)
+	dp := p.(*Deadline)
+	assert.Equal(t, 3.0, dp.capacity())
+	c := replicas(16)
+	observe(dp, c, make16(30*time.Millisecond)...)
+	req := &Request{Deadline: time.Now().Add(time.Second)}
+	allocs := testing.AllocsPerRun(100, func() { _ = p.Pick(req, c) })
+	assert.Zero(t, allocs)
+	assert.Equal(t, "deadline_shed", ReasonDeadlineShed.String())
+	assert.Equal(t, "deadline", ReasonDeadline.String())
+}
+
+func make16(d time.Duration) []time.Duration {
+	out := make([]time.Duration, 16)
+	for i := range out {
+		out[i] = d
+	}
+	return out
+}
+
+// Under admission a stage whose replicas are all predicted late still
+// sends one request per DeadlineProbeAfter to the replica predicted
+// soonest, so a prediction spoiled by a burst is corrected.
+func TestDeadlineProbesWhileShedding(t *testing.T) {
+	p := &Deadline{Options: DeadlineOptions{Admission: true}}
+	c := replicas(2)
+	observe(p, c, 200*time.Millisecond, 100*time.Millisecond)
+	late := &Request{Deadline: time.Now().Add(50 * time.Millisecond)}
+	assert.Equal(t, ReasonDeadlineShed, p.Pick(late, c).Reason, "just observed: shed")
+
+	c[1].deadline.seen.Store(time.Now().Add(-2 * DeadlineProbeAfter).UnixNano())
+	d := p.Pick(late, c)
+	assert.Equal(t, ReasonLoadFallback, d.Reason, "a probe goes through")
+	assert.Equal(t, c[1], d.Replica, "to the replica predicted soonest")
+	assert.Equal(t, ReasonDeadlineShed, p.Pick(late, c).Reason, "one probe per interval")
+
+	// The probe's outcome, fast again, reopens the replica to targets.
+	for range 10 {
+		p.Observe(c[1], Decision{Replica: c[1]}, 10*time.Millisecond)
+	}
+	d = p.Pick(late, c)
+	assert.Equal(t, ReasonDeadline, d.Reason)
+	assert.Equal(t, c[1], d.Replica)
+}

@@ -1,0 +1,154 @@
+package httpapi
+
+import (
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/worker/sim"
+)
+
+// The X-Troupe-Deadline header, through the official client: a malformed
+// one is a 400 invalid_deadline; a target the deadline policy predicts no
+// replica can meet is refused early with 429 deadline_unmeetable (counted
+// as reason deadline_shed) under admission; a meetable one is served and
+// counted as reason deadline, and the prediction's error is observed.
+func TestDeadlineHeader(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{
+		Pipeline: orchestrator.Pipeline{Model: model, Stages: []orchestrator.Stage{
+			{Name: "thinker", Policy: "deadline", Deadline: &orchestrator.Deadline{Admission: true}},
+		}},
+		// One replica: an unobserved one would be probed (router.DeadlineProbeAfter).
+		ReplicasPerStage: 1,
+		// About 100 ms of prefill for the prompt below: a first token no
+		// replica can give within 1 ms.
+		Sim: sim.Config{PrefillTokensPerSec: 2000},
+	})
+	a := startAPI(t, c, Config{}, nil, nil)
+	client := a.openai()
+	prompt := strings.Repeat("tell me about the weather ", 40)
+	chat := func(deadline string) (*openai.ChatCompletion, error) {
+		var opts []option.RequestOption
+		if deadline != "" {
+			opts = append(opts, option.WithHeader("X-Troupe-Deadline", deadline))
+		}
+		return client.Chat.Completions.New(testCtx(t), openai.ChatCompletionNewParams{
+			Model:               model,
+			Messages:            []openai.ChatCompletionMessageParamUnion{openai.UserMessage(prompt)},
+			MaxCompletionTokens: openai.Int(3),
+		}, opts...)
+	}
+
+	for _, bad := range []string{"ttft", "ttft=fast", "ttft=-5ms", "rtf=0", "ttfb=1s", "ttft=1s,ttft=2s", ","} {
+		_, err := chat(bad)
+		oe := apiErrorOf(t, err)
+		assert.Equal(t, http.StatusBadRequest, oe.StatusCode, "header %q", bad)
+		assert.Equal(t, "invalid_deadline", oe.Code, "header %q", bad)
+		assert.Contains(t, oe.Message, "X-Troupe-Deadline", "header %q", bad)
+	}
+
+	// Without targets the policy balances load; the first answer teaches
+	// it the replica's time to first output.
+	_, err := chat("")
+	require.NoError(t, err)
+	assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", "0", "reason", "load"))
+
+	_, err = chat("ttft=30s")
+	require.NoError(t, err)
+	assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", "0", "reason", "deadline"))
+
+	// 1 ms is below any replica's predicted first token (the prefill).
+	_, err = chat("ttft=1ms, ttfa=5s")
+	oe := apiErrorOf(t, err)
+	assert.Equal(t, http.StatusTooManyRequests, oe.StatusCode)
+	assert.Equal(t, "deadline_unmeetable", oe.Code)
+	assert.Contains(t, oe.Message, `stage "thinker"`)
+	assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", "0", "reason", "deadline_shed"))
+	assert.Equal(t, 2.0, counter(t, c, "troupe_request_success_total", "0", "", ""), "the refused request never ran")
+
+	// /v1/replicas shows the prediction for the next attempt.
+	resp, body := a.do(t, "GET", "/v1/replicas", nil, nil)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
+	var list struct {
+		Data []struct {
+			Predicted *float64 `json:"predicted_first_output_s"`
+		} `json:"data"`
+	}
+	require.NoError(t, json.Unmarshal(body, &list))
+	require.Len(t, list.Data, 1)
+	require.NotNil(t, list.Data[0].Predicted)
+	assert.Greater(t, *list.Data[0].Predicted, 0.02, "at least part of the prefill")
+	assert.Less(t, *list.Data[0].Predicted, 30.0)
+
+	fams, err := c.Metrics.Gather()
+	require.NoError(t, err)
+	var observed uint64
+	for _, f := range fams {
+		if f.GetName() == "troupe_router_deadline_prediction_error_seconds" {
+			for _, m := range f.GetMetric() {
+				observed += m.GetHistogram().GetSampleCount()
+			}
+		}
+	}
+	assert.Equal(t, uint64(1), observed, "the one request routed with a prediction is observed")
+}
+
+// On a pipeline routed by deadline, an audio answer's stages are routed to
+// the header's first-audio target, and the vocoder's audio rate is
+// observed: /v1/replicas shows it.
+func TestDeadlineAudioRate(t *testing.T) {
+	p := orchestrator.DefaultPipeline()
+	for i := range p.Stages {
+		p.Stages[i].Policy = "deadline"
+	}
+	c := startCluster(t, orchestratortest.Options{Pipeline: p, Sim: sim.Config{DecodeTokenLatency: 2 * time.Millisecond}})
+	a := startAPI(t, c, Config{}, nil, nil)
+	client := a.openai()
+	params := openai.ChatCompletionNewParams{
+		Model:               model,
+		Messages:            []openai.ChatCompletionMessageParamUnion{openai.UserMessage("say hello to everyone here")},
+		MaxCompletionTokens: openai.Int(8),
+		Modalities:          []string{"text", "audio"},
+		Audio: openai.ChatCompletionAudioParam{
+			Format: openai.ChatCompletionAudioParamFormatWAV,
+			Voice:  openai.ChatCompletionAudioParamVoiceUnion{OfString: openai.String("alloy")},
+		},
+	}
+	res, err := client.Chat.Completions.New(testCtx(t), params, option.WithHeader("X-Troupe-Deadline", "ttft=30s,ttfa=30s,rtf=0.01"))
+	require.NoError(t, err)
+	require.NotEmpty(t, res.Choices[0].Message.Audio.Data)
+	for stage := range 3 {
+		assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", strconv.Itoa(stage), "reason", "deadline"), "stage %d", stage)
+	}
+
+	resp, body := a.do(t, "GET", "/v1/replicas", nil, nil)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
+	var list struct {
+		Data []struct {
+			Stage     int      `json:"stage"`
+			Predicted *float64 `json:"predicted_first_output_s"`
+			RTF       *float64 `json:"rtf"`
+		} `json:"data"`
+	}
+	require.NoError(t, json.Unmarshal(body, &list))
+	require.Len(t, list.Data, 3)
+	for _, r := range list.Data {
+		require.NotNil(t, r.Predicted, "stage %d: observed", r.Stage)
+		if r.Stage == 2 {
+			require.NotNil(t, r.RTF, "the vocoder's audio rate is observed")
+			assert.Positive(t, *r.RTF)
+		} else {
+			assert.Nil(t, r.RTF, "stage %d makes no audio", r.Stage)
+		}
+	}
+}
