@@ -9,6 +9,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/troupe-serving/troupe/internal/core/router"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
 // GatheredMetric finds the child of family whose labels include labels,
@@ -78,3 +80,20 @@ func JoinTimes(h *Head, stage int, replica uint32) (JoinTiming, bool) {
 // Changed returns a channel that is closed by the head's next publish of
 // its view (a join, an attach, a leave...).
 func Changed(h *Head) <-chan struct{} { return *h.changed.Load() }
+
+// PrefixHeld returns, by replica id, how many leading blocks of prompt
+// (in the sim's scheme: its tokenizer, 16-token blocks) h's prefix index
+// says each routed replica of stage holds. stage's policy is prefix_aware.
+func PrefixHeld(h *Head, stage int, prompt string) map[uint32]int {
+	p := h.router.Policy(stage).(*router.PrefixAware)
+	hashes := stagepb.BlockHashes(tokenizers.Sim(prompt), 16)
+	var keys []router.Key
+	for _, rep := range h.router.Snapshot().Stage(stage) {
+		keys = append(keys, rep.Key)
+	}
+	out := map[uint32]int{}
+	for i, n := range p.Index().Match(hashes, keys) {
+		out[keys[i].Replica] = n
+	}
+	return out
+}

@@ -169,6 +169,9 @@ type Head struct {
 	known     map[router.Key]*tracked
 	nextIndex int
 	gen       uint64
+	subs      map[router.Key]*cacheSub // cache subscriptions by replica key (see cacheSub)
+
+	cacheSnapshots prometheus.Counter // troupe_router_cache_snapshots_total
 }
 
 // tracked is the loop's record of one replica key. Published copies are
@@ -227,6 +230,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		tracer:     cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
 		callTracer: callTracer,
 		known:      map[router.Key]*tracked{},
+		subs:       map[router.Key]*cacheSub{},
 		etcd:       cli,
 		created:    time.Now(),
 		calls:      []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
@@ -395,7 +399,11 @@ func (h *Head) registerMetrics(routing []router.StageRouting) error {
 		}
 	}
 	predictionError := h.deadlineMetrics(routing)
-	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}, h.newDesiredReplicas(), predictionError} {
+	h.cacheSnapshots = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "troupe_router_cache_snapshots_total",
+		Help: "Engine cache snapshots the head applied from SubscribeCache streams: one per replica subscribed, one more per subscription again (a seq gap, a subscriber that fell behind, a broken stream).",
+	})
+	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}, h.newDesiredReplicas(), predictionError, h.cacheSnapshots} {
 		if err := h.cfg.Metrics.Register(c); err != nil {
 			return fmt.Errorf("orchestrator: register metrics: %w", err)
 		}
@@ -490,6 +498,7 @@ func (h *Head) Run(ctx context.Context) error {
 						t.cancel()
 					}
 				}
+				h.stopCacheSubs()
 				return gctx.Err()
 			case ev := <-events:
 				h.apply(gctx, ev, probes, departures, &probing)
@@ -738,6 +747,7 @@ func (h *Head) attach(pr probeResult) {
 		return
 	}
 	t.routed, t.times.routed = true, time.Now()
+	h.startCacheSub(pr.rep, pr.health)
 	h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", pr.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "sleep_state", sleep.String(), "roles", t.io.String(),
 		"probe", t.times.answered.Sub(t.times.event), "join", t.times.routed.Sub(t.times.event))
 	h.publish(pr.key)
@@ -902,6 +912,7 @@ func (h *Head) endGraces(now time.Time) {
 // detach stops routing first, then detaches the series.
 func (h *Head) detach(t *tracked, why string) {
 	t.graceUntil, t.leaveGen = time.Time{}, 0
+	h.stopCacheSub(t.key)
 	h.router.Remove(t.key)
 	if !t.detached {
 		if err := h.stats.Detach(t.index); err != nil {

@@ -747,6 +747,7 @@ func (svc *service) Health(context.Context, *stagepb.HealthRequest) (*stagepb.He
 	h := s.cfg.Engine.Health()
 	h.Stage = s.cfg.Stage
 	h.Multiplex = true
+	_, h.CacheSubscription = s.cacheReporter(h)
 	// Who it is, once it knows its id: with AutoID, the record is in etcd
 	// (and a head may probe) a moment before Register returns the id.
 	// Without an instance id the head checks nothing, as for older workers.

@@ -347,6 +347,11 @@ func TestClusterTokenOverGRPC(t *testing.T) {
 			_, err = mux.Recv()
 		}
 		errs["Multiplex"] = err
+		sub, err := cli.SubscribeCache(ctx, &stagepb.SubscribeCacheRequest{})
+		if err == nil {
+			_, err = sub.Recv()
+		}
+		errs["SubscribeCache"] = err
 		return errs
 	}
 	for name, creds := range map[string]grpc.DialOption{
@@ -383,6 +388,11 @@ func TestClusterTokenOverGRPC(t *testing.T) {
 	require.NoError(t, err)
 	_, err = head.WakeUp(ctx, &stagepb.WakeUpRequest{})
 	require.NoError(t, err)
+	sub, err := head.SubscribeCache(ctx, &stagepb.SubscribeCacheRequest{})
+	require.NoError(t, err)
+	snap, err := sub.Recv()
+	require.NoError(t, err)
+	assert.True(t, snap.GetSnapshot())
 	d, err := head.Drain(ctx, &stagepb.DrainRequest{})
 	require.NoError(t, err)
 	assert.Zero(t, d.GetInFlight())

@@ -206,6 +206,9 @@ type WorkerOptions struct {
 	ReplicaID *uint32     // default: auto
 	Sim       *sim.Config // default: the cluster's Sim
 	Listen    string      // default 127.0.0.1:0
+	// Engine, when set, wraps the sim engine the worker serves (e.g. to
+	// alter what it reports); the Worker's Engine stays the sim itself.
+	Engine func(*sim.Engine) worker.Engine
 }
 
 // AddWorker starts a sim worker for stage and waits until it is registered
@@ -247,12 +250,15 @@ func (c *Cluster) startWorker(stage string, wo WorkerOptions) (*Worker, error) {
 		Listen:         wo.Listen,
 		LeaseTTL:       c.opts.LeaseTTL,
 		DrainTimeout:   10 * time.Second,
-		Engine:         eng,
+		Engine:         worker.Engine(eng),
 		Version:        "test",
 		EtcdClient:     cli,
 		Logger:         c.opts.Logger,
 		ServerOptions:  c.opts.WorkerServerOptions,
 		TracerProvider: c.opts.WorkerTracer,
+	}
+	if wo.Engine != nil {
+		wcfg.Engine = wo.Engine(eng)
 	}
 	if wcfg.Listen == "" {
 		wcfg.Listen = "127.0.0.1:0"

@@ -33,6 +33,7 @@ const (
 	StageService_Drain_FullMethodName          = "/troupe.stage.v1.StageService/Drain"
 	StageService_GenerateStream_FullMethodName = "/troupe.stage.v1.StageService/GenerateStream"
 	StageService_Multiplex_FullMethodName      = "/troupe.stage.v1.StageService/Multiplex"
+	StageService_SubscribeCache_FullMethodName = "/troupe.stage.v1.StageService/SubscribeCache"
 )
 
 // StageServiceClient is the client API for StageService service.
@@ -72,6 +73,15 @@ type StageServiceClient interface {
 	// it never read is lost with the stream, and the head fails it as it
 	// fails a broken Generate stream (nothing was produced: it is retried).
 	Multiplex(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[MuxFrame, MuxFrame], error)
+	// SubscribeCache streams the engine's prefix cache reports (served by a
+	// worker whose Health says cache_subscription): first a snapshot of
+	// every block the engine holds (KvEvents with snapshot and cleared set;
+	// seq is that of the last report it includes), then every report the
+	// engine makes, with seq numbers that follow on without a gap. A
+	// subscriber that cannot keep up is dropped (the stream ends with
+	// ResourceExhausted) and subscribes again for a fresh snapshot; so does
+	// one that sees a gap in seq. The worker never waits for a subscriber.
+	SubscribeCache(ctx context.Context, in *SubscribeCacheRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[KvEvents], error)
 }
 
 type stageServiceClient struct {
@@ -167,6 +177,25 @@ func (c *stageServiceClient) Multiplex(ctx context.Context, opts ...grpc.CallOpt
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type StageService_MultiplexClient = grpc.BidiStreamingClient[MuxFrame, MuxFrame]
 
+func (c *stageServiceClient) SubscribeCache(ctx context.Context, in *SubscribeCacheRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[KvEvents], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &StageService_ServiceDesc.Streams[3], StageService_SubscribeCache_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[SubscribeCacheRequest, KvEvents]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type StageService_SubscribeCacheClient = grpc.ServerStreamingClient[KvEvents]
+
 // StageServiceServer is the server API for StageService service.
 // All implementations must embed UnimplementedStageServiceServer
 // for forward compatibility.
@@ -204,6 +233,15 @@ type StageServiceServer interface {
 	// it never read is lost with the stream, and the head fails it as it
 	// fails a broken Generate stream (nothing was produced: it is retried).
 	Multiplex(grpc.BidiStreamingServer[MuxFrame, MuxFrame]) error
+	// SubscribeCache streams the engine's prefix cache reports (served by a
+	// worker whose Health says cache_subscription): first a snapshot of
+	// every block the engine holds (KvEvents with snapshot and cleared set;
+	// seq is that of the last report it includes), then every report the
+	// engine makes, with seq numbers that follow on without a gap. A
+	// subscriber that cannot keep up is dropped (the stream ends with
+	// ResourceExhausted) and subscribes again for a fresh snapshot; so does
+	// one that sees a gap in seq. The worker never waits for a subscriber.
+	SubscribeCache(*SubscribeCacheRequest, grpc.ServerStreamingServer[KvEvents]) error
 	mustEmbedUnimplementedStageServiceServer()
 }
 
@@ -234,6 +272,9 @@ func (UnimplementedStageServiceServer) GenerateStream(grpc.BidiStreamingServer[S
 }
 func (UnimplementedStageServiceServer) Multiplex(grpc.BidiStreamingServer[MuxFrame, MuxFrame]) error {
 	return status.Error(codes.Unimplemented, "method Multiplex not implemented")
+}
+func (UnimplementedStageServiceServer) SubscribeCache(*SubscribeCacheRequest, grpc.ServerStreamingServer[KvEvents]) error {
+	return status.Error(codes.Unimplemented, "method SubscribeCache not implemented")
 }
 func (UnimplementedStageServiceServer) mustEmbedUnimplementedStageServiceServer() {}
 func (UnimplementedStageServiceServer) testEmbeddedByValue()                      {}
@@ -353,6 +394,17 @@ func _StageService_Multiplex_Handler(srv interface{}, stream grpc.ServerStream) 
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type StageService_MultiplexServer = grpc.BidiStreamingServer[MuxFrame, MuxFrame]
 
+func _StageService_SubscribeCache_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(SubscribeCacheRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(StageServiceServer).SubscribeCache(m, &grpc.GenericServerStream[SubscribeCacheRequest, KvEvents]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type StageService_SubscribeCacheServer = grpc.ServerStreamingServer[KvEvents]
+
 // StageService_ServiceDesc is the grpc.ServiceDesc for StageService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -394,6 +446,11 @@ var StageService_ServiceDesc = grpc.ServiceDesc{
 			Handler:       _StageService_Multiplex_Handler,
 			ServerStreams: true,
 			ClientStreams: true,
+		},
+		{
+			StreamName:    "SubscribeCache",
+			Handler:       _StageService_SubscribeCache_Handler,
+			ServerStreams: true,
 		},
 	},
 	Metadata: "stage.proto",

@@ -41,6 +41,8 @@ const (
 	evAbort
 	evSleep
 	evWake
+	evWatch
+	evUnwatch
 )
 
 type event struct {
@@ -48,6 +50,8 @@ type event struct {
 	seq   *seq
 	level int
 	reply chan sleepReply // evSleep, evWake; buffered 1
+	watch *cacheWatcher   // evWatch, evUnwatch
+	done  chan struct{}   // evWatch, evUnwatch: closed once handled
 }
 
 type sleepReply struct {
@@ -274,6 +278,18 @@ func (e *Engine) loop(sc *scheduler) {
 				sc.encoder.clear()
 			}
 			e.cfg.Logger.Info("sim: engine asleep", "sleep_state", sleep.Name())
+		case evWatch:
+			if sc.pool.events.watchers == nil {
+				sc.pool.events.watchers = map[*cacheWatcher]struct{}{}
+			}
+			ev.watch.fn(sc.pool.events.snapshot(sc.pool.cached))
+			sc.pool.events.watchers[ev.watch] = struct{}{}
+			close(ev.done)
+			return
+		case evUnwatch:
+			delete(sc.pool.events.watchers, ev.watch)
+			close(ev.done)
+			return
 		case evWake:
 			if sleep != stagepb.SleepState_SLEEP_STATE_AWAKE {
 				e.cfg.Logger.Info("sim: engine awake")
@@ -343,6 +359,38 @@ func (e *Engine) loop(sc *scheduler) {
 			o.seq.box.push(o.chunk, o.final)
 		}
 		publish()
+	}
+}
+
+// WatchCache calls fn with a snapshot of the prefix cache (a KvEvents with
+// Snapshot and Cleared set, Seq that of the last report it includes), then
+// with every report the engine makes (the KvEvents its chunks carry), in
+// seq order, until stop is called. fn runs on the scheduler goroutine: it
+// must not block, and must not modify the reports (they are shared). An
+// engine without prefix caching never reports: fn gets the empty snapshot
+// only. It fails when ctx ends or the engine is closed first.
+func (e *Engine) WatchCache(ctx context.Context, fn func(*stagepb.KvEvents)) (stop func(), err error) {
+	w := &cacheWatcher{fn: fn}
+	if err := e.send(ctx, event{kind: evWatch, watch: w, done: make(chan struct{})}); err != nil {
+		return nil, err
+	}
+	return func() { _ = e.send(context.Background(), event{kind: evUnwatch, watch: w, done: make(chan struct{})}) }, nil
+}
+
+// send hands ev to the loop and waits until it is handled.
+func (e *Engine) send(ctx context.Context, ev event) error {
+	select {
+	case e.events <- ev:
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-e.done:
+		return errClosed
+	}
+	select {
+	case <-ev.done:
+		return nil
+	case <-e.done:
+		return errClosed
 	}
 }
 

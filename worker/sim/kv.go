@@ -3,6 +3,8 @@ package sim
 import (
 	"slices"
 
+	"google.golang.org/protobuf/proto"
+
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
@@ -27,6 +29,25 @@ type kvEventLog struct {
 	seq     uint64
 	cleared bool
 	pending map[uint64]bool // hash → stored (true) or removed (false)
+	// watchers get every report take makes (see Engine.WatchCache).
+	watchers map[*cacheWatcher]struct{}
+}
+
+// cacheWatcher is one Engine.WatchCache registration.
+type cacheWatcher struct{ fn func(*stagepb.KvEvents) }
+
+// snapshot is a report of every block in cached, as of the last report
+// taken: a watcher that applies it, then every later report, holds what
+// the engine holds (a block changed since the last take is in the
+// snapshot already and again in the next report, which states its final
+// state, so applying both is harmless).
+func (l *kvEventLog) snapshot(cached map[uint64]int32) *stagepb.KvEvents {
+	ev := &stagepb.KvEvents{Seq: l.seq, Cleared: true, Snapshot: true, Stored: make([]uint64, 0, len(cached))}
+	for h := range cached {
+		ev.Stored = append(ev.Stored, h)
+	}
+	slices.Sort(ev.Stored)
+	return ev
 }
 
 func (l *kvEventLog) record(hash uint64, stored bool) {
@@ -54,6 +75,12 @@ func (l *kvEventLog) take() *stagepb.KvEvents {
 	slices.Sort(ev.Removed)
 	clear(l.pending)
 	l.cleared = false
+	if len(l.watchers) > 0 {
+		shared := proto.Clone(ev).(*stagepb.KvEvents) // the chunk's copy may be merged into others
+		for w := range l.watchers {
+			w.fn(shared)
+		}
+	}
 	return ev
 }
 

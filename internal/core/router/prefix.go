@@ -150,9 +150,26 @@ func (x *PrefixIndex) Insert(key Key, hashes []uint64) {
 
 // Apply records an engine's report for key.
 func (x *PrefixIndex) Apply(key Key, ev *stagepb.KvEvents) {
-	seq := ev.GetSeq()
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	x.applyLocked(key, ev)
+}
+
+// Reset replaces what the index holds of key with an engine's snapshot of
+// its cache (stored: every block it holds at seq): every older belief about
+// key is dropped; a report newer than the snapshot that was applied first
+// stays.
+func (x *PrefixIndex) Reset(key Key, snap *stagepb.KvEvents) {
+	seq := snap.GetSeq()
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.clearedAt[key] = seq
+	x.dropLocked(func(hd holder) bool { return hd.key == key && hd.seq <= seq })
+	x.applyLocked(key, &stagepb.KvEvents{Seq: seq, Stored: snap.GetStored()})
+}
+
+func (x *PrefixIndex) applyLocked(key Key, ev *stagepb.KvEvents) {
+	seq := ev.GetSeq()
 	if ev.GetCleared() && seq > x.clearedAt[key] {
 		x.clearedAt[key] = seq
 		x.dropLocked(func(hd holder) bool { return hd.key == key && hd.seq < seq })

@@ -66,6 +66,25 @@ func TestPrefixIndexEngineReports(t *testing.T) {
 	assert.Equal(t, []int{1}, x.Match([]uint64{5}, []Key{k}), "what the clearing report stored is held")
 }
 
+// TestPrefixIndexResetToSnapshot: a snapshot replaces every older belief
+// about its replica, keeps a newer report that came first, leaves other
+// replicas alone, and a report older than it is stale.
+func TestPrefixIndexResetToSnapshot(t *testing.T) {
+	x := NewPrefixIndex(100)
+	k, other := Key{Replica: 1}, Key{Replica: 2}
+	x.Apply(k, &stagepb.KvEvents{Seq: 3, Stored: []uint64{1, 2}})
+	x.Apply(k, &stagepb.KvEvents{Seq: 9, Stored: []uint64{7}}) // newer than the snapshot
+	x.Apply(other, &stagepb.KvEvents{Seq: 4, Stored: []uint64{1}})
+	x.Reset(k, &stagepb.KvEvents{Seq: 8, Snapshot: true, Cleared: true, Stored: []uint64{5}})
+	assert.Equal(t, []int{0, 1}, x.Match([]uint64{1}, []Key{k, other}), "the snapshot does not hold 1; the other replica still does")
+	assert.Equal(t, []int{1}, x.Match([]uint64{5}, []Key{k}))
+	assert.Equal(t, []int{1}, x.Match([]uint64{7}, []Key{k}), "a report newer than the snapshot stays")
+	x.Apply(k, &stagepb.KvEvents{Seq: 6, Stored: []uint64{2}})
+	assert.Equal(t, []int{0}, x.Match([]uint64{2}, []Key{k}), "a report older than the snapshot is stale")
+	x.Apply(k, &stagepb.KvEvents{Seq: 10, Removed: []uint64{5}})
+	assert.Equal(t, []int{0}, x.Match([]uint64{5}, []Key{k}), "later reports apply")
+}
+
 // refIndex is a brute-force model of PrefixIndex: plain maps and a recency
 // slice, everything recomputed by scanning.
 type refIndex struct {

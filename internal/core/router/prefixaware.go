@@ -416,3 +416,17 @@ func (p *PrefixAware) ApplyKVEvents(r *Replica, ev *stagepb.KvEvents) {
 		p.index.Apply(r.Key, ev)
 	}
 }
+
+// ApplyCacheSnapshot replaces what the index holds of r with its engine's
+// snapshot (see PrefixIndex.Reset), for replicas in the engine-reported
+// mode; others are ignored.
+func (p *PrefixAware) ApplyCacheSnapshot(r *Replica, snap *stagepb.KvEvents) {
+	if p.schemeOf(r).engine != "" {
+		r.cacheAt.Store(time.Now().UnixNano())
+		p.index.Reset(r.Key, snap)
+	}
+}
+
+// UsesKVEvents reports whether the policy reads r's engine reports (r is in
+// the engine-reported mode).
+func (p *PrefixAware) UsesKVEvents(r *Replica) bool { return p.schemeOf(r).engine != "" }

@@ -454,6 +454,33 @@ func (r *Router) ApplyKVEvents(rep *Replica, ev *stagepb.KvEvents) {
 	sink.ApplyKVEvents(rep, ev)
 }
 
+// cacheSink is a policy that reads engines' cache reports.
+type cacheSink interface {
+	UsesKVEvents(*Replica) bool
+	ApplyCacheSnapshot(*Replica, *stagepb.KvEvents)
+}
+
+// UsesKVEvents reports whether rep's stage policy reads rep's engine
+// reports (so a subscription to them is worth its cost).
+func (r *Router) UsesKVEvents(rep *Replica) bool {
+	sink, ok := r.stages[rep.Key.Stage].Policy.(cacheSink)
+	return ok && sink.UsesKVEvents(rep)
+}
+
+// ApplyCacheSnapshot hands an engine's snapshot of its cache (the first
+// message of a SubscribeCache stream) to its stage's policy, under the
+// rules of ApplyKVEvents. Safe for concurrent use.
+func (r *Router) ApplyCacheSnapshot(rep *Replica, snap *stagepb.KvEvents) {
+	sink, ok := r.stages[rep.Key.Stage].Policy.(cacheSink)
+	if !ok {
+		return
+	}
+	if cur, ok := r.snap.Load().Lookup(rep.Key); !ok || cur != rep {
+		return
+	}
+	sink.ApplyCacheSnapshot(rep, snap)
+}
+
 // Forget drops what a stage's policy remembers about a replica (its cache
 // was discarded). Remove and a replacing Add do it themselves.
 func (r *Router) Forget(k Key) {
@@ -464,6 +491,9 @@ func (r *Router) Forget(k Key) {
 		f.Forget(k)
 	}
 }
+
+// Policy returns stage's policy.
+func (r *Router) Policy(stage int) Policy { return r.stages[stage].Policy }
 
 // Snapshot returns the current routable set.
 func (r *Router) Snapshot() *Snapshot { return r.snap.Load() }
