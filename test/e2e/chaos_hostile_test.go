@@ -32,7 +32,9 @@ import (
 var hostileScenarios = []chaosScenario{
 	{
 		name: "vocoder kill -9 under streamed audio", goal: "0 failed, every stream every sample once",
-		inject: vocoderKillUnderStreams, recovered: replicaIs("vocoder", 0, "detached"), strict: true,
+		inject: vocoderKillUnderStreams, strict: true,
+		detected: func(rows []replicaRow) bool { r, ok := rowOf(rows, "vocoder", 0); return ok && r.State != "attached" },
+		recovered: replicaIs("vocoder", 0, "detached"),
 	},
 	{
 		name: "slow uploads (1,000 connections)", goal: "0 failed, no 429, every upload 408",
@@ -204,13 +206,21 @@ func vocoderKillUnderStreams(ctx context.Context, c *chaosCluster) string {
 		c.violate("streams still open a minute after the kill")
 		return ""
 	}
+	// The re-renders, all at once, on the surviving vocoder.
+	renders := make([]audioAnswer, n)
+	var rwg sync.WaitGroup
+	for i := range n {
+		rwg.Add(1)
+		go func() { defer rwg.Done(); renders[i] = readAudio(ctx, c.head.client, c.head.base, bodies[i], func() {}) }()
+	}
+	rwg.Wait()
 	same, total := 0, 0
 	for i, a := range answers {
 		if a.err != nil || !a.done {
 			c.violate("stream %d: %v", i, a.err)
 			continue
 		}
-		re := readAudio(ctx, c.head.client, c.head.base, bodies[i], func() {})
+		re := renders[i]
 		switch {
 		case re.err != nil:
 			c.violate("re-render %d: %v", i, re.err)
