@@ -33,7 +33,7 @@ var hostileScenarios = []chaosScenario{
 	{
 		name: "vocoder kill -9 under streamed audio", goal: "0 failed, every stream every sample once",
 		inject: vocoderKillUnderStreams, strict: true,
-		detected: func(rows []replicaRow) bool { r, ok := rowOf(rows, "vocoder", 0); return ok && r.State != "attached" },
+		detected:  func(rows []replicaRow) bool { r, ok := rowOf(rows, "vocoder", 0); return ok && r.State != "attached" },
 		recovered: replicaIs("vocoder", 0, "detached"),
 	},
 	{
@@ -211,7 +211,10 @@ func vocoderKillUnderStreams(ctx context.Context, c *chaosCluster) string {
 	var rwg sync.WaitGroup
 	for i := range n {
 		rwg.Add(1)
-		go func() { defer rwg.Done(); renders[i] = readAudio(ctx, c.head.client, c.head.base, bodies[i], func() {}) }()
+		go func() {
+			defer rwg.Done()
+			renders[i] = readAudio(ctx, c.head.client, c.head.base, bodies[i], func() {})
+		}()
 	}
 	rwg.Wait()
 	same, total := 0, 0
