@@ -47,11 +47,22 @@ type chaosCluster struct {
 	head     *head
 	headArgs []string
 	workers  map[string][]*worker // by stage, replica id = index
+	// violations are the scenario's own checks that failed (see violate).
+	violations []string
+}
+
+// violate records that the scenario's promise did not hold; the row is
+// then not met, and a strict scenario fails the test.
+func (c *chaosCluster) violate(format string, args ...any) {
+	c.violations = append(c.violations, fmt.Sprintf(format, args...))
+	c.t.Logf("chaos: violated: "+format, args...)
 }
 
 var chaosStages = []string{"thinker", "talker", "vocoder"}
 
-func startChaosCluster(t *testing.T) *chaosCluster {
+// startChaosCluster starts the scenario's cluster; headArgs are added to
+// the head's flags.
+func startChaosCluster(t *testing.T, headArgs ...string) *chaosCluster {
 	t.Helper()
 	c := &chaosCluster{t: t, workers: map[string][]*worker{}}
 	client, peer := freePort(t), freePort(t)
@@ -61,6 +72,7 @@ func startChaosCluster(t *testing.T) *chaosCluster {
 	c.startEtcd()
 	c.headArgs = []string{"head", "--etcd-endpoints", c.etcdURL, "--http", "127.0.0.1:" + freePort(t), "--log-level", "warn",
 		"--stall-timeout", chaosStall.String(), "--lease-loss-grace", "20s"}
+	c.headArgs = append(c.headArgs, headArgs...)
 	c.startHead()
 	for _, st := range chaosStages {
 		for id := range 2 {
@@ -313,6 +325,10 @@ type chaosScenario struct {
 	// lease), read from its metrics.
 	leaves    bool
 	recovered func([]replicaRow) bool
+	// headArgs are extra flags of the scenario's head.
+	headArgs []string
+	// strict: a goal not met (failed requests, a violation) fails the test.
+	strict bool
 }
 
 // chaosRow is one line of the table.
@@ -549,7 +565,7 @@ func (l *lineLog) waitFor(ctx context.Context, re *regexp.Regexp, bound time.Dur
 func runChaos(t *testing.T, sc chaosScenario) chaosRow {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	c := startChaosCluster(t)
+	c := startChaosCluster(t, sc.headArgs...)
 	load := startLoad(ctx, c.head)
 	mon := startMonitor(ctx, c.head, sc.leaves)
 	sleepCtx(ctx, 2*time.Second) // steady state
@@ -581,8 +597,12 @@ func runChaos(t *testing.T, sc chaosScenario) chaosRow {
 	outs := load.finish()
 	mon.close()
 	var firstFail, lastFail time.Time
+	servedDuring := 0
 	for _, o := range outs {
 		row.sent++
+		if o.err == nil && !o.start.Before(faultAt) && o.start.Before(over) {
+			servedDuring++
+		}
 		if o.err == nil {
 			row.slowest = max(row.slowest, o.end.Sub(o.start))
 			continue
@@ -612,6 +632,16 @@ func runChaos(t *testing.T, sc chaosScenario) chaosRow {
 		// they never reached a head.
 		row.met = row.failed == row.failedInFlight+row.failedDuring
 	}
+	if sc.strict {
+		row.notes += fmt.Sprintf("; %d load requests sent and served while the fault lasted", servedDuring)
+	}
+	if len(c.violations) > 0 {
+		row.met = false
+		row.notes += "; NOT HELD: " + strings.Join(c.violations, "; ")
+	}
+	if sc.strict && !row.met {
+		t.Errorf("chaos: %s: goal %q not met: %d of %d failed, violations %q", sc.name, sc.goal, row.failed, row.sent, c.violations)
+	}
 	return row
 }
 
@@ -630,7 +660,7 @@ func TestChaos(t *testing.T) {
 	}
 	requireBinary(t)
 	var rows []chaosRow
-	for _, sc := range chaosScenarios {
+	for _, sc := range slices.Concat(chaosScenarios, hostileScenarios) {
 		if f := os.Getenv("TROUPE_CHAOS_RUN"); f != "" && !strings.Contains(sc.name, f) {
 			continue
 		}
