@@ -15,14 +15,13 @@ import (
 func benchRouter(n int, st StageRouting, engine EngineInfo) (*Router, []*Replica) {
 	r := New([]StageRouting{st}, nil, nil)
 	reps := make([]*Replica, n)
-	byKey := make(map[Key]*Replica, n)
 	for i := range reps {
 		rep := &Replica{Key: key(uint32(i)), Engine: engine}
 		rep.healthy.Store(true)
 		rep.SetLoad(int64(i % 7))
-		reps[i], byKey[rep.Key] = rep, rep
+		reps[i] = rep
 	}
-	r.snap.Store(&Snapshot{stages: [][]*Replica{reps}, byKey: byKey})
+	r.snap.Store(&Snapshot{stages: [][]*Replica{reps}})
 	return r, reps
 }
 
