@@ -62,6 +62,11 @@ func BenchmarkPick(b *testing.B) {
 			return NewPrefixAware(PolicyOptions{Tokenizers: map[string]Tokenizer{"toy": byteTokens}})
 		}},
 		{name: "session_affinity", session: true, policy: func() Policy { return LeastLoaded{} }},
+		// The same policies behind a wrapper that hides their sampled
+		// pick: every pick filters the whole stage first, as before
+		// sampled.go (the "before" of the same run).
+		{name: "round_robin_filtered", policy: func() Policy { return filtered{&RoundRobin{}} }},
+		{name: "power_of_two_filtered", policy: func() Policy { return filtered{PowerOfTwo{}} }},
 	}
 	for _, pc := range policies {
 		for _, n := range []int{10, 100, 1000, 10000} {
@@ -102,3 +107,7 @@ func BenchmarkPick(b *testing.B) {
 		}
 	}
 }
+
+// filtered is a policy without its sampler: Pick filters every replica of
+// the stage before asking it.
+type filtered struct{ Policy }

@@ -420,6 +420,12 @@ func NewWithBreaker(stages []StageRouting, dial Dialer, log *slog.Logger, b Brea
 func (r *Router) Pick(stage int, req *Request, exclude []*Replica) (Decision, error) {
 	s := r.snap.Load()
 	all := s.Stage(stage)
+	st := r.stages[stage]
+	if sp, ok := st.Policy.(sampler); ok && (!st.SessionAffinity || req.SessionKey == "") {
+		if d, ok := sp.pickSampled(req, all, exclude); ok {
+			return d, nil
+		}
+	}
 	// The snapshot's own slice serves while every replica is routable (a
 	// policy does not modify its candidates); a copy only once one is not.
 	candidates := all
@@ -438,7 +444,6 @@ func (r *Router) Pick(stage int, req *Request, exclude []*Replica) (Decision, er
 	if len(candidates) == 0 {
 		return Decision{}, s.noReplica(stage)
 	}
-	st := r.stages[stage]
 	if st.SessionAffinity && req.SessionKey != "" {
 		rep, first := affinityOf(st.Policy).Pick(req.SessionKey, candidates)
 		d := Decision{Replica: rep, Policy: st.Policy.Name(), Reason: ReasonAffinity}
