@@ -153,7 +153,7 @@ type Head struct {
 	// view is every replica the head knows, for the API: immutable copies
 	// of the loop's records, sorted by key (see publish).
 	view    atomic.Pointer[[]*tracked]
-	outputs atomic.Pointer[[]string] // by stage: the role its routed replicas give (see stageOutputs)
+	outputs atomic.Pointer[[]string] // by stage: the role its routed replicas give (see noteRouted)
 	// changed is closed and replaced by every publish, so admin calls can
 	// wait for the loop to apply a record.
 	changed atomic.Pointer[chan struct{}]
@@ -166,10 +166,11 @@ type Head struct {
 	// Owned by Run's loop goroutine only. known is the one owner of the
 	// mapping from replica key to engine index: an index is handed out on a
 	// key's first join, in join order, and never reused or moved.
-	known     map[router.Key]*tracked
-	nextIndex int
-	gen       uint64
-	subs      map[router.Key]*cacheSub // cache subscriptions by replica key (see cacheSub)
+	known       map[router.Key]*tracked
+	routedCount []int // by stage: how many published records are routed (see noteRouted)
+	nextIndex   int
+	gen         uint64
+	subs        map[router.Key]*cacheSub // cache subscriptions by replica key (see cacheSub)
 
 	cacheSnapshots prometheus.Counter // troupe_router_cache_snapshots_total
 }
@@ -252,6 +253,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	h.view.Store(&empty)
 	outputs := make([]string, len(cfg.Pipeline.Stages))
 	h.outputs.Store(&outputs)
+	h.routedCount = make([]int, len(cfg.Pipeline.Stages))
 	ch := make(chan struct{})
 	h.changed.Store(&ch)
 	return h, nil
@@ -941,15 +943,15 @@ func (h *Head) publish(key router.Key) {
 		c.cancel = nil
 		out := make([]*tracked, len(old), len(old)+1)
 		copy(out, old)
+		var prev *tracked
 		if found {
-			out[i] = &c
+			prev, out[i] = old[i], &c
 		} else {
 			out = slices.Insert(out, i, &c)
 		}
 		h.view.Store(&out)
+		h.noteRouted(prev, &c)
 	}
-	outputs := h.stageOutputs()
-	h.outputs.Store(&outputs)
 	next := make(chan struct{})
 	close(*h.changed.Swap(&next))
 }

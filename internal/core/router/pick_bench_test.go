@@ -15,14 +15,13 @@ import (
 func benchRouter(n int, st StageRouting, engine EngineInfo) (*Router, []*Replica) {
 	r := New([]StageRouting{st}, nil, nil)
 	reps := make([]*Replica, n)
-	byKey := make(map[Key]*Replica, n)
 	for i := range reps {
 		rep := &Replica{Key: key(uint32(i)), Engine: engine}
 		rep.healthy.Store(true)
 		rep.SetLoad(int64(i % 7))
-		reps[i], byKey[rep.Key] = rep, rep
+		reps[i] = rep
 	}
-	r.snap.Store(&Snapshot{stages: [][]*Replica{reps}, byKey: byKey})
+	r.snap.Store(&Snapshot{stages: [][]*Replica{reps}})
 	return r, reps
 }
 
@@ -65,6 +64,11 @@ func BenchmarkPick(b *testing.B) {
 		}},
 		{name: "session_affinity", session: true, policy: func() Policy { return LeastLoaded{} }},
 		{name: "deadline", due: true, policy: func() Policy { return &Deadline{} }},
+		// The same policies behind a wrapper that hides their sampled
+		// pick: every pick filters the whole stage first, as before
+		// sampled.go (the "before" of the same run).
+		{name: "round_robin_filtered", policy: func() Policy { return filtered{&RoundRobin{}} }},
+		{name: "power_of_two_filtered", policy: func() Policy { return filtered{PowerOfTwo{}} }},
 	}
 	for _, pc := range policies {
 		for _, n := range []int{10, 100, 1000, 10000} {
@@ -114,3 +118,7 @@ func BenchmarkPick(b *testing.B) {
 		}
 	}
 }
+
+// filtered is a policy without its sampler: Pick filters every replica of
+// the stage before asking it.
+type filtered struct{ Policy }

@@ -229,9 +229,14 @@ type EngineInfo struct {
 }
 
 // Snapshot is an immutable view of the routable set. Safe for concurrent use.
+//
+// A stage's replicas are one slice sorted by replica id, and Lookup is a
+// binary search in it: a join or a leave copies that stage's slice of
+// pointers (one memmove) and nothing else, so a storm of N joins costs
+// O(N) pointer copies each, not a rebuilt map and a sort per join (see
+// BenchmarkSnapshotJoin).
 type Snapshot struct {
 	stages [][]*Replica // by stage index, sorted by replica id
-	byKey  map[Key]*Replica
 }
 
 // Stage returns the replicas of a stage, sorted by replica id. Do not modify.
@@ -242,10 +247,19 @@ func (s *Snapshot) Stage(stage int) []*Replica {
 	return s.stages[stage]
 }
 
-// Lookup finds a replica by key.
+// Lookup finds a replica by key (a binary search of its stage).
 func (s *Snapshot) Lookup(k Key) (*Replica, bool) {
-	r, ok := s.byKey[k]
-	return r, ok
+	st := s.Stage(k.Stage)
+	if i, ok := search(st, k.Replica); ok {
+		return st[i], true
+	}
+	return nil, false
+}
+
+// search is the position of replica id in a stage's sorted slice, and
+// whether it is there.
+func search(st []*Replica, id uint32) (int, bool) {
+	return slices.BinarySearchFunc(st, id, func(r *Replica, id uint32) int { return cmp.Compare(r.Key.Replica, id) })
 }
 
 // All returns every replica in stage then replica order.
@@ -398,7 +412,7 @@ func NewWithBreaker(stages []StageRouting, dial Dialer, log *slog.Logger, b Brea
 		}
 	}
 	r := &Router{numStages: len(stages), stages: stages, dial: dial, log: log, breaker: b.withDefaults()}
-	r.snap.Store(&Snapshot{stages: make([][]*Replica, len(stages)), byKey: map[Key]*Replica{}})
+	r.snap.Store(&Snapshot{stages: make([][]*Replica, len(stages))})
 	return r
 }
 
@@ -408,6 +422,12 @@ func NewWithBreaker(stages []StageRouting, dial Dialer, log *slog.Logger, b Brea
 func (r *Router) Pick(stage int, req *Request, exclude []*Replica) (Decision, error) {
 	s := r.snap.Load()
 	all := s.Stage(stage)
+	st := r.stages[stage]
+	if sp, ok := st.Policy.(sampler); ok && (!st.SessionAffinity || req.SessionKey == "") {
+		if d, ok := sp.pickSampled(req, all, exclude); ok {
+			return d, nil
+		}
+	}
 	// The snapshot's own slice serves while every replica is routable (a
 	// policy does not modify its candidates); a copy only once one is not.
 	candidates := all
@@ -426,7 +446,6 @@ func (r *Router) Pick(stage int, req *Request, exclude []*Replica) (Decision, er
 	if len(candidates) == 0 {
 		return Decision{}, s.noReplica(stage)
 	}
-	st := r.stages[stage]
 	if st.SessionAffinity && req.SessionKey != "" {
 		rep, first := affinityOf(st.Policy).Pick(req.SessionKey, candidates)
 		d := Decision{Replica: rep, Policy: st.Policy.Name(), Reason: ReasonAffinity}
@@ -558,7 +577,7 @@ func (r *Router) Add(rep *Replica) error {
 	old := r.snap.Load()
 	next := old.with(rep)
 	r.snap.Store(next)
-	if prev, ok := old.byKey[rep.Key]; ok && prev != rep {
+	if prev, ok := old.Lookup(rep.Key); ok && prev != rep {
 		retire(prev)
 	}
 	return nil
@@ -568,7 +587,7 @@ func (r *Router) Add(rep *Replica) error {
 // last in-flight request ends.
 func (r *Router) Remove(k Key) (*Replica, bool) {
 	old := r.snap.Load()
-	rep, ok := old.byKey[k]
+	rep, ok := old.Lookup(k)
 	if !ok {
 		return nil, false
 	}
@@ -611,8 +630,8 @@ func (s *Snapshot) noReplica(stage int) error {
 // Close retires every replica and waits for the health watchers to end.
 func (r *Router) Close() {
 	old := r.snap.Load()
-	r.snap.Store(&Snapshot{stages: make([][]*Replica, r.numStages), byKey: map[Key]*Replica{}})
-	for _, rep := range old.byKey {
+	r.snap.Store(&Snapshot{stages: make([][]*Replica, r.numStages)})
+	for _, rep := range old.All() {
 		rep.removed.Store(true)
 		rep.close()
 	}
@@ -647,26 +666,37 @@ func (r *Router) watchConn(ctx context.Context, rep *Replica) {
 	}
 }
 
+// with is s with rep added, or replacing the replica under its key: only
+// rep's stage is copied, and only the outer slice besides.
 func (s *Snapshot) with(rep *Replica) *Snapshot {
-	next := &Snapshot{stages: slices.Clone(s.stages), byKey: make(map[Key]*Replica, len(s.byKey)+1)}
-	for k, v := range s.byKey {
-		next.byKey[k] = v
+	old := s.stages[rep.Key.Stage]
+	i, found := search(old, rep.Key.Replica)
+	var st []*Replica
+	if found {
+		st = slices.Clone(old)
+		st[i] = rep
+	} else {
+		st = make([]*Replica, len(old)+1)
+		copy(st, old[:i])
+		st[i] = rep
+		copy(st[i+1:], old[i:])
 	}
-	next.byKey[rep.Key] = rep
-	st := slices.DeleteFunc(slices.Clone(s.stages[rep.Key.Stage]), func(x *Replica) bool { return x.Key == rep.Key })
-	st = append(st, rep)
-	slices.SortFunc(st, func(a, b *Replica) int { return cmp.Compare(a.Key.Replica, b.Key.Replica) })
+	next := &Snapshot{stages: slices.Clone(s.stages)}
 	next.stages[rep.Key.Stage] = st
 	return next
 }
 
+// without is s less the replica under k (s itself when there is none).
 func (s *Snapshot) without(k Key) *Snapshot {
-	next := &Snapshot{stages: slices.Clone(s.stages), byKey: make(map[Key]*Replica, len(s.byKey))}
-	for kk, v := range s.byKey {
-		if kk != k {
-			next.byKey[kk] = v
-		}
+	old := s.Stage(k.Stage)
+	i, found := search(old, k.Replica)
+	if !found {
+		return s
 	}
-	next.stages[k.Stage] = slices.DeleteFunc(slices.Clone(s.stages[k.Stage]), func(x *Replica) bool { return x.Key == k })
+	st := make([]*Replica, len(old)-1)
+	copy(st, old[:i])
+	copy(st[i:], old[i+1:])
+	next := &Snapshot{stages: slices.Clone(s.stages)}
+	next.stages[k.Stage] = st
 	return next
 }

@@ -1,0 +1,13 @@
+package orchestrator
+
+import "github.com/troupe-serving/troupe/internal/core/router"
+
+// ReplicaRef is a replica as the router holds it.
+type ReplicaRef = router.Replica
+
+// RoutedReplicas returns the replicas the head's router holds for stage
+// (its published snapshot, O(1)): the fleet simulation's view of what the
+// head routes to. Do not modify.
+func RoutedReplicas(h *Head, stage int) []*ReplicaRef {
+	return h.router.Snapshot().Stage(stage)
+}

@@ -1,0 +1,249 @@
+package orchestrator_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+
+	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/orchestrator"
+	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/worker"
+	"github.com/troupe-serving/troupe/worker/sim"
+)
+
+// fleetListeners is how many worker servers each half of the simulated
+// fleet shares: every replica record points at one of them.
+const fleetListeners = 4
+
+// BenchmarkFleet simulates a fleet of N replicas of one stage against a
+// real embedded etcd and real in-process heads, and reports the three
+// storms of issue #30:
+//
+//   - join storm: N replicas register real leases (membership.Register,
+//     64 at a time) as fast as etcd takes them; the time from the first
+//     registration until the head routes to all N, and each replica's
+//     txn→routable (its Register return to the head's own routed stamp).
+//   - head restart: a second head starts against the N live replicas; the
+//     time until it is ready and until it routes to all of them.
+//   - leave storm: half the replicas drain (Health says DRAINING, as a
+//     worker on SIGTERM) and their leases are revoked at once; the time
+//     until no head picks any of them (none routable in its snapshot).
+//
+// The replicas are records, not processes: 2×4 worker.Servers (sim
+// engine, no etcd client of their own) serve every record's address, so
+// the head dials, probes (Health) and routes to each record as to a real
+// worker, one connection per replica. A server without a record of its
+// own answers Health through anonymousHealth, as a worker that predates
+// instance ids, so the head's identity check (one process, one record)
+// passes; see docs/benchmarks.md. One process holds etcd, the heads and the servers:
+// each replica costs the process two descriptors per head, so N is
+// bounded by the descriptor limit (20,000 here: N ≤ ~4,000 with two heads).
+//
+// Sizes come from TROUPE_FLEET_N (default "10,100,1000"). Run it once per
+// size:
+//
+//	go test -run '^$' -bench Fleet -benchtime 1x -timeout 20m ./orchestrator/
+func BenchmarkFleet(b *testing.B) {
+	sizes := os.Getenv("TROUPE_FLEET_N")
+	if sizes == "" {
+		sizes = "10,100,1000"
+	}
+	for _, s := range strings.Split(sizes, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(s))
+		if err != nil || n < 2 {
+			b.Fatalf("TROUPE_FLEET_N: bad size %q", s)
+		}
+		b.Run(fmt.Sprintf("N=%d", n), func(b *testing.B) {
+			for range b.N {
+				runFleet(b, n)
+			}
+		})
+	}
+}
+
+// fleetServers starts k worker servers of the thinker stage sharing one
+// sim engine, until cleanup.
+func fleetServers(b *testing.B, k int) []*worker.Server {
+	b.Helper()
+	eng := sim.New(sim.Config{Role: stagepb.RoleText, Logger: slog.New(slog.DiscardHandler)})
+	b.Cleanup(func() { _ = eng.Close() })
+	out := make([]*worker.Server, k)
+	for i := range out {
+		srv, err := worker.New(worker.Config{Stage: "thinker", AutoID: true, Engine: eng, Logger: slog.New(slog.DiscardHandler),
+			ServerOptions: []grpc.ServerOption{grpc.ChainUnaryInterceptor(anonymousHealth)}})
+		if err != nil {
+			b.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- srv.Run(ctx) }()
+		b.Cleanup(func() { cancel(); <-done })
+		<-srv.Registered()
+		out[i] = srv
+	}
+	return out
+}
+
+// anonymousHealth answers Health as a worker that predates instance ids
+// (no replica id, no instance id): one server stands for many records,
+// and the head's identity check, which still walks its records on every
+// join, finds nothing to refuse.
+func anonymousHealth(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	resp, err := handler(ctx, req)
+	if h, ok := resp.(*stagepb.HealthResponse); ok {
+		h.ReplicaId, h.InstanceId = 0, ""
+	}
+	return resp, err
+}
+
+func runFleet(b *testing.B, n int) {
+	c := orchestratortest.Start(b, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1, DisableStats: true})
+	stay, leave := fleetServers(b, fleetListeners), fleetServers(b, fleetListeners)
+	addr := func(id uint32) string {
+		if int(id) <= n/2 {
+			return stay[int(id)%len(stay)].Advertise()
+		}
+		return leave[int(id)%len(leave)].Advertise()
+	}
+	heapBefore := heapInUse()
+
+	// Join storm.
+	regs := make([]*membership.Registration, n+1)
+	committed := make([]time.Time, n+1)
+	ctx := context.Background()
+	start := time.Now()
+	var g errgroup.Group
+	g.SetLimit(64)
+	for id := uint32(1); id <= uint32(n); id++ {
+		g.Go(func() error {
+			reg, err := membership.Register(ctx, c.Client, membership.RegisterConfig{
+				Member: membership.Member{Stage: "thinker", ReplicaID: id, Addr: addr(id), Engine: "sim", Version: "fleet"},
+				TTL:    time.Minute, Logger: slog.New(slog.DiscardHandler),
+			})
+			if err != nil {
+				return err
+			}
+			regs[id], committed[id] = reg, time.Now()
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		b.Fatal(err)
+	}
+	registered := time.Since(start)
+	b.Cleanup(func() {
+		var wg sync.WaitGroup
+		for _, r := range regs {
+			if r != nil {
+				wg.Go(func() { _ = r.Close(context.Background()) })
+			}
+		}
+		wg.Wait()
+	})
+	allRouted := waitFleet(b, c.Head, 20*time.Second, func(reps []*orchestrator.ReplicaRef) bool { return len(reps) == n }, start)
+	lat := make([]time.Duration, 0, n)
+	for id := uint32(1); id <= uint32(n); id++ {
+		jt, ok := orchestrator.JoinTimes(c.Head, 0, id)
+		if !ok || jt.Routed.IsZero() {
+			b.Fatalf("replica %d: no routed stamp", id)
+		}
+		lat = append(lat, jt.Routed.Sub(committed[id]))
+	}
+	heapPer := float64(heapInUse()-heapBefore) / float64(n) / 1024
+	b.ReportMetric(registered.Seconds()*1000, "join-register-all-ms")
+	b.ReportMetric(allRouted.Seconds()*1000, "join-all-routed-ms")
+	b.ReportMetric(pct(lat, 0.5), "join-txn-to-routed-p50-ms")
+	b.ReportMetric(pct(lat, 0.99), "join-txn-to-routed-p99-ms")
+	b.ReportMetric(pct(lat, 1), "join-txn-to-routed-max-ms")
+	b.ReportMetric(heapPer, "heap-KiB-per-replica")
+
+	// Head restart: a new head against the live fleet.
+	start = time.Now()
+	h2, _ := c.AddHead(b)
+	ready := waitFleet(b, h2, time.Minute, func([]*orchestrator.ReplicaRef) bool { ok, _ := h2.Ready(); return ok }, start)
+	restartAll := waitFleet(b, h2, 20*time.Second, func(reps []*orchestrator.ReplicaRef) bool { return len(reps) == n }, start)
+	b.ReportMetric(ready.Seconds()*1000, "restart-ready-ms")
+	b.ReportMetric(restartAll.Seconds()*1000, "restart-all-routed-ms")
+
+	// Leave storm: the upper half drains and revokes its leases at once.
+	start = time.Now()
+	for _, s := range leave {
+		s.Drain()
+	}
+	var revoke errgroup.Group
+	revoke.SetLimit(64)
+	for id := n/2 + 1; id <= n; id++ {
+		revoke.Go(func() error {
+			r := regs[id]
+			regs[id] = nil
+			return r.Close(ctx)
+		})
+	}
+	revoked := make(chan time.Duration, 1)
+	go func() {
+		_ = revoke.Wait()
+		revoked <- time.Since(start)
+	}()
+	noneLeaving := func(reps []*orchestrator.ReplicaRef) bool {
+		for _, r := range reps {
+			if int(r.Key.Replica) > n/2 && r.Routable() {
+				return false
+			}
+		}
+		return true
+	}
+	gone := func(reps []*orchestrator.ReplicaRef) bool { return len(reps) == n/2 }
+	var unpicked, removed [2]time.Duration
+	for i, h := range []*orchestrator.Head{c.Head, h2} {
+		unpicked[i] = waitFleet(b, h, time.Minute, noneLeaving, start)
+	}
+	for i, h := range []*orchestrator.Head{c.Head, h2} {
+		removed[i] = waitFleet(b, h, time.Minute, gone, start)
+	}
+	b.ReportMetric((<-revoked).Seconds()*1000, "leave-revoke-all-ms")
+	b.ReportMetric(max(unpicked[0], unpicked[1]).Seconds()*1000, "leave-none-picked-ms")
+	b.ReportMetric(max(removed[0], removed[1]).Seconds()*1000, "leave-all-removed-ms")
+}
+
+// waitFleet waits until cond holds for the replicas h routes to, waking on
+// the head's publishes and every 5 ms (a connection's state changes
+// without a publish), and returns the time since start.
+func waitFleet(b *testing.B, h *orchestrator.Head, limit time.Duration, cond func([]*orchestrator.ReplicaRef) bool, start time.Time) time.Duration {
+	b.Helper()
+	deadline := time.NewTimer(limit)
+	defer deadline.Stop()
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		changed := orchestrator.Changed(h)
+		if cond(orchestrator.RoutedReplicas(h, 0)) {
+			return time.Since(start)
+		}
+		select {
+		case <-changed:
+		case <-tick.C:
+		case <-deadline.C:
+			reps := h.Replicas()
+			b.Fatalf("fleet: condition not reached within %v (%d routed; %d known, first: %+v)", limit, len(orchestrator.RoutedReplicas(h, 0)), len(reps), reps[:min(1, len(reps))])
+		}
+	}
+}
+
+func heapInUse() uint64 {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapInuse
+}
