@@ -117,6 +117,11 @@ func TestSpanTreeThreeStages(t *testing.T) {
 	require.NoError(t, err)
 	const rpc = "troupe.stage.v1.StageService/Generate"
 	waitSpans(t, rec, id, telemetry.SpanDecode, 3)
+	// A worker's server span ends after its decode span, once its handler
+	// has returned: the thinker's call and its server span, and the two
+	// fed stages' GenerateStream calls and theirs.
+	waitSpans(t, rec, id, rpc, 2)
+	waitSpans(t, rec, id, rpc+"Stream", 4)
 	tr := treeOf(rec, id)
 
 	reqs := tr.named(telemetry.SpanRequest)
