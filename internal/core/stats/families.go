@@ -399,6 +399,16 @@ func bucketsOf(fams []*family) [numHistograms][]float64 {
 	return out
 }
 
+// nativeRangeOf is the native bucket range of histogram i: seconds for the
+// latency families, counts for the token and parameter families.
+func nativeRangeOf(i int) nativeRange {
+	switch i {
+	case hTTFT, hInterToken, hE2E, hQueue, hPrefill, hDecode, hTPOT, hInference:
+		return nativeSeconds
+	}
+	return nativeCounts
+}
+
 // newEngine makes one replica's series, all at 0, with the label values lv.
 func newEngine(lv [3]string, bounds *[numHistograms][]float64, k int, now time.Time) *engine {
 	e := &engine{lv: lv, created: now}
@@ -409,7 +419,7 @@ func newEngine(lv [3]string, bounds *[numHistograms][]float64, k int, now time.T
 	e.rs = r + "," + e.s
 	e.mrs = e.mr + "," + e.s
 	for i := range e.hists {
-		e.hists[i].init(bounds[i], i == hTTFT || i == hE2E)
+		e.hists[i].init(bounds[i], nativeRangeOf(i), i == hTTFT || i == hE2E)
 	}
 	e.growSpec(k)
 	return e
