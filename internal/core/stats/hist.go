@@ -41,7 +41,7 @@ func (h *histogram) init(bounds []float64, nr nativeRange, exemplars bool) {
 	h.bounds = bounds
 	h.nr = nr
 	all := make([]atomic.Uint64, len(bounds)+1+nr.len())
-	h.counts = all[:len(bounds)+1 : len(bounds)+1]
+	h.counts = all[: len(bounds)+1 : len(bounds)+1]
 	h.native = all[len(bounds)+1:]
 	if exemplars {
 		h.ex = make([]exemplarSlot, len(bounds)+1)
