@@ -418,8 +418,15 @@ func newEngine(lv [3]string, bounds *[numHistograms][]float64, k int, now time.T
 	e.mr = m + "," + r
 	e.rs = r + "," + e.s
 	e.mrs = e.mr + "," + e.s
+	n := 0
 	for i := range e.hists {
-		e.hists[i].init(bounds[i], nativeRangeOf(i), i == hTTFT || i == hE2E)
+		n += nativeRangeOf(i).len()
+	}
+	native := make([]atomic.Uint64, n)
+	for i := range e.hists {
+		nr := nativeRangeOf(i)
+		e.hists[i].init(bounds[i], nr, native[:nr.len():nr.len()], i == hTTFT || i == hE2E)
+		native = native[nr.len():]
 	}
 	e.growSpec(k)
 	return e

@@ -30,19 +30,21 @@ type histogram struct {
 	ex []exemplarSlot
 	// native is the same samples as a Prometheus native histogram (see
 	// nativeRange): zero bucket first, then one count per exponential
-	// bucket of the family's range. It shares counts' allocation.
+	// bucket of the family's range. The native buckets of all of a
+	// replica's histograms are one allocation, apart from the classic
+	// counts, so the text scrape, which reads only the classic ones, walks
+	// as much memory as it did before native buckets existed.
 	native []atomic.Uint64
 	nr     nativeRange
 }
 
-// init sets the bounds and makes the buckets, classic and native, all at 0,
-// in one allocation.
-func (h *histogram) init(bounds []float64, nr nativeRange, exemplars bool) {
+// init sets the bounds, makes the classic buckets, all at 0, and takes
+// native (nr.len() counters at 0) as its native buckets.
+func (h *histogram) init(bounds []float64, nr nativeRange, native []atomic.Uint64, exemplars bool) {
 	h.bounds = bounds
 	h.nr = nr
-	all := make([]atomic.Uint64, len(bounds)+1+nr.len())
-	h.counts = all[: len(bounds)+1 : len(bounds)+1]
-	h.native = all[len(bounds)+1:]
+	h.counts = make([]atomic.Uint64, len(bounds)+1)
+	h.native = native
 	if exemplars {
 		h.ex = make([]exemplarSlot, len(bounds)+1)
 	}
