@@ -1,10 +1,14 @@
 package stats
 
 import (
+	"errors"
+	"math"
 	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"google.golang.org/protobuf/proto"
 )
 
 // The Logger is a prometheus.Collector: New registers it on the Registerer
@@ -80,10 +84,22 @@ func constMetric(desc *prometheus.Desc, t prometheus.ValueType, v float64, ct ti
 	return m
 }
 
+// collectHistogram is one replica's histogram with both its classic buckets
+// and its native ones (nativeHistogram), which the protobuf exposition
+// carries and the text formats leave out.
+//
+// The classic buckets are read first, then the native ones, then the sum.
+// observe counts the native bucket before the classic one, so the native
+// total is at least every classic bucket; it is the sample count (the +Inf
+// bucket), which therefore equals the native buckets' total exactly (as
+// Prometheus requires of a native histogram) and never falls below a
+// classic bucket. Without records running, both totals are the same.
 func collectHistogram(f *family, e *engine) prometheus.Metric {
 	h := &e.hists[f.hist]
 	counts := make([]uint64, len(h.counts))
-	count, sum := h.read(counts)
+	h.read(counts)
+	zero, spans, deltas, count := h.readNative()
+	sum := math.Float64frombits(h.sum.Load())
 	buckets := make(map[float64]uint64, len(h.bounds))
 	for i, b := range h.bounds {
 		buckets[b] = counts[i]
@@ -92,6 +108,7 @@ func collectHistogram(f *family, e *engine) prometheus.Metric {
 	if err != nil {
 		return prometheus.NewInvalidMetric(f.desc, err)
 	}
+	m = nativeHistogram{Metric: m, zero: zero, threshold: h.nr.zeroThreshold(), spans: spans, deltas: deltas}
 	var exemplars []prometheus.Exemplar
 	for i := range h.ex {
 		id, v, ts, ok := h.ex[i].load(nil)
@@ -110,4 +127,31 @@ func collectHistogram(f *family, e *engine) prometheus.Metric {
 		return prometheus.NewInvalidMetric(f.desc, err)
 	}
 	return m
+}
+
+// nativeHistogram adds the native buckets (schema nativeSchema) to a const
+// classic histogram's dto.Histogram.
+type nativeHistogram struct {
+	prometheus.Metric
+	zero      uint64
+	threshold float64
+	spans     []*dto.BucketSpan
+	deltas    []int64
+}
+
+// Write writes the classic histogram, then its native fields.
+func (m nativeHistogram) Write(out *dto.Metric) error {
+	if err := m.Metric.Write(out); err != nil {
+		return err
+	}
+	h := out.GetHistogram()
+	if h == nil {
+		return errors.New("stats: native buckets on a metric that is not a histogram")
+	}
+	h.Schema = proto.Int32(nativeSchema)
+	h.ZeroThreshold = proto.Float64(m.threshold)
+	h.ZeroCount = proto.Uint64(m.zero)
+	h.PositiveSpan = m.spans
+	h.PositiveDelta = m.deltas
+	return nil
 }

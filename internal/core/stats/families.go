@@ -399,6 +399,16 @@ func bucketsOf(fams []*family) [numHistograms][]float64 {
 	return out
 }
 
+// nativeRangeOf is the native bucket range of histogram i: seconds for the
+// latency families, counts for the token and parameter families.
+func nativeRangeOf(i int) nativeRange {
+	switch i {
+	case hTTFT, hInterToken, hE2E, hQueue, hPrefill, hDecode, hTPOT, hInference:
+		return nativeSeconds
+	}
+	return nativeCounts
+}
+
 // newEngine makes one replica's series, all at 0, with the label values lv.
 func newEngine(lv [3]string, bounds *[numHistograms][]float64, k int, now time.Time) *engine {
 	e := &engine{lv: lv, created: now}
@@ -408,8 +418,15 @@ func newEngine(lv [3]string, bounds *[numHistograms][]float64, k int, now time.T
 	e.mr = m + "," + r
 	e.rs = r + "," + e.s
 	e.mrs = e.mr + "," + e.s
+	n := 0
 	for i := range e.hists {
-		e.hists[i].init(bounds[i], i == hTTFT || i == hE2E)
+		n += nativeRangeOf(i).len()
+	}
+	native := make([]atomic.Uint64, n)
+	for i := range e.hists {
+		nr := nativeRangeOf(i)
+		e.hists[i].init(bounds[i], nr, native[:nr.len():nr.len()], i == hTTFT || i == hE2E)
+		native = native[nr.len():]
 	}
 	e.growSpec(k)
 	return e
