@@ -394,6 +394,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		AdminAPIKey:     adminKey,
 		Gatherer:        metrics,
 		Exposer:         head,
+		ExposerGatherer: statsMetrics,
 		Metrics:         httpMetrics,
 		TracerProvider:  exportedTracer(tp),
 		Propagator:      tp.Propagator(),

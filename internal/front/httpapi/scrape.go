@@ -27,17 +27,29 @@ type Exposer interface {
 }
 
 // scrapeFormats are the formats /metrics serves, in order of preference when
-// the scraper accepts several. A scraper that asks only for protobuf gets the
-// text format: the Exposer's families are written as text.
-var scrapeFormats = []expfmt.Format{expfmt.FmtOpenMetrics_1_0_0, expfmt.FmtOpenMetrics_0_0_1, expfmt.FmtText}
+// the scraper accepts several. Protobuf, which alone carries native
+// histograms, is served only with an ExposerGatherer (protoScrapeFormats):
+// a scraper that asks only for protobuf otherwise gets the text format, in
+// which the Exposer writes its families.
+var (
+	scrapeFormats      = []expfmt.Format{expfmt.FmtOpenMetrics_1_0_0, expfmt.FmtOpenMetrics_0_0_1, expfmt.FmtText}
+	protoScrapeFormats = append([]expfmt.Format{expfmt.NewFormat(expfmt.TypeProtoDelim)}, scrapeFormats...)
+)
 
 // metricsHandler serves /metrics: the Gatherer's families, encoded by
 // expfmt, then the Exposer's (either may be nil), then "# EOF" in
 // OpenMetrics; gzipped when the scraper accepts it. A gathered family that
 // the Exposer also writes is left out, and logged as the wiring bug it is,
 // so no family ever appears twice. Gather errors are logged and the
-// families gathered are served (promhttp's ContinueOnError).
-func metricsHandler(g prometheus.Gatherer, x Exposer, log *slog.Logger) http.Handler {
+// families gathered are served (promhttp's ContinueOnError). With xg (the
+// Exposer's families, gathered) a scraper that prefers protobuf gets it,
+// xg's families in place of the Exposer's text: native histograms travel
+// only in protobuf (Prometheus' native-histograms feature asks for it).
+func metricsHandler(g prometheus.Gatherer, x Exposer, xg prometheus.Gatherer, log *slog.Logger) http.Handler {
+	formats := scrapeFormats
+	if xg != nil {
+		formats = protoScrapeFormats
+	}
 	owned := map[string]bool{}
 	if x != nil {
 		for _, n := range x.MetricFamilyNames() {
@@ -45,7 +57,7 @@ func metricsHandler(g prometheus.Gatherer, x Exposer, log *slog.Logger) http.Han
 		}
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		format := expfmt.NegotiateAccept(r.Header, scrapeFormats...)
+		format := expfmt.NegotiateAccept(r.Header, formats...)
 		om := format.FormatType() == expfmt.TypeOpenMetrics
 		h := w.Header()
 		h.Set("Content-Type", string(format))
@@ -70,7 +82,14 @@ func metricsHandler(g prometheus.Gatherer, x Exposer, log *slog.Logger) http.Han
 			bw.Reset(nil)
 			bufPool.Put(bw)
 		}()
-		if err := writeMetrics(bw, format, om, g, x, owned, log); err != nil {
+		gather, expose, skip := g, x, owned
+		if format.FormatType() == expfmt.TypeProtoDelim {
+			gather, expose, skip = prometheus.Gatherers{xg}, nil, nil
+			if g != nil {
+				gather = prometheus.Gatherers{g, xg}
+			}
+		}
+		if err := writeMetrics(bw, format, om, gather, expose, skip, log); err != nil {
 			// The client left, most likely; the status is already sent.
 			log.Debug("httpapi: metrics: write", "err", err)
 			return

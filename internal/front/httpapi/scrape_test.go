@@ -70,7 +70,7 @@ func scrapeOnce(t *testing.T, h http.Handler, header http.Header) (*http.Respons
 func TestMetricsHandlerFormats(t *testing.T) {
 	reg, statsReg, l := scrapeSetup(t)
 	var logs logRecorder
-	h := metricsHandler(reg, l, logs.logger())
+	h := metricsHandler(reg, l, nil, logs.logger())
 
 	for _, accept := range []string{"", "text/plain;version=0.0.4", "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited"} {
 		resp, body := scrapeOnce(t, h, http.Header{"Accept": {accept}})
@@ -108,7 +108,7 @@ func TestMetricsHandlerFormats(t *testing.T) {
 func TestMetricsHandlerNoDuplicates(t *testing.T) {
 	_, statsReg, l := scrapeSetup(t)
 	var logs logRecorder
-	h := metricsHandler(statsReg, l, logs.logger())
+	h := metricsHandler(statsReg, l, nil, logs.logger())
 	for _, accept := range []string{"", "application/openmetrics-text;version=1.0.0"} {
 		_, body := scrapeOnce(t, h, http.Header{"Accept": {accept}})
 		for _, name := range l.MetricFamilyNames() {
@@ -154,7 +154,7 @@ func BenchmarkMetricsHandler1000(b *testing.B) {
 					Cache: &stagepb.CacheConfig{BlockSize: 16, NumKvBlocks: 4096, EnablePrefixCaching: true, MaxNumSeqs: 256},
 				}))
 			}
-			h := metricsHandler(reg, l, slog.New(slog.DiscardHandler))
+			h := metricsHandler(reg, l, nil, slog.New(slog.DiscardHandler))
 			req := httptest.NewRequest(http.MethodGet, "/metrics", nil)
 			req.Header = c.header
 			st := &stagepb.EngineStats{PromptTokens: 12, GenerationTokens: 1, IterationTokens: []uint32{13}, NumRequestsRunning: 3}

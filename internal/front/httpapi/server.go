@@ -93,6 +93,11 @@ type Config struct {
 	// Gatherer must not also hold them; one it does is left out of
 	// /metrics and logged, so no family is ever served twice. nil: none.
 	Exposer Exposer
+	// ExposerGatherer gathers the Exposer's families, for a scraper that
+	// prefers protobuf, the one format with native histograms (the head's
+	// stats registry, orchestrator.Config.StatsMetrics). nil: /metrics
+	// serves no protobuf.
+	ExposerGatherer prometheus.Gatherer
 	// Metrics counts and times every request (see Metrics). nil: no HTTP
 	// metrics.
 	Metrics *Metrics
@@ -218,7 +223,7 @@ func New(b Backend, cfg Config) *Server {
 	handle(adminMuxes, "POST /v1/replicas/{stage}/{replica}/sleep", http.HandlerFunc(s.sleep))
 	handle(adminMuxes, "POST /v1/replicas/{stage}/{replica}/wake_up", http.HandlerFunc(s.wakeUp))
 	if cfg.Gatherer != nil || cfg.Exposer != nil {
-		handle(adminMuxes, "GET /metrics", metricsHandler(cfg.Gatherer, cfg.Exposer, s.log))
+		handle(adminMuxes, "GET /metrics", metricsHandler(cfg.Gatherer, cfg.Exposer, cfg.ExposerGatherer, s.log))
 	}
 	everyMux := []*http.ServeMux{serving, admin, all}
 	handle(everyMux, "GET /healthz", http.HandlerFunc(s.healthz))
