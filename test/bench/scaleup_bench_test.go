@@ -33,7 +33,7 @@ var (
 		"talker":  envDuration("TROUPE_SCALEUP_TALKER_STEP", 2*time.Millisecond),
 		"vocoder": envDuration("TROUPE_SCALEUP_VOCODER_STEP", 10*time.Millisecond),
 	}
-	scaleUpRates    = envFloats("TROUPE_SCALEUP_RATES", []float64{5, 7}) // one sub-benchmark each: under and over one vocoder's capacity
+	scaleUpRates    = envFloats("TROUPE_SCALEUP_RATES", []float64{6, 7}) // one sub-benchmark each: at and over one vocoder's capacity
 	scaleUpDuration = envDuration("TROUPE_SCALEUP_DURATION", 15*time.Second)
 	scaleUpWarmup   = envDuration("TROUPE_SCALEUP_WARMUP", 5*time.Second)
 	scaleUpMaxTok   = 16
@@ -43,6 +43,9 @@ var (
 	scaleUpTarget    = envFloat("TROUPE_SCALEUP_TARGET", 2)
 	scaleUpSlack     = 20.0 // ms
 	scaleUpUnloadedN = 20
+	// scaleUpMaxReplicas caps the replicas a stage is scaled to, as an
+	// autoscaler's maxReplicas does (0: none).
+	scaleUpMaxReplicas = int(envFloat("TROUPE_SCALEUP_MAX_REPLICAS", 0))
 )
 
 // scaleUpStages are the sim engines of the stages, by name.
@@ -86,7 +89,8 @@ type scaleUpResult struct {
 //
 // TROUPE_SCALEUP_RATES (a comma-separated list), _DURATION, _WARMUP,
 // _SEQS, _THINKER_STEP, _TALKER_STEP and _VOCODER_STEP override the load
-// and the stages.
+// and the stages; TROUPE_SCALEUP_MAX_REPLICAS caps the replicas a stage is
+// scaled to, as an autoscaler's maxReplicas does.
 func BenchmarkScaleUp(b *testing.B) {
 	var results []scaleUpResult
 	for _, rate := range scaleUpRates {
@@ -170,7 +174,11 @@ func runScaleUp(b *testing.B, rate float64) scaleUpResult {
 	start := time.Now()
 	var added []*orchestratortest.Worker
 	for _, st := range res.stages {
-		for res.replicas[st] < res.desired[st] {
+		want := res.desired[st]
+		if scaleUpMaxReplicas > 0 {
+			want = min(want, scaleUpMaxReplicas)
+		}
+		for res.replicas[st] < want {
 			cfg := engines[st]
 			added = append(added, c.AddWorker(b, st, orchestratortest.WorkerOptions{Sim: &cfg}))
 			res.replicas[st]++
@@ -266,7 +274,11 @@ func scaleUpTable(rs []scaleUpResult) string {
 		row("before", ones, r.before)
 		row(fmt.Sprintf("after (+%d workers, attached in %s)", sum(r.replicas)-len(r.stages), r.attachIn.Round(time.Millisecond)), r.replicas, r.after)
 	}
-	sb.WriteString("\nreplicas after = troupe_stage_desired_replicas read from the head's registry after the loaded window (the highest figure of the window)\n")
+	sb.WriteString("\nreplicas after = troupe_stage_desired_replicas read from the head's registry after the loaded window (the highest figure of the window)")
+	if scaleUpMaxReplicas > 0 {
+		fmt.Fprintf(&sb, ", capped at %d", scaleUpMaxReplicas)
+	}
+	sb.WriteString("\n")
 	return sb.String()
 }
 
