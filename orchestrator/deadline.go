@@ -175,8 +175,9 @@ func (h *Head) observeDeadline(a *attemptRun) {
 		if a.d.Predicted > 0 {
 			h.predictionError[a.sr.stage].Observe((ttft - a.d.Predicted).Seconds())
 		}
-		h.router.ObserveFirstOutput(a.d, ttft)
+		h.router.ObserveFirstOutput(a.pending, ttft)
 	}
+	h.router.ObserveHold(a.rep, a.fin.E2E)
 	if a.out.sampleRate > 0 && a.out.pcmBytes > 0 && !a.last.IsZero() && a.fin.TTFT > 0 {
 		first := a.start.Add(a.fin.TTFT)
 		if wall := a.last.Sub(first); wall > 0 {
