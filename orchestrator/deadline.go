@@ -100,6 +100,8 @@ type Deadline struct {
 	// Admission refuses, with 429 deadline_unmeetable, a request that no
 	// replica of the stage is predicted to serve in time.
 	Admission bool `yaml:"admission,omitempty"`
+	// Model: router.DeadlineOptions.Model, queue (the default) or load.
+	Model string `yaml:"model,omitempty"`
 }
 
 func (d *Deadline) check(where string) error {
@@ -108,6 +110,9 @@ func (d *Deadline) check(where string) error {
 	}
 	if d.TTFT < 0 || d.TTFA < 0 || d.RTF < 0 || d.Capacity < 0 || d.Margin < 0 {
 		return fmt.Errorf("orchestrator: pipeline: %s: deadline values must not be negative: %+v", where, *d)
+	}
+	if err := router.CheckDeadlineModel(d.Model); err != nil {
+		return fmt.Errorf("orchestrator: pipeline: %s: %w", where, err)
 	}
 	return nil
 }
@@ -129,7 +134,7 @@ func (s Stage) deadlineOptions() router.DeadlineOptions {
 	if s.Deadline == nil {
 		return router.DeadlineOptions{}
 	}
-	return router.DeadlineOptions{Capacity: s.Deadline.Capacity, Margin: s.Deadline.Margin, Admission: s.Deadline.Admission}
+	return router.DeadlineOptions{Capacity: s.Deadline.Capacity, Margin: s.Deadline.Margin, Admission: s.Deadline.Admission, Model: s.Deadline.Model}
 }
 
 // setDeadline sets what a deadline stage is routed on: when its first

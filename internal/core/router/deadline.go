@@ -1,6 +1,7 @@
 package router
 
 import (
+	"fmt"
 	"math"
 	"sync/atomic"
 	"time"
@@ -32,6 +33,29 @@ type DeadlineOptions struct {
 	// answer in time (Decision.Reason ReasonDeadlineShed) instead of
 	// routing it to the least loaded replica.
 	Admission bool
+	// Model is how the first output is predicted: DeadlineModelQueue ("":
+	// the default) or DeadlineModelLoad.
+	Model string
+}
+
+// Values of DeadlineOptions.Model (pipeline `deadline.model`).
+const (
+	// DeadlineModelQueue predicts unit × (pending first outputs + 1) plus
+	// the wait for a slot (see Deadline): the default.
+	DeadlineModelQueue = "queue"
+	// DeadlineModelLoad predicts unit × (1 + load/Capacity), load as
+	// least_loaded's, unit learned as TTFT over the same factor at the
+	// attempt's start: blind to which of the in-flight requests still wait
+	// for their first output. Kept for comparison (BenchmarkDeadline).
+	DeadlineModelLoad = "load"
+)
+
+// CheckDeadlineModel reports whether m is a known DeadlineOptions.Model.
+func CheckDeadlineModel(m string) error {
+	if m != "" && m != DeadlineModelQueue && m != DeadlineModelLoad {
+		return fmt.Errorf("router: unknown deadline model %q (want %s or %s)", m, DeadlineModelQueue, DeadlineModelLoad)
+	}
+	return nil
 }
 
 // deadlineStats are what the head knows of one replica's timing: moving
@@ -135,6 +159,9 @@ func (p *Deadline) margin() float64 {
 
 func loadFloat(a *atomic.Uint64) float64 { return math.Float64frombits(a.Load()) }
 
+// factor is the load model's factor for a replica whose score is s.
+func (p *Deadline) factor(s int64) float64 { return 1 + float64(max(s, 0))/p.capacity() }
+
 // slotWait is the predicted wait for one of r's slots: 0 below Capacity,
 // else (occupancy − Capacity + 1) × hold / Capacity, occupancy being this
 // head's in flight or the engine's fresh report when larger.
@@ -159,6 +186,10 @@ func (p *Deadline) predict(r *Replica, sc *scorer, prior float64) (pred, bound f
 	dev := loadFloat(&r.deadline.dev)
 	if u == 0 {
 		u = prior
+	}
+	if p.Options.Model == DeadlineModelLoad {
+		f := p.factor(sc.score(r))
+		return u * f, (u + p.margin()*dev) * f
 	}
 	n := float64(max(r.deadline.pending.Load(), 0) + 1)
 	w := p.slotWait(r, sc)
@@ -241,6 +272,9 @@ func keepsRate(r *Replica, min float64) bool {
 func (p *Deadline) Observe(r *Replica, at Pending, ttft time.Duration) {
 	r.deadline.seen.Store(time.Now().UnixNano())
 	x := (ttft.Seconds() - at.slot) / float64(at.ahead+1)
+	if p.Options.Model == DeadlineModelLoad {
+		x = ttft.Seconds() / p.factor(at.score)
+	}
 	if x <= 0 {
 		return
 	}
@@ -314,6 +348,7 @@ type Pending struct {
 	p     *Deadline
 	ahead int64   // attempts waiting on r when this one started
 	slot  float64 // the slot wait predicted then, seconds
+	score int64   // the replica's load score then (DeadlineModelLoad)
 	done  bool
 }
 
@@ -327,7 +362,7 @@ func (rt *Router) StartFirstOutput(r *Replica) Pending {
 	}
 	sc := newScorer([]*Replica{r}, p.MaxAge)
 	slot := p.slotWait(r, &sc)
-	return Pending{r: r, p: p, ahead: max(r.deadline.pending.Add(1)-1, 0), slot: slot}
+	return Pending{r: r, p: p, ahead: max(r.deadline.pending.Add(1)-1, 0), slot: slot, score: sc.score(r)}
 }
 
 // Done takes the attempt out of its replica's count; only the first call

@@ -268,3 +268,28 @@ func TestDeadlineProbesWhileShedding(t *testing.T) {
 	assert.Equal(t, ReasonDeadline, d.Reason)
 	assert.Equal(t, c[1], d.Replica)
 }
+
+// The load model (deadline.model: load) predicts unit × (1 + score/capacity)
+// whatever waits for a first output, its unit learned over the same factor
+// at the attempt's start.
+func TestDeadlineLoadModel(t *testing.T) {
+	p := &Deadline{Options: DeadlineOptions{Capacity: 2, Model: DeadlineModelLoad}}
+	rt := New([]StageRouting{{Policy: p}}, nil, nil)
+	c := replicas(1)
+	for range 2 {
+		c[0].Acquire()
+		defer c[0].Release()
+	}
+	w := rt.StartFirstOutput(c[0])
+	assert.Equal(t, int64(2), w.score)
+	w.Done()
+	rt.ObserveFirstOutput(w, 60*time.Millisecond)
+	assert.InDelta(t, 0.030, loadFloat(&c[0].deadline.unit), 1e-9, "60 ms at load 2, capacity 2: a unit of 30 ms")
+	queued := rt.StartFirstOutput(c[0])
+	defer queued.Done()
+	got, _ := rt.PredictedFirstOutput(c[0])
+	assert.InDelta(t, float64(60*time.Millisecond), float64(got), float64(time.Microsecond), "blind to the queued first output")
+	assert.NoError(t, CheckDeadlineModel(""))
+	assert.NoError(t, CheckDeadlineModel(DeadlineModelLoad))
+	assert.Error(t, CheckDeadlineModel("psychic"))
+}
