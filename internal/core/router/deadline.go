@@ -90,8 +90,9 @@ const DeadlineProbeAfter = time.Second
 const DeadlineMargin = 2
 
 // Deadline routes each stage attempt to a replica predicted to give its
-// first output before Request.Deadline, and to keep Request.MinRTF, the
-// least loaded of those (scorer's load).
+// first output before Request.Deadline, and to keep Request.MinRTF: of
+// those, the one with the fewest first outputs pending, then the least
+// loaded (scorer's load), then the soonest.
 //
 // The prediction is queue-aware. An engine with chunked prefill (vLLM's,
 // the sim's: every step takes the waiting requests' prompt tokens up to a
@@ -216,7 +217,7 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 		budget = float64(req.Deadline.UnixNano()-sc.now) / float64(time.Second)
 	}
 	var best, least, soonest *Replica
-	var bestScore, leastScore, soonestScore int64
+	var bestScore, leastScore, soonestScore, bestQueued int64
 	var bestPred, leastPred, soonestPred float64
 	for _, r := range c {
 		s := sc.score(r)
@@ -230,8 +231,9 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 		if bound > budget || !keepsRate(r, req.MinRTF) {
 			continue
 		}
-		if best == nil || s < bestScore || (s == bestScore && pred < bestPred) {
-			best, bestScore, bestPred = r, s, pred
+		q := p.queued(r)
+		if best == nil || q < bestQueued || (q == bestQueued && (s < bestScore || (s == bestScore && pred < bestPred))) {
+			best, bestScore, bestPred, bestQueued = r, s, pred, q
 		}
 	}
 	d := Decision{Policy: PolicyDeadline, Reason: ReasonDeadline, Replica: best, Score: bestScore, Predicted: seconds(bestPred)}
@@ -245,6 +247,16 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 		}
 	}
 	return d
+}
+
+// queued is the load that the queue model balances first among replicas
+// in time: the first outputs pending on r (0 with the load model, which
+// balances by score alone).
+func (p *Deadline) queued(r *Replica) int64 {
+	if p.Options.Model == DeadlineModelLoad {
+		return 0
+	}
+	return max(r.deadline.pending.Load(), 0)
 }
 
 func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }

@@ -93,11 +93,13 @@ func TestDeadlinePredictionCountsPendingFirstOutputs(t *testing.T) {
 	assert.Equal(t, ReasonDeadline, d.Reason)
 	assert.InDelta(t, float64(20*time.Millisecond), float64(d.Predicted), float64(time.Microsecond))
 	d = p.Pick(&Request{Deadline: time.Now().Add(time.Second)}, c)
-	assert.Equal(t, c[0], d.Replica, "both in time: the least loaded")
+	assert.Equal(t, c[1], d.Replica, "both in time: the one with fewer first outputs pending")
 	for i := range queued {
 		queued[i].Done()
 	}
 	assert.Equal(t, int64(0), c[0].deadline.pending.Load())
+	d = p.Pick(&Request{Deadline: time.Now().Add(time.Second)}, c)
+	assert.Equal(t, c[0], d.Replica, "none pending anywhere: the least loaded")
 
 	// Later observations move the average by deadlineAlpha, and the
 	// deviation from 0; the in-time check adds the margin to the unit.
