@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -17,9 +18,9 @@ import (
 )
 
 // The audio deadline workload: thinker → talker → vocoder of sims, two
-// replicas a stage, one of the vocoders three times slower (its decode
-// step and its prefill), under closed-loop streamed audio at several
-// concurrencies.
+// replicas a stage, one of the vocoders (TROUPE_TTFA_SLOW: or another stage)
+// three times slower (its decode step and its prefill), under closed-loop
+// streamed audio at several concurrencies.
 var (
 	ttfaStep      = envDuration("TROUPE_TTFA_STEP", 5*time.Millisecond) // one decode step; the slow vocoder's three
 	ttfaPrefill   = 8000.0                                              // tokens per second; the slow vocoder's a third
@@ -28,7 +29,15 @@ var (
 	ttfaDuration  = envDuration("TROUPE_TTFA_DURATION", 8*time.Second)
 	ttfaMaxTokens = 16
 	ttfaLevels    = []int{1, 8, 32}
+	ttfaSlow      = envString("TROUPE_TTFA_SLOW", "vocoder") // the stage with the slow replica
 )
+
+func envString(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
 
 type ttfaResult struct {
 	policy string
@@ -79,7 +88,7 @@ func runTTFA(b *testing.B, policy string) ttfaResult {
 	for _, stage := range []string{"thinker", "talker", "vocoder"} {
 		for i := range 2 {
 			cfg := fast
-			if stage == "vocoder" && i == 1 {
+			if stage == ttfaSlow && i == 1 {
 				cfg = slow
 			}
 			c.AddWorker(b, stage, orchestratortest.WorkerOptions{Sim: &cfg})
@@ -114,7 +123,7 @@ func runTTFA(b *testing.B, policy string) ttfaResult {
 // ttfaTable renders the results as the table of docs/benchmarks.md.
 func ttfaTable(rs []ttfaResult) string {
 	var sb strings.Builder
-	fmt.Fprintf(&sb, "TTFA target %s (deadline policy; TTFT target half of it), closed loop %s per level\n\n", ttfaTarget, ttfaDuration)
+	fmt.Fprintf(&sb, "TTFA target %s (deadline policy; TTFT target half of it), closed loop %s per level, one %s 3x slower\n\n", ttfaTarget, ttfaDuration, ttfaSlow)
 	sb.WriteString("| policy | concurrency | requests | TTFA p50 / p90 / p99 (ms) | TTFT p50 / p99 (ms) | met TTFA target | RTF p50 / min |\n")
 	sb.WriteString("|---|---:|---:|---|---|---:|---|\n")
 	for _, r := range rs {
