@@ -280,7 +280,8 @@ func keepsRate(r *Replica, min float64) bool {
 
 // Observe records that an attempt on r gave its first output after ttft;
 // at is its place in r's queue when it started (Router.StartFirstOutput).
-// Safe for concurrent use, lock-free.
+// An observation above deadlineMaxJump units counts as that many. Safe
+// for concurrent use, lock-free.
 func (p *Deadline) Observe(r *Replica, at Pending, ttft time.Duration) {
 	r.deadline.seen.Store(time.Now().UnixNano())
 	x := (ttft.Seconds() - at.slot) / float64(at.ahead+1)
@@ -291,10 +292,19 @@ func (p *Deadline) Observe(r *Replica, at Pending, ttft time.Duration) {
 		return
 	}
 	if u := loadFloat(&r.deadline.unit); u > 0 {
+		x = min(x, deadlineMaxJump*u)
 		ewmaZero(&r.deadline.dev, math.Abs(x-u))
 	}
 	ewma(&r.deadline.unit, x)
 }
+
+// deadlineMaxJump bounds how much one observation counts: at most this
+// many times the replica's current unit. A step stalled by a busy host
+// (hundreds of ms against tens) would otherwise spoil the unit, and a
+// replica predicted late gets no attempts to correct it (no probe without
+// admission); a replica that really slowed is learned in a few attempts
+// (each may double the unit's pull).
+const deadlineMaxJump = 2
 
 // ObserveHold records how long an attempt on r held its slot (start to
 // end). Safe for concurrent use, lock-free.

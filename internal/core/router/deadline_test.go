@@ -103,10 +103,10 @@ func TestDeadlinePredictionCountsPendingFirstOutputs(t *testing.T) {
 
 	// Later observations move the average by deadlineAlpha, and the
 	// deviation from 0; the in-time check adds the margin to the unit.
-	p.Observe(c[0], Pending{}, 120*time.Millisecond)
-	u := 0.020 + deadlineAlpha*(0.120-0.020)
+	p.Observe(c[0], Pending{}, 35*time.Millisecond)
+	u := 0.020 + deadlineAlpha*(0.035-0.020)
 	assert.InDelta(t, u, loadFloat(&c[0].deadline.unit), 1e-9)
-	dev := deadlineAlpha * 0.100
+	dev := deadlineAlpha * 0.015
 	assert.InDelta(t, dev, loadFloat(&c[0].deadline.dev), 1e-9)
 	c[0].deadline.pending.Add(1)
 	sc := newScorer(c, 0)
@@ -114,6 +114,10 @@ func TestDeadlinePredictionCountsPendingFirstOutputs(t *testing.T) {
 	c[0].deadline.pending.Add(-1)
 	assert.InDelta(t, u*2, pred, 1e-9)
 	assert.InDelta(t, (u+DeadlineMargin*dev)*2, bound, 1e-9)
+
+	// One stalled observation counts as deadlineMaxJump units at most.
+	p.Observe(c[0], Pending{}, time.Second)
+	assert.InDelta(t, u+deadlineAlpha*(deadlineMaxJump*u-u), loadFloat(&c[0].deadline.unit), 1e-9, "a stall of 1 s does not spoil the unit")
 
 	// A stage routed otherwise counts nothing; the zero Pending's Done is
 	// harmless.
