@@ -95,7 +95,7 @@ type Deadline struct {
 	Targets `yaml:",inline"`
 	// Capacity: router.DeadlineOptions.Capacity (0: the default).
 	Capacity int `yaml:"capacity,omitempty"`
-	// Margin: router.DeadlineOptions.Margin (0: the default, 2).
+	// Margin: router.DeadlineOptions.Margin (0: the default, 1).
 	Margin float64 `yaml:"margin,omitempty"`
 	// Admission refuses, with 429 deadline_unmeetable, a request that no
 	// replica of the stage is predicted to serve in time.

@@ -39,6 +39,9 @@ var (
 	// deadlineAdmitMargin is the admission case's margin (see
 	// docs/routing.md): how many mean deviations of room a replica needs.
 	deadlineAdmitMargin = envFloat("TROUPE_DEADLINE_ADMIT_MARGIN", 1)
+	// deadlineMargin is the cases without admission's (0: the policy's
+	// default, router.DeadlineMargin).
+	deadlineMargin = envFloat("TROUPE_DEADLINE_MARGIN", 0)
 )
 
 func envFloat(name string, def float64) float64 {
@@ -63,7 +66,7 @@ type deadlineCase struct {
 // deadlineStage is the deadline policy's stage with the benchmark's
 // target and capacity, its model and admission as given.
 func deadlineStage(model string, admission bool) orchestrator.Stage {
-	d := &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: deadlineTTFT}, Capacity: deadlineCapacity, Model: model}
+	d := &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: deadlineTTFT}, Capacity: deadlineCapacity, Model: model, Margin: deadlineMargin}
 	if admission {
 		d.Admission, d.Margin = true, deadlineAdmitMargin
 	}

@@ -86,8 +86,11 @@ const DeadlineProbeAfter = time.Second
 // DeadlineMargin is how many mean deviations the in-time check adds to a
 // replica's predicted unit, as TCP's retransmission timer adds four to
 // the mean round trip (RFC 6298): a replica whose first outputs vary is
-// trusted with a target only with room to spare.
-const DeadlineMargin = 2
+// trusted with a target only with room to spare. One, not more: without
+// admission a replica left out falls back to the one predicted soonest,
+// whose queue then grows and teaches it late answers; BenchmarkDeadline
+// measured 18–25% late with 2 against about 1% with 1 (docs/benchmarks.md).
+const DeadlineMargin = 1
 
 // Deadline routes each stage attempt to a replica predicted to give its
 // first output before Request.Deadline, and to keep Request.MinRTF: of
