@@ -316,6 +316,9 @@ type attemptRun struct {
 	fin       stats.Finished
 	start     time.Time
 	last      time.Time // of the latest output
+	// pending counts the attempt among its replica's waiting for a first
+	// output (deadline stages), until its first output or its end.
+	pending router.Pending
 }
 
 // newAttempt is attempt number of sr on the replica d chose.
@@ -351,6 +354,8 @@ func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err 
 	stall := newStallWatch(h.cfg.StallTimeout, cancel)
 	defer stall.stop()
 
+	a.pending = h.router.StartFirstOutput(a.rep)
+	defer a.pending.Done()
 	a.rep.Acquire()
 	defer a.rep.Release()
 	defer a.rep.Track(cancel)()
@@ -636,6 +641,7 @@ func (a *attemptRun) dateOutputs(chunk *stagepb.GenerateChunk) {
 			at = now.Add(-time.Duration(ages[i]) * time.Microsecond)
 		}
 		if a.last.IsZero() {
+			a.pending.Done()
 			a.fin.TTFT = max(at.Sub(a.start), 0)
 			if a.recording {
 				a.span.AddEvent("first_token", trace.WithTimestamp(at))

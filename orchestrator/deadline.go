@@ -95,11 +95,13 @@ type Deadline struct {
 	Targets `yaml:",inline"`
 	// Capacity: router.DeadlineOptions.Capacity (0: the default).
 	Capacity int `yaml:"capacity,omitempty"`
-	// Margin: router.DeadlineOptions.Margin (0: the default, 2).
+	// Margin: router.DeadlineOptions.Margin (0: the default, 1).
 	Margin float64 `yaml:"margin,omitempty"`
 	// Admission refuses, with 429 deadline_unmeetable, a request that no
 	// replica of the stage is predicted to serve in time.
 	Admission bool `yaml:"admission,omitempty"`
+	// Model: router.DeadlineOptions.Model, queue (the default) or load.
+	Model string `yaml:"model,omitempty"`
 }
 
 func (d *Deadline) check(where string) error {
@@ -108,6 +110,9 @@ func (d *Deadline) check(where string) error {
 	}
 	if d.TTFT < 0 || d.TTFA < 0 || d.RTF < 0 || d.Capacity < 0 || d.Margin < 0 {
 		return fmt.Errorf("orchestrator: pipeline: %s: deadline values must not be negative: %+v", where, *d)
+	}
+	if err := router.CheckDeadlineModel(d.Model); err != nil {
+		return fmt.Errorf("orchestrator: pipeline: %s: %w", where, err)
 	}
 	return nil
 }
@@ -129,7 +134,7 @@ func (s Stage) deadlineOptions() router.DeadlineOptions {
 	if s.Deadline == nil {
 		return router.DeadlineOptions{}
 	}
-	return router.DeadlineOptions{Capacity: s.Deadline.Capacity, Margin: s.Deadline.Margin, Admission: s.Deadline.Admission}
+	return router.DeadlineOptions{Capacity: s.Deadline.Capacity, Margin: s.Deadline.Margin, Admission: s.Deadline.Admission, Model: s.Deadline.Model}
 }
 
 // setDeadline sets what a deadline stage is routed on: when its first
@@ -175,8 +180,9 @@ func (h *Head) observeDeadline(a *attemptRun) {
 		if a.d.Predicted > 0 {
 			h.predictionError[a.sr.stage].Observe((ttft - a.d.Predicted).Seconds())
 		}
-		h.router.ObserveFirstOutput(a.d, ttft)
+		h.router.ObserveFirstOutput(a.pending, ttft)
 	}
+	h.router.ObserveHold(a.rep, a.fin.E2E)
 	if a.out.sampleRate > 0 && a.out.pcmBytes > 0 && !a.last.IsZero() && a.fin.TTFT > 0 {
 		first := a.start.Add(a.fin.TTFT)
 		if wall := a.last.Sub(first); wall > 0 {

@@ -99,11 +99,13 @@ stages:
     policy: deadline
     deadline:
       rtf: 1.5
+      model: load
 `))
 	require.NoError(t, err)
 	assert.Equal(t, Targets{TTFT: 300 * time.Millisecond, TTFA: 800 * time.Millisecond}, p.targets(0))
 	assert.Equal(t, Targets{TTFT: 500 * time.Millisecond, TTFA: 800 * time.Millisecond, RTF: 1.5}, p.targets(1))
 	assert.Equal(t, router.DeadlineOptions{Capacity: 4, Admission: true}, p.Stages[0].deadlineOptions())
+	assert.Equal(t, router.DeadlineOptions{Model: router.DeadlineModelLoad}, p.Stages[1].deadlineOptions())
 
 	h := &Head{deadlineStage: []bool{true, true}, targets: []Targets{p.targets(0), p.targets(1)}}
 	at := time.Unix(1000, 0)
@@ -118,6 +120,10 @@ stages:
 
 	_, err = ParsePipeline([]byte("model: m\nstages:\n  - name: thinker\n    policy: least_loaded\n    deadline:\n      admission: true\n"))
 	assert.ErrorContains(t, err, "policy deadline only")
+	_, err = ParsePipeline([]byte("model: m\nstages:\n  - name: thinker\n    policy: least_loaded\n    deadline:\n      model: load\n"))
+	assert.ErrorContains(t, err, "policy deadline only")
+	_, err = ParsePipeline([]byte("model: m\nstages:\n  - name: thinker\n    policy: deadline\n    deadline:\n      model: psychic\n"))
+	assert.ErrorContains(t, err, "unknown deadline model")
 	_, err = ParsePipeline([]byte("model: m\ndeadline:\n  capacity: 3\nstages:\n  - name: thinker\n"))
 	assert.ErrorContains(t, err, "per stage")
 	_, err = ParsePipeline([]byte("model: m\nstages:\n  - name: thinker\n    deadline:\n      ttfb: 1s\n"))

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/troupe-serving/troupe/internal/front/loadgen"
+	"github.com/troupe-serving/troupe/orchestrator"
 )
 
 // benchDetail is the help's text after the summary.
@@ -47,6 +48,7 @@ func runBench(ctx context.Context, args []string, stdout io.Writer) error {
 	seed := fs.Uint64("seed", 1, "`seed` of prompts and arrivals")
 	timeout := fs.Duration("timeout", 5*time.Minute, "limit of one request (0: none)")
 	sloFlag := fs.String("slo", "", "goodput objectives, e.g. `ttft=500ms,itl=50ms,ttfa=800ms,e2e=10s,rtf=1`")
+	deadline := fs.String("deadline", "", "targets sent as every request's X-Troupe-Deadline header, e.g. `ttft=50ms,ttfa=800ms,rtf=1` (a troupe head routes and admits on them)")
 	out := fs.String("out", "", "write the result as JSON to `file`")
 	records := fs.Bool("records", false, "keep every request's record in the --out file")
 	progress := fs.String("progress", "auto", "progress on stderr: `mode` auto (a live line on a terminal, else a line every 10s), plain, off")
@@ -61,11 +63,16 @@ func runBench(ctx context.Context, args []string, stdout io.Writer) error {
 	if err != nil {
 		return err
 	}
+	if *deadline != "" {
+		if _, err := orchestrator.ParseTargets(*deadline); err != nil {
+			return fmt.Errorf("bench: --deadline: %w", err)
+		}
+	}
 	cfg := loadgen.Config{
 		BaseURL: *url, Model: *model, APIKey: *apiKey, Workload: *workload, Poisson: *arrival == "poisson",
 		Concurrency: *concurrency, Duration: *duration, Requests: *requests, MaxTokens: *maxTokens, IgnoreEOS: *ignoreEOS,
 		PromptWords: *promptWords, SystemPrompts: *systemPrompts, SystemWords: *systemWords, Turns: *turns,
-		Voice: *voice, SampleRate: *sampleRate, Seed: *seed, Timeout: *timeout, SLO: slo,
+		Voice: *voice, SampleRate: *sampleRate, Seed: *seed, Timeout: *timeout, SLO: slo, Deadline: *deadline,
 	}
 	if *arrival != "poisson" && *arrival != "constant" {
 		return fmt.Errorf("bench: unknown --arrival %q (poisson or constant)", *arrival)

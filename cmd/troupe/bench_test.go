@@ -164,3 +164,39 @@ func TestBenchShedCountsAgainstGoodput(t *testing.T) {
 	assert.Equal(t, 1, run([]string{"bench", "--url", srv.URL}, &stdout, &stderr), "neither a rate nor a concurrency")
 	assert.True(t, strings.Contains(stderr.String(), "troupe bench: loadgen: neither a rate nor a concurrency"), stderr.String())
 }
+
+// TestBenchDeadlineHeader: --deadline is sent as every request's
+// X-Troupe-Deadline header, as given; without it no header is sent; a
+// value the head would refuse is a usage error before any request.
+func TestBenchDeadlineHeader(t *testing.T) {
+	var got, without atomic.Int64
+	var seen atomic.Value
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if h := r.Header.Get("X-Troupe-Deadline"); h != "" {
+			seen.Store(h)
+			got.Add(1)
+		} else {
+			without.Add(1)
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\ndata: [DONE]\n\n")
+	}))
+	defer srv.Close()
+
+	res, _ := bench(t, "--url", srv.URL, "--concurrency", "2", "--requests", "6", "--deadline", "ttft=50ms,ttfa=800ms")
+	assert.Equal(t, 6, res.Runs[0].OK)
+	assert.Equal(t, int64(6), got.Load())
+	assert.Equal(t, int64(0), without.Load())
+	assert.Equal(t, "ttft=50ms,ttfa=800ms", seen.Load())
+	assert.Equal(t, "ttft=50ms,ttfa=800ms", res.Config.Deadline, "the result file says what was asked")
+
+	bench(t, "--url", srv.URL, "--concurrency", "1", "--requests", "2")
+	assert.Equal(t, int64(6), got.Load(), "no --deadline, no header")
+	assert.Equal(t, int64(2), without.Load())
+
+	var stdout, stderr bytes.Buffer
+	code := run([]string{"bench", "--progress", "off", "--url", srv.URL, "--requests", "1", "--concurrency", "1", "--deadline", "ttft=soon"}, &stdout, &stderr)
+	assert.NotEqual(t, 0, code)
+	assert.Contains(t, stderr.String(), "--deadline")
+	assert.Equal(t, int64(8), got.Load()+without.Load(), "nothing sent")
+}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -13,6 +14,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/internal/front/loadgen"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
@@ -37,6 +39,9 @@ var (
 	// deadlineAdmitMargin is the admission case's margin (see
 	// docs/routing.md): how many mean deviations of room a replica needs.
 	deadlineAdmitMargin = envFloat("TROUPE_DEADLINE_ADMIT_MARGIN", 1)
+	// deadlineMargin is the cases without admission's (0: the policy's
+	// default, router.DeadlineMargin).
+	deadlineMargin = envFloat("TROUPE_DEADLINE_MARGIN", 0)
 )
 
 func envFloat(name string, def float64) float64 {
@@ -58,10 +63,22 @@ type deadlineCase struct {
 	stage orchestrator.Stage
 }
 
+// deadlineStage is the deadline policy's stage with the benchmark's
+// target and capacity, its model and admission as given.
+func deadlineStage(model string, admission bool) orchestrator.Stage {
+	d := &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: deadlineTTFT}, Capacity: deadlineCapacity, Model: model, Margin: deadlineMargin}
+	if admission {
+		d.Admission, d.Margin = true, deadlineAdmitMargin
+	}
+	return orchestrator.Stage{Policy: "deadline", Deadline: d}
+}
+
 var deadlineCases = []deadlineCase{
 	{name: "least_loaded", stage: orchestrator.Stage{Policy: "least_loaded"}},
-	{name: "deadline", stage: orchestrator.Stage{Policy: "deadline", Deadline: &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: deadlineTTFT}, Capacity: deadlineCapacity}}},
-	{name: "deadline+admission", stage: orchestrator.Stage{Policy: "deadline", Deadline: &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: deadlineTTFT}, Capacity: deadlineCapacity, Admission: true, Margin: deadlineAdmitMargin}}},
+	{name: "deadline, load model", stage: deadlineStage(router.DeadlineModelLoad, false)},
+	{name: "deadline", stage: deadlineStage(router.DeadlineModelQueue, false)},
+	{name: "deadline+admission, load model", stage: deadlineStage(router.DeadlineModelLoad, true)},
+	{name: "deadline+admission", stage: deadlineStage(router.DeadlineModelQueue, true)},
 }
 
 type deadlineResult struct {
@@ -72,6 +89,7 @@ type deadlineResult struct {
 	shedCounted  float64 // troupe_router_decisions_total{reason="deadline_shed"}
 	predErr      float64 // mean actual − predicted first output, ms (deadline policy)
 	predN        uint64
+	predicted    []float64 // each replica's predicted first output after the run, ms (0: none)
 }
 
 // BenchmarkDeadline compares least_loaded with the deadline policy, with
@@ -158,6 +176,13 @@ func runDeadline(b *testing.B, dc deadlineCase) deadlineResult {
 			res.missed++
 		}
 	}
+	for _, r := range c.Head.Replicas() {
+		p := 0.0
+		if r.PredictedFirstOutputSeconds != nil {
+			p = 1000 * *r.PredictedFirstOutputSeconds
+		}
+		res.predicted = append(res.predicted, p)
+	}
 	fams, err := c.Metrics.Gather()
 	require.NoError(b, err)
 	var total, onSlow float64
@@ -194,14 +219,14 @@ func runDeadline(b *testing.B, dc deadlineCase) deadlineResult {
 func deadlineTable(rs []deadlineResult) string {
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "TTFT target %s, %.0f req/s Poisson for %s, admission margin %.2g\n\n", deadlineTTFT, deadlineRate, deadlineDuration, deadlineAdmitMargin)
-	sb.WriteString("| policy | sent | served | shed (429) | shed counted | late (served past target) | missed (late + shed + failed) | goodput (req/s) | goodput ÷ least_loaded | TTFT p50 / p90 / p99 (ms) | slow replica's share | mean prediction error (ms) |\n")
-	sb.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|\n")
+	sb.WriteString("| policy | sent | served | shed (429) | shed counted | late (served past target) | missed (late + shed + failed) | goodput (req/s) | goodput ÷ least_loaded | TTFT p50 / p90 / p99 (ms) | slow replica's share | mean prediction error (ms) | predicted first output when idle, per replica (ms) |\n")
+	sb.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|\n")
 	for _, r := range rs {
 		sent := float64(r.run.Sent)
-		fmt.Fprintf(&sb, "| %s | %d | %d | %d (%.1f%%) | %.0f | %d (%.1f%%) | %d (%.1f%%) | %.1f | %.2f× | %.0f / %.0f / %.0f | %.1f%% | %s |\n",
+		fmt.Fprintf(&sb, "| %s | %d | %d | %d (%.1f%%) | %.0f | %d (%.1f%%) | %d (%.1f%%) | %.1f | %.2f× | %.0f / %.0f / %.0f | %.1f%% | %s | %s |\n",
 			r.name, r.run.Sent, r.run.OK, r.run.Shed, 100*float64(r.run.Shed)/sent, r.shedCounted,
 			r.late, 100*float64(r.late)/sent, r.missed, 100*float64(r.missed)/sent,
-			r.run.Goodput, r.run.Goodput/rs[0].run.Goodput, r.run.TTFT.P50, r.run.TTFT.P90, r.run.TTFT.P99, 100*r.slowShare, predErrCell(r))
+			r.run.Goodput, r.run.Goodput/rs[0].run.Goodput, r.run.TTFT.P50, r.run.TTFT.P90, r.run.TTFT.P99, 100*r.slowShare, predErrCell(r), predictedCell(r.predicted))
 	}
 	return sb.String()
 }
@@ -220,4 +245,15 @@ func predErrCell(r deadlineResult) string {
 		return "–"
 	}
 	return fmt.Sprintf("%+.1f (n=%d)", r.predErr, r.predN)
+}
+
+func predictedCell(ps []float64) string {
+	if len(ps) == 0 || slices.Max(ps) == 0 {
+		return "–"
+	}
+	parts := make([]string, len(ps))
+	for i, p := range ps {
+		parts[i] = fmt.Sprintf("%.0f", p)
+	}
+	return strings.Join(parts, " / ")
 }

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"fmt"
 	"math"
 	"sync/atomic"
 	"time"
@@ -11,7 +12,7 @@ import (
 const PolicyDeadline = "deadline"
 
 // DefaultDeadlineCapacity is how many requests a replica is assumed to run
-// at once without slowing each other's first output, when the pipeline's
+// at once (its engine's max_num_seqs), when the pipeline's
 // `deadline.capacity` does not say.
 const DefaultDeadlineCapacity = 8
 
@@ -21,9 +22,9 @@ const deadlineAlpha = 0.3
 
 // DeadlineOptions configure the deadline policy (pipeline `deadline:`).
 type DeadlineOptions struct {
-	// Capacity scales the prediction with load: a replica with score s
-	// (engine-reported running+waiting plus this head's in flight) is
-	// predicted to answer in unit × (1 + s/Capacity). 0: the default.
+	// Capacity is how many requests a replica runs at once (its engine's
+	// max_num_seqs; 0: the default). A request beyond it waits for a slot,
+	// which the prediction adds (see Deadline).
 	Capacity int
 	// Margin is how many mean deviations the in-time check adds to the
 	// prediction (0: DeadlineMargin).
@@ -32,15 +33,43 @@ type DeadlineOptions struct {
 	// answer in time (Decision.Reason ReasonDeadlineShed) instead of
 	// routing it to the least loaded replica.
 	Admission bool
+	// Model is how the first output is predicted: DeadlineModelQueue ("":
+	// the default) or DeadlineModelLoad.
+	Model string
 }
 
-// deadlineStats are what the head learned of one replica's timing: moving
+// Values of DeadlineOptions.Model (pipeline `deadline.model`).
+const (
+	// DeadlineModelQueue predicts unit × (pending first outputs + 1) plus
+	// the wait for a slot (see Deadline): the default.
+	DeadlineModelQueue = "queue"
+	// DeadlineModelLoad predicts unit × (1 + load/Capacity), load as
+	// least_loaded's, unit learned as TTFT over the same factor at the
+	// attempt's start: blind to which of the in-flight requests still wait
+	// for their first output. Kept for comparison (BenchmarkDeadline).
+	DeadlineModelLoad = "load"
+)
+
+// CheckDeadlineModel reports whether m is a known DeadlineOptions.Model.
+func CheckDeadlineModel(m string) error {
+	if m != "" && m != DeadlineModelQueue && m != DeadlineModelLoad {
+		return fmt.Errorf("router: unknown deadline model %q (want %s or %s)", m, DeadlineModelQueue, DeadlineModelLoad)
+	}
+	return nil
+}
+
+// deadlineStats are what the head knows of one replica's timing: moving
 // averages kept in atomics, written by the attempts that end on it and
-// read by picks. Both are float64 bits; 0 means no observation yet.
+// read by picks (float64 bits; 0 means no observation yet), and the count
+// of attempts waiting for their first output.
 type deadlineStats struct {
-	unit atomic.Uint64 // first-output seconds of an attempt, divided by its load factor at the pick
+	unit atomic.Uint64 // one request's share of a first output: observed TTFT / (requests waiting for theirs at the start, itself included)
 	dev  atomic.Uint64 // the mean absolute deviation of unit's observations from it
+	hold atomic.Uint64 // seconds an attempt holds one of the replica's slots (its whole duration)
 	rtf  atomic.Uint64 // audio seconds made per wall second, after the first output
+	// pending counts this head's attempts on the replica that have started
+	// and not yet given their first output (nor ended): see Pending.
+	pending atomic.Int64
 	// seen is when the replica last got an attempt or an observation
 	// while shedding (unix nanoseconds): see DeadlineProbeAfter.
 	seen atomic.Int64
@@ -57,19 +86,38 @@ const DeadlineProbeAfter = time.Second
 // DeadlineMargin is how many mean deviations the in-time check adds to a
 // replica's predicted unit, as TCP's retransmission timer adds four to
 // the mean round trip (RFC 6298): a replica whose first outputs vary is
-// trusted with a target only with room to spare.
-const DeadlineMargin = 2
+// trusted with a target only with room to spare. One, not more: without
+// admission a replica left out falls back to the one predicted soonest,
+// whose queue then grows and teaches it late answers; BenchmarkDeadline
+// measured 18–25% late with 2 against about 1% with 1 (docs/benchmarks.md).
+const DeadlineMargin = 1
 
 // Deadline routes each stage attempt to a replica predicted to give its
-// first output before Request.Deadline, and to keep Request.MinRTF, the
-// least loaded of those (scorer's load). The prediction per replica is
-// unit × (1 + score/Capacity), where unit is the moving average of its
-// observed time to first output divided by the same load factor at the
-// time of each pick (so one formula learns both a slow replica and a busy
-// one), and a replica not yet observed takes the mean unit of those that
-// were (0 when none was: it is tried). The real-time check compares the
-// replica's moving average of audio seconds per wall second with
-// Request.MinRTF; a replica not yet observed passes it.
+// first output before Request.Deadline, and to keep Request.MinRTF: of
+// those, the one with the fewest first outputs pending, then the least
+// loaded (scorer's load), then the soonest.
+//
+// The prediction is queue-aware. An engine with chunked prefill (vLLM's,
+// the sim's: every step takes the waiting requests' prompt tokens up to a
+// token budget, and a step takes its prefill tokens at the engine's
+// prefill rate plus one decode latency) gives a new request its first
+// output after the prefills ahead of it and its own: so per replica
+//
+//	predicted = unit × (pending + 1) + slot wait
+//
+// where pending is how many of this head's attempts on the replica have
+// started and not yet given their first output (Router.StartFirstOutput),
+// unit is the moving average of observed first-output times divided by
+// (pending at the attempt's start + 1) (one request's prefill, plus the
+// step overhead it shares), and slot wait is, when the replica already runs
+// Capacity requests or more (this head's in flight, or the engine's
+// reported running+waiting when larger), (occupancy − Capacity + 1) ×
+// hold / Capacity, hold being the moving average of how long an attempt
+// holds a slot. A replica not yet observed takes the mean unit of those
+// that were (0 when none was: it is tried). The in-time check adds Margin
+// mean deviations to unit. The real-time check compares the replica's
+// moving average of audio seconds per wall second with Request.MinRTF; a
+// replica not yet observed passes it.
 //
 // When no replica is predicted in time with the margin, Pick returns the
 // one predicted soonest (ties: the least loaded) with ReasonLoadFallback:
@@ -77,11 +125,11 @@ const DeadlineMargin = 2
 // slow one that least_loaded keeps idle. With Admission the reason is
 // ReasonDeadlineShed instead and the caller refuses the request (the head
 // answers 429 deadline_unmeetable): admission refuses what is not
-// predicted in time with the margin, rather than serve it late. A request without targets is routed as
-// least_loaded (ReasonLoad).
+// predicted in time with the margin, rather than serve it late. A request
+// without targets is routed as least_loaded (ReasonLoad).
 //
 // Pick is O(replicas) and allocates nothing; the averages are updated
-// lock-free by Observe and ObserveRate.
+// lock-free by Observe, ObserveHold and ObserveRate.
 type Deadline struct {
 	MaxAge   time.Duration
 	Affinity Affinity
@@ -113,23 +161,43 @@ func (p *Deadline) margin() float64 {
 	return p.Options.Margin
 }
 
-// factor is the load factor of a replica whose score is s.
-func (p *Deadline) factor(s int64) float64 { return 1 + float64(max(s, 0))/p.capacity() }
-
 func loadFloat(a *atomic.Uint64) float64 { return math.Float64frombits(a.Load()) }
 
+// factor is the load model's factor for a replica whose score is s.
+func (p *Deadline) factor(s int64) float64 { return 1 + float64(max(s, 0))/p.capacity() }
+
+// slotWait is the predicted wait for one of r's slots: 0 below Capacity,
+// else (occupancy − Capacity + 1) × hold / Capacity, occupancy being this
+// head's in flight or the engine's fresh report when larger.
+func (p *Deadline) slotWait(r *Replica, sc *scorer) float64 {
+	occ := r.InFlight()
+	if sc.fresh(r) {
+		occ = max(occ, r.Load())
+	}
+	over := float64(occ) - p.capacity() + 1
+	if over <= 0 {
+		return 0
+	}
+	return over * loadFloat(&r.deadline.hold) / p.capacity()
+}
+
 // predict is the predicted time to first output on r for a new attempt,
-// given its load score and the unit to assume when r has none; 0 when
-// nothing is known. bound is what the in-time check compares with the
-// target: the prediction plus DeadlineMargin mean deviations.
-func (p *Deadline) predict(r *Replica, score int64, prior float64) (pred, bound float64) {
+// given the unit to assume when r has none; 0 when nothing is known. bound
+// is what the in-time check compares with the target: the prediction with
+// Margin mean deviations added to the unit.
+func (p *Deadline) predict(r *Replica, sc *scorer, prior float64) (pred, bound float64) {
 	u := loadFloat(&r.deadline.unit)
 	dev := loadFloat(&r.deadline.dev)
 	if u == 0 {
 		u = prior
 	}
-	f := p.factor(score)
-	return u * f, (u + p.margin()*dev) * f
+	if p.Options.Model == DeadlineModelLoad {
+		f := p.factor(sc.score(r))
+		return u * f, (u + p.margin()*dev) * f
+	}
+	n := float64(max(r.deadline.pending.Load(), 0) + 1)
+	w := p.slotWait(r, sc)
+	return u*n + w, (u+p.margin()*dev)*n + w
 }
 
 // Pick implements Policy.
@@ -152,11 +220,11 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 		budget = float64(req.Deadline.UnixNano()-sc.now) / float64(time.Second)
 	}
 	var best, least, soonest *Replica
-	var bestScore, leastScore, soonestScore int64
+	var bestScore, leastScore, soonestScore, bestQueued int64
 	var bestPred, leastPred, soonestPred float64
 	for _, r := range c {
 		s := sc.score(r)
-		pred, bound := p.predict(r, s, prior)
+		pred, bound := p.predict(r, &sc, prior)
 		if least == nil || s < leastScore {
 			least, leastScore, leastPred = r, s, pred
 		}
@@ -166,8 +234,9 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 		if bound > budget || !keepsRate(r, req.MinRTF) {
 			continue
 		}
-		if best == nil || s < bestScore || (s == bestScore && pred < bestPred) {
-			best, bestScore, bestPred = r, s, pred
+		q := p.queued(r)
+		if best == nil || q < bestQueued || (q == bestQueued && (s < bestScore || (s == bestScore && pred < bestPred))) {
+			best, bestScore, bestPred, bestQueued = r, s, pred, q
 		}
 	}
 	d := Decision{Policy: PolicyDeadline, Reason: ReasonDeadline, Replica: best, Score: bestScore, Predicted: seconds(bestPred)}
@@ -181,6 +250,16 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 		}
 	}
 	return d
+}
+
+// queued is the load that the queue model balances first among replicas
+// in time: the first outputs pending on r (0 with the load model, which
+// balances by score alone).
+func (p *Deadline) queued(r *Replica) int64 {
+	if p.Options.Model == DeadlineModelLoad {
+		return 0
+	}
+	return max(r.deadline.pending.Load(), 0)
 }
 
 func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
@@ -202,16 +281,37 @@ func keepsRate(r *Replica, min float64) bool {
 	return rtf == 0 || rtf >= min
 }
 
-// Observe records that an attempt routed to r by d gave its first output
-// after ttft. Safe for concurrent use, lock-free.
-func (p *Deadline) Observe(r *Replica, d Decision, ttft time.Duration) {
+// Observe records that an attempt on r gave its first output after ttft;
+// at is its place in r's queue when it started (Router.StartFirstOutput).
+// An observation above deadlineMaxJump units counts as that many. Safe
+// for concurrent use, lock-free.
+func (p *Deadline) Observe(r *Replica, at Pending, ttft time.Duration) {
 	r.deadline.seen.Store(time.Now().UnixNano())
-	x := ttft.Seconds() / p.factor(d.Score)
+	x := (ttft.Seconds() - at.slot) / float64(at.ahead+1)
+	if p.Options.Model == DeadlineModelLoad {
+		x = ttft.Seconds() / p.factor(at.score)
+	}
+	if x <= 0 {
+		return
+	}
 	if u := loadFloat(&r.deadline.unit); u > 0 {
+		x = min(x, deadlineMaxJump*u)
 		ewmaZero(&r.deadline.dev, math.Abs(x-u))
 	}
 	ewma(&r.deadline.unit, x)
 }
+
+// deadlineMaxJump bounds how much one observation counts: at most this
+// many times the replica's current unit. A step stalled by a busy host
+// (hundreds of ms against tens) would otherwise spoil the unit, and a
+// replica predicted late gets no attempts to correct it (no probe without
+// admission); a replica that really slowed is learned in a few attempts
+// (each may double the unit's pull).
+const deadlineMaxJump = 2
+
+// ObserveHold records how long an attempt on r held its slot (start to
+// end). Safe for concurrent use, lock-free.
+func (p *Deadline) ObserveHold(r *Replica, d time.Duration) { ewma(&r.deadline.hold, d.Seconds()) }
 
 // ObserveRate records the audio seconds per wall second an attempt on r
 // made after its first output. Safe for concurrent use, lock-free.
@@ -258,16 +358,62 @@ func (rt *Router) PredictedFirstOutput(r *Replica) (time.Duration, bool) {
 	if !ok {
 		return 0, false
 	}
-	pred, _ := p.predict(r, newScorer([]*Replica{r}, p.MaxAge).score(r), 0)
+	sc := newScorer([]*Replica{r}, p.MaxAge)
+	pred, _ := p.predict(r, &sc, 0)
 	return seconds(pred), true
 }
 
-// ObserveFirstOutput hands an attempt's time to first output to its
-// stage's policy, when that policy learns from it (deadline). Safe for
+// Pending is one attempt's place among those of this head waiting for
+// their first output on its replica, counted only on a stage whose policy
+// is deadline (the zero value counts nothing). Done ends it; call Done at
+// the attempt's first output and again, harmlessly, when it ends. One
+// attempt's: not safe for concurrent use.
+type Pending struct {
+	r     *Replica
+	p     *Deadline
+	ahead int64   // attempts waiting on r when this one started
+	slot  float64 // the slot wait predicted then, seconds
+	score int64   // the replica's load score then (DeadlineModelLoad)
+	done  bool
+}
+
+// StartFirstOutput counts an attempt starting on r, before it takes its
+// slot (Replica.Acquire), among those waiting for their first output.
+// Safe for concurrent use.
+func (rt *Router) StartFirstOutput(r *Replica) Pending {
+	p, ok := rt.stages[r.Key.Stage].Policy.(*Deadline)
+	if !ok {
+		return Pending{}
+	}
+	sc := newScorer([]*Replica{r}, p.MaxAge)
+	slot := p.slotWait(r, &sc)
+	return Pending{r: r, p: p, ahead: max(r.deadline.pending.Add(1)-1, 0), slot: slot, score: sc.score(r)}
+}
+
+// Done takes the attempt out of its replica's count; only the first call
+// counts.
+func (w *Pending) Done() {
+	if !w.done && w.r != nil {
+		w.done = true
+		w.r.deadline.pending.Add(-1)
+	}
+}
+
+// ObserveFirstOutput hands the time to first output of the attempt counted
+// by at to its stage's policy (at's zero value: none). Safe for
 // concurrent use.
-func (rt *Router) ObserveFirstOutput(d Decision, ttft time.Duration) {
-	if p, ok := rt.stages[d.Replica.Key.Stage].Policy.(*Deadline); ok && ttft > 0 {
-		p.Observe(d.Replica, d, ttft)
+func (rt *Router) ObserveFirstOutput(at Pending, ttft time.Duration) {
+	if at.p != nil && ttft > 0 {
+		at.p.Observe(at.r, at, ttft)
+	}
+}
+
+// ObserveHold hands how long an attempt on r held its slot to its stage's
+// policy, when that policy learns from it (deadline). Safe for concurrent
+// use.
+func (rt *Router) ObserveHold(r *Replica, d time.Duration) {
+	if p, ok := rt.stages[r.Key.Stage].Policy.(*Deadline); ok && d > 0 {
+		p.ObserveHold(r, d)
 	}
 }
 

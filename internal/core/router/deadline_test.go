@@ -9,11 +9,10 @@ import (
 )
 
 // observe feeds p the first-output times measured on c (one per replica),
-// each at the load the replica has now.
+// each of an attempt that started with none ahead of it.
 func observe(p *Deadline, c []*Replica, ttft ...time.Duration) {
-	sc := newScorer(c, 0)
 	for i, r := range c {
-		p.Observe(r, Decision{Replica: r, Score: sc.score(r)}, ttft[i])
+		p.Observe(r, Pending{}, ttft[i])
 	}
 }
 
@@ -57,39 +56,104 @@ func TestDeadlineAvoidsTheSlowReplica(t *testing.T) {
 	assert.NotEqual(t, c[3], p.Pick(&Request{Deadline: time.Now().Add(100 * time.Millisecond)}, c).Replica)
 }
 
-// The prediction grows with load: unit × (1 + score/capacity), the unit
-// learned from observations at their own load.
-func TestDeadlinePredictionScalesWithLoad(t *testing.T) {
-	p := &Deadline{Options: DeadlineOptions{Capacity: 2}}
+// The prediction counts the attempts waiting for their first output on a
+// replica: unit × (pending + 1), the unit learned from each observation
+// divided by the attempts that were waiting when it started, itself
+// included; so a replica with two prefills queued loses a tight target to
+// a busier one with none, which least_loaded would not do.
+func TestDeadlinePredictionCountsPendingFirstOutputs(t *testing.T) {
+	p := &Deadline{Options: DeadlineOptions{Capacity: 8}}
+	rt := New([]StageRouting{{Policy: p}}, nil, nil)
 	c := replicas(2)
-	// Observed 60 ms while 2 requests were ahead: unit 30 ms.
-	p.Observe(c[0], Decision{Replica: c[0], Score: 2}, 60*time.Millisecond)
-	pred, bound := p.predict(c[0], 0, 0)
-	got := seconds(pred)
-	assert.Equal(t, pred, bound, "no deviation seen yet")
-	assert.InDelta(t, float64(30*time.Millisecond), float64(got), float64(time.Millisecond), "idle: the unit")
-	for range 4 {
-		c[0].Acquire()
-	}
-	d := p.Pick(&Request{Deadline: time.Now().Add(time.Second)}, c[:1])
-	assert.InDelta(t, float64(90*time.Millisecond), float64(d.Predicted), float64(time.Millisecond), "4 ahead at capacity 2: 3 units")
-	assert.Equal(t, int64(4), d.Score)
+	first := rt.StartFirstOutput(c[0])
+	second := rt.StartFirstOutput(c[0])
+	assert.Equal(t, int64(1), second.ahead, "one attempt waiting ahead of the second")
+	first.Done()
+	rt.ObserveFirstOutput(first, 20*time.Millisecond)
+	second.Done()
+	second.Done() // only the first Done counts
+	rt.ObserveFirstOutput(second, 40*time.Millisecond)
+	assert.Equal(t, int64(0), c[0].deadline.pending.Load())
+	assert.InDelta(t, 0.020, loadFloat(&c[0].deadline.unit), 1e-9, "40 ms with one ahead: a unit of 20 ms")
+	assert.Zero(t, loadFloat(&c[0].deadline.dev), "both observations agree")
+	got, ok := rt.PredictedFirstOutput(c[0])
+	require.True(t, ok)
+	assert.InDelta(t, float64(20*time.Millisecond), float64(got), float64(time.Microsecond), "none waiting: one unit")
 
-	// c[1] was never observed: it takes the mean unit of those that were.
+	queued := []Pending{rt.StartFirstOutput(c[0]), rt.StartFirstOutput(c[0])}
+	got, _ = rt.PredictedFirstOutput(c[0])
+	assert.InDelta(t, float64(60*time.Millisecond), float64(got), float64(time.Microsecond), "two waiting: three units")
+	for range 3 {
+		c[1].Acquire()
+		defer c[1].Release()
+	}
+	assert.Equal(t, c[0], LeastLoaded{}.Pick(&Request{}, c).Replica)
+	d := p.Pick(&Request{Deadline: time.Now().Add(50 * time.Millisecond)}, c)
+	assert.Equal(t, c[1], d.Replica, "busier, but decoding: its first output comes in time (the mean unit, 20 ms)")
+	assert.Equal(t, ReasonDeadline, d.Reason)
+	assert.InDelta(t, float64(20*time.Millisecond), float64(d.Predicted), float64(time.Microsecond))
 	d = p.Pick(&Request{Deadline: time.Now().Add(time.Second)}, c)
-	assert.Equal(t, c[1], d.Replica)
-	assert.InDelta(t, float64(30*time.Millisecond), float64(d.Predicted), float64(time.Millisecond))
+	assert.Equal(t, c[1], d.Replica, "both in time: the one with fewer first outputs pending")
+	for i := range queued {
+		queued[i].Done()
+	}
+	assert.Equal(t, int64(0), c[0].deadline.pending.Load())
+	d = p.Pick(&Request{Deadline: time.Now().Add(time.Second)}, c)
+	assert.Equal(t, c[0], d.Replica, "none pending anywhere: the least loaded")
 
 	// Later observations move the average by deadlineAlpha, and the
-	// deviation from 0.
-	p.Observe(c[0], Decision{Replica: c[0], Score: 0}, 130*time.Millisecond)
-	u := 0.030 + deadlineAlpha*(0.130-0.030)
+	// deviation from 0; the in-time check adds the margin to the unit.
+	p.Observe(c[0], Pending{}, 35*time.Millisecond)
+	u := 0.020 + deadlineAlpha*(0.035-0.020)
 	assert.InDelta(t, u, loadFloat(&c[0].deadline.unit), 1e-9)
-	dev := deadlineAlpha * 0.100
+	dev := deadlineAlpha * 0.015
 	assert.InDelta(t, dev, loadFloat(&c[0].deadline.dev), 1e-9)
-	pred, bound = p.predict(c[0], 2, 0)
+	c[0].deadline.pending.Add(1)
+	sc := newScorer(c, 0)
+	pred, bound := p.predict(c[0], &sc, 0)
+	c[0].deadline.pending.Add(-1)
 	assert.InDelta(t, u*2, pred, 1e-9)
-	assert.InDelta(t, (u+DeadlineMargin*dev)*2, bound, 1e-9, "the in-time check adds the margin")
+	assert.InDelta(t, (u+DeadlineMargin*dev)*2, bound, 1e-9)
+
+	// One stalled observation counts as deadlineMaxJump units at most.
+	p.Observe(c[0], Pending{}, time.Second)
+	assert.InDelta(t, u+deadlineAlpha*(deadlineMaxJump*u-u), loadFloat(&c[0].deadline.unit), 1e-9, "a stall of 1 s does not spoil the unit")
+
+	// A stage routed otherwise counts nothing; the zero Pending's Done is
+	// harmless.
+	other := New([]StageRouting{{Policy: LeastLoaded{}}}, nil, nil)
+	w := other.StartFirstOutput(c[0])
+	w.Done()
+	assert.Equal(t, int64(0), c[0].deadline.pending.Load())
+}
+
+// A replica running Capacity requests or more adds the wait for a slot:
+// (occupancy − capacity + 1) × hold / capacity, hold being how long an
+// attempt holds one; an observation made behind that wait learns the unit
+// without it.
+func TestDeadlinePredictionWaitsForASlot(t *testing.T) {
+	p := &Deadline{Options: DeadlineOptions{Capacity: 2}}
+	rt := New([]StageRouting{{Policy: p}}, nil, nil)
+	c := replicas(1)
+	p.Observe(c[0], Pending{}, 30*time.Millisecond)
+	rt.ObserveHold(c[0], 100*time.Millisecond)
+	c[0].Acquire()
+	got, _ := rt.PredictedFirstOutput(c[0])
+	assert.InDelta(t, float64(30*time.Millisecond), float64(got), float64(time.Microsecond), "a slot free")
+	for range 2 {
+		c[0].Acquire()
+	}
+	c[0].SetLoad(1) // the engine reports less than this head's in flight: the larger counts
+	got, _ = rt.PredictedFirstOutput(c[0])
+	assert.InDelta(t, float64(130*time.Millisecond), float64(got), float64(time.Microsecond), "3 running at capacity 2: 2 × 100 ms / 2 to wait")
+	w := rt.StartFirstOutput(c[0])
+	assert.InDelta(t, 0.100, w.slot, 1e-9)
+	for range 3 {
+		c[0].Release()
+	}
+	w.Done()
+	rt.ObserveFirstOutput(w, 130*time.Millisecond)
+	assert.InDelta(t, 0.030, loadFloat(&c[0].deadline.unit), 1e-9, "the slot wait is not the unit's")
 }
 
 // A replica whose first outputs vary is trusted with a tight target only
@@ -99,12 +163,12 @@ func TestDeadlineMarginForVariance(t *testing.T) {
 	p := &Deadline{}
 	c := replicas(2)
 	for i := range 40 {
-		p.Observe(c[0], Decision{}, 30*time.Millisecond)
+		p.Observe(c[0], Pending{}, 30*time.Millisecond)
 		jitter := 20 * time.Millisecond
 		if i%2 == 0 {
 			jitter = -jitter
 		}
-		p.Observe(c[1], Decision{}, 30*time.Millisecond+jitter)
+		p.Observe(c[1], Pending{}, 30*time.Millisecond+jitter)
 	}
 	c[0].Acquire()
 	defer c[0].Release()
@@ -204,9 +268,34 @@ func TestDeadlineProbesWhileShedding(t *testing.T) {
 
 	// The probe's outcome, fast again, reopens the replica to targets.
 	for range 10 {
-		p.Observe(c[1], Decision{Replica: c[1]}, 10*time.Millisecond)
+		p.Observe(c[1], Pending{}, 10*time.Millisecond)
 	}
 	d = p.Pick(late, c)
 	assert.Equal(t, ReasonDeadline, d.Reason)
 	assert.Equal(t, c[1], d.Replica)
+}
+
+// The load model (deadline.model: load) predicts unit × (1 + score/capacity)
+// whatever waits for a first output, its unit learned over the same factor
+// at the attempt's start.
+func TestDeadlineLoadModel(t *testing.T) {
+	p := &Deadline{Options: DeadlineOptions{Capacity: 2, Model: DeadlineModelLoad}}
+	rt := New([]StageRouting{{Policy: p}}, nil, nil)
+	c := replicas(1)
+	for range 2 {
+		c[0].Acquire()
+		defer c[0].Release()
+	}
+	w := rt.StartFirstOutput(c[0])
+	assert.Equal(t, int64(2), w.score)
+	w.Done()
+	rt.ObserveFirstOutput(w, 60*time.Millisecond)
+	assert.InDelta(t, 0.030, loadFloat(&c[0].deadline.unit), 1e-9, "60 ms at load 2, capacity 2: a unit of 30 ms")
+	queued := rt.StartFirstOutput(c[0])
+	defer queued.Done()
+	got, _ := rt.PredictedFirstOutput(c[0])
+	assert.InDelta(t, float64(60*time.Millisecond), float64(got), float64(time.Microsecond), "blind to the queued first output")
+	assert.NoError(t, CheckDeadlineModel(""))
+	assert.NoError(t, CheckDeadlineModel(DeadlineModelLoad))
+	assert.Error(t, CheckDeadlineModel("psychic"))
 }

@@ -152,3 +152,61 @@ func TestDeadlineAudioRate(t *testing.T) {
 		}
 	}
 }
+
+// The deadline policy's prediction is queue-aware, seen from the front
+// door: while two requests wait for their first token on the one replica,
+// /v1/replicas predicts a new one three prefills away (its own and the two
+// ahead), not a load factor's fraction more; once they have answered, the
+// count is back to none (the prediction to one unit).
+func TestDeadlinePredictionQueueAware(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{
+		Pipeline: orchestrator.Pipeline{Model: model, Stages: []orchestrator.Stage{
+			{Name: "thinker", Policy: "deadline", Deadline: &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: 30 * time.Second}}},
+		}},
+		ReplicasPerStage: 1,
+		// About 200 ms of prefill for the prompt below.
+		Sim: sim.Config{PrefillTokensPerSec: 1000},
+	})
+	a := startAPI(t, c, Config{}, nil, nil)
+	client := a.openai()
+	prompt := strings.Repeat("tell me about the weather ", 40)
+	chat := func() error {
+		_, err := client.Chat.Completions.New(testCtx(t), openai.ChatCompletionNewParams{
+			Model:               model,
+			Messages:            []openai.ChatCompletionMessageParamUnion{openai.UserMessage(prompt)},
+			MaxCompletionTokens: openai.Int(2),
+		})
+		return err
+	}
+	predicted := func() float64 {
+		resp, body := a.do(t, "GET", "/v1/replicas", nil, nil)
+		require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
+		var list struct {
+			Data []struct {
+				Predicted *float64 `json:"predicted_first_output_s"`
+			} `json:"data"`
+		}
+		require.NoError(t, json.Unmarshal(body, &list))
+		require.Len(t, list.Data, 1)
+		require.NotNil(t, list.Data[0].Predicted)
+		return *list.Data[0].Predicted
+	}
+
+	require.NoError(t, chat())
+	unit := predicted()
+	require.Greater(t, unit, 0.05, "the prefill is learned")
+
+	errs := make(chan error, 2)
+	for range 2 {
+		go func() { errs <- chat() }()
+	}
+	var peak float64
+	require.Eventually(t, func() bool {
+		peak = max(peak, predicted())
+		return peak >= 2.9*unit
+	}, 30*time.Second, time.Millisecond, "two first tokens pending: three units (%.3f s each); the most seen %.3f s", unit, peak)
+	for range 2 {
+		require.NoError(t, <-errs)
+	}
+	assert.Less(t, predicted(), 0.75*peak, "none pending once both answered")
+}

@@ -47,6 +47,10 @@ type Config struct {
 	// Timeout bounds one request (0: none).
 	Timeout time.Duration `json:"timeout_ns,omitempty"`
 	SLO     SLO           `json:"slo"`
+	// Deadline, when set, is sent as every request's X-Troupe-Deadline
+	// header (e.g. "ttft=50ms,ttfa=800ms": targets a troupe head routes and
+	// admits on; docs/api.md, Deadlines).
+	Deadline string `json:"deadline,omitempty"`
 }
 
 // Progress is a run's state, reported about once a second.
@@ -110,7 +114,7 @@ func Run(ctx context.Context, cfg Config, progress func(Progress)) (RunResult, e
 	transport := &http.Transport{MaxIdleConnsPerHost: 4096, ForceAttemptHTTP2: false}
 	defer transport.CloseIdleConnections()
 	c := &client{http: &http.Client{Transport: transport}, url: ChatURL(cfg.BaseURL), model: cfg.Model, apiKey: cfg.APIKey,
-		voice: cfg.Voice, sampleRate: cfg.SampleRate, ignoreEOS: cfg.IgnoreEOS, timeout: cfg.Timeout}
+		voice: cfg.Voice, sampleRate: cfg.SampleRate, ignoreEOS: cfg.IgnoreEOS, timeout: cfg.Timeout, deadline: cfg.Deadline}
 	gen := newGenerator(cfg)
 	r := &runner{cfg: cfg, client: c, gen: gen, start: time.Now()}
 

@@ -71,6 +71,7 @@ type client struct {
 	sampleRate int
 	ignoreEOS  bool
 	timeout    time.Duration
+	deadline   string // the X-Troupe-Deadline header; "" sends none
 }
 
 type chatBody struct {
@@ -111,6 +112,9 @@ func (c *client) do(ctx context.Context, req Request) Record {
 	hreq.Header.Set("Content-Type", "application/json")
 	if c.apiKey != "" {
 		hreq.Header.Set("Authorization", "Bearer "+c.apiKey)
+	}
+	if c.deadline != "" {
+		hreq.Header.Set("X-Troupe-Deadline", c.deadline)
 	}
 	start := time.Now()
 	since := func() float64 { return float64(time.Since(start)) / float64(time.Millisecond) }
