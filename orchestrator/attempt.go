@@ -348,7 +348,7 @@ func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err 
 	ctx, cancel := context.WithCancelCause(ctx)
 	wait := func() {}
 	defer func() { cancel(context.Canceled); wait() }()
-	stall := newStallWatch(h.cfg.StallTimeout, cancel, a.rep.LoadAt)
+	stall := newStallWatch(h.cfg.StallTimeout, cancel, a.replicaAlive)
 	defer stall.stop()
 
 	a.rep.Acquire()
@@ -385,6 +385,21 @@ func (h *Head) startAttemptSpan(ctx context.Context, a *attemptRun) context.Cont
 	return ctx
 }
 
+// replicaAlive is when the attempt's replica last showed this head that
+// it works, on any of its requests: the latest frame its Multiplex stream
+// brought (read by the head at once, whoever reads the call), or the
+// latest load report in a chunk an attempt took (every chunk carries
+// one).
+func (a *attemptRun) replicaAlive() time.Time {
+	at := a.rep.LoadAt()
+	if m := a.rep.Mux; m != nil {
+		if f := m.LastFrame(); f.After(at) {
+			at = f
+		}
+	}
+	return at
+}
+
 // sampling is what the attempt reports of its sampling parameters (span
 // attributes, stats): its request's, or for a stage fed by the stage
 // before, the client's.
@@ -411,8 +426,8 @@ func (a *attemptRun) sampling() *stagepb.SamplingParams {
 //
 // And it measures the replica, not the request: when the clock runs out
 // the attempt fails only if the replica also showed no sign of life for
-// the stall timeout (alive: its latest report to this head, which every
-// chunk of any of its requests carries). A replica that goes on answering
+// the stall timeout (alive: attemptRun.replicaAlive, the latest frame or
+// chunk of any of its requests). A replica that goes on answering
 // other requests while this one makes no progress is loaded, not frozen:
 // the request was preempted (its KV blocks taken back until others end)
 // or waits in the engine's queue, and another replica would do no better.

@@ -346,6 +346,9 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		// buffer every message sent for a retry that is never wanted.
 		grpc.WithDisableRetry(),
 	}
+	// Fixed flow-control windows: what the head may hold of a stream
+	// nobody reads (docs/architecture.md, "Transport").
+	dialOpts = append(dialOpts, orchestrator.FlowControlDialOptions()...)
 	if token != "" {
 		dialOpts = append(dialOpts, clusterauth.DialOption(token))
 	}

@@ -94,6 +94,19 @@ type Client struct {
 	cur    *muxStream // nil: none open
 	closed bool
 	wg     sync.WaitGroup // readers
+
+	lastFrame atomic.Int64 // unix nanoseconds of the latest chunk or end read; 0: none
+}
+
+// LastFrame is when the client last read a chunk or a call's end from the
+// worker, for any of its calls (zero: never): a sign that the worker is
+// alive and working, whether or not the calls' callers read what came.
+// The head's stall clock asks it (orchestrator's stallWatch).
+func (c *Client) LastFrame() time.Time {
+	if ns := c.lastFrame.Load(); ns != 0 {
+		return time.Unix(0, ns)
+	}
+	return time.Time{}
 }
 
 // NewClient returns a Client over client; it opens no stream until the
@@ -111,6 +124,7 @@ type limits struct{ call, stream int }
 type muxStream struct {
 	s      grpc.BidiStreamingClient[stagepb.MuxFrame, stagepb.MuxFrame]
 	limits limits
+	last   *atomic.Int64   // the Client's lastFrame
 	ctx    context.Context // the stream's; done once it is closed or broken
 	cancel context.CancelFunc
 	sendMu sync.Mutex // serializes Send
@@ -201,7 +215,7 @@ func (c *Client) stream(opts []grpc.CallOption) (*muxStream, error) {
 		cancel()
 		return nil, err
 	}
-	st := &muxStream{s: s, limits: c.limits, ctx: ctx, cancel: cancel, calls: map[uint64]*Call{}}
+	st := &muxStream{s: s, limits: c.limits, last: &c.lastFrame, ctx: ctx, cancel: cancel, calls: map[uint64]*Call{}}
 	c.cur = st
 	c.wg.Add(1)
 	go func() {
@@ -240,6 +254,7 @@ func (st *muxStream) read() {
 		if f.GetChunk() == nil && f.GetEnd() == nil {
 			continue // says nothing
 		}
+		st.last.Store(time.Now().UnixNano())
 		st.mu.Lock()
 		call := st.calls[f.GetId()]
 		st.mu.Unlock()
