@@ -662,3 +662,30 @@ func TestACallsOfAConnectionHoldAtMostItsBudget(t *testing.T) {
 	}
 	assert.Zero(t, mux.cur.queued.Load(), "closed calls hold nothing")
 }
+
+// TestLastFrameSaysTheWorkerWorksWhetherOrNotACallIsRead: LastFrame is
+// zero before any frame, and moves on as the worker's frames arrive, also
+// when nobody reads the call they belong to (the head's stall clock asks
+// it about a replica whose other calls wait on their readers).
+func TestLastFrameSaysTheWorkerWorksWhetherOrNotACallIsRead(t *testing.T) {
+	svc := &service{generate: echo}
+	mux := NewClient(start(t, svc))
+	defer mux.Close()
+	ctx := testContext(t)
+	assert.True(t, mux.LastFrame().IsZero(), "no frame yet")
+
+	before := time.Now()
+	unread, err := mux.Generate(ctx, request("unread", 3), nil)
+	require.NoError(t, err)
+	defer unread.Close()
+	require.Eventually(t, func() bool { return !mux.LastFrame().Before(before) }, 10*time.Second, time.Millisecond,
+		"a frame of a call nobody reads counts")
+
+	first := mux.LastFrame()
+	call, err := mux.Generate(ctx, request("read", 2), nil)
+	require.NoError(t, err)
+	texts, err := drain(call)
+	require.NoError(t, err)
+	assert.Len(t, texts, 2)
+	assert.False(t, mux.LastFrame().Before(first), "later frames move it on")
+}
