@@ -351,7 +351,7 @@ func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err 
 	ctx, cancel := context.WithCancelCause(ctx)
 	wait := func() {}
 	defer func() { cancel(context.Canceled); wait() }()
-	stall := newStallWatch(h.cfg.StallTimeout, cancel)
+	stall := newStallWatch(h.cfg.StallTimeout, cancel, a.replicaAlive)
 	defer stall.stop()
 
 	a.pending = h.router.StartFirstOutput(a.rep)
@@ -390,6 +390,21 @@ func (h *Head) startAttemptSpan(ctx context.Context, a *attemptRun) context.Cont
 	return ctx
 }
 
+// replicaAlive is when the attempt's replica last showed this head that
+// it works, on any of its requests: the latest frame its Multiplex stream
+// brought (read by the head at once, whoever reads the call), or the
+// latest load report in a chunk an attempt took (every chunk carries
+// one).
+func (a *attemptRun) replicaAlive() time.Time {
+	at := a.rep.LoadAt()
+	if m := a.rep.Mux; m != nil {
+		if f := m.LastFrame(); f.After(at) {
+			at = f
+		}
+	}
+	return at
+}
+
 // sampling is what the attempt reports of its sampling parameters (span
 // attributes, stats): its request's, or for a stage fed by the stage
 // before, the client's.
@@ -413,21 +428,65 @@ func (a *attemptRun) sampling() *stagepb.SamplingParams {
 // has not made yet, and restarts in full when the wait ends. A replica
 // that is not read cannot send, and one that is not fed cannot go on:
 // that is the client's or the stage before's doing, never the replica's.
+//
+// And it measures the replica, not the request: when the clock runs out
+// the attempt fails only if the replica also showed no sign of life for
+// the stall timeout (alive: attemptRun.replicaAlive, the latest frame or
+// chunk of any of its requests). A replica that goes on answering
+// other requests while this one makes no progress is loaded, not frozen:
+// the request was preempted (its KV blocks taken back until others end)
+// or waits in the engine's queue, and another replica would do no better.
+// Such a request waits, as long as its deadline allows; one that a live
+// replica never serves again is not caught by the stall timeout.
 // Safe for concurrent use (the delivery loop and the input sender both
 // pause it).
 type stallWatch struct {
 	mu      sync.Mutex
 	timer   *time.Timer
 	timeout time.Duration
-	started bool // the replica has shown work: the clock runs
-	waits   int  // waits on others under way: the clock stands
-	stopped bool // the attempt ended: nothing restarts the clock
+	cancel  context.CancelCauseFunc
+	alive   func() time.Time // when the replica last showed life; nil: never asked
+	since   time.Time        // when the clock last (re)started
+	started bool             // the replica has shown work: the clock runs
+	waits   int              // waits on others under way: the clock stands
+	stopped bool             // the attempt ended: nothing restarts the clock
 }
 
-func newStallWatch(timeout time.Duration, cancel context.CancelCauseFunc) *stallWatch {
-	t := time.AfterFunc(timeout, func() { cancel(errStalled) })
-	t.Stop()
-	return &stallWatch{timer: t, timeout: timeout}
+func newStallWatch(timeout time.Duration, cancel context.CancelCauseFunc, alive func() time.Time) *stallWatch {
+	s := &stallWatch{timeout: timeout, cancel: cancel, alive: alive}
+	s.timer = time.AfterFunc(timeout, s.fire)
+	s.timer.Stop()
+	return s
+}
+
+// fire is the clock running out: the attempt is cancelled with errStalled
+// unless the clock was restarted or stopped meanwhile (a timer that fires
+// as it is reset) or the replica showed life within the stall timeout;
+// then the clock is set to run out a stall timeout after the later of
+// the two.
+func (s *stallWatch) fire() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.stopped || s.waits > 0 || !s.started {
+		return
+	}
+	last := s.since
+	if s.alive != nil {
+		if at := s.alive(); at.After(last) {
+			last = at
+		}
+	}
+	if left := s.timeout - time.Since(last); left > 0 {
+		s.timer.Reset(left)
+		return
+	}
+	s.cancel(errStalled)
+}
+
+// restartLocked starts the clock in full.
+func (s *stallWatch) restartLocked() {
+	s.since = time.Now()
+	s.timer.Reset(s.timeout)
 }
 
 // progress (re)starts the clock, unless the attempt waits on others.
@@ -436,7 +495,7 @@ func (s *stallWatch) progress() {
 	defer s.mu.Unlock()
 	s.started = true
 	if s.waits == 0 && !s.stopped {
-		s.timer.Reset(s.timeout)
+		s.restartLocked()
 	}
 }
 
@@ -455,7 +514,7 @@ func (s *stallWatch) resume() {
 	defer s.mu.Unlock()
 	s.waits--
 	if s.waits == 0 && s.started && !s.stopped {
-		s.timer.Reset(s.timeout)
+		s.restartLocked()
 	}
 }
 

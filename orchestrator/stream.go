@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/troupe-serving/troupe/internal/core/router"
@@ -376,4 +377,32 @@ func (h *Head) header(sr *stageRun, role string, units uint32, p piece) *stagepb
 	}
 	r.OutputCodesPerChunk = h.segmentUnits(sr.stage, sr.n, stagepb.RoleCodes)
 	return &stagepb.StreamInput{Request: r, SegmentUnits: units}
+}
+
+// The head's flow-control windows on its connections to replicas
+// (FlowControlDialOptions). gRPC would otherwise grow a stream's receive
+// window with its bandwidth-delay estimate, up to 16 MiB: that much of a
+// stage's output per stream the head could hold while nobody reads it (a
+// client that does not read, and through it the stages before). Fixed
+// windows bound it, and bound nothing else that matters here:
+//
+//   - StreamWindow, 64 KiB (gRPC's least, HTTP/2's initial): a stream
+//     carries at most a window per round trip, 64 MiB/s at a LAN's 1 ms and
+//     1.3 MiB/s at 50 ms, against 48 KB/s of 24 kHz PCM16 audio and far less
+//     text or codes. The head holds at most this much received and unread
+//     per stream (GenerateStream of a fed stage; a replica's Multiplex
+//     stream, which the head reads at once, see pkg/stagemux).
+//   - ConnWindow, 4 MiB: what all the streams of one connection carry per
+//     round trip (4 GiB/s at 1 ms, 80 MiB/s at 50 ms: 1,700 audio streams).
+//     gRPC gives it back as data arrives, not as it is read, so it holds
+//     nothing of its own.
+const (
+	StreamWindow = 64 << 10
+	ConnWindow   = 4 << 20
+)
+
+// FlowControlDialOptions are the dial options that set the head's windows
+// (StreamWindow, ConnWindow); they turn gRPC's window estimate off.
+func FlowControlDialOptions() []grpc.DialOption {
+	return []grpc.DialOption{grpc.WithInitialWindowSize(StreamWindow), grpc.WithInitialConnWindowSize(ConnWindow)}
 }

@@ -275,11 +275,28 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 // instead of 2× halves the GC work for a few more MB (docs/benchmarks.md).
 const headGCPercent = 400
 
-// setHeadGC applies headGCPercent when GOGC is not set: the operator's
-// GOGC (and GOMEMLIMIT, which the runtime reads itself) win.
+// headMemoryLimit is the head's soft memory limit (GOMEMLIMIT) unless the
+// environment sets one. At headGCPercent the heap grows to 5× the live
+// heap between collections; that is cheap while the live heap is small,
+// but with many streams in flight (each holds about 0.3 MiB live while
+// its client does not read: windows between the stages, input logs kept
+// for a retry) it multiplies: 200 unread audio streams took the head to
+// 365 MiB of RSS over a 69 MiB live heap. The limit makes the collector
+// run more often as the heap nears it, so the head's memory follows its
+// live heap, not 5× it (docs/reliability.md, "Memory of streams nobody
+// reads"). It is soft: a live heap above it is not refused, only
+// collected harder (the runtime caps that at half the CPU).
+const headMemoryLimit = 512 << 20
+
+// setHeadGC applies headGCPercent when GOGC is not set and headMemoryLimit
+// when GOMEMLIMIT is not: the operator's GOGC and GOMEMLIMIT (which the
+// runtime reads itself) win.
 func setHeadGC() {
 	if _, ok := os.LookupEnv("GOGC"); !ok {
 		debug.SetGCPercent(headGCPercent)
+	}
+	if _, ok := os.LookupEnv("GOMEMLIMIT"); !ok {
+		debug.SetMemoryLimit(headMemoryLimit)
 	}
 }
 
@@ -346,6 +363,9 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		// buffer every message sent for a retry that is never wanted.
 		grpc.WithDisableRetry(),
 	}
+	// Fixed flow-control windows: what the head may hold of a stream
+	// nobody reads (docs/architecture.md, "Transport").
+	dialOpts = append(dialOpts, orchestrator.FlowControlDialOptions()...)
 	if token != "" {
 		dialOpts = append(dialOpts, clusterauth.DialOption(token))
 	}

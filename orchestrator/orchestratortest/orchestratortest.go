@@ -158,7 +158,8 @@ func Start(t testing.TB, opts Options) *Cluster {
 // calls before first.
 func (c *Cluster) startHead(t testing.TB, metrics, statsMetrics *prometheus.Registry, before func()) *orchestrator.Head {
 	t.Helper()
-	dialOpts := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, c.opts.HeadDialOptions...)
+	dialOpts := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, orchestrator.FlowControlDialOptions()...)
+	dialOpts = append(dialOpts, c.opts.HeadDialOptions...)
 	cfg := orchestrator.Config{
 		Pipeline:          c.opts.Pipeline,
 		Policy:            c.opts.Policy,

@@ -94,23 +94,37 @@ type Client struct {
 	cur    *muxStream // nil: none open
 	closed bool
 	wg     sync.WaitGroup // readers
+
+	lastFrame atomic.Int64 // unix nanoseconds of the latest chunk or end read; 0: none
+}
+
+// LastFrame is when the client last read a chunk or a call's end from the
+// worker, for any of its calls (zero: never): a sign that the worker is
+// alive and working, whether or not the calls' callers read what came.
+// The head's stall clock asks it (orchestrator's stallWatch).
+func (c *Client) LastFrame() time.Time {
+	if ns := c.lastFrame.Load(); ns != 0 {
+		return time.Unix(0, ns)
+	}
+	return time.Time{}
 }
 
 // NewClient returns a Client over client; it opens no stream until the
 // first call.
 func NewClient(client stagepb.StageServiceClient) *Client {
-	return &Client{client: client, limits: limits{call: maxQueuedBytes, stream: maxStreamQueuedBytes}}
+	return &Client{client: client, limits: limits{call: maxQueuedBytes, stream: maxStreamQueuedBytes, decoded: compactAfter}}
 }
 
 // limits are the output a stream's calls may hold queued: each
-// (maxQueuedBytes), and all together (maxStreamQueuedBytes); tests make
-// them smaller.
-type limits struct{ call, stream int }
+// (maxQueuedBytes), and all together (maxStreamQueuedBytes), and how many
+// frames a call's queue holds decoded (compactAfter); tests change them.
+type limits struct{ call, stream, decoded int }
 
 // muxStream is one Multiplex stream and its running calls.
 type muxStream struct {
 	s      grpc.BidiStreamingClient[stagepb.MuxFrame, stagepb.MuxFrame]
 	limits limits
+	last   *atomic.Int64   // the Client's lastFrame
 	ctx    context.Context // the stream's; done once it is closed or broken
 	cancel context.CancelFunc
 	sendMu sync.Mutex // serializes Send
@@ -201,7 +215,7 @@ func (c *Client) stream(opts []grpc.CallOption) (*muxStream, error) {
 		cancel()
 		return nil, err
 	}
-	st := &muxStream{s: s, limits: c.limits, ctx: ctx, cancel: cancel, calls: map[uint64]*Call{}}
+	st := &muxStream{s: s, limits: c.limits, last: &c.lastFrame, ctx: ctx, cancel: cancel, calls: map[uint64]*Call{}}
 	c.cur = st
 	c.wg.Add(1)
 	go func() {
@@ -240,6 +254,7 @@ func (st *muxStream) read() {
 		if f.GetChunk() == nil && f.GetEnd() == nil {
 			continue // says nothing
 		}
+		st.last.Store(time.Now().UnixNano())
 		st.mu.Lock()
 		call := st.calls[f.GetId()]
 		st.mu.Unlock()
@@ -350,7 +365,7 @@ type Call struct {
 	ready chan struct{} // a token when frames were queued since Recv last looked
 
 	mu     sync.Mutex // guards the queue, from the reader to Recv
-	frames []*stagepb.MuxFrame
+	frames []queuedFrame
 	bytes  int   // output held by frames, counted in st.queued too
 	failed error // set when the call fell too far behind: Recv returns it after the queue
 	gone   bool  // Close was called: frames are dropped
@@ -358,6 +373,24 @@ type Call struct {
 	end    *stagepb.MuxEnd // an end that came with the last chunk, for the next Recv
 	closed bool
 }
+
+// queuedFrame is a frame waiting for Recv: decoded (f), or past
+// compactAfter frames in the queue, encoded (raw), which takes a few
+// times less memory than the decoded chunk and its stats. n is what it
+// counts (queuedBytes).
+type queuedFrame struct {
+	f   *stagepb.MuxFrame
+	raw []byte
+	n   int
+}
+
+// compactAfter is how many frames a call's queue holds decoded; the later
+// ones wait encoded until Recv takes them. A call read as its frames come
+// never has that many waiting; one whose reader waits (the head's attempt
+// blocked on the next stage or the client) may queue the rest of its
+// answer, a frame a token, and its memory is then mostly that of the
+// encoded frames.
+const compactAfter = 32
 
 // queue adds f, counting n bytes, for Recv; false when that takes the
 // call past its limit, which fails it.
@@ -370,7 +403,13 @@ func (c *Call) queue(f *stagepb.MuxFrame, n int) bool {
 	if c.bytes+n > c.st.limits.call {
 		c.failLocked(errQueueFull(c.st.limits.call, "the call's"))
 	} else {
-		c.frames = append(c.frames, f)
+		q := queuedFrame{f: f, n: n}
+		if len(c.frames) >= c.st.limits.decoded {
+			if raw, err := proto.Marshal(f); err == nil {
+				q = queuedFrame{raw: raw, n: n}
+			}
+		}
+		c.frames = append(c.frames, q)
 		c.bytes += n
 		c.st.queued.Add(int64(n))
 	}
@@ -423,16 +462,24 @@ func queuedBytes(f *stagepb.MuxFrame) int { return 64 + stagepb.OutputBytes(f.Ge
 // next takes the first queued frame, or the failure; nil, nil when none.
 func (c *Call) next() (*stagepb.MuxFrame, error) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	if len(c.frames) == 0 {
+		defer c.mu.Unlock()
 		return nil, c.failed
 	}
-	f := c.frames[0]
-	c.frames[0] = nil
+	q := c.frames[0]
+	c.frames[0] = queuedFrame{}
 	c.frames = c.frames[1:]
-	n := queuedBytes(f)
-	c.bytes -= n
-	c.st.queued.Add(-int64(n))
+	c.bytes -= q.n
+	c.st.queued.Add(-int64(q.n))
+	c.mu.Unlock()
+	if q.f != nil {
+		return q.f, nil
+	}
+	f := &stagepb.MuxFrame{}
+	if err := proto.Unmarshal(q.raw, f); err != nil {
+		// It was marshalled by this process from a frame that decoded.
+		return nil, status.Errorf(codes.Internal, "stagemux: decode a queued frame: %v", err)
+	}
 	return f, nil
 }
 

@@ -55,7 +55,7 @@ func start(t *testing.T, svc *service) stagepb.StageServiceClient {
 
 // startServer is start that also returns a stop of the server (waiting for
 // it), for a test that stops it first.
-func startServer(t *testing.T, svc *service) (stagepb.StageServiceClient, func()) {
+func startServer(t testing.TB, svc *service) (stagepb.StageServiceClient, func()) {
 	t.Helper()
 	if svc.stop == nil {
 		svc.stop = make(chan struct{})
@@ -661,4 +661,66 @@ func TestACallsOfAConnectionHoldAtMostItsBudget(t *testing.T) {
 		c.Close()
 	}
 	assert.Zero(t, mux.cur.queued.Load(), "closed calls hold nothing")
+}
+
+// TestLastFrameSaysTheWorkerWorksWhetherOrNotACallIsRead: LastFrame is
+// zero before any frame, and moves on as the worker's frames arrive, also
+// when nobody reads the call they belong to (the head's stall clock asks
+// it about a replica whose other calls wait on their readers).
+func TestLastFrameSaysTheWorkerWorksWhetherOrNotACallIsRead(t *testing.T) {
+	svc := &service{generate: echo}
+	mux := NewClient(start(t, svc))
+	defer mux.Close()
+	ctx := testContext(t)
+	assert.True(t, mux.LastFrame().IsZero(), "no frame yet")
+
+	before := time.Now()
+	unread, err := mux.Generate(ctx, request("unread", 3), nil)
+	require.NoError(t, err)
+	defer unread.Close()
+	require.Eventually(t, func() bool { return !mux.LastFrame().Before(before) }, 10*time.Second, time.Millisecond,
+		"a frame of a call nobody reads counts")
+
+	first := mux.LastFrame()
+	call, err := mux.Generate(ctx, request("read", 2), nil)
+	require.NoError(t, err)
+	texts, err := drain(call)
+	require.NoError(t, err)
+	assert.Len(t, texts, 2)
+	assert.False(t, mux.LastFrame().Before(first), "later frames move it on")
+}
+
+// TestAQueueThatGrowsIsKeptEncodedAndDeliveredWhole: the frames of a call
+// nobody reads wait, past compactAfter, encoded; read later, every chunk
+// comes whole and in order, and the end after them.
+func TestAQueueThatGrowsIsKeptEncodedAndDeliveredWhole(t *testing.T) {
+	svc := &service{generate: echo}
+	mux := NewClient(start(t, svc))
+	defer mux.Close()
+	ctx := testContext(t)
+	const n = 5 * compactAfter
+	call, err := mux.Generate(ctx, request("later", n), nil)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		call.mu.Lock()
+		defer call.mu.Unlock()
+		return len(call.frames) == n // the last chunk comes with the end, in one frame
+	}, 10*time.Second, time.Millisecond, "every frame queued, unread")
+	call.mu.Lock()
+	encoded := 0
+	for _, q := range call.frames {
+		if q.raw != nil {
+			encoded++
+		}
+	}
+	call.mu.Unlock()
+	assert.Equal(t, n-compactAfter, encoded, "frames past compactAfter wait encoded")
+
+	texts, err := drain(call)
+	require.NoError(t, err)
+	require.Len(t, texts, n)
+	for i, text := range texts {
+		assert.Equal(t, fmt.Sprintf("later/%d", i), text)
+	}
+	assert.Zero(t, call.queuedBytes(), "nothing counted once read")
 }
