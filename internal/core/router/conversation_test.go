@@ -135,7 +135,9 @@ func TestPrefixAwareHeadsAgreeOnConversations(t *testing.T) {
 	// The same inputs not rendered as a chat are matched on each head's
 	// own index, which holds a third of each conversation: the heads
 	// disagree and conversations move far more often.
-	flat := func(system string, turns ...string) string { return strings.ReplaceAll(chatText(system, turns...), "\n", " ") }
+	flat := func(system string, turns ...string) string {
+		return strings.ReplaceAll(chatText(system, turns...), "\n", " ")
+	}
 	_, stayed, _ := headsSim(t, 3, conversations, turns, DefaultHomeLoadWindow, flat)
 	t.Logf("3 heads, each on its own index: %.1f%%", 100*float64(stayed)/later)
 	assert.Less(t, float64(stayed), 0.75*later)
