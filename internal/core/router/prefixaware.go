@@ -455,7 +455,7 @@ func conversationKey(text string) (uint64, bool) {
 
 // homeOf is the home of conversation conv among cs (head-side mode): the
 // first replica in conv's rendezvous order whose smoothed shared load is
-// within conv's own bound, lightest + 2u·max((ReplicateFactor−1)·avg,
+// within conv's own bound, lightest + (0.5 + 2u)·max((ReplicateFactor−1)·avg,
 // ReplicateSlack), where lightest and avg are the least and the average
 // smoothed load of the candidates and u in [0, 1) is a hash of conv; and
 // that is not overloaded (its shared load now against the least one's,
@@ -467,7 +467,9 @@ func conversationKey(text string) (uint64, bool) {
 // moved while the load that moved it lasts. The per-conversation bound
 // moves a busy replica's conversations a few at a time, those with the
 // lowest bound first, to their next replica in rendezvous order, and the
-// lightest replica is always within every bound.
+// lightest replica is always within every bound. No bound is below half
+// the margin: a conversation that must sit on the lightest replica would
+// move whenever the heads' views of which one that is differ.
 func (p *PrefixAware) homeOf(conv uint64, cs []cand, sc scorer, sp *pickScratch) (home int, fallback bool) {
 	loads := slices.Grow(sp.loads[:0], len(cs))[:len(cs)]
 	sp.loads = loads
@@ -506,7 +508,7 @@ func (p *PrefixAware) homeOf(conv uint64, cs []cand, sc scorer, sp *pickScratch)
 	avg := total / float64(len(cs))
 	lightest := slices.Min(loads)
 	u := float64(mix64(conv^0x5bd1e995)>>11) / (1 << 53)
-	bound := lightest + 2*u*max(avg*(p.ReplicateFactor-1), float64(p.ReplicateSlack))
+	bound := lightest + (0.5+2*u)*max(avg*(p.ReplicateFactor-1), float64(p.ReplicateSlack))
 	// The first in rendezvous order within the bound, and the first
 	// that is also not overloaded: one pass, no sort.
 	first, home := -1, -1
