@@ -26,22 +26,23 @@ func chatText(system string, turns ...string) string {
 
 func TestConversationKey(t *testing.T) {
 	sys := strings.Repeat("a shared system prompt. ", 30)
-	k1, ok := conversationKey(chatText(sys, "first question"))
+	k2, ok := conversationKey(chatText(sys, "first question", "an answer"))
 	require.True(t, ok)
 	k3, ok := conversationKey(chatText(sys, "first question", "an answer", "a follow-up"))
 	require.True(t, ok)
-	assert.Equal(t, k1, k3, "every turn of one conversation has its key")
-	other, ok := conversationKey(chatText(sys, "another first question"))
+	assert.Equal(t, k2, k3, "every later turn of one conversation has its key")
+	other, ok := conversationKey(chatText(sys, "another first question", "an answer"))
 	require.True(t, ok)
-	assert.NotEqual(t, k1, other, "conversations that share only the system prompt differ")
+	assert.NotEqual(t, k2, other, "conversations that share only the system prompt differ")
 	u, ok := conversationKey("user: hello\nassistant: hi\nuser: more")
 	require.True(t, ok)
-	v, _ := conversationKey("user: hello")
+	v, _ := conversationKey("user: hello\nassistant: hi there\nuser: other")
 	assert.Equal(t, u, v)
 
 	for _, text := range []string{
 		"",
-		sys + "user: not a rendered chat",
+		chatText(sys, "a first turn goes with its system prompt's users"),
+		sys + "user: not a rendered chat\nassistant: no",
 		"system: only a system prompt\nassistant: and an answer",
 	} {
 		_, ok := conversationKey(text)
@@ -126,7 +127,7 @@ func TestPrefixAwareHeadsAgreeOnConversations(t *testing.T) {
 	for _, heads := range []int{1, 3} {
 		_, stayed, served := headsSim(t, heads, conversations, turns, DefaultHomeLoadWindow, chatText)
 		t.Logf("%d heads: %.1f%% of later turns where the previous went; served %v", heads, 100*float64(stayed)/later, served)
-		assert.Greater(t, float64(stayed), 0.85*later, "%d heads: turns on their previous turn's replica", heads)
+		assert.Greater(t, float64(stayed), 0.8*later, "%d heads: turns on their previous turn's replica", heads)
 		// No replica is starved (BenchmarkRouting measures the balance
 		// target under a realistic load; this model's loads are coarse).
 		for id := range uint32(4) {
@@ -148,7 +149,7 @@ func TestPrefixAwareHeadsAgreeOnConversations(t *testing.T) {
 // moves nothing, a lasting one moves the conversation to its next replica
 // in rendezvous order, the same on every head.
 func TestPrefixAwareHomeFollowsSmoothedLoad(t *testing.T) {
-	text := chatText(strings.Repeat("a system prompt. ", 30), "a question")
+	text := chatText(strings.Repeat("a system prompt. ", 30), "a question", "an answer", "another")
 	c := replicas(4)
 	for _, r := range c {
 		r.SetLoad(2)

@@ -433,18 +433,22 @@ func (p *PrefixAware) conversationOf(req *Request, cs []cand) (uint64, bool) {
 // tokenizers.ChatText renders it (one "role: content" line per message,
 // joined by "\n"): the FNV-1a hash of its opening, the text before its
 // first assistant message (the system prompt and the first user message),
-// which every turn of one conversation starts with and which another
+// which every later turn of one conversation starts with and which another
 // conversation shares only if it opens with the same words. ok is false
-// for a text that does not start with a system, developer or user message,
-// or whose opening has no user message.
+// for a first turn (no assistant message yet: it goes by the index, with
+// the other users of its system prompt, and its conversation goes home
+// from its second turn), for a text that does not start with a system,
+// developer or user message, and for one whose opening has no user
+// message.
 func conversationKey(text string) (uint64, bool) {
 	if !strings.HasPrefix(text, "system: ") && !strings.HasPrefix(text, "developer: ") && !strings.HasPrefix(text, "user: ") {
 		return 0, false
 	}
-	open := text
-	if i := strings.Index(text, "\nassistant: "); i >= 0 {
-		open = text[:i]
+	i := strings.Index(text, "\nassistant: ")
+	if i < 0 {
+		return 0, false // a first turn: nothing of its own to keep yet
 	}
+	open := text[:i]
 	if !strings.HasPrefix(open, "user: ") && !strings.Contains(open, "\nuser: ") {
 		return 0, false
 	}
