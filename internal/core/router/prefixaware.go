@@ -56,11 +56,12 @@ const DefaultHomeLoadWindow = 5 * time.Second
 //
 // In the head-side mode each head's index holds only what that head
 // routed, so several heads would each follow their own partial view. A
-// chat there (every candidate head-side, the input rendered as
-// tokenizers.ChatText renders it) is therefore placed by a rule every head
-// computes alike from the request and signals every head shares: its
-// conversation's home (see conversationKey and homeOf), not the index's
-// longest match. The index still decides when the home is overloaded.
+// chat's later turn there (every candidate head-side, the input rendered
+// as tokenizers.ChatText renders it, with an assistant message) is
+// therefore placed by a rule every head computes alike from the request
+// and signals every head shares: its conversation's home (see
+// conversationKey and homeOf), not the index's longest match. The index
+// still decides a first turn, and when the home is overloaded.
 //
 // The index is bounded (LRU) and a replica's entries are dropped when it
 // leaves (Forget). Pick is safe for concurrent use.
@@ -348,8 +349,9 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		}
 		return chosen
 	}
-	// In the head-side mode a chat goes to its conversation's home, which
-	// every head computes alike (homeOf), unless that is overloaded.
+	// In the head-side mode a chat's later turn goes to its
+	// conversation's home, which every head computes alike (homeOf),
+	// unless that is overloaded.
 	home, homeFallback := -1, false
 	if conv, ok := p.conversationOf(req, cs); ok {
 		home, homeFallback = p.homeOf(conv, cs, sc, sp)
