@@ -3,8 +3,10 @@ package router
 import (
 	"encoding/binary"
 	"hash/fnv"
+	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -30,6 +32,10 @@ const (
 	DefaultReplicateMaxBlocks = 32
 )
 
+// DefaultHomeLoadWindow is the time constant of the smoothed load that
+// places a conversation in the head-side mode (see PrefixAware).
+const DefaultHomeLoadWindow = 5 * time.Second
+
 // PrefixAware sends a request to the replica holding the longest cached
 // prefix of its input, unless that replica is overloaded relative to the
 // least loaded one (the balance threshold of SGLang's cache-aware router),
@@ -48,6 +54,15 @@ const (
 //     records the input's 64-byte text blocks as held by the chosen
 //     replica, a guess that needs nothing from the engine.
 //
+// In the head-side mode each head's index holds only what that head
+// routed, so several heads would each follow their own partial view. A
+// chat's later turn there (every candidate head-side, the input rendered
+// as tokenizers.ChatText renders it, with an assistant message) is
+// therefore placed by a rule every head computes alike from the request
+// and signals every head shares: its conversation's home (see
+// conversationKey and homeOf), not the index's longest match. The index
+// still decides a first turn, and when the home is overloaded.
+//
 // The index is bounded (LRU) and a replica's entries are dropped when it
 // leaves (Forget). Pick is safe for concurrent use.
 type PrefixAware struct {
@@ -65,6 +80,10 @@ type PrefixAware struct {
 	// rendezvous order.
 	RootBlocks int
 
+	// HomeLoadWindow is the time constant of the smoothed load a
+	// conversation's home is placed by (head-side mode).
+	HomeLoadWindow time.Duration
+
 	// MaxAge: load reports older than this are unknown (see scorer).
 	MaxAge time.Duration
 	// Affinity is session affinity on top of it, when the stage has it.
@@ -73,6 +92,17 @@ type PrefixAware struct {
 	source     string
 	tokenizers map[string]Tokenizer
 	index      *PrefixIndex
+
+	smoothMu sync.Mutex
+	smooth   map[Key]*smoothedLoad
+	clock    func() int64 // unix nanoseconds for the smoothing (tests); nil: the pick's time
+}
+
+// smoothedLoad is an exponentially weighted moving average of a replica's
+// shared load, as of at (unix nanoseconds).
+type smoothedLoad struct {
+	v  float64
+	at int64
 }
 
 // NewPrefixAware returns a prefix_aware policy for one stage.
@@ -89,11 +119,13 @@ func NewPrefixAware(opts PolicyOptions) *PrefixAware {
 		ReplicateSlack:     b.ReplicateSlack,
 		ReplicateMaxBlocks: b.ReplicateMaxBlocks,
 		RootBlocks:         b.RootBlocks,
+		HomeLoadWindow:     DefaultHomeLoadWindow,
 		MaxAge:             opts.SignalMaxAge,
 		Affinity:           Affinity{MaxAge: opts.SignalMaxAge, LoadFactor: b.AffinityLoadFactor},
 		source:             src,
 		tokenizers:         opts.Tokenizers,
 		index:              NewPrefixIndex(opts.IndexCapacity),
+		smooth:             map[Key]*smoothedLoad{},
 	}
 }
 
@@ -205,6 +237,8 @@ type pickScratch struct {
 	idx     []int
 	out     []int
 	live    []int
+	loads   []float64
+	cur     []int64
 }
 
 var pickScratchPool = sync.Pool{New: func() any { return new(pickScratch) }}
@@ -315,21 +349,33 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		}
 		return chosen
 	}
-	// An input longer than its root has a home: the first replica in its
-	// rendezvous order within the bound, which counts as holding at least
-	// the root. Where this head knows no more of the input than a prefix
-	// many inputs share (a system prompt, held by many replicas), every
-	// head then sends it home, where other heads may have put the rest of
-	// it; what this head knows beyond the root still wins.
-	if hs := p.hashesOf(req, scheme{}); p.RootBlocks > 0 && len(hs) > p.RootBlocks {
+	// In the head-side mode a chat's later turn goes to its
+	// conversation's home, which every head computes alike (homeOf),
+	// unless that is overloaded.
+	home, homeFallback := -1, false
+	if conv, ok := p.conversationOf(req, cs); ok {
+		home, homeFallback = p.homeOf(conv, cs, sc, sp)
+	} else if hs := p.hashesOf(req, scheme{}); p.RootBlocks > 0 && len(hs) > p.RootBlocks {
+		// An input longer than its root has a home: the first replica
+		// in its rendezvous order within the bound, which counts as
+		// holding at least the root. Where this head knows no more of
+		// the input than a prefix many inputs share (a system prompt,
+		// held by many replicas), every head then sends it home, where
+		// other heads may have put the rest of it; what this head knows
+		// beyond the root still wins.
 		cs[rendezvous()].floor = float64(p.RootBlocks) / float64(len(hs))
 	}
 	chosen := least
-	best := longest(func(cand) bool { return true })
+	best := home
+	if home < 0 {
+		best = longest(func(cand) bool { return true })
+	}
 	switch {
 	case best < 0:
 		chosen = rendezvous()
-	case p.overloaded(cs[best].score, cs[least].score):
+	case homeFallback:
+		chosen, d.Reason = home, ReasonLoadFallback
+	case home < 0 && p.overloaded(cs[best].score, cs[least].score):
 		// Load rules the preferred replica out, and every other one
 		// as loaded; among the rest the cache still decides (a shorter
 		// match, such as a shared system prompt, beats none).
@@ -339,8 +385,8 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		}
 	default:
 		chosen, d.Reason = best, ReasonPrefixMatch
-		if within(cs[best]) {
-			break
+		if home >= 0 || within(cs[best]) {
+			break // a conversation's home is within its own bound
 		}
 		// The preferred replica is busier than its share: its prefix is
 		// hot. Serve the request from another replica, one that already
@@ -371,6 +417,137 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		p.index.Insert(x.r.Key, p.hashesOf(req, x.s))
 	}
 	return d
+}
+
+// conversationOf is req's conversation key (see conversationKey) when
+// every candidate is in the head-side mode; ok is false otherwise, and for
+// an input that is not a rendered chat.
+func (p *PrefixAware) conversationOf(req *Request, cs []cand) (uint64, bool) {
+	for _, x := range cs {
+		if x.s.engine != "" {
+			return 0, false // engine reports: the index is every head's
+		}
+	}
+	return conversationKey(req.Text)
+}
+
+// conversationKey names the conversation of a chat rendered as
+// tokenizers.ChatText renders it (one "role: content" line per message,
+// joined by "\n"): the FNV-1a hash of its opening, the text before its
+// first assistant message (the system prompt and the first user message),
+// which every later turn of one conversation starts with and which another
+// conversation shares only if it opens with the same words. ok is false
+// for a first turn (no assistant message yet: it goes by the index, with
+// the other users of its system prompt, and its conversation goes home
+// from its second turn), for a text that does not start with a system,
+// developer or user message, and for one whose opening has no user
+// message.
+func conversationKey(text string) (uint64, bool) {
+	if !strings.HasPrefix(text, "system: ") && !strings.HasPrefix(text, "developer: ") && !strings.HasPrefix(text, "user: ") {
+		return 0, false
+	}
+	i := strings.Index(text, "\nassistant: ")
+	if i < 0 {
+		return 0, false // a first turn: nothing of its own to keep yet
+	}
+	open := text[:i]
+	if !strings.HasPrefix(open, "user: ") && !strings.Contains(open, "\nuser: ") {
+		return 0, false
+	}
+	h := fnv.New64a()
+	h.Write([]byte(open))
+	return h.Sum64(), true
+}
+
+// homeOf is the home of conversation conv among cs (head-side mode): the
+// first replica in conv's rendezvous order whose smoothed shared load is
+// within conv's own bound, lightest + (0.5 + 2u)·max((ReplicateFactor−1)·avg,
+// ReplicateSlack), where lightest and avg are the least and the average
+// smoothed load of the candidates and u in [0, 1) is a hash of conv; and
+// that is not overloaded (its shared load now against the least one's,
+// see overloaded; fallback then says the first one within the bound was).
+// Every input of the rule is the same on every head: the keys, and loads
+// that the engines report to every head, smoothed over HomeLoadWindow, so
+// heads that sample them at different moments read about the same, a
+// momentary burst moves nothing, and a conversation that moved stays
+// moved while the load that moved it lasts. The per-conversation bound
+// moves a busy replica's conversations a few at a time, those with the
+// lowest bound first, to their next replica in rendezvous order, and the
+// lightest replica is always within every bound. No bound is below half
+// the margin: a conversation that must sit on the lightest replica would
+// move whenever the heads' views of which one that is differ.
+func (p *PrefixAware) homeOf(conv uint64, cs []cand, sc scorer, sp *pickScratch) (home int, fallback bool) {
+	loads := slices.Grow(sp.loads[:0], len(cs))[:len(cs)]
+	sp.loads = loads
+	window := float64(p.HomeLoadWindow)
+	if window <= 0 {
+		window = float64(DefaultHomeLoadWindow)
+	}
+	now := sc.now
+	if p.clock != nil {
+		now = p.clock()
+	}
+	cur := slices.Grow(sp.cur[:0], len(cs))[:len(cs)]
+	sp.cur = cur
+	var total float64
+	least := int64(math.MaxInt64)
+	p.smoothMu.Lock()
+	for i, x := range cs {
+		s := p.smooth[x.r.Key]
+		if s == nil {
+			s = &smoothedLoad{}
+			p.smooth[x.r.Key] = s
+		}
+		cur[i] = sharedLoad(x.r, sc)
+		least = min(least, cur[i])
+		switch {
+		case s.at == 0:
+			s.v, s.at = float64(cur[i]), now
+		case now > s.at:
+			s.v += (1 - math.Exp(-float64(now-s.at)/window)) * (float64(cur[i]) - s.v)
+			s.at = now
+		}
+		loads[i] = s.v
+		total += s.v
+	}
+	p.smoothMu.Unlock()
+	avg := total / float64(len(cs))
+	lightest := slices.Min(loads)
+	u := float64(mix64(conv^0x5bd1e995)>>11) / (1 << 53)
+	bound := lightest + (0.5+2*u)*max(avg*(p.ReplicateFactor-1), float64(p.ReplicateSlack))
+	// The first in rendezvous order within the bound, and the first
+	// that is also not overloaded: one pass, no sort.
+	first, home := -1, -1
+	var fw, hw uint64
+	for i, x := range cs {
+		if loads[i] > bound {
+			continue
+		}
+		w := weight(conv, x.r.Key)
+		if first < 0 || w > fw {
+			first, fw = i, w
+		}
+		if !p.overloaded(cur[i], least) && (home < 0 || w > hw) {
+			home, hw = i, w
+		}
+	}
+	switch {
+	case first < 0: // unreachable: the lightest is within
+		return slices.Index(loads, lightest), false
+	case home < 0:
+		return first, false // every one within is overloaded: all alike
+	}
+	return home, home != first
+}
+
+// sharedLoad is r's load as every head sees it: what r reported, when
+// fresh; this head's scorer otherwise (a stale report, or an engine that
+// reports none, where the head's own in-flight count is all it knows).
+func sharedLoad(r *Replica, sc scorer) int64 {
+	if at := r.loadAt.Load(); at != 0 && sc.now-at <= sc.maxAge {
+		return r.Load()
+	}
+	return sc.score(r)
 }
 
 // bound is the most load (this request included) a replica may carry and
@@ -406,7 +583,12 @@ func (p *PrefixAware) overloaded(s, m int64) bool {
 }
 
 // Forget drops what the index knows about a replica.
-func (p *PrefixAware) Forget(k Key) { p.index.Forget(k) }
+func (p *PrefixAware) Forget(k Key) {
+	p.index.Forget(k)
+	p.smoothMu.Lock()
+	delete(p.smooth, k)
+	p.smoothMu.Unlock()
+}
 
 // ApplyKVEvents records an engine's report about its cache, for replicas
 // in the engine-reported mode; reports of other replicas are ignored.
