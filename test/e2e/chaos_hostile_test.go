@@ -375,12 +375,21 @@ func vmRSS(pid int) (int64, error) {
 // streams (issue 34 measured 1.66 GB before the fix).
 const unreadRSSBound = 256 << 20
 
+// unreadRSSGoal is issue 34's goal for 1,024 never-read streams, the
+// bound of a run with more than 200 (TROUPE_CHAOS_UNREAD).
+const unreadRSSGoal = 512 << 20
+
 // unreadStreams (issue 34, items 1 and 4): 200 streamed audio requests
 // whose clients never read, held 20 s (under the 30 s write deadline that
 // would cut them off). The head's RSS stays bounded, no replica is ejected
 // or unhealthy, the load is served.
 func unreadStreams(ctx context.Context, c *chaosCluster) string {
-	const n = 200
+	n := 200
+	// TROUPE_CHAOS_UNREAD sizes it for a one-off measurement (the bound
+	// is for 200; docs/reliability.md has the 1,000-stream run).
+	if v, err := strconv.Atoi(os.Getenv("TROUPE_CHAOS_UNREAD")); err == nil && v > 0 {
+		n = v
+	}
 	const hold = 20 * time.Second
 	pid := c.head.cmd.Process.Pid
 	before, err := vmRSS(pid)
@@ -435,8 +444,12 @@ func unreadStreams(ctx context.Context, c *chaosCluster) string {
 		sleepCtx(ctx, 200*time.Millisecond)
 	}
 	ej := ejections() - ej0
-	if peak > unreadRSSBound {
-		c.violate("head RSS peaked at %d MiB, over the %d MiB bound", peak>>20, unreadRSSBound>>20)
+	bound := int64(unreadRSSBound)
+	if n > 200 {
+		bound = unreadRSSGoal
+	}
+	if peak > bound {
+		c.violate("head RSS peaked at %d MiB, over the %d MiB bound", peak>>20, bound>>20)
 	}
 	if ej > 0 {
 		c.violate("%v ejections", ej)
@@ -445,7 +458,7 @@ func unreadStreams(ctx context.Context, c *chaosCluster) string {
 		c.violate("replicas seen not attached: %v", bad)
 	}
 	return fmt.Sprintf("%d streamed pcm16 requests (max_tokens 2000) on connections with a 1 KiB receive buffer, never read, held %s; head RSS %d MiB before, peak %d MiB (bound %d MiB); %v ejections",
-		n, hold, before>>20, peak>>20, unreadRSSBound>>20, ej)
+		n, hold, before>>20, peak>>20, bound>>20, ej)
 }
 
 // recordsThatLie (issue 34, item 7): records written straight into etcd
