@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -123,4 +124,61 @@ func TestCascadeStreamsSpeech(t *testing.T) {
 	}
 	require.Len(t, texts, 2)
 	assert.Equal(t, texts[0], texts[1], "the same answer either way")
+}
+
+// BenchmarkCascadeFirstAudio is the time to first audio of a streamed chat
+// through a cascade (asr → thinker → talker → vocoder, a sim decode step of
+// 4 ms, 48 tokens), at the client of the HTTP API (openai-go), with the
+// stages streaming into each other and one after the other; p50 and p90
+// over b.N requests in a row (docs/benchmarks.md, "Streaming between
+// stages").
+func BenchmarkCascadeFirstAudio(b *testing.B) {
+	audio := bytes.Repeat([]byte{3, 0, 5, 0}, 2000)
+	for _, streaming := range []bool{true, false} {
+		b.Run(fmt.Sprintf("streaming=%v", streaming), func(b *testing.B) {
+			p := orchestrator.Pipeline{Model: model, Streaming: &streaming,
+				Stages: []orchestrator.Stage{{Name: "asr"}, {Name: "thinker"}, {Name: "talker"}, {Name: "vocoder"}}}
+			c := startCluster(b, orchestratortest.Options{Pipeline: p, Sim: sim.Config{DecodeTokenLatency: 4 * time.Millisecond}})
+			client := startAPI(b, c, Config{}, nil, nil).openai()
+			firsts := make([]time.Duration, 0, b.N)
+			b.ResetTimer()
+			for i := range b.N {
+				start := time.Now()
+				stream := client.Chat.Completions.NewStreaming(testCtx(b), openai.ChatCompletionNewParams{
+					Model: model,
+					Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage([]openai.ChatCompletionContentPartUnionParam{
+						openai.InputAudioContentPart(openai.ChatCompletionContentPartInputAudioInputAudioParam{Data: base64.StdEncoding.EncodeToString(audio), Format: "wav"}),
+					})},
+					Seed:       openai.Int(int64(i)),
+					MaxTokens:  openai.Int(48),
+					Modalities: []string{"text", "audio"},
+					Audio:      openai.ChatCompletionAudioParam{Voice: openai.ChatCompletionAudioParamVoiceUnion{OfString: openai.String("alloy")}, Format: "pcm16"},
+				}, option.WithJSONSet("ignore_eos", true))
+				first := time.Duration(0)
+				for stream.Next() {
+					ch := stream.Current()
+					if first != 0 || len(ch.Choices) == 0 {
+						continue
+					}
+					var delta struct {
+						Audio struct {
+							Data string `json:"data"`
+						} `json:"audio"`
+					}
+					if json.Unmarshal([]byte(ch.Choices[0].Delta.RawJSON()), &delta) == nil && delta.Audio.Data != "" {
+						first = time.Since(start)
+					}
+				}
+				if err := stream.Err(); err != nil || first == 0 {
+					b.Fatalf("request %d: %v (first audio %v)", i, err, first)
+				}
+				_ = stream.Close()
+				firsts = append(firsts, first)
+			}
+			b.StopTimer()
+			slices.Sort(firsts)
+			b.ReportMetric(float64(firsts[len(firsts)/2].Microseconds())/1000, "ttfa-p50-ms")
+			b.ReportMetric(float64(firsts[len(firsts)*9/10].Microseconds())/1000, "ttfa-p90-ms")
+		})
+	}
 }

@@ -31,7 +31,7 @@ const wait = 30 * time.Second
 
 var traceparentRE = regexp.MustCompile(`^00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]$`)
 
-func testCtx(t *testing.T) context.Context {
+func testCtx(t testing.TB) context.Context {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	t.Cleanup(cancel)
@@ -60,7 +60,7 @@ type api struct {
 
 // startAPI serves handler(s) (Handler when nil) of a Server over the
 // cluster's head. tweak, when not nil, may adjust the http.Server.
-func startAPI(t *testing.T, c *orchestratortest.Cluster, cfg Config, handler func(*Server) http.Handler, tweak func(*http.Server)) *api {
+func startAPI(t testing.TB, c *orchestratortest.Cluster, cfg Config, handler func(*Server) http.Handler, tweak func(*http.Server)) *api {
 	t.Helper()
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
