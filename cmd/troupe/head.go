@@ -12,7 +12,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync"
@@ -245,7 +244,7 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	log, flushLog := hf.log.logger()
 	defer flushLog()
-	setHeadGC()
+	setHeadGC(log)
 	// Grow the descriptor table now, not at the join or request that
 	// crosses 256, 512, 1024... descriptors (see internal/core/fdtable).
 	if err := fdtable.Reserve(fdtable.DefaultReserve); err != nil {
@@ -267,37 +266,6 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	defer cli.Close()
 	return serveHead(ctx, cli, hf, log, stdout, nil)
-}
-
-// headGCPercent is the head's GOGC unless the environment sets one. The
-// head's live heap is small (snapshots, series, in-flight requests) and its
-// garbage is per request and per token, so collecting at 4× the live heap
-// instead of 2× halves the GC work for a few more MB (docs/benchmarks.md).
-const headGCPercent = 400
-
-// headMemoryLimit is the head's soft memory limit (GOMEMLIMIT) unless the
-// environment sets one. At headGCPercent the heap grows to 5× the live
-// heap between collections; that is cheap while the live heap is small,
-// but with many streams in flight (each holds about 0.3 MiB live while
-// its client does not read: windows between the stages, input logs kept
-// for a retry) it multiplies: 200 unread audio streams took the head to
-// 365 MiB of RSS over a 69 MiB live heap. The limit makes the collector
-// run more often as the heap nears it, so the head's memory follows its
-// live heap, not 5× it (docs/reliability.md, "Memory of streams nobody
-// reads"). It is soft: a live heap above it is not refused, only
-// collected harder (the runtime caps that at half the CPU).
-const headMemoryLimit = 512 << 20
-
-// setHeadGC applies headGCPercent when GOGC is not set and headMemoryLimit
-// when GOMEMLIMIT is not: the operator's GOGC and GOMEMLIMIT (which the
-// runtime reads itself) win.
-func setHeadGC() {
-	if _, ok := os.LookupEnv("GOGC"); !ok {
-		debug.SetGCPercent(headGCPercent)
-	}
-	if _, ok := os.LookupEnv("GOMEMLIMIT"); !ok {
-		debug.SetMemoryLimit(headMemoryLimit)
-	}
 }
 
 // exportedTracer is the tracer provider of the head's HTTP layer and
