@@ -51,7 +51,7 @@ func setHeadGC(log *slog.Logger) {
 	if _, ok := os.LookupEnv("GOMEMLIMIT"); !ok {
 		limit, source := headSoftLimit(cgroupMemoryLimit(cgroupMemoryFiles))
 		debug.SetMemoryLimit(limit)
-		log.Debug("troupe head: soft memory limit", "bytes", limit, "from", source)
+		log.Info("troupe head: soft memory limit", "bytes", limit, "from", source)
 	}
 }
 
