@@ -47,8 +47,9 @@ const model = "fleet-sim"
 //
 // "Routable" is what the heads say from outside: a replica is routable on
 // a head when its GET /v1/replicas lists it attached (routed, healthy,
-// awake), polled every 20 ms per head, so each time is late by up to one
-// poll (its own cost grows with N: about 2.5 MB of JSON at 10,000).
+// awake), polled every 20 ms plus 25 µs a replica per head (270 ms at
+// 10,000: the answer is about 250 bytes of JSON a replica), so each time
+// is late by up to one poll.
 //
 // Per size it reports:
 //   - join storm: every child registers its records at once, 64 at a time
@@ -225,7 +226,7 @@ func (f *fleet) startChildren(b *testing.B, ctx context.Context) {
 	f.stay = half(1, f.n/2)
 	f.leave = half(uint32(f.n/2+1), f.n-f.n/2)
 	for _, c := range f.children() {
-		if _, _, err := c.out.wait(ctx, 0, "ready"); err != nil {
+		if _, err := c.waitLine(ctx, "ready"); err != nil {
 			b.Fatalf("%s: %v\n%s", c.name, err, c.stderr.tail(20))
 		}
 	}
@@ -252,7 +253,7 @@ func (f *fleet) watchAll(ctx context.Context, start time.Time, first []map[uint3
 				fs = first[i]
 			}
 			var err error
-			took[i], err = watchHead(ctx, h.base, start, fs, cond)
+			took[i], err = watchHead(ctx, h.base, f.n, start, fs, cond)
 			return err
 		})
 	}
@@ -282,7 +283,7 @@ func (f *fleet) joinStorm(b *testing.B, ctx context.Context, limit time.Duration
 	committed := map[uint32]time.Time{}
 	var registered time.Duration
 	for _, c := range f.children() {
-		if _, _, err := c.out.wait(wctx, 0, "joined-all"); err != nil {
+		if _, err := c.waitLine(wctx, "joined-all"); err != nil {
 			b.Fatalf("%s: %v\n%s", c.name, err, c.stderr.tail(20))
 		}
 		for _, line := range c.out.snapshot() {
@@ -404,7 +405,7 @@ func (f *fleet) headRestart(b *testing.B, ctx context.Context, limit time.Durati
 	if err != nil {
 		b.Fatal(err)
 	}
-	all, err := watchHead(wctx, h.base, start, nil, func(att map[uint32]bool) bool { return len(att) == f.n })
+	all, err := watchHead(wctx, h.base, f.n, start, nil, func(att map[uint32]bool) bool { return len(att) == f.n })
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -443,11 +444,17 @@ func (f *fleet) leaveStorm(b *testing.B, ctx context.Context, limit time.Duratio
 	if err != nil {
 		b.Fatal(err)
 	}
+	unrevoked := 0
 	for _, c := range f.leave {
-		if _, _, err := c.out.wait(wctx, 0, "left"); err != nil {
+		line, err := c.waitLine(wctx, "left")
+		if err != nil {
 			b.Fatalf("%s: %v\n%s", c.name, err, c.stderr.tail(20))
 		}
+		var n int
+		_, _ = fmt.Sscanf(line, "left %d", &n)
+		unrevoked += n
 	}
+	b.ReportMetric(float64(unrevoked), "leave-revokes-timed-out")
 	ok, failed, firstErr := load.stop()
 	b.ReportMetric(took.Seconds()*1000, "leave-none-picked-ms")
 	b.ReportMetric(float64(ok), "leave-requests-ok")
