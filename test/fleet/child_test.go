@@ -75,7 +75,8 @@ func runChild() int {
 // child serves cfg.count replica records from cfg.servers worker servers
 // (one sim engine) and follows the parent's lines on in: "join" registers
 // every record (a real lease each, registerParallel at a time) and prints
-// "joined ID UNIX_NANOS" as each Register returns, then "joined-all";
+// "joined ID UNIX_NANOS" as each Register returns, then "joined-all
+// RETRIES";
 // "leave" drains the servers (Health says DRAINING, as a worker on SIGTERM)
 // and revokes every lease at once, then prints "left FAILED", FAILED the
 // revokes etcd did not answer in time. At EOF it exits
@@ -104,10 +105,11 @@ func child(in io.Reader, out io.Writer) error {
 	for sc.Scan() {
 		switch sc.Text() {
 		case "join":
-			if regs, err = childJoin(ctx, cli, cfg, servers, w); err != nil {
+			var retries int64
+			if regs, retries, err = childJoin(ctx, cli, cfg, servers, w); err != nil {
 				return err
 			}
-			w.printf("joined-all")
+			w.printf("joined-all %d", retries)
 		case "leave":
 			for _, s := range servers {
 				s.Drain()
@@ -166,28 +168,51 @@ func anonymousHealth(ctx context.Context, req any, info *grpc.UnaryServerInfo, h
 }
 
 // childJoin registers every record of the child, registerParallel at a
-// time, and prints each one's commit time (Register returned).
-func childJoin(ctx context.Context, cli *clientv3.Client, cfg childConfig, servers []*worker.Server, w *lines) ([]*membership.Registration, error) {
+// time, and prints each one's commit time (Register returned). A
+// registration etcd refuses or does not answer in time (an overloaded
+// etcd: "too many requests", "request timed out") is tried again after
+// 0.5 s, doubling up to 5 s, for up to a minute: a worker's own first
+// registration does not retry (it exits 1 for its supervisor to restart
+// it), which this stands for. A timed-out attempt may have committed, so
+// a retry can find the key held by that attempt's orphaned lease until it
+// expires (the TTL). It returns the registrations and the retries.
+func childJoin(ctx context.Context, cli *clientv3.Client, cfg childConfig, servers []*worker.Server, w *lines) ([]*membership.Registration, int64, error) {
 	regs := make([]*membership.Registration, cfg.count)
+	var retries atomic.Int64
 	var g errgroup.Group
 	g.SetLimit(registerParallel)
 	lg := slog.New(slog.DiscardHandler)
 	for i := range cfg.count {
 		id := cfg.first + uint32(i)
 		g.Go(func() error {
-			reg, err := membership.Register(ctx, cli, membership.RegisterConfig{
+			rc := membership.RegisterConfig{
 				Member: membership.Member{Stage: "thinker", ReplicaID: id, Addr: servers[i%len(servers)].Advertise(), Engine: "sim", Version: "fleet"},
 				TTL:    cfg.ttl, Logger: lg,
-			})
-			if err != nil {
-				return fmt.Errorf("fleet child: register %d: %w", id, err)
 			}
-			regs[i] = reg
-			w.printf("joined %d %d", id, time.Now().UnixNano())
-			return nil
+			giveUp := time.Now().Add(time.Minute)
+			for pause := 500 * time.Millisecond; ; pause = min(2*pause, 5*time.Second) {
+				reg, err := membership.Register(ctx, cli, rc)
+				if err == nil {
+					regs[i] = reg
+					w.printf("joined %d %d", id, time.Now().UnixNano())
+					return nil
+				}
+				if time.Now().After(giveUp) {
+					return fmt.Errorf("fleet child: register %d: %w", id, err)
+				}
+				retries.Add(1)
+				t := time.NewTimer(pause)
+				select {
+				case <-t.C:
+				case <-ctx.Done():
+					t.Stop()
+					return ctx.Err()
+				}
+			}
 		})
 	}
-	return regs, g.Wait()
+	err := g.Wait()
+	return regs, retries.Load(), err
 }
 
 // lines writes whole lines from any goroutine, each flushed at once.

@@ -282,10 +282,15 @@ func (f *fleet) joinStorm(b *testing.B, ctx context.Context, limit time.Duration
 	}
 	committed := map[uint32]time.Time{}
 	var registered time.Duration
+	retries := 0
 	for _, c := range f.children() {
-		if _, err := c.waitLine(wctx, "joined-all"); err != nil {
+		line, err := c.waitLine(wctx, "joined-all")
+		if err != nil {
 			b.Fatalf("%s: %v\n%s", c.name, err, c.stderr.tail(20))
 		}
+		var n int
+		_, _ = fmt.Sscanf(line, "joined-all %d", &n)
+		retries += n
 		for _, line := range c.out.snapshot() {
 			var id uint32
 			var ns int64
@@ -306,6 +311,7 @@ func (f *fleet) joinStorm(b *testing.B, ctx context.Context, limit time.Duration
 		lat = append(lat, first[0][id].Sub(t))
 	}
 	b.ReportMetric(registered.Seconds()*1000, "join-register-all-ms")
+	b.ReportMetric(float64(retries), "join-register-retries")
 	b.ReportMetric(took.Seconds()*1000, "join-all-routable-ms")
 	b.ReportMetric(pct(lat, 0.5), "join-to-routable-p50-ms")
 	b.ReportMetric(pct(lat, 0.99), "join-to-routable-p99-ms")

@@ -301,7 +301,9 @@ func attachedReplicas(ctx context.Context, base string) (map[uint32]bool, error)
 // n replicas: 20 ms plus 25 µs a replica (270 ms at 10,000), so that the
 // polls (about 250 bytes of JSON a replica, encoded by the head) take a
 // small share of the CPU the storms are timed on.
-func pollInterval(n int) time.Duration { return 20*time.Millisecond + time.Duration(n)*25*time.Microsecond }
+func pollInterval(n int) time.Duration {
+	return 20*time.Millisecond + time.Duration(n)*25*time.Microsecond
+}
 
 // watchHead polls the head at base until cond holds for its attached
 // replicas, recording in first (when not nil) the time each replica was
