@@ -149,7 +149,7 @@ func runFleet(b *testing.B, bin string, nHeads, n int, ttl time.Duration) {
 	if n < 8 {
 		b.Fatalf("fleet: N=%d: at least 8 replicas", n)
 	}
-	limit := 2*time.Minute + time.Duration(n)*20*time.Millisecond
+	limit := 2*time.Minute + time.Duration(n)*40*time.Millisecond
 	ctx, cancel := context.WithTimeout(context.Background(), 4*limit)
 	defer cancel()
 	b.Logf("load average at start: %s", loadAvg())
