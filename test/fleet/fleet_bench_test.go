@@ -96,6 +96,14 @@ func BenchmarkFleetProcs(b *testing.B) {
 	}
 }
 
+// report reports a metric of the run, and logs it too: a later phase
+// that fails keeps the benchmark from printing its metrics.
+func report(b *testing.B, v float64, unit string) {
+	b.Helper()
+	b.ReportMetric(v, unit)
+	b.Logf("%s %.1f", unit, v)
+}
+
 func cmpOr(a, b string) string {
 	if a != "" {
 		return a
@@ -172,9 +180,9 @@ func runFleet(b *testing.B, bin string, nHeads, n int, ttl time.Duration) {
 		rss = max(rss, float64(after[i].rss-before[i].rss)/float64(n)/1024)
 		heap = max(heap, float64(after[i].heap-before[i].heap)/float64(n)/1024)
 	}
-	b.ReportMetric(rss, "head-rss-KiB-per-replica")
-	b.ReportMetric(heap, "head-heap-KiB-per-replica")
-	b.ReportMetric(float64(after[0].rss)/(1<<20), "head-rss-MiB")
+	report(b, rss, "head-rss-KiB-per-replica")
+	report(b, heap, "head-heap-KiB-per-replica")
+	report(b, float64(after[0].rss)/(1<<20), "head-rss-MiB")
 	f.etcdLoad(b, ctx, max(10*time.Second, ttl))
 	f.headRestart(b, ctx, limit)
 	f.leaveStorm(b, ctx, limit)
@@ -310,12 +318,12 @@ func (f *fleet) joinStorm(b *testing.B, ctx context.Context, limit time.Duration
 	for id, t := range committed {
 		lat = append(lat, first[0][id].Sub(t))
 	}
-	b.ReportMetric(registered.Seconds()*1000, "join-register-all-ms")
-	b.ReportMetric(float64(retries), "join-register-retries")
-	b.ReportMetric(took.Seconds()*1000, "join-all-routable-ms")
-	b.ReportMetric(pct(lat, 0.5), "join-to-routable-p50-ms")
-	b.ReportMetric(pct(lat, 0.99), "join-to-routable-p99-ms")
-	b.ReportMetric(pct(lat, 1), "join-to-routable-max-ms")
+	report(b, registered.Seconds()*1000, "join-register-all-ms")
+	report(b, float64(retries), "join-register-retries")
+	report(b, took.Seconds()*1000, "join-all-routable-ms")
+	report(b, pct(lat, 0.5), "join-to-routable-p50-ms")
+	report(b, pct(lat, 0.99), "join-to-routable-p99-ms")
+	report(b, pct(lat, 1), "join-to-routable-max-ms")
 }
 
 // pct is the q-quantile of d (nearest rank), in milliseconds.
@@ -378,17 +386,17 @@ func (f *fleet) etcdLoad(b *testing.B, ctx context.Context, window time.Duration
 	rate := func(name string, labels ...string) float64 {
 		return (sum(m1, name, labels...) - sum(m0, name, labels...)) / secs
 	}
-	b.ReportMetric(rate("grpc_server_msg_received_total", `grpc_method="LeaseKeepAlive"`), "etcd-keepalives/s")
-	b.ReportMetric(rate("grpc_server_handled_total", `grpc_method="Range"`), "etcd-ranges/s")
-	b.ReportMetric(rate("grpc_server_handled_total", `grpc_method="Txn"`), "etcd-txns/s")
-	b.ReportMetric(rate("grpc_server_msg_sent_total", `grpc_method="Watch"`), "etcd-watch-msgs/s")
-	b.ReportMetric(100*(s1[0].cpu-s0[0].cpu).Seconds()/secs, "etcd-cpu-%")
-	b.ReportMetric(float64(s1[0].rss)/(1<<20), "etcd-rss-MiB")
+	report(b, rate("grpc_server_msg_received_total", `grpc_method="LeaseKeepAlive"`), "etcd-keepalives/s")
+	report(b, rate("grpc_server_handled_total", `grpc_method="Range"`), "etcd-ranges/s")
+	report(b, rate("grpc_server_handled_total", `grpc_method="Txn"`), "etcd-txns/s")
+	report(b, rate("grpc_server_msg_sent_total", `grpc_method="Watch"`), "etcd-watch-msgs/s")
+	report(b, 100*(s1[0].cpu-s0[0].cpu).Seconds()/secs, "etcd-cpu-%")
+	report(b, float64(s1[0].rss)/(1<<20), "etcd-rss-MiB")
 	var heads time.Duration
 	for i := 1; i < len(pids); i++ {
 		heads = max(heads, s1[i].cpu-s0[i].cpu)
 	}
-	b.ReportMetric(100*heads.Seconds()/secs, "head-idle-cpu-%")
+	report(b, 100*heads.Seconds()/secs, "head-idle-cpu-%")
 }
 
 // headRestart stops head 0 and starts a new head process in its place.
@@ -415,8 +423,8 @@ func (f *fleet) headRestart(b *testing.B, ctx context.Context, limit time.Durati
 	if err != nil {
 		b.Fatal(err)
 	}
-	b.ReportMetric(ready.Seconds()*1000, "restart-ready-ms")
-	b.ReportMetric(all.Seconds()*1000, "restart-all-routable-ms")
+	report(b, ready.Seconds()*1000, "restart-ready-ms")
+	report(b, all.Seconds()*1000, "restart-all-routable-ms")
 }
 
 // noneOf holds when none of ids is attached.
@@ -460,11 +468,11 @@ func (f *fleet) leaveStorm(b *testing.B, ctx context.Context, limit time.Duratio
 		_, _ = fmt.Sscanf(line, "left %d", &n)
 		unrevoked += n
 	}
-	b.ReportMetric(float64(unrevoked), "leave-revokes-timed-out")
+	report(b, float64(unrevoked), "leave-revokes-timed-out")
 	ok, failed, firstErr := load.stop()
-	b.ReportMetric(took.Seconds()*1000, "leave-none-picked-ms")
-	b.ReportMetric(float64(ok), "leave-requests-ok")
-	b.ReportMetric(float64(failed), "leave-requests-failed")
+	report(b, took.Seconds()*1000, "leave-none-picked-ms")
+	report(b, float64(ok), "leave-requests-ok")
+	report(b, float64(failed), "leave-requests-failed")
 	if failed > 0 {
 		// A measurement, not a verdict: the figures of every phase still
 		// come out. The head's warnings say which replicas refused.
@@ -484,7 +492,7 @@ func (f *fleet) freeze(b *testing.B, ctx context.Context, limit time.Duration) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	b.ReportMetric(took.Seconds()*1000, "freeze-none-picked-ms")
+	report(b, took.Seconds()*1000, "freeze-none-picked-ms")
 }
 
 // load is chat completions sent by a few clients through the heads, in
