@@ -160,7 +160,7 @@ func runFleet(b *testing.B, bin string, nHeads, n int, ttl time.Duration) {
 	limit := 2*time.Minute + time.Duration(n)*40*time.Millisecond
 	ctx, cancel := context.WithTimeout(context.Background(), 4*limit)
 	defer cancel()
-	b.Logf("load average at start: %s", loadAvg())
+	b.ReportMetric(loadAvg(), "loadavg-start")
 	f := &fleet{bin: bin, n: n, ttl: ttl}
 	f.startEtcd(b, ctx)
 	f.pipeline = filepath.Join(b.TempDir(), "pipeline.yaml")
@@ -188,7 +188,7 @@ func runFleet(b *testing.B, bin string, nHeads, n int, ttl time.Duration) {
 	f.leaveStorm(b, ctx, limit)
 	f.freeze(b, ctx, limit+ttl)
 	b.StopTimer()
-	b.Logf("load average at end: %s", loadAvg())
+	b.ReportMetric(loadAvg(), "loadavg-end")
 }
 
 func (f *fleet) startEtcd(b *testing.B, ctx context.Context) {

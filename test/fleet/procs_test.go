@@ -360,8 +360,14 @@ func waitReady(ctx context.Context, base string, start time.Time) (time.Duration
 	}
 }
 
-func loadAvg() string {
+// loadAvg is the 1-minute load average (/proc/loadavg): the benchmark
+// reports it at each size's start and end, as every figure here needs it.
+func loadAvg() float64 {
 	raw, _ := os.ReadFile("/proc/loadavg")
 	f := strings.Fields(string(raw))
-	return strings.Join(f[:min(3, len(f))], " ")
+	if len(f) == 0 {
+		return -1
+	}
+	v, _ := strconv.ParseFloat(f[0], 64)
+	return v
 }
