@@ -74,6 +74,11 @@ type Replica struct {
 	Engine, Version      string
 	Addr                 string
 	Cache                *stagepb.CacheConfig // may be nil
+	// StageLabel, when set, is the value of the replica's "stage" label
+	// instead of its index, and the replica adds no stage_info: a
+	// worker's own endpoint, which knows its stage's name, not its index
+	// in the pipeline (docs/stats.md, "Scraping the workers").
+	StageLabel string
 }
 
 // Finished is one request on one replica, as the head measured it.
@@ -325,7 +330,11 @@ func (l *Logger) Register(index int, r Replica) error {
 
 	swept := e != nil && l.table.load(index) == nil
 	if e == nil || swept {
-		lv := [3]string{l.model, strconv.Itoa(r.Stage), strconv.FormatUint(uint64(r.ReplicaID), 10)}
+		stage := r.StageLabel
+		if stage == "" {
+			stage = strconv.Itoa(r.Stage)
+		}
+		lv := [3]string{l.model, stage, strconv.FormatUint(uint64(r.ReplicaID), 10)}
 		if l.minimal {
 			e = newEngine(lv, nil, r.NumSpeculativeTokens, time.Now())
 			e.sink = l.stageAggregate(r.Stage)
@@ -336,7 +345,7 @@ func (l *Logger) Register(index int, r Replica) error {
 		e.growSpec(r.NumSpeculativeTokens)
 	}
 	e.sink.growSpec(r.NumSpeculativeTokens)
-	if !stageKnown {
+	if !stageKnown && r.StageLabel == "" {
 		l.stageNames[r.Stage] = r.StageName
 		l.publishStages()
 	}
