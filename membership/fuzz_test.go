@@ -13,6 +13,8 @@ func FuzzDecodeMember(f *testing.F) {
 	for _, seed := range []struct{ key, value string }{
 		{"/troupe/default/members/thinker/0", good},
 		{"/troupe/default/members/thinker/0", `{"stage":"thinker","replica_id":0,"addr":"[::1]:1","labels":{"a":"b"}}`},
+		{"/troupe/default/members/thinker/0", `{"stage":"thinker","replica_id":0,"addr":"10.0.0.1:7000","metrics_addr":"10.0.0.1:9100"}`},
+		{"/troupe/default/members/thinker/0", `{"stage":"thinker","replica_id":0,"addr":"10.0.0.1:7000","metrics_addr":"unix:/x"}`},
 		{"/troupe/default/members/thinker/0", `{"stage":"thinker","replica_id":0,"addr":"unix:/tmp/x"}`},
 		{"/troupe/default/members/thinker/0", `{"stage":"thinker","replica_id":0,"addr":"[bad"}`},
 		{"/troupe/default/members/thinker/4294967296", good},

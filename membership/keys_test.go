@@ -87,6 +87,13 @@ func TestDecodeMember(t *testing.T) {
 			value: `{"stage":"thinker","replica_id":3,"addr":"h:1","sleep_state":"discard_all"}`,
 			want:  membership.Member{Stage: "thinker", ReplicaID: 3, Addr: "h:1", SleepState: "discard_all"},
 		},
+		{
+			name:  "metrics addr",
+			key:   key,
+			value: `{"stage":"thinker","replica_id":3,"addr":"h:1","metrics_addr":"h:9100"}`,
+			want:  membership.Member{Stage: "thinker", ReplicaID: 3, Addr: "h:1", MetricsAddr: "h:9100"},
+		},
+		{name: "bad metrics addr", key: key, value: `{"stage":"thinker","replica_id":3,"addr":"h:1","metrics_addr":"h"}`, wantErr: "metrics_addr"},
 		{name: "unknown sleep state", key: key, value: `{"stage":"thinker","replica_id":3,"addr":"h:1","sleep_state":"dozing"}`, wantErr: `unknown sleep state "dozing"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -36,6 +36,11 @@ type Member struct {
 	// empty: not reported). The worker updates it on every sleep and wake
 	// up, so every head learns it from the same record.
 	SleepState string `json:"sleep_state,omitempty"`
+	// MetricsAddr is the host:port of the worker's own /metrics
+	// (--metrics-listen), empty when it serves none. Optional: records
+	// written before it existed decode without it. The head lists it in
+	// GET /v1/replicas/sd for Prometheus to scrape the replica directly.
+	MetricsAddr string `json:"metrics_addr,omitempty"`
 }
 
 // Limits of a record. A record is copied into every head's /v1/replicas,
@@ -77,6 +82,14 @@ func (m Member) Validate() error {
 	}
 	if err := validAddr(m.Addr); err != nil {
 		return err
+	}
+	if m.MetricsAddr != "" {
+		if len(m.MetricsAddr) > MaxAddrLen {
+			return fmt.Errorf("membership: metrics_addr of %d bytes, at most %d", len(m.MetricsAddr), MaxAddrLen)
+		}
+		if err := validAddr(m.MetricsAddr); err != nil {
+			return fmt.Errorf("membership: metrics_addr: %w", err)
+		}
 	}
 	switch {
 	case m.NumSpeculativeTokens < 0 || m.NumSpeculativeTokens > stagepb.MaxSpeculativeTokens:

@@ -60,6 +60,9 @@ type Config struct {
 	Policy            string        // default policy of stages that name none; default round_robin
 	LogStats          bool          // register and record the stat families
 	DetachedSeriesTTL time.Duration // 0: keep a detached replica's series forever
+	// ReplicaSeries: which stat families are kept per replica (default
+	// full; see stats.ReplicaSeries).
+	ReplicaSeries     stats.ReplicaSeries
 	ReconcileInterval time.Duration // membership full re-list period; default membership.DefaultReconcileInterval
 	ProbeTimeout      time.Duration // per Health call on join; default DefaultProbeTimeout
 	// LeaseLossGrace is how long a replica whose record vanished but that
@@ -328,6 +331,7 @@ func newStats(cfg Config) (*stats.Logger, *stats.Pipeline, error) {
 	st, err := stats.New(statsReg, cfg.Pipeline.Model, stats.Options{
 		Disabled:          !cfg.LogStats,
 		DetachedSeriesTTL: cfg.DetachedSeriesTTL,
+		Series:            cfg.ReplicaSeries,
 		StageNames:        cfg.Pipeline.StageNames(),
 	})
 	if err != nil {
@@ -991,11 +995,14 @@ const (
 // docs/contracts.md (JoinedAt is UTC, whole seconds, so it encodes as
 // RFC 3339).
 type ReplicaStatus struct {
-	Stage       int          `json:"stage"`
-	StageName   string       `json:"stage_name"`
-	Replica     uint32       `json:"replica"`
-	EngineIndex int          `json:"engine_index"`
-	Addr        string       `json:"addr"`
+	Stage       int    `json:"stage"`
+	StageName   string `json:"stage_name"`
+	Replica     uint32 `json:"replica"`
+	EngineIndex int    `json:"engine_index"`
+	Addr        string `json:"addr"`
+	// MetricsAddr is the worker's own /metrics address from its record
+	// (absent: it serves none).
+	MetricsAddr string       `json:"metrics_addr,omitempty"`
 	State       ReplicaState `json:"state"`
 	Reason      string       `json:"reason,omitempty"` // why it is unhealthy, when the head knows
 	JoinedAt    time.Time    `json:"joined_at"`
@@ -1037,7 +1044,7 @@ func (h *Head) Replicas() []ReplicaStatus {
 	for _, t := range view {
 		s := ReplicaStatus{
 			Stage: t.key.Stage, StageName: t.member.Stage, Replica: t.key.Replica,
-			EngineIndex: t.index, Addr: t.member.Addr, JoinedAt: t.joinedAt.UTC().Truncate(time.Second),
+			EngineIndex: t.index, Addr: t.member.Addr, MetricsAddr: t.member.MetricsAddr, JoinedAt: t.joinedAt.UTC().Truncate(time.Second),
 		}
 		if !t.graceUntil.IsZero() {
 			until := t.graceUntil.UTC().Truncate(time.Second)

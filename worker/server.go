@@ -121,7 +121,14 @@ type Config struct {
 	// troupe_lease_keepalive_lag_seconds (see docs/contracts.md). Serve it
 	// on the worker's own metrics endpoint; never the global registry.
 	Metrics prometheus.Registerer
-	Logger  *slog.Logger // default slog.Default()
+	// MetricsAddr is the host:port of the worker's own /metrics, written
+	// to its record (membership.Member.MetricsAddr) so heads list it in
+	// /v1/replicas/sd; an empty or unspecified host takes the advertised
+	// address's host. Empty: none.
+	MetricsAddr string
+	// Observer, when set, sees every Generate call (see Observer).
+	Observer Observer
+	Logger   *slog.Logger // default slog.Default()
 	// MaxMessageBytes caps a received gRPC message (a request and its
 	// prompt); default stagepb.DefaultMaxMessageBytes, which takes the
 	// head's default body limit. gRPC's own default is 4 MiB.
@@ -309,6 +316,7 @@ func (s *Server) record(addr string) membership.Member {
 		Model:                s.model(),
 		Labels:               s.cfg.Labels,
 		SleepState:           sleepStateName(s.cfg.Engine.Health().GetSleepState()),
+		MetricsAddr:          metricsAddr(s.cfg.MetricsAddr, addr),
 	}
 }
 
@@ -649,16 +657,19 @@ func (svc *service) Generate(req *stagepb.GenerateRequest, stream grpc.ServerStr
 	ctx := stream.Context()
 	start := time.Now()
 	var timings *stagepb.Timings
+	obs := s.observe(req, start)
 	send, flush := newOutputHolder(req, stream.Send)
 	err := s.cfg.Engine.Generate(ctx, req, func(c *stagepb.GenerateChunk) error {
 		if c.GetTimings() != nil {
 			timings = c.GetTimings()
 		}
+		obs.chunk(c)
 		return send(c)
 	})
 	if ferr := flush(); err == nil {
 		err = ferr
 	}
+	obs.end(ctx, err)
 	if timings != nil {
 		recordPhases(ctx, start, timings)
 	}

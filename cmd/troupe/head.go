@@ -28,6 +28,7 @@ import (
 
 	"github.com/troupe-serving/troupe/internal/core/fdtable"
 	"github.com/troupe-serving/troupe/internal/core/router"
+	"github.com/troupe-serving/troupe/internal/core/stats"
 	"github.com/troupe-serving/troupe/internal/front/httpapi"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
@@ -51,6 +52,7 @@ type headFlags struct {
 	maxPartBytes                               byteSize
 	maxContentParts                            int
 	detachedTTL, reconcile                     time.Duration
+	replicaSeries                              string
 	stallTimeout, leaseLossGrace, signalMaxAge time.Duration
 	maxMigrations                              int
 	leaseTTL, shutdownDelay, drainTimeout      time.Duration
@@ -98,6 +100,7 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.DurationVar(&f.realtimeIdleTimeout, "realtime-idle-timeout", httpapi.DefaultRealtimeIdleTimeout, "close (4000) a realtime session that sent no event for this long")
 	fs.Var(&f.realtimeMaxMessageBytes, "realtime-max-message-bytes", "largest client message of a realtime session, a `size` such as 1MiB; a bigger one closes the session with 1009")
 	fs.DurationVar(&f.detachedTTL, "detached-series-ttl", 0, "delete the series of replicas detached longer than this (0: keep forever)")
+	fs.StringVar(&f.replicaSeries, "replica-series", string(stats.ReplicaSeriesFull), "per-replica stat series on /metrics: full (every family per replica) or minimal (gauges and cache info per replica; counters and histograms per stage, with replica=\"\"); docs/stats.md")
 	fs.DurationVar(&f.reconcile, "reconcile-interval", membership.DefaultReconcileInterval, "period of the full membership re-list that repairs drift")
 	fs.DurationVar(&f.stallTimeout, "stall-timeout", orchestrator.DefaultStallTimeout, "fail and retry a stage attempt that makes no progress for this long")
 	fs.DurationVar(&f.signalMaxAge, "signal-max-age", router.DefaultSignalMaxAge, "a replica's load report older than this counts as unknown in routing")
@@ -209,6 +212,9 @@ func (f *headFlags) validateLimits() error {
 		return errors.New("troupe head: --realtime-max-message-bytes must be positive")
 	case f.bodyIdleTimeout <= 0:
 		return fmt.Errorf("troupe head: --body-idle-timeout must be positive, got %s", f.bodyIdleTimeout)
+	}
+	if _, err := stats.ParseReplicaSeries(f.replicaSeries); err != nil {
+		return fmt.Errorf("troupe head: --replica-series: %w", err)
 	}
 	return nil
 }
@@ -356,6 +362,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		Tokenizers:        tokenizers.All(),
 		LogStats:          hf.logStats,
 		DetachedSeriesTTL: hf.detachedTTL,
+		ReplicaSeries:     stats.ReplicaSeries(hf.replicaSeries),
 		ReconcileInterval: hf.reconcile,
 		MaxMessageBytes:   grpcMessageLimit(hf.maxBody),
 		StallTimeout:      hf.stallTimeout,

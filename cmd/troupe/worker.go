@@ -323,11 +323,18 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 	}
 	defer func() { stopEngine(); <-engDone }()
 
-	metrics, stopMetrics, err := serveWorkerMetrics(wf.metricsListen, log, stdout)
+	metrics, metricsAddr, stopMetrics, err := serveWorkerMetrics(wf.metricsListen, log, stdout)
 	if err != nil {
 		return err
 	}
 	defer stopMetrics()
+	replicaStats, err := newWorkerStats(metrics, wf.stage, workerModel(wf.model, eng.Engine, wf.stage), log)
+	if err != nil {
+		return err
+	}
+	if !auto {
+		replicaStats.bind(id, eng.Health())
+	}
 
 	srv, err := worker.New(worker.Config{
 		Stage:           wf.stage,
@@ -345,6 +352,8 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 		Version:         version,
 		EtcdClient:      cli,
 		Metrics:         metrics,
+		MetricsAddr:     metricsAddr,
+		Observer:        replicaStats.observer(),
 		Logger:          log,
 		ServerOptions: []grpc.ServerOption{
 			grpc.Creds(creds),
@@ -372,6 +381,9 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 		case <-registered:
 			registered = nil
 			m := srv.Member()
+			if auto {
+				replicaStats.bind(m.ReplicaID, eng.Health()) // known now
+			}
 			fmt.Fprintf(stdout, "troupe worker: stage %s replica %d addr %s (cluster %s, engine %s, role %s, listening on %s)\n",
 				m.Stage, m.ReplicaID, m.Addr, wf.cluster, m.Engine, roleOf(eng.Health()), srv.Addr())
 			if ready != nil {
@@ -398,13 +410,13 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 // stop is called (stop waits for the server). With an empty listen there is
 // no endpoint: the registerer is nil (an untyped nil, which
 // worker.Config.Metrics takes for none) and stop does nothing.
-func serveWorkerMetrics(listen string, log *slog.Logger, stdout io.Writer) (_ prometheus.Registerer, stop func(), err error) {
+func serveWorkerMetrics(listen string, log *slog.Logger, stdout io.Writer) (_ prometheus.Registerer, addr string, stop func(), err error) {
 	if listen == "" {
-		return nil, func() {}, nil
+		return nil, "", func() {}, nil
 	}
 	lis, err := net.Listen("tcp", listen)
 	if err != nil {
-		return nil, nil, fmt.Errorf("troupe worker: --metrics-listen: %w", err)
+		return nil, "", nil, fmt.Errorf("troupe worker: --metrics-listen: %w", err)
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -419,7 +431,7 @@ func serveWorkerMetrics(listen string, log *slog.Logger, stdout io.Writer) (_ pr
 		}
 	}()
 	fmt.Fprintf(stdout, "troupe worker: metrics on http://%s/metrics\n", lis.Addr())
-	return reg, func() { _ = hs.Close(); <-served }, nil
+	return reg, lis.Addr().String(), func() { _ = hs.Close(); <-served }, nil
 }
 
 // loopbackOnly reports whether listen binds a loopback address only.

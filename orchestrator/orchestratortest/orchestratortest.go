@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/troupe-serving/troupe/internal/core/stats"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/membership/membershiptest"
 	"github.com/troupe-serving/troupe/orchestrator"
@@ -34,7 +35,8 @@ type Options struct {
 	Policy           string
 	MaxMigrations    int // orchestrator.Config.MaxMigrations
 	DisableStats     bool
-	Sim              sim.Config // base engine config; Role comes from the stage
+	ReplicaSeries    stats.ReplicaSeries // orchestrator.Config.ReplicaSeries
+	Sim              sim.Config          // base engine config; Role comes from the stage
 	LeaseTTL         time.Duration
 	HeadTracer       trace.TracerProvider
 	// WorkerTracer makes the workers' spans of calls over Multiplex
@@ -166,6 +168,7 @@ func (c *Cluster) startHead(t testing.TB, metrics, statsMetrics *prometheus.Regi
 		MaxMigrations:     c.opts.MaxMigrations,
 		Tokenizers:        tokenizers.All(),
 		LogStats:          !c.opts.DisableStats,
+		ReplicaSeries:     c.opts.ReplicaSeries,
 		Metrics:           metrics,
 		ReconcileInterval: membership.DefaultReconcileInterval,
 		Dial:              func(addr string) (*grpc.ClientConn, error) { return grpc.NewClient(addr, dialOpts...) },

@@ -19,8 +19,13 @@ import (
 // spread over three stages, K=2, with a cache config.
 func benchLogger(b *testing.B, n int) (*prometheus.Registry, *Logger) {
 	b.Helper()
+	return benchLoggerIn(b, n, ReplicaSeriesFull)
+}
+
+func benchLoggerIn(b *testing.B, n int, mode ReplicaSeries) (*prometheus.Registry, *Logger) {
+	b.Helper()
 	reg := prometheus.NewRegistry()
-	l, err := New(reg, testModel, Options{})
+	l, err := New(reg, testModel, Options{Series: mode})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -182,68 +187,110 @@ func BenchmarkScrape1000(b *testing.B) {
 	}
 }
 
-// BenchmarkScrapeFleet is one /metrics scrape (WriteMetrics, text and
-// OpenMetrics) of 10,000 live replicas, alone and with 10,000 detached,
-// unswept replicas next to them (DetachedSeriesTTL 0, the default: their
-// series are kept forever). Before each scrape a chunk and a finished
-// request are recorded into every live replica, outside the timing (at
-// 10,000 replicas they cost as much as a third of the scrape); the detached
-// ones do not change. It reports ms/scrape (the scrape alone), text-MB, lines per replica (live and
-// detached) and the Go heap the Logger holds per replica (heap-KB/replica,
-// measured after a GC once the replicas are registered); -benchmem's B/op
-// and allocs/op are what one scrape allocates.
+// BenchmarkScrapeFleet is one /metrics scrape of 10,000 live replicas,
+// alone and with 10,000 detached, unswept replicas next to them
+// (DetachedSeriesTTL 0, the default: their series are kept forever), in
+// both --replica-series modes: WriteMetrics in text and OpenMetrics, and
+// Gather encoded as protobuf (what a Prometheus with native histograms
+// asks for). Before each scrape a chunk and a finished request are
+// recorded into every live replica, outside the timing (at 10,000
+// replicas they cost as much as a third of the scrape); the detached ones
+// do not change. It reports ms/scrape (the scrape alone), MB written,
+// series per replica (live and detached; the stage aggregates of minimal
+// mode included) and the Go heap the Logger holds per replica
+// (heap-KB/replica, measured after a GC once the replicas are
+// registered); -benchmem's B/op and allocs/op are what one scrape
+// allocates.
 func BenchmarkScrapeFleet(b *testing.B) {
 	const live = 10000
-	for _, detached := range []int{0, 10000} {
-		for _, f := range []struct {
-			name   string
-			format expfmt.Format
-		}{{"text", expfmt.NewFormat(expfmt.TypeTextPlain)}, {"openmetrics", expfmt.NewFormat(expfmt.TypeOpenMetrics)}} {
-			name := "live=10000/detached=" + strconv.Itoa(detached) + "/" + f.name
-			b.Run(name, func(b *testing.B) {
-				var before, after runtime.MemStats
-				runtime.GC()
-				runtime.ReadMemStats(&before)
-				_, l := benchLogger(b, live+detached)
-				for i := live; i < live+detached; i++ {
-					if err := l.Detach(i); err != nil {
-						b.Fatal(err)
-					}
-				}
-				runtime.GC()
-				runtime.ReadMemStats(&after)
-				heapPerReplica := float64(after.HeapAlloc-before.HeapAlloc) / float64(live+detached)
-				st := benchStats()
-				fin := benchFinished()
-				b.ReportAllocs()
-				var out countWriter
-				var scraping time.Duration
-				for b.Loop() {
-					b.StopTimer()
-					for i := range live {
-						if err := l.Record(i, st); err != nil {
-							b.Fatal(err)
-						}
-						if err := l.RecordFinished(i, fin); err != nil {
-							b.Fatal(err)
-						}
-					}
-					out = countWriter{}
-					start := time.Now()
-					b.StartTimer()
-					if err := l.WriteMetrics(&out, f.format); err != nil {
-						b.Fatal(err)
-					}
-					scraping += time.Since(start)
-				}
-				runtime.KeepAlive(l)
-				b.ReportMetric(float64(scraping.Microseconds())/1000/float64(b.N), "ms/scrape")
-				b.ReportMetric(float64(out.bytes)/1e6, "text-MB")
-				b.ReportMetric(float64(out.lines)/float64(live+detached), "lines/replica")
-				b.ReportMetric(heapPerReplica/1024, "heap-KB/replica")
-			})
+	text := func(f expfmt.Format) func(io.Writer, prometheus.Gatherer, *Logger) (int, error) {
+		return func(w io.Writer, _ prometheus.Gatherer, l *Logger) (int, error) {
+			cw := w.(*countWriter)
+			err := l.WriteMetrics(w, f)
+			return cw.lines, err // a line is a series (# lines are per family)
 		}
 	}
+	proto := func(w io.Writer, reg prometheus.Gatherer, _ *Logger) (int, error) {
+		mfs, err := reg.Gather()
+		if err != nil {
+			return 0, err
+		}
+		enc := expfmt.NewEncoder(w, expfmt.NewFormat(expfmt.TypeProtoDelim))
+		series := 0
+		for _, mf := range mfs {
+			if err := enc.Encode(mf); err != nil {
+				return 0, err
+			}
+			for _, m := range mf.GetMetric() {
+				series++
+				if h := m.GetHistogram(); h != nil {
+					series += len(h.GetBucket()) + 2 // as the text counts them: buckets, _sum, _count
+				}
+			}
+		}
+		return series, nil
+	}
+	for _, mode := range []ReplicaSeries{ReplicaSeriesFull, ReplicaSeriesMinimal} {
+		for _, detached := range []int{0, 10000} {
+			for _, f := range []struct {
+				name   string
+				scrape func(io.Writer, prometheus.Gatherer, *Logger) (int, error)
+			}{
+				{"text", text(expfmt.NewFormat(expfmt.TypeTextPlain))},
+				{"openmetrics", text(expfmt.NewFormat(expfmt.TypeOpenMetrics))},
+				{"protobuf", proto},
+			} {
+				name := "series=" + string(mode) + "/live=10000/detached=" + strconv.Itoa(detached) + "/" + f.name
+				b.Run(name, func(b *testing.B) { benchScrapeFleet(b, mode, live, detached, f.scrape) })
+			}
+		}
+	}
+}
+
+func benchScrapeFleet(b *testing.B, mode ReplicaSeries, live, detached int, scrape func(io.Writer, prometheus.Gatherer, *Logger) (int, error)) {
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	reg, l := benchLoggerIn(b, live+detached, mode)
+	for i := live; i < live+detached; i++ {
+		if err := l.Detach(i); err != nil {
+			b.Fatal(err)
+		}
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	heapPerReplica := float64(after.HeapAlloc-before.HeapAlloc) / float64(live+detached)
+	st := benchStats()
+	fin := benchFinished()
+	b.ReportAllocs()
+	var out countWriter
+	var scraping time.Duration
+	series := 0
+	for b.Loop() {
+		b.StopTimer()
+		for i := range live {
+			if err := l.Record(i, st); err != nil {
+				b.Fatal(err)
+			}
+			if err := l.RecordFinished(i, fin); err != nil {
+				b.Fatal(err)
+			}
+		}
+		out = countWriter{}
+		start := time.Now()
+		b.StartTimer()
+		n, err := scrape(&out, reg, l)
+		if err != nil {
+			b.Fatal(err)
+		}
+		scraping += time.Since(start)
+		series = n
+	}
+	runtime.KeepAlive(l)
+	b.ReportMetric(float64(scraping.Microseconds())/1000/float64(b.N), "ms/scrape")
+	b.ReportMetric(float64(out.bytes)/1e6, "MB")
+	b.ReportMetric(float64(series)/float64(live+detached), "series/replica")
+	b.ReportMetric(heapPerReplica/1024, "heap-KB/replica")
 }
 
 func benchFinished() Finished {

@@ -29,8 +29,10 @@ func (l *Logger) Describe(ch chan<- *prometheus.Desc) {
 // Collect sends every series of every family. Safe for concurrent use,
 // also with records and membership changes.
 func (l *Logger) Collect(ch chan<- prometheus.Metric) {
-	engines := l.appendEngines(nil)
+	replicas := l.appendEngines(nil)
+	aggs := l.appendAggregates(nil)
 	for _, f := range l.fams {
+		engines := l.sources(f, replicas, aggs)
 		switch f.kind {
 		case kindUnregistered:
 			ch <- constMetric(f.desc, prometheus.CounterValue, float64(l.unregistered.Load()), time.Time{})

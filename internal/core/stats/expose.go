@@ -116,6 +116,7 @@ type exposer struct {
 	om      bool
 	ft      int
 	engines []*engine
+	aggs    []*engine // minimal mode: the stage aggregates
 	counts  []uint64
 }
 
@@ -184,6 +185,7 @@ func (l *Logger) WriteMetrics(w io.Writer, f expfmt.Format) error {
 	x := exposerPool.Get().(*exposer)
 	x.w, x.err, x.ft, x.om = w, nil, ft, ft == formatOpenMetrics
 	x.engines = l.appendEngines(x.engines[:0])
+	x.aggs = l.appendAggregates(x.aggs[:0])
 	for _, fam := range l.fams {
 		if x.err != nil {
 			break // the writer failed (the scraper left): stop formatting
@@ -194,6 +196,7 @@ func (l *Logger) WriteMetrics(w io.Writer, f expfmt.Format) error {
 	x.flush()
 	err = x.err
 	clear(x.engines)
+	clear(x.aggs)
 	x.w = nil
 	exposerPool.Put(x)
 	if err != nil {
@@ -210,6 +213,25 @@ func (l *Logger) appendEngines(dst []*engine) []*engine {
 		}
 	}
 	return dst
+}
+
+// appendAggregates appends the stage aggregates (minimal mode), in stage
+// order.
+func (l *Logger) appendAggregates(dst []*engine) []*engine {
+	if a := l.aggs.Load(); a != nil {
+		dst = append(dst, *a...)
+	}
+	return dst
+}
+
+// sources are the engines whose series of family f are exposed: the
+// replicas, or in minimal mode the stage aggregates for a counter or a
+// histogram.
+func (l *Logger) sources(f *family, replicas, aggs []*engine) []*engine {
+	if l.minimal && f.aggregated() {
+		return aggs
+	}
+	return replicas
 }
 
 func (l *Logger) writeFamily(x *exposer, f *family) {
@@ -236,11 +258,12 @@ func (l *Logger) writeFamily(x *exposer, f *family) {
 		}
 		return
 	}
-	if len(x.engines) == 0 {
+	engines := l.sources(f, x.engines, x.aggs)
+	if len(engines) == 0 {
 		return
 	}
 	header := false
-	for _, e := range x.engines {
+	for _, e := range engines {
 		switch f.kind {
 		case kindCacheInfo:
 			ci := e.cache.Load()

@@ -40,10 +40,16 @@ const weirdModel = "we\"ird\\model\nname"
 // name and stage names that need escaping.
 func richLogger(t *testing.T) (*prometheus.Registry, *Logger) {
 	t.Helper()
+	return richLoggerIn(t, ReplicaSeriesFull)
+}
+
+// richLoggerIn is richLogger with the given replica series mode.
+func richLoggerIn(t *testing.T, mode ReplicaSeries) (*prometheus.Registry, *Logger) {
+	t.Helper()
 	clock := &fakeClock{t: time.Unix(1_700_000_000, 0)}
 	reg := prometheus.NewRegistry()
 	l, err := New(reg, weirdModel, Options{
-		DetachedSeriesTTL: time.Minute, Now: clock.now,
+		DetachedSeriesTTL: time.Minute, Now: clock.now, Series: mode,
 		StageNames: []string{"thinker", `tal"ker\`, "voc\noder"},
 	})
 	require.NoError(t, err)

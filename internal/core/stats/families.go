@@ -185,6 +185,10 @@ type family struct {
 	fast [numFormats]fastFamily
 }
 
+// aggregated says whether the family is kept per stage, not per replica,
+// in minimal mode: every counter and histogram.
+func (f *family) aggregated() bool { return f.kind == kindCounter || f.kind == kindHistogram }
+
 func (f *family) count(e *engine) int {
 	switch {
 	case f.n != nil:
@@ -342,7 +346,12 @@ func perReplicaFamilies(maxModelLen int) []*family {
 // atomic, so they run without locks. Fields below "writer side" belong to
 // Logger.mu.
 type engine struct {
-	lv [3]string // model_name, stage, replica
+	lv    [3]string // model_name, stage, replica
+	stage int
+	// sink gets the counters and histograms of Record and RecordFinished:
+	// the engine itself, or in minimal mode its stage's aggregate (whose
+	// replica label is ""; a minimal replica has no histograms).
+	sink *engine
 	// Pre-rendered, escaped label pairs of the fast exposition (expose.go):
 	// mrs is `model_name="…",replica="…",stage="…"`; mr, rs and s the parts
 	// a nested label goes between.
@@ -410,14 +419,21 @@ func nativeRangeOf(i int) nativeRange {
 }
 
 // newEngine makes one replica's series, all at 0, with the label values lv.
+// Without bounds it has no histograms (a replica in minimal mode).
 func newEngine(lv [3]string, bounds *[numHistograms][]float64, k int, now time.Time) *engine {
 	e := &engine{lv: lv, created: now}
+	e.sink = e
+	e.stage, _ = strconv.Atoi(lv[1])
 	m := labelPair(labelModel, lv[0])
 	r := labelPair(labelReplica, lv[2])
 	e.s = labelPair(labelStage, lv[1])
 	e.mr = m + "," + r
 	e.rs = r + "," + e.s
 	e.mrs = e.mr + "," + e.s
+	if bounds == nil {
+		e.growSpec(k)
+		return e
+	}
 	n := 0
 	for i := range e.hists {
 		n += nativeRangeOf(i).len()

@@ -74,6 +74,11 @@ type Replica struct {
 	Engine, Version      string
 	Addr                 string
 	Cache                *stagepb.CacheConfig // may be nil
+	// StageLabel, when set, is the value of the replica's "stage" label
+	// instead of its index, and the replica adds no stage_info: a
+	// worker's own endpoint, which knows its stage's name, not its index
+	// in the pipeline (docs/stats.md, "Scraping the workers").
+	StageLabel string
 }
 
 // Finished is one request on one replica, as the head measured it.
@@ -127,6 +132,37 @@ type Options struct {
 	// visible (the alert on a stage without replicas needs it). Register
 	// refuses another name for one of these indexes.
 	StageNames []string
+	// Series is how much each replica has of its own (ReplicaSeriesFull,
+	// the default, or ReplicaSeriesMinimal; see ReplicaSeries).
+	Series ReplicaSeries
+}
+
+// ReplicaSeries says which families a Logger keeps per replica.
+//
+//   - ReplicaSeriesFull (the default, ""): every family per replica.
+//   - ReplicaSeriesMinimal: per replica only the gauges (running, waiting,
+//     waiting by reason, KV-cache usage, replica_attached, sleep state) and
+//     cache_config_info, 10 series; every counter and histogram is kept
+//     per stage instead, with replica="" (which Prometheus stores as no
+//     replica label), so sum by (stage) reads the same in both modes. A
+//     replica's gauges are still bound at Register and kept after Detach,
+//     and its stage's aggregates exist from its stage's first Register and
+//     are never swept.
+type ReplicaSeries string
+
+// The ReplicaSeries modes (--replica-series).
+const (
+	ReplicaSeriesFull    ReplicaSeries = "full"
+	ReplicaSeriesMinimal ReplicaSeries = "minimal"
+)
+
+// ParseReplicaSeries reads a --replica-series value.
+func ParseReplicaSeries(s string) (ReplicaSeries, error) {
+	switch ReplicaSeries(s) {
+	case ReplicaSeriesFull, ReplicaSeriesMinimal:
+		return ReplicaSeries(s), nil
+	}
+	return "", fmt.Errorf("stats: replica series %q: want full or minimal", s)
 }
 
 // Logger owns the stat families of one head. Build it with New.
@@ -146,11 +182,17 @@ type Logger struct {
 	// stages are the stage_info series, sorted by stage index; replaced
 	// whole under mu.
 	stages atomic.Pointer[[]stageSeries]
+	// minimal: ReplicaSeriesMinimal. aggs are then the per-stage engines
+	// that counters and histograms go to, sorted by stage; replaced whole
+	// under mu.
+	minimal bool
+	aggs    atomic.Pointer[[]*engine]
 
 	mu         sync.Mutex // serializes Register, Detach, Sweep
 	byIndex    map[int]*engine
 	stageNames map[int]string
 	detached   map[int]struct{} // indices detached and not swept
+	aggByStage map[int]*engine  // minimal: the stage aggregates
 }
 
 // stageSeries is one troupe_stage_info series.
@@ -182,7 +224,14 @@ func New(reg prometheus.Registerer, model string, opts Options) (*Logger, error)
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
+	if opts.Series != "" {
+		if _, err := ParseReplicaSeries(string(opts.Series)); err != nil {
+			return nil, err
+		}
+	}
 	l := &Logger{
+		minimal:    opts.Series == ReplicaSeriesMinimal,
+		aggByStage: make(map[int]*engine),
 		disabled:   opts.Disabled,
 		model:      model,
 		modelPair:  labelPair(labelModel, model),
@@ -281,12 +330,22 @@ func (l *Logger) Register(index int, r Replica) error {
 
 	swept := e != nil && l.table.load(index) == nil
 	if e == nil || swept {
-		lv := [3]string{l.model, strconv.Itoa(r.Stage), strconv.FormatUint(uint64(r.ReplicaID), 10)}
-		e = newEngine(lv, &l.bounds, r.NumSpeculativeTokens, time.Now())
+		stage := r.StageLabel
+		if stage == "" {
+			stage = strconv.Itoa(r.Stage)
+		}
+		lv := [3]string{l.model, stage, strconv.FormatUint(uint64(r.ReplicaID), 10)}
+		if l.minimal {
+			e = newEngine(lv, nil, r.NumSpeculativeTokens, time.Now())
+			e.sink = l.stageAggregate(r.Stage)
+		} else {
+			e = newEngine(lv, &l.bounds, r.NumSpeculativeTokens, time.Now())
+		}
 	} else {
 		e.growSpec(r.NumSpeculativeTokens)
 	}
-	if !stageKnown {
+	e.sink.growSpec(r.NumSpeculativeTokens)
+	if !stageKnown && r.StageLabel == "" {
 		l.stageNames[r.Stage] = r.StageName
 		l.publishStages()
 	}
@@ -302,6 +361,23 @@ func (l *Logger) Register(index int, r Replica) error {
 		l.maxIndex.Store(int64(index))
 	}
 	return nil
+}
+
+// stageAggregate returns the stage's aggregate engine (minimal mode),
+// binding it on first use. Called with mu held.
+func (l *Logger) stageAggregate(stage int) *engine {
+	if a := l.aggByStage[stage]; a != nil {
+		return a
+	}
+	a := newEngine([3]string{l.model, strconv.Itoa(stage), ""}, &l.bounds, 0, time.Now())
+	l.aggByStage[stage] = a
+	aggs := make([]*engine, 0, len(l.aggByStage))
+	for _, e := range l.aggByStage {
+		aggs = append(aggs, e)
+	}
+	sort.Slice(aggs, func(i, j int) bool { return aggs[i].stage < aggs[j].stage })
+	l.aggs.Store(&aggs)
+	return a
 }
 
 func equalStrings(a, b []string) bool {
@@ -415,31 +491,7 @@ func (l *Logger) Record(index int, s *stagepb.EngineStats) error {
 	if s == nil {
 		return nil
 	}
-	add(&e.promptTokens, s.PromptTokens)
-	add(&e.generationTokens, s.GenerationTokens)
-	add(&e.promptBySource[0], s.PromptTokensLocalCompute)
-	add(&e.promptBySource[1], s.PromptTokensLocalCacheHit)
-	add(&e.promptBySource[2], s.PromptTokensExternalKvTransfer)
-	add(&e.prefixQueries, s.PrefixCacheQueries)
-	add(&e.prefixHits, s.PrefixCacheHits)
-	add(&e.mmQueries, s.MmCacheQueries)
-	add(&e.mmHits, s.MmCacheHits)
-	add(&e.preemptions, s.NumPreemptions)
-	add(&e.promptCached, s.PromptTokensLocalCacheHit+s.PromptTokensExternalKvTransfer)
-	if k := int(e.specK.Load()); k > 0 {
-		add(&e.specDrafts, s.SpecDecodeNumDrafts)
-		add(&e.specDraftTokens, s.SpecDecodeNumDraftTokens)
-		add(&e.specAccepted, s.SpecDecodeNumAcceptedTokens)
-		for pos, v := range s.SpecDecodeNumAcceptedTokensPerPos {
-			if pos >= k {
-				break
-			}
-			add(&e.specPerPos[pos], v)
-		}
-	}
-	for _, n := range s.IterationTokens {
-		e.hists[hIteration].observe(float64(n))
-	}
+	recordCounters(e, s)
 	if !e.detached.Load() {
 		storeFloat(&e.running, float64(s.NumRequestsRunning))
 		storeFloat(&e.waiting, float64(s.NumRequestsWaitingCapacity)+float64(s.NumRequestsWaitingDeferred))
@@ -453,6 +505,38 @@ func (l *Logger) Record(index int, s *stagepb.EngineStats) error {
 		}
 	}
 	return nil
+}
+
+// recordCounters adds a chunk's counter deltas and iteration samples to
+// e's sink: e itself, or its stage's aggregate in minimal mode. Spec
+// decode counts only for a replica with K > 0, positions below its K.
+func recordCounters(e *engine, s *stagepb.EngineStats) {
+	t := e.sink
+	add(&t.promptTokens, s.PromptTokens)
+	add(&t.generationTokens, s.GenerationTokens)
+	add(&t.promptBySource[0], s.PromptTokensLocalCompute)
+	add(&t.promptBySource[1], s.PromptTokensLocalCacheHit)
+	add(&t.promptBySource[2], s.PromptTokensExternalKvTransfer)
+	add(&t.prefixQueries, s.PrefixCacheQueries)
+	add(&t.prefixHits, s.PrefixCacheHits)
+	add(&t.mmQueries, s.MmCacheQueries)
+	add(&t.mmHits, s.MmCacheHits)
+	add(&t.preemptions, s.NumPreemptions)
+	add(&t.promptCached, s.PromptTokensLocalCacheHit+s.PromptTokensExternalKvTransfer)
+	if k := int(e.specK.Load()); k > 0 {
+		add(&t.specDrafts, s.SpecDecodeNumDrafts)
+		add(&t.specDraftTokens, s.SpecDecodeNumDraftTokens)
+		add(&t.specAccepted, s.SpecDecodeNumAcceptedTokens)
+		for pos, v := range s.SpecDecodeNumAcceptedTokensPerPos {
+			if pos >= k {
+				break
+			}
+			add(&t.specPerPos[pos], v)
+		}
+	}
+	for _, n := range s.IterationTokens {
+		t.hists[hIteration].observe(float64(n))
+	}
 }
 
 func add(c *atomic.Uint64, v uint64) {
@@ -503,34 +587,35 @@ func (l *Logger) RecordFinished(index int, f Finished) error {
 	if e == nil {
 		return l.notRegistered("finished request", index)
 	}
-	e.success[f.Reason-1].Add(1)
+	t := e.sink // the replica, or its stage in minimal mode
+	t.success[f.Reason-1].Add(1)
 	var now int64
 	if f.TraceID != "" {
 		now = time.Now().UnixNano()
 	}
-	observe(&e.hists[hE2E], f.E2E.Seconds(), f.TraceID, now)
+	observe(&t.hists[hE2E], f.E2E.Seconds(), f.TraceID, now)
 	if f.TTFT > 0 {
-		observe(&e.hists[hTTFT], f.TTFT.Seconds(), f.TraceID, now)
+		observe(&t.hists[hTTFT], f.TTFT.Seconds(), f.TraceID, now)
 	}
 	for _, d := range f.InterTokenLatencies {
-		e.hists[hInterToken].observe(d.Seconds())
+		t.hists[hInterToken].observe(d.Seconds())
 	}
-	e.hists[hQueue].observe(f.Queue.Seconds())
-	e.hists[hPrefill].observe(f.Prefill.Seconds())
-	e.hists[hDecode].observe(f.Decode.Seconds())
-	e.hists[hInference].observe((f.Prefill + f.Decode).Seconds())
-	e.hists[hPromptTokens].observe(float64(f.PromptTokens))
-	e.hists[hGenerationTokens].observe(float64(f.GenerationTokens))
-	e.hists[hMaxGeneration].observe(float64(f.GenerationTokens))
-	e.hists[hPrefillKV].observe(float64(f.PrefillComputedTokens))
+	t.hists[hQueue].observe(f.Queue.Seconds())
+	t.hists[hPrefill].observe(f.Prefill.Seconds())
+	t.hists[hDecode].observe(f.Decode.Seconds())
+	t.hists[hInference].observe((f.Prefill + f.Decode).Seconds())
+	t.hists[hPromptTokens].observe(float64(f.PromptTokens))
+	t.hists[hGenerationTokens].observe(float64(f.GenerationTokens))
+	t.hists[hMaxGeneration].observe(float64(f.GenerationTokens))
+	t.hists[hPrefillKV].observe(float64(f.PrefillComputedTokens))
 	if f.GenerationTokens > 1 {
-		e.hists[hTPOT].observe(f.Decode.Seconds() / float64(f.GenerationTokens-1))
+		t.hists[hTPOT].observe(f.Decode.Seconds() / float64(f.GenerationTokens-1))
 	}
 	if f.MaxTokensParam > 0 {
-		e.hists[hParamsMaxTokens].observe(float64(f.MaxTokensParam))
+		t.hists[hParamsMaxTokens].observe(float64(f.MaxTokensParam))
 	}
 	if f.N > 0 {
-		e.hists[hParamsN].observe(float64(f.N))
+		t.hists[hParamsN].observe(float64(f.N))
 	}
 	return nil
 }

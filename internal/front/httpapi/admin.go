@@ -62,27 +62,42 @@ func (s *Server) replicas(w http.ResponseWriter, _ *http.Request) {
 }
 
 // replicasSD serves GET /v1/replicas/sd: Prometheus HTTP service discovery
-// (http_sd_config) over the replicas the head routes or will route, one
-// target group each. Workers serve no /metrics (the head exposes their
-// stats): each target is the replica's gRPC address, labelled
-// endpoint="grpc", for a gRPC health probe (blackbox_exporter's grpc
-// prober), not for a scrape. Labels hold only identity, so a target's
-// labels do not change while it lives; detached replicas are left out.
-func (s *Server) replicasSD(w http.ResponseWriter, _ *http.Request) {
+// (http_sd_config) over the replicas the head routes or will route.
+// Each replica is a target group by its gRPC address, labelled
+// endpoint="grpc" (for a gRPC health probe, not a scrape), and, when its
+// record has a metrics address (the worker's --metrics-listen), a second
+// group by that address, labelled endpoint="metrics", stage (index),
+// stage_name, replica and engine_index: scrape those to read each
+// replica's own series (docs/stats.md). ?endpoint=grpc or
+// ?endpoint=metrics lists one kind only. Labels hold only identity, so
+// a target's labels do not change while it lives; detached replicas are
+// left out.
+func (s *Server) replicasSD(w http.ResponseWriter, r *http.Request) {
+	want := r.URL.Query().Get("endpoint")
+	if want != "" && want != "grpc" && want != "metrics" {
+		s.reject(w, r, badRequest("endpoint", "invalid_value", "endpoint must be grpc or metrics, got %q", want))
+		return
+	}
 	groups := []sdTargetGroup{} // Prometheus wants [] when there is none, not null
-	for _, r := range s.b.Replicas() {
-		if r.State == orchestrator.StateDetached {
+	for _, rep := range s.b.Replicas() {
+		if rep.State == orchestrator.StateDetached {
 			continue
 		}
-		groups = append(groups, sdTargetGroup{
-			Targets: []string{r.Addr},
-			Labels: map[string]string{
-				"stage":        r.StageName,
-				"replica":      strconv.FormatUint(uint64(r.Replica), 10),
-				"engine_index": strconv.Itoa(r.EngineIndex),
-				"endpoint":     "grpc",
-			},
-		})
+		replica := strconv.FormatUint(uint64(rep.Replica), 10)
+		index := strconv.Itoa(rep.EngineIndex)
+		if want != "metrics" {
+			groups = append(groups, sdTargetGroup{
+				Targets: []string{rep.Addr},
+				Labels:  map[string]string{"stage": rep.StageName, "replica": replica, "engine_index": index, "endpoint": "grpc"},
+			})
+		}
+		if want != "grpc" && rep.MetricsAddr != "" {
+			groups = append(groups, sdTargetGroup{
+				Targets: []string{rep.MetricsAddr},
+				Labels: map[string]string{"stage": strconv.Itoa(rep.Stage), "stage_name": rep.StageName, "replica": replica,
+					"engine_index": index, "endpoint": "metrics"},
+			})
+		}
 	}
 	writeJSON(w, http.StatusOK, groups)
 }
