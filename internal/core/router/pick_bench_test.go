@@ -21,7 +21,7 @@ func benchRouter(n int, st StageRouting, engine EngineInfo) (*Router, []*Replica
 		rep.SetLoad(int64(i % 7))
 		reps[i] = rep
 	}
-	r.snap.Store(&Snapshot{stages: [][]*Replica{reps}})
+	r.snap.Store(newSnapshot([][]*Replica{reps}))
 	return r, reps
 }
 
