@@ -62,7 +62,7 @@ func (r *Router) pickLarge(s *Snapshot, stage int, req *Request, all, exclude []
 	defer largePool.Put(ls)
 	ls.ord.reset(o)
 	c := ls.c[:0]
-	defer func() { clear(c); ls.c = c[:0] }() // the pool holds no replica
+	defer func() { clear(c); ls.c, ls.ord.o = c[:0], nil }() // the pool holds no replica
 	for range sampleTries {
 		if len(c) == loadSample {
 			break
