@@ -27,13 +27,17 @@ func TestLargeStageLoadQuality(t *testing.T) {
 		p    Policy
 		req  func() *Request
 	}{
-		{"least_loaded", LeastLoaded{}, func() *Request { return &Request{} }},
-		{"deadline", &Deadline{}, func() *Request { return &Request{Deadline: time.Now().Add(time.Hour)} }},
+		// Reports that stay fresh however slow the run (-race).
+		{"least_loaded", LeastLoaded{MaxAge: time.Hour}, func() *Request { return &Request{} }},
+		{"deadline", &Deadline{MaxAge: time.Hour}, func() *Request { return &Request{Deadline: time.Now().Add(time.Hour)} }},
 	} {
 		t.Run(pc.name, func(t *testing.T) {
 			r, reps := benchRouter(n, StageRouting{Policy: pc.p}, EngineInfo{})
+			// count[s] is how many replicas score s (load + in flight).
+			count := make([]int, 2*n)
 			for i, l := range rand.Perm(n) {
 				reps[i].SetLoad(int64(l))
+				count[l]++
 			}
 			ranks := make([]float64, 0, 2000)
 			for range cap(ranks) {
@@ -41,13 +45,13 @@ func TestLargeStageLoadQuality(t *testing.T) {
 				require.NoError(t, err)
 				score := d.Replica.Load() + d.Replica.InFlight()
 				below := 0
-				for _, rep := range reps {
-					if rep.Load()+rep.InFlight() < score {
-						below++
-					}
+				for _, c := range count[:score] {
+					below += c
 				}
 				ranks = append(ranks, float64(below)/n)
 				d.Replica.Acquire()
+				count[score]--
+				count[score+1]++
 			}
 			slices.Sort(ranks)
 			var sum float64
@@ -98,7 +102,7 @@ func TestLargeStageHeadsAgree(t *testing.T) {
 	a1, p1 := mk(1)
 	a2, p2 := mk(2)
 	spread := map[uint32]bool{}
-	for i := range 500 {
+	for i := range 200 {
 		req := func() *Request { return &Request{SessionKey: fmt.Sprintf("session-%d", i)} }
 		d1, err := a1.Pick(0, req(), nil)
 		require.NoError(t, err)
@@ -118,7 +122,7 @@ func TestLargeStageHeadsAgree(t *testing.T) {
 			require.Equal(t, d1.Replica.Key, d2.Replica.Key, "input %q", in[:20])
 		}
 	}
-	assert.Greater(t, len(spread), 400, "sessions spread over the stage")
+	assert.Greater(t, len(spread), 150, "sessions spread over the stage")
 }
 
 // firstChoices is, for each key, its first replica in the order of a
@@ -145,7 +149,7 @@ func sortedByID(reps []*Replica) []*Replica {
 // all (at most 3/N); one that leaves moves its own keys and about as many
 // again; and each replica is the first choice of about 1/N of the keys.
 func TestStageOrderMoves(t *testing.T) {
-	const n, nk = 500, 60000
+	const n, nk = 300, 30000
 	reps := orderReplicas(n+1, 3)
 	keys := make([]uint64, nk)
 	for i := range keys {
