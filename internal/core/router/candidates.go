@@ -90,6 +90,9 @@ func (r *Router) pickLarge(s *Snapshot, stage int, req *Request, all, exclude []
 		if !session {
 			c, ls.keys = p.largeCandidates(req, s, stage, &ls.ord, c, exclude, ls.keys)
 		}
+	case *RoundRobin, PowerOfTwo:
+	default:
+		return Decision{}, false // a policy not written for a sample reads the stage
 	}
 	if session {
 		c = ls.ord.top(sessionHash(req.SessionKey), c, exclude)
