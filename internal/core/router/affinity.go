@@ -101,7 +101,7 @@ func Rank(session string, c []*Replica) []*Replica {
 
 // weight is the rendezvous weight of a replica for a session.
 func weight(session uint64, k Key) uint64 {
-	return mix64(session ^ mix64(uint64(k.Stage)<<32|uint64(k.Replica)))
+	return mix64(session ^ mix64(keyHash(k)))
 }
 
 // mix64 is the splitmix64 finalizer.

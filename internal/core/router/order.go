@@ -1,6 +1,7 @@
 package router
 
 import (
+	"cmp"
 	"math"
 	"slices"
 )
@@ -47,7 +48,20 @@ const (
 // 1/N of them, and inside it about 1/N more move to or from the replica:
 // about 2/N in all, against 1/N for flat rendezvous (TestStageOrderMoves).
 type stageOrder struct {
-	groups [orderGroups][]*Replica
+	groups [orderGroups][]member
+}
+
+// member is one replica of a group, its key's hash inline so that a
+// pick weighs a group's members without reading each replica.
+type member struct {
+	key uint64 // keyHash
+	rep *Replica
+}
+
+// searchMembers is the position of replica id in a group, and whether
+// it is there.
+func searchMembers(g []member, id uint32) (int, bool) {
+	return slices.BinarySearchFunc(g, id, func(m member, id uint32) int { return cmp.Compare(m.rep.Key.Replica, id) })
 }
 
 // keyHash is the 64-bit name of a replica key that the hashes mix.
@@ -65,13 +79,14 @@ func (o *stageOrder) with(rep *Replica) *stageOrder {
 	}
 	g := groupOf(rep.Key)
 	old := next.groups[g]
-	i, found := search(old, rep.Key.Replica)
+	m := member{key: keyHash(rep.Key), rep: rep}
+	i, found := searchMembers(old, rep.Key.Replica)
 	if found {
 		next.groups[g] = slices.Clone(old)
-		next.groups[g][i] = rep
+		next.groups[g][i] = m
 		return next
 	}
-	next.groups[g] = slices.Insert(slices.Clip(old), i, rep)
+	next.groups[g] = slices.Insert(slices.Clip(old), i, m)
 	return next
 }
 
@@ -81,7 +96,7 @@ func (o *stageOrder) without(k Key) *stageOrder {
 		return nil
 	}
 	g := groupOf(k)
-	i, found := search(o.groups[g], k.Replica)
+	i, found := searchMembers(o.groups[g], k.Replica)
 	if !found {
 		return o
 	}
@@ -95,7 +110,7 @@ func newStageOrder(st []*Replica) *stageOrder {
 	o := &stageOrder{}
 	for _, rep := range st { // sorted by id: each group stays sorted
 		g := groupOf(rep.Key)
-		o.groups[g] = append(o.groups[g], rep)
+		o.groups[g] = append(o.groups[g], member{key: keyHash(rep.Key), rep: rep})
 	}
 	return o
 }
@@ -189,11 +204,12 @@ func (ord *order) top(k uint64, c, exclude []*Replica) []*Replica {
 		var tops [orderWidth]*Replica
 		var ws [orderWidth]uint64
 		n := 0
-		for _, rep := range ord.o.groups[g] {
-			w := weight(k, rep.Key)
+		for _, m := range ord.o.groups[g] {
+			w := mix64(k ^ mix64(m.key)) // weight(k, m.rep.Key)
 			if n == orderWidth && w <= ws[n-1] {
 				continue
 			}
+			rep := m.rep
 			if !eligible(rep, exclude) {
 				continue
 			}
