@@ -31,6 +31,11 @@ type Affinity struct {
 // whether it is the session's first choice (false: the first choice was
 // over the load bound).
 func (a Affinity) Pick(session string, c []*Replica) (*Replica, bool) {
+	return a.pick(session, c, nil)
+}
+
+// pick is Pick with the rendezvous weights of ord (nil: flat).
+func (a Affinity) pick(session string, c []*Replica, ord *order) (*Replica, bool) {
 	sc := newScorer(c, a.MaxAge)
 	var total int64
 	for _, r := range c {
@@ -47,7 +52,7 @@ func (a Affinity) Pick(session string, c []*Replica) (*Replica, bool) {
 	var heaviest, chosen *Replica
 	var hw, cw uint64
 	for _, r := range c {
-		w := weight(sk, r.Key)
+		w := ord.weight(sk, r.Key)
 		if heaviest == nil || w > hw {
 			heaviest, hw = r, w
 		}
@@ -96,7 +101,7 @@ func Rank(session string, c []*Replica) []*Replica {
 
 // weight is the rendezvous weight of a replica for a session.
 func weight(session uint64, k Key) uint64 {
-	return mix64(session ^ mix64(uint64(k.Stage)<<32|uint64(k.Replica)))
+	return mix64(session ^ mix64(keyHash(k)))
 }
 
 // mix64 is the splitmix64 finalizer.

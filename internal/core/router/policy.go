@@ -254,6 +254,9 @@ type Request struct {
 	MinRTF   float64
 
 	hashes []schemeHashes
+	// order is a large stage's rendezvous order during one pick (nil:
+	// flat rendezvous); set by Router.Pick around the policy's Pick.
+	order *order
 }
 
 // RoundRobin cycles through a stage's routable replicas.

@@ -38,10 +38,18 @@ type PrefixIndex struct {
 }
 
 type prefixEntry struct {
-	hash       uint64
-	holders    []holder
+	hash    uint64
+	holders []holder
+	// at indexes holders by key once there are more than holderIndexMin
+	// of them (a prefix shared across a large stage), so that find stays
+	// O(1) there; nil below.
+	at         map[Key]int
 	prev, next *prefixEntry
 }
+
+// holderIndexMin is how many holders an entry finds by a linear scan
+// before it keeps them indexed by key.
+const holderIndexMin = 16
 
 // holder is one replica's state for a block.
 type holder struct {
@@ -91,14 +99,23 @@ func (x *PrefixIndex) match(hashes []uint64, keys []Key, out, live []int) []int 
 	}
 	// live: the keys that hold every block so far.
 	live = live[:0]
-	if slices.IsSortedFunc(keys, compareKeys) {
+	switch {
+	case e.at != nil && len(e.holders) > 4*len(keys):
+		// Far more holders than keys (a large stage's few candidates):
+		// look each key up instead.
+		for k, key := range keys {
+			if e.holds(key) {
+				live = append(live, k)
+			}
+		}
+	case slices.IsSortedFunc(keys, compareKeys):
 		for _, hd := range e.holders {
 			if k, ok := slices.BinarySearchFunc(keys, hd.key, compareKeys); ok && hd.held {
 				live = append(live, k)
 			}
 		}
 		slices.Sort(live) // the order of keys, as the linear scan below gives
-	} else {
+	default:
 		for k, key := range keys {
 			if e.holds(key) {
 				live = append(live, k)
@@ -141,7 +158,7 @@ func (x *PrefixIndex) Insert(key Key, hashes []uint64) {
 				e.holders[i].held = true
 			}
 		} else {
-			e.holders = append(e.holders, holder{key: key, held: true})
+			e.add(holder{key: key, held: true})
 		}
 		x.touch(e)
 	}
@@ -184,7 +201,7 @@ func (x *PrefixIndex) applyLocked(key Key, ev *stagepb.KvEvents) {
 				e.holders[i] = holder{key: key, seq: seq, held: held}
 			}
 		} else {
-			e.holders = append(e.holders, holder{key: key, seq: seq, held: held})
+			e.add(holder{key: key, seq: seq, held: held})
 		}
 		x.touch(e)
 	}
@@ -216,7 +233,11 @@ func (x *PrefixIndex) dropLocked(drop func(holder) bool) {
 				n++
 			}
 		}
-		e.holders = e.holders[:n]
+		if n != len(e.holders) {
+			clear(e.holders[n:])
+			e.holders = e.holders[:n]
+			e.reindex()
+		}
 		if n == 0 {
 			x.unlink(e)
 			delete(x.entries, h)
@@ -263,7 +284,36 @@ func (x *PrefixIndex) unlink(e *prefixEntry) {
 	e.prev, e.next = nil, nil
 }
 
+// add appends a holder (of a key the entry does not hold yet).
+func (e *prefixEntry) add(hd holder) {
+	e.holders = append(e.holders, hd)
+	switch {
+	case e.at != nil:
+		e.at[hd.key] = len(e.holders) - 1
+	case len(e.holders) > holderIndexMin:
+		e.reindex()
+	}
+}
+
+// reindex rebuilds at after holders changed.
+func (e *prefixEntry) reindex() {
+	if len(e.holders) <= holderIndexMin {
+		e.at = nil
+		return
+	}
+	e.at = make(map[Key]int, len(e.holders))
+	for i, hd := range e.holders {
+		e.at[hd.key] = i
+	}
+}
+
 func (e *prefixEntry) find(key Key) int {
+	if e.at != nil {
+		if i, ok := e.at[key]; ok {
+			return i
+		}
+		return -1
+	}
 	for i, hd := range e.holders {
 		if hd.key == key {
 			return i

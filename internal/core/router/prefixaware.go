@@ -239,6 +239,7 @@ type pickScratch struct {
 	live    []int
 	loads   []float64
 	cur     []int64
+	ord     *order // the pick's rendezvous order (Request.order)
 }
 
 var pickScratchPool = sync.Pool{New: func() any { return new(pickScratch) }}
@@ -247,6 +248,8 @@ var pickScratchPool = sync.Pool{New: func() any { return new(pickScratch) }}
 func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	sp := pickScratchPool.Get().(*pickScratch)
 	defer pickScratchPool.Put(sp)
+	sp.ord = req.order
+	defer func() { sp.ord = nil }()
 	sc := newScorer(c, p.MaxAge)
 	cs := slices.Grow(sp.cs[:0], len(c))[:len(c)]
 	sp.cs = cs
@@ -340,7 +343,7 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		root := p.root(req)
 		chosen, cw := -1, uint64(0)
 		for i, x := range cs {
-			if w := weight(root, x.r.Key); within(x) && (chosen < 0 || w > cw) {
+			if w := req.order.weight(root, x.r.Key); within(x) && (chosen < 0 || w > cw) {
 				chosen, cw = i, w
 			}
 		}
@@ -523,7 +526,7 @@ func (p *PrefixAware) homeOf(conv uint64, cs []cand, sc scorer, sp *pickScratch)
 		if loads[i] > bound {
 			continue
 		}
-		w := weight(conv, x.r.Key)
+		w := sp.ord.weight(conv, x.r.Key)
 		if first < 0 || w > fw {
 			first, fw = i, w
 		}

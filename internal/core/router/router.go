@@ -237,6 +237,27 @@ type EngineInfo struct {
 // BenchmarkSnapshotJoin).
 type Snapshot struct {
 	stages [][]*Replica // by stage index, sorted by replica id
+	// orders are the stages' rendezvous orders for large stages (see
+	// stageOrder); nil for a stage built without one (Pick then reads
+	// every replica, whatever the size).
+	orders []*stageOrder
+}
+
+// newSnapshot is a snapshot of stages with their orders built.
+func newSnapshot(stages [][]*Replica) *Snapshot {
+	s := &Snapshot{stages: stages, orders: make([]*stageOrder, len(stages))}
+	for i, st := range stages {
+		s.orders[i] = newStageOrder(st)
+	}
+	return s
+}
+
+// order is a stage's rendezvous order; nil when it has none.
+func (s *Snapshot) order(stage int) *stageOrder {
+	if stage < 0 || stage >= len(s.orders) {
+		return nil
+	}
+	return s.orders[stage]
 }
 
 // Stage returns the replicas of a stage, sorted by replica id. Do not modify.
@@ -383,6 +404,7 @@ type Router struct {
 	log       *slog.Logger
 	breaker   Breaker
 	snap      atomic.Pointer[Snapshot]
+	hints     []stageHints // by stage: large stages' recent winners
 	watchers  sync.WaitGroup
 }
 
@@ -412,7 +434,8 @@ func NewWithBreaker(stages []StageRouting, dial Dialer, log *slog.Logger, b Brea
 		}
 	}
 	r := &Router{numStages: len(stages), stages: stages, dial: dial, log: log, breaker: b.withDefaults()}
-	r.snap.Store(&Snapshot{stages: make([][]*Replica, len(stages))})
+	r.snap.Store(newSnapshot(make([][]*Replica, len(stages))))
+	r.hints = make([]stageHints, len(stages))
 	return r
 }
 
@@ -425,6 +448,13 @@ func (r *Router) Pick(stage int, req *Request, exclude []*Replica) (Decision, er
 	st := r.stages[stage]
 	if sp, ok := st.Policy.(sampler); ok && (!st.SessionAffinity || req.SessionKey == "") {
 		if d, ok := sp.pickSampled(req, all, exclude); ok {
+			return d, nil
+		}
+	}
+	// A large stage reads a bounded set (candidates.go); the filtered
+	// path below is its fallback when that finds nothing eligible.
+	if o := s.order(stage); len(all) > LargeStage && o != nil {
+		if d, ok := r.pickLarge(s, stage, req, all, exclude, o); ok {
 			return d, nil
 		}
 	}
@@ -630,7 +660,7 @@ func (s *Snapshot) noReplica(stage int) error {
 // Close retires every replica and waits for the health watchers to end.
 func (r *Router) Close() {
 	old := r.snap.Load()
-	r.snap.Store(&Snapshot{stages: make([][]*Replica, r.numStages)})
+	r.snap.Store(newSnapshot(make([][]*Replica, r.numStages)))
 	for _, rep := range old.All() {
 		rep.removed.Store(true)
 		rep.close()
@@ -681,8 +711,11 @@ func (s *Snapshot) with(rep *Replica) *Snapshot {
 		st[i] = rep
 		copy(st[i+1:], old[i:])
 	}
-	next := &Snapshot{stages: slices.Clone(s.stages)}
+	next := &Snapshot{stages: slices.Clone(s.stages), orders: slices.Clone(s.orders)}
 	next.stages[rep.Key.Stage] = st
+	if next.orders != nil {
+		next.orders[rep.Key.Stage] = next.orders[rep.Key.Stage].with(rep)
+	}
 	return next
 }
 
@@ -696,7 +729,10 @@ func (s *Snapshot) without(k Key) *Snapshot {
 	st := make([]*Replica, len(old)-1)
 	copy(st, old[:i])
 	copy(st[i:], old[i+1:])
-	next := &Snapshot{stages: slices.Clone(s.stages)}
+	next := &Snapshot{stages: slices.Clone(s.stages), orders: slices.Clone(s.orders)}
 	next.stages[k.Stage] = st
+	if next.orders != nil {
+		next.orders[k.Stage] = next.orders[k.Stage].without(k)
+	}
 	return next
 }

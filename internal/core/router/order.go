@@ -1,0 +1,230 @@
+package router
+
+import (
+	"cmp"
+	"math"
+	"slices"
+)
+
+// LargeStage is the size of a stage (replicas in the snapshot, routable or
+// not) above which Pick reads a bounded set of replicas instead of all of
+// them (docs/routing.md, Large stages). Up to it every policy decides
+// exactly as it always has.
+const LargeStage = 64
+
+// orderGroups is how many groups a large stage's replicas are hashed
+// into for the rendezvous order (see stageOrder). Fixed, so that every
+// head, whatever it has seen, places a replica in the same group.
+const orderGroups = 128
+
+// orderWidth is how many eligible replicas of each of the key's
+// orderDepth heaviest groups a large pick reads: the first
+// orderWidth×orderDepth of the key's order, on which heads agree.
+const (
+	orderWidth = 8
+	orderDepth = 2
+)
+
+// Salts that keep a replica's group and a group's weight independent of
+// the replica weights (weight).
+const (
+	groupSalt      = 0x2545f4914f6cdd1d
+	groupScoreSalt = 0x9fb21c651e98df25
+)
+
+// stageOrder is a stage's replicas by group (groupOf), each group sorted
+// by replica id: the structure a large stage's rendezvous order reads.
+// The snapshot writer keeps it (with, without: one group's slice and the
+// group array are copied per join or leave); it is immutable once
+// published.
+//
+// The order of a key is two-level rendezvous: groups by weighted
+// rendezvous (a group's weight is its size, so each replica is a key's
+// first choice with probability 1/N, as in flat rendezvous), then a
+// group's members by their own rendezvous weight. A pick then hashes
+// orderGroups groups and the members of the groups it reads (about
+// 2N/orderGroups), not N replicas. A join or a leave changes one group's
+// size: keys move only into (join) or out of (leave) that group, about
+// 1/N of them, and inside it about 1/N more move to or from the replica:
+// about 2/N in all, against 1/N for flat rendezvous (TestStageOrderMoves).
+type stageOrder struct {
+	groups [orderGroups][]member
+}
+
+// member is one replica of a group, its key's hash inline so that a
+// pick weighs a group's members without reading each replica.
+type member struct {
+	key uint64 // keyHash
+	rep *Replica
+}
+
+// searchMembers is the position of replica id in a group, and whether
+// it is there.
+func searchMembers(g []member, id uint32) (int, bool) {
+	return slices.BinarySearchFunc(g, id, func(m member, id uint32) int { return cmp.Compare(m.rep.Key.Replica, id) })
+}
+
+// keyHash is the 64-bit name of a replica key that the hashes mix.
+func keyHash(k Key) uint64 { return uint64(k.Stage)<<32 | uint64(k.Replica) }
+
+// groupOf is the group of a replica key.
+func groupOf(k Key) int { return int(mix64(keyHash(k)^groupSalt) % orderGroups) }
+
+// with is o with rep added or replacing the replica under its key; o may
+// be nil (an empty stage).
+func (o *stageOrder) with(rep *Replica) *stageOrder {
+	next := &stageOrder{}
+	if o != nil {
+		*next = *o
+	}
+	g := groupOf(rep.Key)
+	old := next.groups[g]
+	m := member{key: keyHash(rep.Key), rep: rep}
+	i, found := searchMembers(old, rep.Key.Replica)
+	if found {
+		next.groups[g] = slices.Clone(old)
+		next.groups[g][i] = m
+		return next
+	}
+	next.groups[g] = slices.Insert(slices.Clip(old), i, m)
+	return next
+}
+
+// without is o less the replica under k.
+func (o *stageOrder) without(k Key) *stageOrder {
+	if o == nil {
+		return nil
+	}
+	g := groupOf(k)
+	i, found := searchMembers(o.groups[g], k.Replica)
+	if !found {
+		return o
+	}
+	next := *o
+	next.groups[g] = slices.Delete(slices.Clone(o.groups[g]), i, i+1)
+	return &next
+}
+
+// newStageOrder builds the order of a stage's replicas from scratch.
+func newStageOrder(st []*Replica) *stageOrder {
+	o := &stageOrder{}
+	for _, rep := range st { // sorted by id: each group stays sorted
+		g := groupOf(rep.Key)
+		o.groups[g] = append(o.groups[g], member{key: keyHash(rep.Key), rep: rep})
+	}
+	return o
+}
+
+// groupScore is the weighted rendezvous score of group g of size n for
+// key k: n / −ln(u), u uniform in (0, 1) from the two hashes. The
+// heaviest group wins with probability n / (sum of the sizes).
+func groupScore(k uint64, g, n int) float64 {
+	if n == 0 {
+		return 0
+	}
+	u := (float64(mix64(k^mix64(uint64(g)^groupScoreSalt))>>11) + 0.5) / (1 << 53)
+	return float64(n) / -math.Log(u)
+}
+
+// order is one pick's view of a large stage's rendezvous order: the
+// group scores of up to two keys, computed once each. A nil *order is
+// flat rendezvous (weight), as small stages use. One pick's: not safe for
+// concurrent use.
+type order struct {
+	o      *stageOrder
+	keys   [2]uint64
+	nkeys  int
+	scores [2][orderGroups]float64
+}
+
+// reset points ord at a stage's order and forgets the cached scores.
+func (ord *order) reset(o *stageOrder) {
+	ord.o, ord.nkeys = o, 0
+}
+
+// scoresOf is the group scores of key k, cached for the first two keys.
+func (ord *order) scoresOf(k uint64) *[orderGroups]float64 {
+	for i := range ord.nkeys {
+		if ord.keys[i] == k {
+			return &ord.scores[i]
+		}
+	}
+	i := ord.nkeys
+	if i == len(ord.keys) {
+		i = len(ord.keys) - 1 // a third key: recompute in the last slot
+	} else {
+		ord.nkeys++
+	}
+	ord.keys[i] = k
+	for g := range ord.scores[i] {
+		ord.scores[i][g] = groupScore(k, g, len(ord.o.groups[g]))
+	}
+	return &ord.scores[i]
+}
+
+// weight is the rendezvous weight of replica key for k: flat (weight)
+// without a large stage's order, else the two-level order's, folded into
+// one number: the group's score in the high 42 bits (a positive float's
+// bits order as it does), the replica's own weight in the low 22. Two
+// replicas of one group that tie in those bits go, in a pick's one pass,
+// to the lower id (candidates are sorted by id).
+func (ord *order) weight(k uint64, key Key) uint64 {
+	if ord == nil || ord.o == nil {
+		return weight(k, key)
+	}
+	s := ord.scoresOf(k)[groupOf(key)]
+	return math.Float64bits(s)>>21<<22 | weight(k, key)>>42
+}
+
+// top appends to c the first orderWidth eligible replicas of each of k's
+// orderDepth heaviest groups, in k's order: the head of the order, which
+// every head given the same membership computes alike.
+func (ord *order) top(k uint64, c, exclude []*Replica) []*Replica {
+	s := ord.scoresOf(k)
+	var best [orderDepth]int
+	for d := range best {
+		best[d] = -1
+	}
+	for g, v := range s {
+		if v == 0 {
+			continue
+		}
+		for d := range best {
+			if best[d] < 0 || v > s[best[d]] {
+				copy(best[d+1:], best[d:len(best)-1])
+				best[d] = g
+				break
+			}
+		}
+	}
+	for _, g := range best {
+		if g < 0 {
+			break
+		}
+		var tops [orderWidth]*Replica
+		var ws [orderWidth]uint64
+		n := 0
+		for _, m := range ord.o.groups[g] {
+			w := mix64(k ^ mix64(m.key)) // weight(k, m.rep.Key)
+			if n == orderWidth && w <= ws[n-1] {
+				continue
+			}
+			rep := m.rep
+			if !eligible(rep, exclude) {
+				continue
+			}
+			i := n
+			if n < orderWidth {
+				n++
+			} else {
+				i = n - 1
+			}
+			for ; i > 0 && ws[i-1] < w; i-- {
+				tops[i], ws[i] = tops[i-1], ws[i-1]
+			}
+			tops[i], ws[i] = rep, w
+		}
+		c = append(c, tops[:n]...)
+	}
+	return c
+}
