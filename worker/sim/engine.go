@@ -32,7 +32,14 @@ type Engine struct {
 	done      chan struct{} // closed when the loop has exited
 	closeOnce sync.Once
 	snap      atomic.Pointer[Snapshot]
+	// slowdown is added to every step that decodes (SlowDown).
+	slowdown atomic.Int64
 }
+
+// SlowDown adds d to every later step that decodes, as a replica that
+// slows mid-stream (a noisy neighbour, a throttled GPU) would; 0 undoes
+// it. Safe for concurrent use: tests call it while requests run.
+func (e *Engine) SlowDown(d time.Duration) { e.slowdown.Store(int64(max(d, 0))) }
 
 type eventKind uint8
 
@@ -403,7 +410,7 @@ func (e *Engine) stepDuration(b *batch) time.Duration {
 		d += time.Duration(float64(b.prefillTokens) / e.cfg.PrefillTokensPerSec * float64(time.Second))
 	}
 	if b.decodeTokens > 0 {
-		d += e.cfg.DecodeTokenLatency
+		d += e.cfg.DecodeTokenLatency + time.Duration(e.slowdown.Load())
 	}
 	d += time.Duration(b.encodeBytes) * e.cfg.EncodeTimePerKiB / 1024
 	return d
