@@ -174,3 +174,44 @@ func TestDeadlineMissedStopsAtTarget(t *testing.T) {
 		return s.Running+s.WaitingCapacity == 0
 	}, 10*time.Second, 5*time.Millisecond, "the engine let the request go")
 }
+
+// The same for the first audio of /v1/audio/speech: a vocoder that slowed
+// after the policy learned it is admitted on its prediction, and the
+// request is stopped at its ttfa target with a 503 deadline_missed before
+// any audio (the raw stream's headers wait for the first samples).
+func TestDeadlineMissedFirstAudio(t *testing.T) {
+	p := orchestrator.DefaultPipeline()
+	p.Stages[2].Policy = "deadline"
+	p.Stages[2].Deadline = &orchestrator.Deadline{Admission: true}
+	c := startCluster(t, orchestratortest.Options{Pipeline: p, ReplicasPerStage: 1, Sim: sim.Config{DecodeTokenLatency: 2 * time.Millisecond}})
+	a := startAPI(t, c, Config{}, nil, nil)
+	client := a.openai()
+	say := func(deadline string) (*http.Response, error) {
+		return client.Audio.Speech.New(testCtx(t), openai.AudioSpeechNewParams{Model: model, Input: "the river runs down to the sea",
+			Voice: openai.AudioSpeechNewParamsVoiceUnion{OfString: openai.String("alloy")}, ResponseFormat: openai.AudioSpeechNewParamsResponseFormatPCM},
+			option.WithHeader("X-Troupe-Deadline", deadline))
+	}
+	for range 3 {
+		resp, err := say("ttfa=10s")
+		require.NoError(t, err)
+		_, err = io.Copy(io.Discard, resp.Body)
+		require.NoError(t, err)
+		require.NoError(t, resp.Body.Close())
+	}
+	for _, w := range c.Workers() {
+		if w.Stage == "vocoder" {
+			w.Engine.SlowDown(time.Second)
+		}
+	}
+	start := time.Now()
+	_, err := say("ttfa=300ms")
+	took := time.Since(start)
+	var oe *openai.Error
+	require.True(t, errors.As(err, &oe), "want an API error, got %v", err)
+	assert.Equal(t, http.StatusServiceUnavailable, oe.StatusCode)
+	assert.Equal(t, "deadline_missed", oe.Code)
+	assert.Contains(t, oe.Message, `stage "vocoder" gave no first audio`)
+	assert.GreaterOrEqual(t, took, 300*time.Millisecond, "not before the target")
+	assert.Less(t, took, 900*time.Millisecond, "stopped at the target, not at the first audio (over 1 s)")
+	assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", "2", "reason", "deadline_missed"))
+}
