@@ -325,6 +325,8 @@ type attemptRun struct {
 	pending router.Pending
 	// wait is how long a fed stage's input sender waited for input (behind).
 	wait inputWait
+	// stopped: the stage's first output missed its target (Head.missed).
+	stopped bool
 }
 
 // newAttempt is attempt number of sr on the replica d chose.

@@ -252,7 +252,7 @@ func (g *firstGate) arm(cancel context.CancelCauseFunc) (stop func()) {
 // counted as reason deadline_missed, never the replica's fault.
 func (h *Head) missed(a *attemptRun) error {
 	a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
-	a.fault = false
+	a.fault, a.stopped = false, true
 	h.countDecision(a.sr.stage, router.Decision{Policy: router.PolicyDeadline, Reason: router.ReasonDeadlineMissed})
 	what := "first output"
 	if a.sr.stage > 0 {
@@ -358,6 +358,12 @@ func (h *Head) observeDeadline(a *attemptRun) {
 			h.predictionError[a.sr.stage].Observe((ttft - a.d.Predicted).Seconds())
 		}
 		h.router.ObserveFirstOutput(a.pending, ttft)
+	} else if a.stopped {
+		// Stopped at the target: its first output would have come later
+		// than this. Learned as if it came now, or a replica slower than
+		// every target would never be learned (none of its first outputs
+		// comes in time) and would keep the share of an unobserved one.
+		h.router.ObserveFirstOutput(a.pending, a.fin.E2E)
 	}
 	h.router.ObserveHold(a.rep, a.fin.E2E)
 	if a.out.sampleRate > 0 && a.out.pcmBytes > 0 && !a.last.IsZero() && a.fin.TTFT > 0 {

@@ -1,6 +1,7 @@
 package httpapi
 
 import (
+	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
@@ -155,6 +156,20 @@ func TestDeadlineMissedStopsAtTarget(t *testing.T) {
 		require.Positive(t, n)
 	}
 
+	predicted := func() float64 {
+		resp, body := a.do(t, "GET", "/v1/replicas", nil, nil)
+		require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
+		var list struct {
+			Data []struct {
+				Predicted *float64 `json:"predicted_first_output_s"`
+			} `json:"data"`
+		}
+		require.NoError(t, json.Unmarshal(body, &list))
+		require.Len(t, list.Data, 1)
+		require.NotNil(t, list.Data[0].Predicted)
+		return *list.Data[0].Predicted
+	}
+	before := predicted()
 	start := time.Now()
 	n, err := stream(strings.Repeat("weather ", 2000), "ttft=100ms")
 	took := time.Since(start)
@@ -169,6 +184,11 @@ func TestDeadlineMissedStopsAtTarget(t *testing.T) {
 	assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", "0", "reason", "deadline_missed"))
 	assert.Zero(t, counter(t, c, "troupe_router_decisions_total", "0", "reason", "deadline_shed"), "admitted on its prediction")
 	assert.Equal(t, 1.0, counter(t, c, "troupe_request_success_total", "0", "finished_reason", "abort"), "its attempt was cancelled")
+	// The stopped attempt teaches the policy that the replica took at
+	// least that long (else a replica slower than every target would
+	// never be learned): its prediction rises (by at most the bound on
+	// one observation, router.deadlineMaxJump).
+	assert.Greater(t, predicted(), 1.2*before, "learned from the stopped attempt")
 	require.Eventually(t, func() bool {
 		s := c.Workers()[0].Engine.Snapshot()
 		return s.Running+s.WaitingCapacity == 0
