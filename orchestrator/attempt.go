@@ -53,6 +53,9 @@ type stageRun struct {
 	// (Request.OnAudio), so the attempt keeps none of it: the head holds
 	// no copy of a streamed answer's audio, only its length.
 	audioToClient bool
+	// gate, on a stage that admits to deadlines, stops the stage at its
+	// target when its first output has not come (firstGate); nil: none.
+	gate *firstGate
 }
 
 // forwarder passes the new part of an output chunk on (to the client, or to
@@ -93,6 +96,7 @@ type stageTrail struct {
 	delivered outputCursor             // the output every attempt so far forwarded
 	movedAt   outputCursor             // delivered at the latest migration: the continuation's output comes after it
 	moved     migrated                 // what failed replicas gave the client before a migration
+	rtfMoves  int                      // moves of the stream for falling behind real time (behind)
 }
 
 const maxAttempts = 2
@@ -117,7 +121,7 @@ func (h *Head) runStage(ctx context.Context, sr *stageRun) (*stageOutput, error)
 	tr := &stageTrail{in: sr.in}
 	var failed []*router.Replica
 	var lastErr error
-	for n := 1; n <= maxAttempts+tr.moved.count; n++ {
+	for n := 1; n <= maxAttempts+tr.moved.count+tr.rtfMoves; n++ {
 		d, err := h.pick(sr, h.excluded(sr, tr, failed), lastErr)
 		if err != nil {
 			return nil, err
@@ -198,7 +202,7 @@ func (h *Head) countDecision(stage int, d router.Decision) {
 // (produced), the client's own context ended or its output could not be
 // delivered, or the input was refused.
 func retryable(ctx context.Context, err error, produced bool) bool {
-	return !produced && ctx.Err() == nil && !errors.Is(err, ErrBadRequest) && !errors.Is(err, errNotDelivered) &&
+	return !produced && ctx.Err() == nil && !errors.Is(err, ErrBadRequest) && !errors.Is(err, errNotDelivered) && !errors.Is(err, ErrDeadlineMissed) &&
 		!errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled)
 }
 
@@ -319,6 +323,10 @@ type attemptRun struct {
 	// pending counts the attempt among its replica's waiting for a first
 	// output (deadline stages), until its first output or its end.
 	pending router.Pending
+	// wait is how long a fed stage's input sender waited for input (behind).
+	wait inputWait
+	// stopped: the stage's first output missed its target (Head.missed).
+	stopped bool
 }
 
 // newAttempt is attempt number of sr on the replica d chose.
@@ -353,6 +361,7 @@ func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err 
 	defer func() { cancel(context.Canceled); wait() }()
 	stall := newStallWatch(h.cfg.StallTimeout, cancel, a.replicaAlive)
 	defer stall.stop()
+	defer a.sr.gate.arm(cancel)()
 
 	a.pending = h.router.StartFirstOutput(a.rep)
 	defer a.pending.Done()
@@ -651,6 +660,9 @@ func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb
 		stall.progress()
 		h.account(a, chunk)
 		if stagepb.HasOutput(chunk) {
+			if a.last.IsZero() && !a.sr.gate.serve() {
+				return h.missed(a)
+			}
 			a.dateOutputs(chunk)
 			a.keep(chunk)
 			if a.sr.forward != nil {
@@ -661,6 +673,9 @@ func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb
 					a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
 					return fmt.Errorf("orchestrator: stage %q: %w: %w", a.name, errNotDelivered, err)
 				}
+			}
+			if len(chunk.GetAudioPcm16()) > 0 && h.behind(a) {
+				return fmt.Errorf("orchestrator: stage %q: replica %d: %w", a.name, a.rep.Key.Replica, errBehindRealTime)
 			}
 		}
 		a.finishedBy(chunk)
@@ -701,6 +716,7 @@ func (a *attemptRun) dateOutputs(chunk *stagepb.GenerateChunk) {
 		}
 		if a.last.IsZero() {
 			a.pending.Done()
+			a.wait.first = int64(a.wait.total())
 			a.fin.TTFT = max(at.Sub(a.start), 0)
 			if a.recording {
 				a.span.AddEvent("first_token", trace.WithTimestamp(at))
@@ -798,6 +814,9 @@ func (h *Head) stageError(ctx context.Context, a *attemptRun, err error) error {
 	// gRPC enforces the request's deadline with its own timer (and the
 	// worker sees it too), so DeadlineExceeded can arrive a moment before
 	// ctx reports it: both mean the client's time ran out, not a failure.
+	if errors.Is(context.Cause(ctx), errFirstOutputDue) {
+		return h.missed(a)
+	}
 	if cause := context.Cause(ctx); errors.Is(cause, errStalled) || errors.Is(cause, errReplicaGone) {
 		a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
 		a.fault = true

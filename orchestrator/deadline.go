@@ -1,15 +1,21 @@
 package orchestrator
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/troupe-serving/troupe/internal/core/router"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
 // ErrDeadlineUnmeetable: no replica of a stage whose policy is deadline
@@ -17,6 +23,30 @@ import (
 // target, so the request is refused before it runs (429
 // deadline_unmeetable) instead of being served late.
 var ErrDeadlineUnmeetable = errors.New("orchestrator: deadline unmeetable")
+
+// ErrDeadlineMissed: on a stage whose `deadline.admission` is on, the
+// request's first output (stage 0's first text against its TTFT, the last
+// stage's first audio against its TTFA) had not come by its target, so
+// the head stopped the request at the target and cancelled its stage
+// attempts (503 deadline_missed) instead of serving it late.
+var ErrDeadlineMissed = errors.New("orchestrator: deadline missed")
+
+// errFirstOutputDue is the cause with which a gated attempt is cancelled
+// at its stage's target (firstGate).
+var errFirstOutputDue = errors.New("orchestrator: first output due")
+
+// errBehindRealTime ends an attempt whose audio fell behind the request's
+// real-time target so the stage moves to another replica (behind).
+var errBehindRealTime = errors.New("orchestrator: audio behind real time")
+
+// DefaultRTFWindow is the wall time after an attempt's first audio over
+// which its audio rate is judged before it may be moved (Deadline.RTFWindow):
+// one slow step does not move a stream.
+const DefaultRTFWindow = time.Second
+
+// maxRTFMoves is how many times one stage of a request may be moved for
+// falling behind real time.
+const maxRTFMoves = 1
 
 // Targets are a request's service objectives (pipeline `deadline:`, or the
 // X-Troupe-Deadline header): the time to the first text (TTFT), to the
@@ -102,13 +132,22 @@ type Deadline struct {
 	Admission bool `yaml:"admission,omitempty"`
 	// Model: router.DeadlineOptions.Model, queue (the default) or load.
 	Model string `yaml:"model,omitempty"`
+	// RTFWindow is how long after an attempt's first audio its audio rate
+	// is judged against the rtf target before the stream may be moved to
+	// another replica (0: DefaultRTFWindow).
+	RTFWindow time.Duration `yaml:"rtf_window,omitempty"`
+}
+
+// policyOnly reports whether d sets what applies to policy deadline only.
+func (d *Deadline) policyOnly() bool {
+	return d != nil && (d.Admission || d.Capacity != 0 || d.Margin != 0 || d.Model != "" || d.RTFWindow != 0)
 }
 
 func (d *Deadline) check(where string) error {
 	if d == nil {
 		return nil
 	}
-	if d.TTFT < 0 || d.TTFA < 0 || d.RTF < 0 || d.Capacity < 0 || d.Margin < 0 {
+	if d.TTFT < 0 || d.TTFA < 0 || d.RTF < 0 || d.Capacity < 0 || d.Margin < 0 || d.RTFWindow < 0 {
 		return fmt.Errorf("orchestrator: pipeline: %s: deadline values must not be negative: %+v", where, *d)
 	}
 	if err := router.CheckDeadlineModel(d.Model); err != nil {
@@ -157,6 +196,144 @@ func (h *Head) setDeadline(sr *stageRun) {
 	if sr.stage > 0 {
 		sr.route.MinRTF = t.RTF
 	}
+	if sr.gate == nil && h.admits[sr.stage] && !sr.route.Deadline.IsZero() && (sr.stage == 0 || sr.stage == sr.n-1) {
+		sr.gate = &firstGate{due: sr.route.Deadline, target: due}
+	}
+}
+
+// firstGate decides once whether a stage's first output came by its
+// target (stage 0's first text, the last stage's first audio), on a stage
+// that admits to deadlines: the first output claims it before it is
+// forwarded, a timer at the target claims it for a miss, and whichever
+// comes first wins. So nothing past the target is forwarded as a first
+// output. Safe for concurrent use.
+type firstGate struct {
+	due    time.Time
+	target time.Duration // due, from the request's arrival
+	state  atomic.Int32  // gatePending, gateServed or gateMissed
+}
+
+const (
+	gatePending int32 = iota
+	gateServed
+	gateMissed
+)
+
+// serve claims the gate for a first output made now; false when the
+// target has passed (the gate is then missed).
+func (g *firstGate) serve() bool {
+	if g == nil {
+		return true
+	}
+	if time.Now().After(g.due) {
+		g.state.CompareAndSwap(gatePending, gateMissed)
+	} else {
+		g.state.CompareAndSwap(gatePending, gateServed)
+	}
+	return g.state.Load() == gateServed
+}
+
+// arm starts the attempt's timer at the gate's target, which cancels the
+// attempt with errFirstOutputDue unless its first output came; the
+// returned func stops it.
+func (g *firstGate) arm(cancel context.CancelCauseFunc) (stop func()) {
+	if g == nil || g.state.Load() != gatePending {
+		return func() {}
+	}
+	t := time.AfterFunc(time.Until(g.due), func() {
+		if g.state.CompareAndSwap(gatePending, gateMissed) {
+			cancel(errFirstOutputDue)
+		}
+	})
+	return func() { t.Stop() }
+}
+
+// missed ends attempt a, whose stage's first output missed its target:
+// counted as reason deadline_missed, never the replica's fault.
+func (h *Head) missed(a *attemptRun) error {
+	a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
+	a.fault, a.stopped = false, true
+	h.countDecision(a.sr.stage, router.Decision{Policy: router.PolicyDeadline, Reason: router.ReasonDeadlineMissed})
+	what := "first output"
+	if a.sr.stage > 0 {
+		what = "first audio"
+	}
+	if a.recording {
+		a.span.AddEvent("deadline_missed")
+	}
+	return newError(ErrDeadlineMissed, nil, "stage %q gave no %s within the target (%s): the request was stopped at the target instead of being served late; retry later or with a longer target",
+		a.name, what, a.sr.gate.target)
+}
+
+// behind reports whether attempt a's audio fell behind the request's
+// real-time target so that the stage should move to another replica: on a
+// deadline stage with an rtf target, once RTFWindow of wall time has
+// passed since the attempt's first audio, the audio it made per wall
+// second in that time (less the time its input sender waited for input
+// the stage before had not made) is below the target, the stage has not
+// been moved for this before, and another routable replica of the stage
+// is predicted to keep the target (its observed rate, or none yet). It
+// then feeds the rate to the policy, counts reason rtf_migrate and marks
+// the span.
+func (h *Head) behind(a *attemptRun) bool {
+	st, min := a.sr.stage, a.sr.route.MinRTF
+	if !h.deadlineStage[st] || min <= 0 || a.out.sampleRate <= 0 || a.out.pcmBytes == 0 || a.fin.TTFT <= 0 || a.tr.rtfMoves >= maxRTFMoves {
+		return false
+	}
+	wall := time.Since(a.start.Add(a.fin.TTFT)) - a.inputWaitSinceFirst()
+	if wall < h.rtfWindow[st] {
+		return false
+	}
+	rate := float64(a.out.pcmBytes/2) / float64(a.out.sampleRate) / wall.Seconds()
+	if rate >= min {
+		return false
+	}
+	if !slices.ContainsFunc(h.router.Snapshot().Stage(st), func(r *router.Replica) bool {
+		v := h.router.ObservedRate(r)
+		return r != a.rep && (v == 0 || v >= min)
+	}) {
+		return false
+	}
+	h.router.ObserveRate(a.rep, rate)
+	h.countDecision(st, router.Decision{Policy: router.PolicyDeadline, Reason: router.ReasonRTFMigrate})
+	a.span.AddEvent("rtf_migrate", trace.WithAttributes(attribute.Float64("troupe.rtf", rate), attribute.Float64("troupe.rtf.target", min)))
+	h.log.Info("orchestrator: audio fell behind real time; moving the stream to another replica",
+		"stage", a.name, "replica", a.rep.Key.Replica, "rtf", rate, "target", min, "delivered_pcm_bytes", a.tr.delivered.pcm)
+	a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ABORT
+	a.tr.rtfMoves++
+	return true
+}
+
+// inputWait counts the time a fed stage's input sender waited for input
+// the stage before had not made yet: done (nanoseconds) and, while it
+// waits, since when. One sender writes, the attempt's receiver reads.
+type inputWait struct {
+	done  atomic.Int64
+	since atomic.Int64 // unix nanoseconds; 0 when not waiting
+	first int64        // done at the attempt's first output (receiver's)
+}
+
+// start and end bracket one wait.
+func (w *inputWait) start() { w.since.Store(time.Now().UnixNano()) }
+func (w *inputWait) end() {
+	if s := w.since.Swap(0); s != 0 {
+		w.done.Add(time.Now().UnixNano() - s)
+	}
+}
+
+// total is the time waited so far, the wait under way included.
+func (w *inputWait) total() time.Duration {
+	t := w.done.Load()
+	if s := w.since.Load(); s != 0 {
+		t += max(time.Now().UnixNano()-s, 0)
+	}
+	return time.Duration(t)
+}
+
+// inputWaitSinceFirst is how long the attempt's sender has waited for
+// input since the attempt's first output.
+func (a *attemptRun) inputWaitSinceFirst() time.Duration {
+	return a.wait.total() - time.Duration(a.wait.first)
 }
 
 // shed answers a stage attempt the deadline policy found unmeetable.
@@ -181,6 +358,12 @@ func (h *Head) observeDeadline(a *attemptRun) {
 			h.predictionError[a.sr.stage].Observe((ttft - a.d.Predicted).Seconds())
 		}
 		h.router.ObserveFirstOutput(a.pending, ttft)
+	} else if a.stopped {
+		// Stopped at the target: its first output would have come later
+		// than this. Learned as if it came now, or a replica slower than
+		// every target would never be learned (none of its first outputs
+		// comes in time) and would keep the share of an unobserved one.
+		h.router.ObserveFirstOutput(a.pending, a.fin.E2E)
 	}
 	h.router.ObserveHold(a.rep, a.fin.E2E)
 	if a.out.sampleRate > 0 && a.out.pcmBytes > 0 && !a.last.IsZero() && a.fin.TTFT > 0 {
@@ -201,12 +384,19 @@ func (h *Head) deadlineMetrics(routing []router.StageRouting) prometheus.Collect
 			0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2},
 	}, []string{"stage"})
 	h.deadlineStage = make([]bool, len(routing))
+	h.admits = make([]bool, len(routing))
+	h.rtfWindow = make([]time.Duration, len(routing))
 	h.targets = make([]Targets, len(routing))
 	h.predictionError = make([]prometheus.Observer, len(routing))
 	for i, st := range routing {
 		h.targets[i] = h.cfg.Pipeline.targets(i)
-		if _, ok := st.Policy.(*router.Deadline); ok {
+		if dp, ok := st.Policy.(*router.Deadline); ok {
 			h.deadlineStage[i] = true
+			h.admits[i] = dp.Options.Admission
+			h.rtfWindow[i] = DefaultRTFWindow
+			if d := h.cfg.Pipeline.Stages[i].Deadline; d != nil && d.RTFWindow > 0 {
+				h.rtfWindow[i] = d.RTFWindow
+			}
 			h.predictionError[i] = vec.WithLabelValues(strconv.Itoa(i))
 		}
 	}

@@ -142,6 +142,8 @@ type Head struct {
 	// the pipeline's targets for it, and its prediction error histogram
 	// (nil unless deadline).
 	deadlineStage   []bool
+	admits          []bool          // deadline.admission on
+	rtfWindow       []time.Duration // Deadline.RTFWindow or its default
 	targets         []Targets
 	predictionError []prometheus.Observer
 

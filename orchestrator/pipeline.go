@@ -104,8 +104,8 @@ func (s Stage) checkRouting(i int, def string) error {
 	if err := s.Deadline.check(fmt.Sprintf("stage %d (%s)", i, s.Name)); err != nil {
 		return err
 	}
-	if d := s.Deadline; d != nil && (d.Admission || d.Capacity != 0 || d.Margin != 0 || d.Model != "") && policy != router.PolicyDeadline {
-		return fmt.Errorf("orchestrator: pipeline: stage %d (%s): deadline capacity, margin, model and admission apply to policy deadline only, the stage's policy is %s", i, s.Name, policy)
+	if s.Deadline.policyOnly() && policy != router.PolicyDeadline {
+		return fmt.Errorf("orchestrator: pipeline: stage %d (%s): deadline capacity, margin, model, admission and rtf_window apply to policy deadline only, the stage's policy is %s", i, s.Name, policy)
 	}
 	if s.PrefixSource == "" {
 		return nil
@@ -165,8 +165,8 @@ func (p Pipeline) Validate() error {
 	if err := p.Deadline.check("pipeline"); err != nil {
 		return err
 	}
-	if d := p.Deadline; d != nil && (d.Admission || d.Capacity != 0 || d.Margin != 0 || d.Model != "") {
-		return errors.New("orchestrator: pipeline: deadline capacity, margin, model and admission are set per stage, not for the pipeline")
+	if p.Deadline.policyOnly() {
+		return errors.New("orchestrator: pipeline: deadline capacity, margin, model, admission and rtf_window are set per stage, not for the pipeline")
 	}
 	seen := map[string]bool{}
 	for i, s := range p.Stages {

@@ -100,6 +100,7 @@ stages:
     deadline:
       rtf: 1.5
       model: load
+      rtf_window: 2s
 `))
 	require.NoError(t, err)
 	assert.Equal(t, Targets{TTFT: 300 * time.Millisecond, TTFA: 800 * time.Millisecond}, p.targets(0))
@@ -107,16 +108,21 @@ stages:
 	assert.Equal(t, router.DeadlineOptions{Capacity: 4, Admission: true}, p.Stages[0].deadlineOptions())
 	assert.Equal(t, router.DeadlineOptions{Model: router.DeadlineModelLoad}, p.Stages[1].deadlineOptions())
 
-	h := &Head{deadlineStage: []bool{true, true}, targets: []Targets{p.targets(0), p.targets(1)}}
+	assert.Equal(t, 2*time.Second, p.Stages[1].Deadline.RTFWindow)
+
+	h := &Head{deadlineStage: []bool{true, true}, admits: []bool{true, false}, targets: []Targets{p.targets(0), p.targets(1)}}
 	at := time.Unix(1000, 0)
-	sr := &stageRun{req: Request{Received: at}, stage: 0, route: &router.Request{}}
+	sr := &stageRun{req: Request{Received: at}, stage: 0, n: 2, route: &router.Request{}}
 	h.setDeadline(sr)
 	assert.Equal(t, at.Add(300*time.Millisecond), sr.route.Deadline, "stage 0: first text, the stage's ttft")
 	assert.Zero(t, sr.route.MinRTF)
+	require.NotNil(t, sr.gate, "stage 0 admits: its first text is gated at the target")
+	assert.Equal(t, at.Add(300*time.Millisecond), sr.gate.due)
 	sr = &stageRun{req: Request{Received: at, Deadline: Targets{TTFA: 2 * time.Second}}, stage: 1, route: &router.Request{}}
 	h.setDeadline(sr)
 	assert.Equal(t, at.Add(2*time.Second), sr.route.Deadline, "a later stage: first audio, the request's ttfa first")
 	assert.Equal(t, 1.5, sr.route.MinRTF)
+	assert.Nil(t, sr.gate, "stage 1 does not admit")
 
 	_, err = ParsePipeline([]byte("model: m\nstages:\n  - name: thinker\n    policy: least_loaded\n    deadline:\n      admission: true\n"))
 	assert.ErrorContains(t, err, "policy deadline only")

@@ -271,14 +271,16 @@ func (in *stageInput) available(ctx context.Context, i int) (ps []piece, ok bool
 }
 
 // availableWaiting is available, with stall's clock standing while it
-// waits for piece i.
-func (in *stageInput) availableWaiting(ctx context.Context, i int, stall *stallWatch) ([]piece, bool, error) {
+// waits for piece i, and the wait counted in w.
+func (in *stageInput) availableWaiting(ctx context.Context, i int, stall *stallWatch, w *inputWait) ([]piece, bool, error) {
 	in.mu.Lock()
 	there := i < len(in.pieces) || in.closed
 	in.mu.Unlock()
 	if !there {
 		stall.pause()
 		defer stall.resume()
+		w.start()
+		defer w.end()
 	}
 	return in.available(ctx, i)
 }
@@ -333,7 +335,7 @@ func (h *Head) sendInput(ctx context.Context, a *attemptRun, stream stagepb.Stag
 	units := uint32(max(h.cfg.Pipeline.Stages[stage].InputChunk, 0))
 	role := (*h.outputs.Load())[stage-1] // what the stage before gives
 	for i := 0; ; {
-		ps, ok, err := in.availableWaiting(ctx, i, stall)
+		ps, ok, err := in.availableWaiting(ctx, i, stall, &a.wait)
 		if err != nil {
 			return
 		}

@@ -87,6 +87,8 @@ type deadlineResult struct {
 	late, missed int // OK past the target; late or shed or failed
 	slowShare    float64
 	shedCounted  float64 // troupe_router_decisions_total{reason="deadline_shed"}
+	missCounted  float64 // troupe_router_decisions_total{reason="deadline_missed"}: stopped at the target
+	lateBy       float64 // the most a served first token came past the target, ms
 	predErr      float64 // mean actual − predicted first output, ms (deadline policy)
 	predN        uint64
 	predicted    []float64 // each replica's predicted first output after the run, ms (0: none)
@@ -174,6 +176,7 @@ func runDeadline(b *testing.B, dc deadlineCase) deadlineResult {
 		case rec.TTFTMS > cfg.SLO.TTFTMS:
 			res.late++
 			res.missed++
+			res.lateBy = max(res.lateBy, rec.TTFTMS-cfg.SLO.TTFTMS)
 		}
 	}
 	for _, r := range c.Head.Replicas() {
@@ -190,8 +193,11 @@ func runDeadline(b *testing.B, dc deadlineCase) deadlineResult {
 		for _, m := range f.GetMetric() {
 			switch f.GetName() {
 			case "troupe_router_decisions_total":
-				if labelValue(m, "reason") == "deadline_shed" {
+				switch labelValue(m, "reason") {
+				case "deadline_shed":
 					res.shedCounted += m.GetCounter().GetValue()
+				case "deadline_missed":
+					res.missCounted += m.GetCounter().GetValue()
 				}
 			case "troupe_router_deadline_prediction_error_seconds":
 				h := m.GetHistogram()
@@ -219,13 +225,13 @@ func runDeadline(b *testing.B, dc deadlineCase) deadlineResult {
 func deadlineTable(rs []deadlineResult) string {
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "TTFT target %s, %.0f req/s Poisson for %s, admission margin %.2g\n\n", deadlineTTFT, deadlineRate, deadlineDuration, deadlineAdmitMargin)
-	sb.WriteString("| policy | sent | served | shed (429) | shed counted | late (served past target) | missed (late + shed + failed) | goodput (req/s) | goodput ÷ least_loaded | TTFT p50 / p90 / p99 (ms) | slow replica's share | mean prediction error (ms) | predicted first output when idle, per replica (ms) |\n")
+	sb.WriteString("| policy | sent | served | shed (429 + 503) | refused (deadline_shed) / stopped at target (deadline_missed) | late (served past target; most past, ms) | missed (late + shed + failed) | goodput (req/s) | goodput ÷ least_loaded | TTFT p50 / p90 / p99 (ms) | slow replica's share | mean prediction error (ms) | predicted first output when idle, per replica (ms) |\n")
 	sb.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|\n")
 	for _, r := range rs {
 		sent := float64(r.run.Sent)
-		fmt.Fprintf(&sb, "| %s | %d | %d | %d (%.1f%%) | %.0f | %d (%.1f%%) | %d (%.1f%%) | %.1f | %.2f× | %.0f / %.0f / %.0f | %.1f%% | %s | %s |\n",
-			r.name, r.run.Sent, r.run.OK, r.run.Shed, 100*float64(r.run.Shed)/sent, r.shedCounted,
-			r.late, 100*float64(r.late)/sent, r.missed, 100*float64(r.missed)/sent,
+		fmt.Fprintf(&sb, "| %s | %d | %d | %d (%.1f%%) | %.0f / %.0f | %d (%.1f%%; %.1f) | %d (%.1f%%) | %.1f | %.2f× | %.0f / %.0f / %.0f | %.1f%% | %s | %s |\n",
+			r.name, r.run.Sent, r.run.OK, r.run.Shed, 100*float64(r.run.Shed)/sent, r.shedCounted, r.missCounted,
+			r.late, 100*float64(r.late)/sent, r.lateBy, r.missed, 100*float64(r.missed)/sent,
 			r.run.Goodput, r.run.Goodput/rs[0].run.Goodput, r.run.TTFT.P50, r.run.TTFT.P90, r.run.TTFT.P99, 100*r.slowShare, predErrCell(r), predictedCell(r.predicted))
 	}
 	return sb.String()

@@ -32,7 +32,14 @@ type Engine struct {
 	done      chan struct{} // closed when the loop has exited
 	closeOnce sync.Once
 	snap      atomic.Pointer[Snapshot]
+	// slowdown is added to every step that computes (SlowDown).
+	slowdown atomic.Int64
 }
+
+// SlowDown adds d to every later step that computes anything, as a replica that
+// slows mid-stream (a noisy neighbour, a throttled GPU) would; 0 undoes
+// it. Safe for concurrent use: tests call it while requests run.
+func (e *Engine) SlowDown(d time.Duration) { e.slowdown.Store(int64(max(d, 0))) }
 
 type eventKind uint8
 
@@ -404,6 +411,9 @@ func (e *Engine) stepDuration(b *batch) time.Duration {
 	}
 	if b.decodeTokens > 0 {
 		d += e.cfg.DecodeTokenLatency
+	}
+	if b.decodeTokens > 0 || b.prefillTokens > 0 {
+		d += time.Duration(e.slowdown.Load())
 	}
 	d += time.Duration(b.encodeBytes) * e.cfg.EncodeTimePerKiB / 1024
 	return d

@@ -142,9 +142,9 @@ func (*Deadline) Name() string { return PolicyDeadline }
 // Reasons implements Policy.
 func (p *Deadline) Reasons() []Reason {
 	if p.Options.Admission {
-		return []Reason{ReasonLoad, ReasonDeadline, ReasonDeadlineShed, ReasonLoadFallback}
+		return []Reason{ReasonLoad, ReasonDeadline, ReasonDeadlineShed, ReasonDeadlineMissed, ReasonLoadFallback, ReasonRTFMigrate}
 	}
-	return []Reason{ReasonLoad, ReasonDeadline, ReasonLoadFallback}
+	return []Reason{ReasonLoad, ReasonDeadline, ReasonLoadFallback, ReasonRTFMigrate}
 }
 
 func (p *Deadline) capacity() float64 {

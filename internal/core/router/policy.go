@@ -185,10 +185,18 @@ const (
 	// the stage admits to deadlines: the request is refused (429
 	// deadline_unmeetable).
 	ReasonDeadlineShed
+	// ReasonRTFMigrate: not a pick but the head's decision to move an
+	// audio stream whose replica fell behind the real-time target to
+	// another replica (orchestrator; docs/routing.md).
+	ReasonRTFMigrate
+	// ReasonDeadlineMissed: not a pick but the head's decision to stop a
+	// request whose first output had not come by its target on a stage
+	// that admits to deadlines (503 deadline_missed).
+	ReasonDeadlineMissed
 )
 
 // Reasons lists every reason in label order (the value is the index).
-var Reasons = [...]Reason{ReasonRotation, ReasonLoad, ReasonPrefixMatch, ReasonAffinity, ReasonLoadFallback, ReasonPrefixReplicated, ReasonDeadline, ReasonDeadlineShed}
+var Reasons = [...]Reason{ReasonRotation, ReasonLoad, ReasonPrefixMatch, ReasonAffinity, ReasonLoadFallback, ReasonPrefixReplicated, ReasonDeadline, ReasonDeadlineShed, ReasonRTFMigrate, ReasonDeadlineMissed}
 
 // String is the reason's label value.
 func (r Reason) String() string {
@@ -209,6 +217,10 @@ func (r Reason) String() string {
 		return "deadline"
 	case ReasonDeadlineShed:
 		return "deadline_shed"
+	case ReasonRTFMigrate:
+		return "rtf_migrate"
+	case ReasonDeadlineMissed:
+		return "deadline_missed"
 	}
 	return "unknown"
 }

@@ -126,7 +126,8 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, j job, resp res
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
 	defer cancel()
 	id := requestIDFrom(r.Context())
-	req := orchestrator.Request{ID: id, Prompt: j.prompt, Messages: j.messages, Voice: j.voice, Sampling: j.sampling, Stages: 1, Operation: j.operation, SessionKey: s.sessionKey(r, j)}
+	req := orchestrator.Request{ID: id, Prompt: j.prompt, Messages: j.messages, Voice: j.voice, Sampling: j.sampling, Stages: 1, Operation: j.operation, SessionKey: s.sessionKey(r, j),
+		Received: receivedAt(w)}
 	var e *apiError
 	if req.Deadline, e = deadlineOf(r); e != nil {
 		s.reject(w, r, e)

@@ -154,6 +154,11 @@ func fromBackend(err error, requestID string) *apiError {
 		// or with a longer target, may be served.
 		return &apiError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: "deadline_unmeetable",
 			Message: msg, RetryAfter: retryAfterSeconds}
+	case errors.Is(err, orchestrator.ErrDeadlineMissed):
+		// Stopped at the target before any first output was written: shed,
+		// as the load or the replica's pace did not allow the target.
+		return &apiError{Status: http.StatusServiceUnavailable, Type: typeServer, Code: "deadline_missed",
+			Message: msg, RetryAfter: retryAfterSeconds}
 	case errors.Is(err, orchestrator.ErrConflict):
 		return &apiError{Status: http.StatusConflict, Type: typeInvalidRequest, Code: "conflict", Message: msg}
 	case errors.Is(err, orchestrator.ErrBadRequest):

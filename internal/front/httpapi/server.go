@@ -407,7 +407,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, mux *http.ServeMu
 	// write deadline behind (see extendWriteDeadline).
 	_ = http.NewResponseController(w).SetWriteDeadline(time.Time{})
 
-	sw := &statusWriter{ResponseWriter: w}
+	sw := &statusWriter{ResponseWriter: w, start: start}
 	r = r.WithContext(context.WithValue(r.Context(), requestIDKey{}, id))
 	cleanURLPath(r)
 	acc := s.authorize(r)
@@ -633,6 +633,17 @@ type statusWriter struct {
 	http.ResponseWriter
 	status  int
 	written int64
+	start   time.Time // when the request came (receivedAt)
+}
+
+// receivedAt is when the middleware took the request w answers, before
+// its body was read: what a request's deadline targets count from
+// (orchestrator Request.Received). Zero when w is not the middleware's.
+func receivedAt(w http.ResponseWriter) time.Time {
+	if sw, ok := w.(*statusWriter); ok {
+		return sw.start
+	}
+	return time.Time{}
 }
 
 func (w *statusWriter) WriteHeader(code int) {

@@ -121,7 +121,7 @@ func (s *Server) speech(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	id := requestIDFrom(r.Context())
 	req := orchestrator.Request{ID: id, Prompt: j.input, Voice: j.voice, Sampling: &stagepb.SamplingParams{}, Speech: true,
-		Operation: telemetry.GenAIOperationGenerateContent, SessionKey: s.sessionKey(r, job{})}
+		Operation: telemetry.GenAIOperationGenerateContent, SessionKey: s.sessionKey(r, job{}), Received: receivedAt(w)}
 	if req.Deadline, e = deadlineOf(r); e != nil {
 		s.reject(w, r, e)
 		return

@@ -111,3 +111,21 @@ func TestStreamErrorEventFails(t *testing.T) {
 		assert.Equal(t, 1.0, res.FailedShare)
 	}
 }
+
+// A stream that a troupe head stopped at its target after the text began
+// (a deadline_missed error event: the first audio was late) is shed, not
+// failed, as a 503 deadline_missed before the stream would be.
+func TestStreamDeadlineMissedIsShed(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n")
+		fmt.Fprint(w, "data: {\"error\":{\"type\":\"server_error\",\"code\":\"deadline_missed\",\"message\":\"late\"}}\n\n")
+	}))
+	defer srv.Close()
+	res, err := Run(context.Background(), Config{BaseURL: srv.URL, Model: "m", Workload: WorkloadStream,
+		Concurrency: 1, Requests: 2, MaxTokens: 4, PromptWords: 2, SampleRate: 24000}, nil)
+	require.NoError(t, err)
+	assert.Equal(t, 2, res.Shed)
+	assert.Equal(t, 0, res.Failed)
+	assert.Equal(t, 1.0, res.ShedShare)
+}

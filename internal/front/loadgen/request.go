@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -18,7 +19,7 @@ type Outcome string
 
 const (
 	OutcomeOK     Outcome = "ok"
-	OutcomeShed   Outcome = "shed"   // 429 or 503: the server refused the load
+	OutcomeShed   Outcome = "shed"   // 429 or 503, or a deadline_missed error event: the server refused the load or stopped it at its target
 	OutcomeFailed Outcome = "failed" // any other status, a transport error, a broken stream
 )
 
@@ -144,6 +145,9 @@ func (c *client) do(ctx context.Context, req Request) Record {
 	rec.E2EMS = since()
 	if err != nil {
 		rec.Outcome, rec.Error = OutcomeFailed, err.Error()
+		if errors.Is(err, errShedInStream) {
+			rec.Outcome = OutcomeShed
+		}
 		return rec
 	}
 	rec.Outcome = OutcomeOK
@@ -170,6 +174,15 @@ func (c *client) readWhole(r io.Reader, rec *Record) error {
 	rec.answer = a.Choices[0].Message.Content
 	return nil
 }
+
+// codeDeadlineMissed is the error code of a troupe head that stopped a
+// request at its target (docs/api.md, Deadlines): shed, also when it
+// comes as an error event after the stream began (first audio late after
+// the text).
+const codeDeadlineMissed = "deadline_missed"
+
+// errShedInStream: the stream ended with a deadline_missed error event.
+var errShedInStream = errors.New("loadgen: shed after the stream began")
 
 // player models a client playing the audio as it comes, from the first
 // piece on: buffered is the audio received and not yet played.
@@ -210,6 +223,12 @@ func (c *client) readStream(r io.Reader, rec *Record, since func() float64) erro
 			return fmt.Errorf("loadgen: decoding an event: %w", err)
 		}
 		if len(ev.Error) > 0 && string(ev.Error) != "null" {
+			var e struct {
+				Code string `json:"code"`
+			}
+			if json.Unmarshal(ev.Error, &e) == nil && e.Code == codeDeadlineMissed {
+				return fmt.Errorf("%w: %s", errShedInStream, ev.Error)
+			}
 			return fmt.Errorf("loadgen: error event: %s", ev.Error)
 		}
 		if len(ev.Choices) == 0 {
