@@ -101,6 +101,21 @@ type stageTrail struct {
 
 const maxAttempts = 2
 
+// maxDrainRefusals bounds the extra attempts a stage may take past
+// replicas that refused it because they drain (refusedDraining): such a
+// refusal is not an attempt, but a stage whose every replica drains must
+// still fail in bounded time.
+const maxDrainRefusals = 8
+
+// refusedDraining says whether an attempt's failure is a draining
+// replica's refusal of a call it never started (stagepb.ReasonDraining).
+// The stage then tries another replica without counting an attempt: in a
+// rollout or a leave storm many replicas refuse before the heads learn
+// from etcd that they drain, and each refusal costs only a round trip.
+func refusedDraining(ctx context.Context, err error, produced bool) bool {
+	return !produced && ctx.Err() == nil && stagepb.ErrorReason(err) == stagepb.ReasonDraining
+}
+
 // runStage runs one stage of a request: the one attempt loop of every
 // stage, each attempt on a replica the router picks (pick). After a failed
 // attempt one of two rules may go on:
@@ -113,6 +128,10 @@ const maxAttempts = 2
 //     client's own context ended or its output could not be delivered
 //     (errNotDelivered), or the input was refused.
 //
+// A draining replica's refusal (refusedDraining) is neither: the next
+// replica is tried as if the refused one had not been picked, up to
+// maxDrainRefusals times.
+//
 // A retry re-drives the stage from its start and skips the output earlier
 // attempts forwarded (outputCursor), so neither the client nor the next
 // stage gets anything twice; a continuation makes only what follows the
@@ -121,7 +140,8 @@ func (h *Head) runStage(ctx context.Context, sr *stageRun) (*stageOutput, error)
 	tr := &stageTrail{in: sr.in}
 	var failed []*router.Replica
 	var lastErr error
-	for n := 1; n <= maxAttempts+tr.moved.count+tr.rtfMoves; n++ {
+	refusals := 0
+	for n := 1; n <= maxAttempts+tr.moved.count+tr.rtfMoves+refusals; n++ {
 		d, err := h.pick(sr, h.excluded(sr, tr, failed), lastErr)
 		if err != nil {
 			return nil, err
@@ -132,6 +152,11 @@ func (h *Head) runStage(ctx context.Context, sr *stageRun) (*stageOutput, error)
 			return tr.moved.prepend(out), nil
 		}
 		failed = append(failed, d.Replica)
+		if refusals < maxDrainRefusals && refusedDraining(ctx, err, a.produced) {
+			refusals++
+			lastErr = err
+			continue
+		}
 		finished, ok, err := h.migrate(ctx, sr, tr, a, failed, err)
 		lastErr = err
 		if ok {
@@ -838,7 +863,8 @@ func (h *Head) stageError(ctx context.Context, a *attemptRun, err error) error {
 	}
 	a.fin.Reason = stagepb.FinishReason_FINISH_REASON_ERROR
 	e := replicaError(fmt.Sprintf("stage %q", a.name), rep.Key.Replica, rep.Addr, err)
-	a.fault = errors.Is(e, ErrStageFailed)
+	// A draining replica refusing new work is doing what it should.
+	a.fault = errors.Is(e, ErrStageFailed) && stagepb.ErrorReason(err) != stagepb.ReasonDraining
 	return e
 }
 

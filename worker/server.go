@@ -651,7 +651,7 @@ func (svc *service) Generate(req *stagepb.GenerateRequest, stream grpc.ServerStr
 		return err
 	}
 	if !s.acquire() {
-		return status.Error(codes.Unavailable, "worker: replica is draining and takes no new requests")
+		return stagepb.DrainingError("worker: replica is draining and takes no new requests")
 	}
 	defer s.release()
 	ctx := stream.Context()

@@ -55,7 +55,7 @@ func (svc *service) GenerateStream(stream grpc.BidiStreamingServer[stagepb.Strea
 		return err
 	}
 	if !s.acquire() {
-		return status.Error(codes.Unavailable, "worker: replica is draining and takes no new requests")
+		return stagepb.DrainingError("worker: replica is draining and takes no new requests")
 	}
 	defer s.release()
 

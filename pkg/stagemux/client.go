@@ -275,8 +275,10 @@ func (st *muxStream) read() {
 		}
 	}
 	if errors.Is(err, io.EOF) {
-		// The worker stopped; no call of its can still be running.
-		err = status.Error(codes.Unavailable, "stagemux: the worker ended the stream")
+		// The worker ends the stream only once it takes no new calls and
+		// none of its runs (stagemux.Serve): every call still waiting
+		// here was refused, not started, as by a draining replica.
+		err = stagepb.DrainingError("stagemux: the worker ended the stream")
 	}
 	st.mu.Lock()
 	st.calls, st.err = nil, err

@@ -67,6 +67,24 @@ func InvalidVoiceError(message string) error {
 	return withInfo.Err()
 }
 
+// ReasonDraining: the replica is draining (it finishes what it runs and
+// takes nothing new) and refused the call before running any of it. The
+// head tries another replica without counting the refusal as an attempt
+// or as the replica's fault: during a rollout many replicas refuse before
+// the heads learn that they drain.
+const ReasonDraining = "DRAINING"
+
+// DrainingError is a draining replica's refusal of a new call:
+// Unavailable with an ErrorInfo of ReasonDraining. message is for logs.
+func DrainingError(message string) error {
+	st := status.New(codes.Unavailable, message)
+	withInfo, err := st.WithDetails(&errdetails.ErrorInfo{Reason: ReasonDraining, Domain: ErrorDomain})
+	if err != nil { // only for a detail that cannot be marshalled
+		return st.Err()
+	}
+	return withInfo.Err()
+}
+
 // ErrorReason is the troupe reason an error's status carries (an ErrorInfo
 // detail of ErrorDomain), or "" when it carries none.
 func ErrorReason(err error) string {
