@@ -172,7 +172,9 @@ type Head struct {
 	// mapping from replica key to engine index: an index is handed out on a
 	// key's first join, in join order, and never reused or moved.
 	known       map[router.Key]*tracked
-	routedCount []int // by stage: how many published records are routed (see noteRouted)
+	routedCount []int                 // by stage: how many published records are routed (see noteRouted)
+	routedIO    []stageIO             // by stage: the roles of its routed replicas, while routedCount > 0
+	routedBy    map[string]router.Key // routed records by their worker's instance id (see noteRouted)
 	nextIndex   int
 	gen         uint64
 	subs        map[router.Key]*cacheSub // cache subscriptions by replica key (see cacheSub)
@@ -259,6 +261,8 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	outputs := make([]string, len(cfg.Pipeline.Stages))
 	h.outputs.Store(&outputs)
 	h.routedCount = make([]int, len(cfg.Pipeline.Stages))
+	h.routedIO = make([]stageIO, len(cfg.Pipeline.Stages))
+	h.routedBy = make(map[string]router.Key)
 	ch := make(chan struct{})
 	h.changed.Store(&ch)
 	return h, nil
@@ -765,21 +769,20 @@ func (h *Head) attach(pr probeResult) {
 // worker's own, "" when it is: the worker reports another replica id, or
 // the same process (instance id) already serves another routed record,
 // so that one process never takes the traffic of several records. Only
-// the loop calls it; it walks every known replica, which only a join does.
+// the loop calls it. The instance id tells processes apart, whatever
+// address names them; a worker that reports none (an older one) is not
+// checked. It reads the routed records' index (routedBy), not every
+// record, so a storm of N joins stays O(N) on the loop.
 func (h *Head) checkIdentity(t *tracked, health *stagepb.HealthResponse) string {
 	if health.GetInstanceId() != "" && health.GetReplicaId() != t.key.Replica {
 		return fmt.Sprintf("the record is for replica %d, but the worker at %s is replica %d", t.key.Replica, t.member.Addr, health.GetReplicaId())
 	}
-	for key, o := range h.known {
-		if key == t.key || o.detached || !o.routed {
-			continue
-		}
-		// The instance id tells processes apart, whatever address names
-		// them; a worker that reports none (an older one) is not checked.
-		same := t.instance != "" && o.instance == t.instance
-		if same {
-			return fmt.Sprintf("the worker at %s already serves %s/%d", t.member.Addr, o.member.Stage, key.Replica)
-		}
+	if t.instance == "" {
+		return ""
+	}
+	if key, ok := h.routedBy[t.instance]; ok && key != t.key {
+		stage := h.cfg.Pipeline.StageNames()[key.Stage]
+		return fmt.Sprintf("the worker at %s already serves %s/%d", t.member.Addr, stage, key.Replica)
 	}
 	return ""
 }

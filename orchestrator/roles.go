@@ -29,37 +29,37 @@ func (s stageIO) String() string { return s.in + " → " + s.out }
 //   - the routed replicas of the stage after take what it gives.
 //
 // Only routed replicas count, so the first replica of each stage sets the
-// stage's roles until every replica of the stage has left. It runs on the
-// loop goroutine.
+// stage's roles until every replica of the stage has left. A replica being
+// checked is never routed itself (a join unroutes it until it attaches),
+// and all routed replicas of a stage have the same roles, so it compares
+// with each neighbouring stage's roles (routedIO), not with every record:
+// a storm of N joins stays O(N) on the loop. It runs on the loop goroutine.
 func (h *Head) checkRoles(key router.Key, io stageIO) string {
 	names := h.cfg.Pipeline.StageNames()
 	if key.Stage == 0 && io.in != stagepb.RoleText && io.in != stagepb.RoleAudio {
 		return fmt.Sprintf("stage %s is the first stage, which takes text from the client, but this replica takes %s (a first stage takes text, or audio for speech recognition)", names[0], io.in)
 	}
-	for k, t := range h.known {
-		if k == key || !t.routed {
-			continue
+	routed := func(st int) (stageIO, bool) {
+		if st < 0 || st >= len(h.routedCount) || h.routedCount[st] == 0 {
+			return stageIO{}, false
 		}
-		switch k.Stage {
-		case key.Stage:
-			if t.io != io {
-				return fmt.Sprintf("stage %s serves %s (replica %d), but this replica is %s", names[key.Stage], t.io, k.Replica, io)
-			}
-		case key.Stage - 1:
-			if t.io.out != io.in {
-				return fmt.Sprintf("this replica takes %s, but stage %s before it gives %s (replica %d)", io.in, names[k.Stage], t.io.out, k.Replica)
-			}
-		case key.Stage + 1:
-			if t.io.in != io.out {
-				return fmt.Sprintf("this replica gives %s, but stage %s after it takes %s (replica %d)", io.out, names[k.Stage], t.io.in, k.Replica)
-			}
-		}
+		return h.routedIO[st], true
+	}
+	if o, ok := routed(key.Stage); ok && o != io {
+		return fmt.Sprintf("stage %s serves %s, but this replica is %s", names[key.Stage], o, io)
+	}
+	if o, ok := routed(key.Stage - 1); ok && o.out != io.in {
+		return fmt.Sprintf("this replica takes %s, but stage %s before it gives %s", io.in, names[key.Stage-1], o.out)
+	}
+	if o, ok := routed(key.Stage + 1); ok && o.in != io.out {
+		return fmt.Sprintf("this replica gives %s, but stage %s after it takes %s", io.out, names[key.Stage+1], o.in)
 	}
 	return ""
 }
 
 // noteRouted keeps the published stage outputs (what each stage's routed
-// replicas give, "": none routed) in step with one record's publish: prev
+// replicas give, "": none routed), and the loop's indexes of routed
+// records (routedIO, routedBy), in step with one record's publish: prev
 // is its record as last published (nil: never), next as published now. It
 // counts the routed records of each stage instead of walking every record
 // on each publish, which made a storm of N joins O(N²) (BenchmarkFleet).
@@ -73,8 +73,15 @@ func (h *Head) noteRouted(prev, next *tracked) {
 	st := next.key.Stage
 	if is {
 		h.routedCount[st]++
+		h.routedIO[st] = next.io
+		if next.instance != "" {
+			h.routedBy[next.instance] = next.key
+		}
 	} else {
 		h.routedCount[st]--
+		if prev.instance != "" && h.routedBy[prev.instance] == prev.key {
+			delete(h.routedBy, prev.instance)
+		}
 	}
 	out := *h.outputs.Load()
 	want := ""
