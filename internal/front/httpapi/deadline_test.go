@@ -164,8 +164,10 @@ func TestDeadlinePredictionQueueAware(t *testing.T) {
 			{Name: "thinker", Policy: "deadline", Deadline: &orchestrator.Deadline{Targets: orchestrator.Targets{TTFT: 30 * time.Second}}},
 		}},
 		ReplicasPerStage: 1,
-		// About 200 ms of prefill for the prompt below.
-		Sim: sim.Config{PrefillTokensPerSec: 1000},
+		// About 700 ms of prefill for the prompt below: the window in which
+		// both requests wait must outlast a poll of /v1/replicas on a
+		// loaded machine under -race.
+		Sim: sim.Config{PrefillTokensPerSec: 300},
 	})
 	a := startAPI(t, c, Config{}, nil, nil)
 	client := a.openai()
@@ -194,7 +196,7 @@ func TestDeadlinePredictionQueueAware(t *testing.T) {
 
 	require.NoError(t, chat())
 	unit := predicted()
-	require.Greater(t, unit, 0.05, "the prefill is learned")
+	require.Greater(t, unit, 0.2, "the prefill is learned")
 
 	errs := make(chan error, 2)
 	for range 2 {
