@@ -23,9 +23,19 @@ import (
 // when Run ends.
 type cacheSub struct {
 	rep    *router.Replica
+	load   bool // it follows the load reports (counted in Head.loadSubs)
 	cancel context.CancelFunc
 	done   chan struct{}
 }
+
+// maxLoadSubs bounds the load subscriptions a head holds per stage: each
+// costs the head up to 50 messages a second while the replica's load
+// changes, so a head follows at most this many replicas of a stage (the
+// first routed) and learns the others' loads from its own chunks. Past
+// router.LargeStage a pick reads a sample of the stage anyway (routing.md,
+// Large stages), and the bound keeps a stage of 10,000 replicas from
+// costing each head 500,000 messages a second.
+const maxLoadSubs = router.LargeStage
 
 // cacheResubscribe paces the subscriptions that ended: a worker that is
 // restarting or refuses is asked again at most every few seconds.
@@ -40,13 +50,16 @@ func cacheResubscribe() *backoff.ExponentialBackOff {
 func (h *Head) startCacheSub(rep *router.Replica, health *stagepb.HealthResponse) {
 	h.stopCacheSub(rep.Key)
 	cache := health.GetCacheSubscription() && h.router.UsesKVEvents(rep)
-	load := health.GetLoadSubscription() && h.router.ReadsLoad(rep)
+	load := health.GetLoadSubscription() && h.router.ReadsLoad(rep) && h.loadSubs[rep.Key.Stage] < maxLoadSubs
 	if !cache && !load {
 		return
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	s := &cacheSub{rep: rep, cancel: cancel, done: make(chan struct{})}
+	s := &cacheSub{rep: rep, load: load, cancel: cancel, done: make(chan struct{})}
 	h.subs[rep.Key] = s
+	if load {
+		h.loadSubs[rep.Key.Stage]++
+	}
 	go func() {
 		defer close(s.done)
 		var wg sync.WaitGroup
@@ -67,6 +80,9 @@ func (h *Head) stopCacheSub(key router.Key) {
 		s.cancel()
 		<-s.done
 		delete(h.subs, key)
+		if s.load {
+			h.loadSubs[key.Stage]--
+		}
 	}
 }
 

@@ -176,6 +176,7 @@ type Head struct {
 	nextIndex   int
 	gen         uint64
 	subs        map[router.Key]*cacheSub // cache subscriptions by replica key (see cacheSub)
+	loadSubs    []int                    // by stage: subscriptions that follow load (see maxLoadSubs)
 
 	cacheSnapshots prometheus.Counter // troupe_router_cache_snapshots_total
 }
@@ -259,6 +260,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	outputs := make([]string, len(cfg.Pipeline.Stages))
 	h.outputs.Store(&outputs)
 	h.routedCount = make([]int, len(cfg.Pipeline.Stages))
+	h.loadSubs = make([]int, len(cfg.Pipeline.Stages))
 	ch := make(chan struct{})
 	h.changed.Store(&ch)
 	return h, nil
