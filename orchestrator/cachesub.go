@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
@@ -12,17 +13,29 @@ import (
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
-// cacheSub is the head's subscription to one replica's cache reports
-// (SubscribeCache): a goroutine that applies the replica's snapshot, then
-// every report, to the stage's index, so every head sees every report, not
-// only those riding on its own chunks (see docs/routing.md, "Several
-// heads"). The loop starts it at attach and stops it (cancel, then wait)
-// at detach, at a replacing attach and when Run ends.
+// cacheSub is the head's subscriptions to one replica's reports: its
+// cache (SubscribeCache), which a goroutine applies, snapshot then every
+// report, to the stage's index, and its load (SubscribeLoad, see
+// loadsub.go), which another applies to the replica's load signal; so
+// every head sees every report, not only those riding on its own chunks
+// (see docs/routing.md, "Several heads"). The loop starts them at attach
+// and stops them (cancel, then wait) at detach, at a replacing attach and
+// when Run ends.
 type cacheSub struct {
 	rep    *router.Replica
+	load   bool // it follows the load reports (counted in Head.loadSubs)
 	cancel context.CancelFunc
 	done   chan struct{}
 }
+
+// maxLoadSubs bounds the load subscriptions a head holds per stage: each
+// costs the head up to 50 messages a second while the replica's load
+// changes, so a head follows at most this many replicas of a stage (the
+// first routed) and learns the others' loads from its own chunks. Past
+// router.LargeStage a pick reads a sample of the stage anyway (routing.md,
+// Large stages), and the bound keeps a stage of 10,000 replicas from
+// costing each head 500,000 messages a second.
+const maxLoadSubs = router.LargeStage
 
 // cacheResubscribe paces the subscriptions that ended: a worker that is
 // restarting or refuses is asked again at most every few seconds.
@@ -31,29 +44,45 @@ func cacheResubscribe() *backoff.ExponentialBackOff {
 }
 
 // startCacheSub subscribes to rep's cache reports when its Health declares
-// the subscription and its stage policy reads them; any older subscription
-// of the key is stopped first. Loop goroutine only.
+// the subscription and its stage policy reads them, and to its load
+// reports when Health declares those and its stage routes by load; any
+// older subscription of the key is stopped first. Loop goroutine only.
 func (h *Head) startCacheSub(rep *router.Replica, health *stagepb.HealthResponse) {
 	h.stopCacheSub(rep.Key)
-	if !health.GetCacheSubscription() || !h.router.UsesKVEvents(rep) {
+	cache := health.GetCacheSubscription() && h.router.UsesKVEvents(rep)
+	load := health.GetLoadSubscription() && h.router.ReadsLoad(rep) && h.loadSubs[rep.Key.Stage] < maxLoadSubs
+	if !cache && !load {
 		return
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	s := &cacheSub{rep: rep, cancel: cancel, done: make(chan struct{})}
+	s := &cacheSub{rep: rep, load: load, cancel: cancel, done: make(chan struct{})}
 	h.subs[rep.Key] = s
+	if load {
+		h.loadSubs[rep.Key.Stage]++
+	}
 	go func() {
 		defer close(s.done)
-		h.followCache(ctx, rep)
+		var wg sync.WaitGroup
+		if cache {
+			wg.Go(func() { h.follow(ctx, rep, "cache", h.subscribeCache) })
+		}
+		if load {
+			wg.Go(func() { h.follow(ctx, rep, "load", h.subscribeLoad) })
+		}
+		wg.Wait()
 	}()
 }
 
-// stopCacheSub stops key's subscription, if any, and waits for it. Loop
+// stopCacheSub stops key's subscriptions, if any, and waits for them. Loop
 // goroutine only.
 func (h *Head) stopCacheSub(key router.Key) {
 	if s := h.subs[key]; s != nil {
 		s.cancel()
 		<-s.done
 		delete(h.subs, key)
+		if s.load {
+			h.loadSubs[key.Stage]--
+		}
 	}
 }
 
@@ -64,19 +93,19 @@ func (h *Head) stopCacheSubs() {
 	}
 }
 
-// followCache subscribes to rep's reports until ctx ends, subscribing
-// again, with backoff, whenever a stream ends or skips a seq.
-func (h *Head) followCache(ctx context.Context, rep *router.Replica) {
+// follow runs subscribe (one subscription of rep's reports of kind what)
+// until ctx ends, subscribing again, with backoff, whenever it ends.
+func (h *Head) follow(ctx context.Context, rep *router.Replica, what string, subscribe func(context.Context, *router.Replica) (bool, error)) {
 	wait := cacheResubscribe()
 	for {
-		live, err := h.subscribeCache(ctx, rep)
+		live, err := subscribe(ctx, rep)
 		if ctx.Err() != nil {
 			return
 		}
 		if live {
 			wait.Reset() // it worked: the next try starts from the shortest wait
 		}
-		h.log.Debug("orchestrator: cache subscription ended; subscribing again", "stage", rep.StageName, "replica", rep.Key.Replica, "err", err)
+		h.log.Debug("orchestrator: subscription ended; subscribing again", "reports", what, "stage", rep.StageName, "replica", rep.Key.Replica, "err", err)
 		timer := time.NewTimer(wait.NextBackOff())
 		select {
 		case <-ctx.Done():

@@ -178,6 +178,7 @@ type Head struct {
 	nextIndex   int
 	gen         uint64
 	subs        map[router.Key]*cacheSub // cache subscriptions by replica key (see cacheSub)
+	loadSubs    []int                    // by stage: subscriptions that follow load (see maxLoadSubs)
 
 	cacheSnapshots prometheus.Counter // troupe_router_cache_snapshots_total
 }
@@ -263,6 +264,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	h.routedCount = make([]int, len(cfg.Pipeline.Stages))
 	h.routedIO = make([]stageIO, len(cfg.Pipeline.Stages))
 	h.routedBy = make(map[string]router.Key)
+	h.loadSubs = make([]int, len(cfg.Pipeline.Stages))
 	ch := make(chan struct{})
 	h.changed.Store(&ch)
 	return h, nil

@@ -141,6 +141,9 @@ type Config struct {
 	// give both the same provider). nil: such calls get no span, and the
 	// trace context they carry still parents the engine's phases.
 	TracerProvider trace.TracerProvider
+	// LoadInterval is the least time between two load reports of a
+	// SubscribeLoad stream (default DefaultLoadInterval).
+	LoadInterval time.Duration
 }
 
 // Server is one stage replica. New binds its listener; Run serves it.
@@ -759,6 +762,7 @@ func (svc *service) Health(context.Context, *stagepb.HealthRequest) (*stagepb.He
 	h.Stage = s.cfg.Stage
 	h.Multiplex = true
 	_, h.CacheSubscription = s.cacheReporter(h)
+	h.LoadSubscription = true
 	// Who it is, once it knows its id: with AutoID, the record is in etcd
 	// (and a head may probe) a moment before Register returns the id.
 	// Without an instance id the head checks nothing, as for older workers.

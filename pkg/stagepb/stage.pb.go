@@ -220,6 +220,42 @@ func (*SubscribeCacheRequest) Descriptor() ([]byte, []int) {
 	return file_stage_proto_rawDescGZIP(), []int{0}
 }
 
+type SubscribeLoadRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SubscribeLoadRequest) Reset() {
+	*x = SubscribeLoadRequest{}
+	mi := &file_stage_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SubscribeLoadRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SubscribeLoadRequest) ProtoMessage() {}
+
+func (x *SubscribeLoadRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_stage_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SubscribeLoadRequest.ProtoReflect.Descriptor instead.
+func (*SubscribeLoadRequest) Descriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{1}
+}
+
 // MuxFrame is one message of a Multiplex stream, in either direction: from
 // the head, a request or a cancel; from the worker, a chunk, an end, or
 // both (the call's last chunk, then its end).
@@ -244,7 +280,7 @@ type MuxFrame struct {
 
 func (x *MuxFrame) Reset() {
 	*x = MuxFrame{}
-	mi := &file_stage_proto_msgTypes[1]
+	mi := &file_stage_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -256,7 +292,7 @@ func (x *MuxFrame) String() string {
 func (*MuxFrame) ProtoMessage() {}
 
 func (x *MuxFrame) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[1]
+	mi := &file_stage_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -269,7 +305,7 @@ func (x *MuxFrame) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MuxFrame.ProtoReflect.Descriptor instead.
 func (*MuxFrame) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{1}
+	return file_stage_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *MuxFrame) GetId() uint64 {
@@ -336,7 +372,7 @@ type MuxEnd struct {
 
 func (x *MuxEnd) Reset() {
 	*x = MuxEnd{}
-	mi := &file_stage_proto_msgTypes[2]
+	mi := &file_stage_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -348,7 +384,7 @@ func (x *MuxEnd) String() string {
 func (*MuxEnd) ProtoMessage() {}
 
 func (x *MuxEnd) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[2]
+	mi := &file_stage_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -361,7 +397,7 @@ func (x *MuxEnd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MuxEnd.ProtoReflect.Descriptor instead.
 func (*MuxEnd) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{2}
+	return file_stage_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *MuxEnd) GetCode() uint32 {
@@ -416,7 +452,7 @@ type SamplingParams struct {
 
 func (x *SamplingParams) Reset() {
 	*x = SamplingParams{}
-	mi := &file_stage_proto_msgTypes[3]
+	mi := &file_stage_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -428,7 +464,7 @@ func (x *SamplingParams) String() string {
 func (*SamplingParams) ProtoMessage() {}
 
 func (x *SamplingParams) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[3]
+	mi := &file_stage_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -441,7 +477,7 @@ func (x *SamplingParams) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SamplingParams.ProtoReflect.Descriptor instead.
 func (*SamplingParams) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{3}
+	return file_stage_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *SamplingParams) GetMaxTokens() uint32 {
@@ -551,7 +587,7 @@ type TokenIds struct {
 
 func (x *TokenIds) Reset() {
 	*x = TokenIds{}
-	mi := &file_stage_proto_msgTypes[4]
+	mi := &file_stage_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -563,7 +599,7 @@ func (x *TokenIds) String() string {
 func (*TokenIds) ProtoMessage() {}
 
 func (x *TokenIds) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[4]
+	mi := &file_stage_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -576,7 +612,7 @@ func (x *TokenIds) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenIds.ProtoReflect.Descriptor instead.
 func (*TokenIds) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{4}
+	return file_stage_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *TokenIds) GetIds() []uint32 {
@@ -595,7 +631,7 @@ type Codes struct {
 
 func (x *Codes) Reset() {
 	*x = Codes{}
-	mi := &file_stage_proto_msgTypes[5]
+	mi := &file_stage_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -607,7 +643,7 @@ func (x *Codes) String() string {
 func (*Codes) ProtoMessage() {}
 
 func (x *Codes) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[5]
+	mi := &file_stage_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -620,7 +656,7 @@ func (x *Codes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Codes.ProtoReflect.Descriptor instead.
 func (*Codes) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{5}
+	return file_stage_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Codes) GetCodes() []uint32 {
@@ -647,7 +683,7 @@ type ChatMessage struct {
 
 func (x *ChatMessage) Reset() {
 	*x = ChatMessage{}
-	mi := &file_stage_proto_msgTypes[6]
+	mi := &file_stage_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -659,7 +695,7 @@ func (x *ChatMessage) String() string {
 func (*ChatMessage) ProtoMessage() {}
 
 func (x *ChatMessage) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[6]
+	mi := &file_stage_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -672,7 +708,7 @@ func (x *ChatMessage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessage.ProtoReflect.Descriptor instead.
 func (*ChatMessage) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{6}
+	return file_stage_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ChatMessage) GetRole() string {
@@ -708,7 +744,7 @@ type Chat struct {
 
 func (x *Chat) Reset() {
 	*x = Chat{}
-	mi := &file_stage_proto_msgTypes[7]
+	mi := &file_stage_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -720,7 +756,7 @@ func (x *Chat) String() string {
 func (*Chat) ProtoMessage() {}
 
 func (x *Chat) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[7]
+	mi := &file_stage_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -733,7 +769,7 @@ func (x *Chat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Chat.ProtoReflect.Descriptor instead.
 func (*Chat) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{7}
+	return file_stage_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Chat) GetMessages() []*ChatMessage {
@@ -797,7 +833,7 @@ type GenerateRequest struct {
 
 func (x *GenerateRequest) Reset() {
 	*x = GenerateRequest{}
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -809,7 +845,7 @@ func (x *GenerateRequest) String() string {
 func (*GenerateRequest) ProtoMessage() {}
 
 func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -822,7 +858,7 @@ func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateRequest.ProtoReflect.Descriptor instead.
 func (*GenerateRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{8}
+	return file_stage_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *GenerateRequest) GetRequestId() string {
@@ -974,7 +1010,7 @@ type StreamInput struct {
 
 func (x *StreamInput) Reset() {
 	*x = StreamInput{}
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -986,7 +1022,7 @@ func (x *StreamInput) String() string {
 func (*StreamInput) ProtoMessage() {}
 
 func (x *StreamInput) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -999,7 +1035,7 @@ func (x *StreamInput) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamInput.ProtoReflect.Descriptor instead.
 func (*StreamInput) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{9}
+	return file_stage_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *StreamInput) GetRequest() *GenerateRequest {
@@ -1067,7 +1103,7 @@ type EngineStats struct {
 
 func (x *EngineStats) Reset() {
 	*x = EngineStats{}
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1079,7 +1115,7 @@ func (x *EngineStats) String() string {
 func (*EngineStats) ProtoMessage() {}
 
 func (x *EngineStats) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1092,7 +1128,7 @@ func (x *EngineStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineStats.ProtoReflect.Descriptor instead.
 func (*EngineStats) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{10}
+	return file_stage_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *EngineStats) GetPromptTokens() uint64 {
@@ -1274,7 +1310,7 @@ type KvEvents struct {
 
 func (x *KvEvents) Reset() {
 	*x = KvEvents{}
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1286,7 +1322,7 @@ func (x *KvEvents) String() string {
 func (*KvEvents) ProtoMessage() {}
 
 func (x *KvEvents) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1299,7 +1335,7 @@ func (x *KvEvents) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvEvents.ProtoReflect.Descriptor instead.
 func (*KvEvents) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{11}
+	return file_stage_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *KvEvents) GetSeq() uint64 {
@@ -1349,7 +1385,7 @@ type Timings struct {
 
 func (x *Timings) Reset() {
 	*x = Timings{}
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1361,7 +1397,7 @@ func (x *Timings) String() string {
 func (*Timings) ProtoMessage() {}
 
 func (x *Timings) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1374,7 +1410,7 @@ func (x *Timings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Timings.ProtoReflect.Descriptor instead.
 func (*Timings) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{12}
+	return file_stage_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Timings) GetQueueSeconds() float64 {
@@ -1421,7 +1457,7 @@ type GenerateChunk struct {
 
 func (x *GenerateChunk) Reset() {
 	*x = GenerateChunk{}
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1433,7 +1469,7 @@ func (x *GenerateChunk) String() string {
 func (*GenerateChunk) ProtoMessage() {}
 
 func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1446,7 +1482,7 @@ func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateChunk.ProtoReflect.Descriptor instead.
 func (*GenerateChunk) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{13}
+	return file_stage_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *GenerateChunk) GetText() string {
@@ -1527,7 +1563,7 @@ type HealthRequest struct {
 
 func (x *HealthRequest) Reset() {
 	*x = HealthRequest{}
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1539,7 +1575,7 @@ func (x *HealthRequest) String() string {
 func (*HealthRequest) ProtoMessage() {}
 
 func (x *HealthRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1552,7 +1588,7 @@ func (x *HealthRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthRequest.ProtoReflect.Descriptor instead.
 func (*HealthRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{14}
+	return file_stage_proto_rawDescGZIP(), []int{15}
 }
 
 type CacheConfig struct {
@@ -1568,7 +1604,7 @@ type CacheConfig struct {
 
 func (x *CacheConfig) Reset() {
 	*x = CacheConfig{}
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1580,7 +1616,7 @@ func (x *CacheConfig) String() string {
 func (*CacheConfig) ProtoMessage() {}
 
 func (x *CacheConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1593,7 +1629,7 @@ func (x *CacheConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CacheConfig.ProtoReflect.Descriptor instead.
 func (*CacheConfig) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{15}
+	return file_stage_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *CacheConfig) GetBlockSize() uint32 {
@@ -1680,13 +1716,17 @@ type HealthResponse struct {
 	// reports KvEvents). False (older workers, other engines): a head
 	// learns the engine's cache reports only from its own chunks.
 	CacheSubscription bool `protobuf:"varint,17,opt,name=cache_subscription,json=cacheSubscription,proto3" json:"cache_subscription,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// load_subscription: the worker serves SubscribeLoad. False (older
+	// workers): a head learns the engine's load only from its own chunks
+	// and from Health at join.
+	LoadSubscription bool `protobuf:"varint,18,opt,name=load_subscription,json=loadSubscription,proto3" json:"load_subscription,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *HealthResponse) Reset() {
 	*x = HealthResponse{}
-	mi := &file_stage_proto_msgTypes[16]
+	mi := &file_stage_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1698,7 +1738,7 @@ func (x *HealthResponse) String() string {
 func (*HealthResponse) ProtoMessage() {}
 
 func (x *HealthResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[16]
+	mi := &file_stage_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1711,7 +1751,7 @@ func (x *HealthResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthResponse.ProtoReflect.Descriptor instead.
 func (*HealthResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{16}
+	return file_stage_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *HealthResponse) GetStatus() ServingStatus {
@@ -1833,6 +1873,13 @@ func (x *HealthResponse) GetCacheSubscription() bool {
 	return false
 }
 
+func (x *HealthResponse) GetLoadSubscription() bool {
+	if x != nil {
+		return x.LoadSubscription
+	}
+	return false
+}
+
 type SleepRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Level         uint32                 `protobuf:"varint,1,opt,name=level,proto3" json:"level,omitempty"`
@@ -1842,7 +1889,7 @@ type SleepRequest struct {
 
 func (x *SleepRequest) Reset() {
 	*x = SleepRequest{}
-	mi := &file_stage_proto_msgTypes[17]
+	mi := &file_stage_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1854,7 +1901,7 @@ func (x *SleepRequest) String() string {
 func (*SleepRequest) ProtoMessage() {}
 
 func (x *SleepRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[17]
+	mi := &file_stage_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1867,7 +1914,7 @@ func (x *SleepRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepRequest.ProtoReflect.Descriptor instead.
 func (*SleepRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{17}
+	return file_stage_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *SleepRequest) GetLevel() uint32 {
@@ -1886,7 +1933,7 @@ type SleepResponse struct {
 
 func (x *SleepResponse) Reset() {
 	*x = SleepResponse{}
-	mi := &file_stage_proto_msgTypes[18]
+	mi := &file_stage_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1898,7 +1945,7 @@ func (x *SleepResponse) String() string {
 func (*SleepResponse) ProtoMessage() {}
 
 func (x *SleepResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[18]
+	mi := &file_stage_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1911,7 +1958,7 @@ func (x *SleepResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepResponse.ProtoReflect.Descriptor instead.
 func (*SleepResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{18}
+	return file_stage_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *SleepResponse) GetSleepState() SleepState {
@@ -1929,7 +1976,7 @@ type WakeUpRequest struct {
 
 func (x *WakeUpRequest) Reset() {
 	*x = WakeUpRequest{}
-	mi := &file_stage_proto_msgTypes[19]
+	mi := &file_stage_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1941,7 +1988,7 @@ func (x *WakeUpRequest) String() string {
 func (*WakeUpRequest) ProtoMessage() {}
 
 func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[19]
+	mi := &file_stage_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1954,7 +2001,7 @@ func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpRequest.ProtoReflect.Descriptor instead.
 func (*WakeUpRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{19}
+	return file_stage_proto_rawDescGZIP(), []int{20}
 }
 
 type WakeUpResponse struct {
@@ -1966,7 +2013,7 @@ type WakeUpResponse struct {
 
 func (x *WakeUpResponse) Reset() {
 	*x = WakeUpResponse{}
-	mi := &file_stage_proto_msgTypes[20]
+	mi := &file_stage_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1978,7 +2025,7 @@ func (x *WakeUpResponse) String() string {
 func (*WakeUpResponse) ProtoMessage() {}
 
 func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[20]
+	mi := &file_stage_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1991,7 +2038,7 @@ func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpResponse.ProtoReflect.Descriptor instead.
 func (*WakeUpResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{20}
+	return file_stage_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *WakeUpResponse) GetSleepState() SleepState {
@@ -2009,7 +2056,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_stage_proto_msgTypes[21]
+	mi := &file_stage_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2021,7 +2068,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[21]
+	mi := &file_stage_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2034,7 +2081,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{21}
+	return file_stage_proto_rawDescGZIP(), []int{22}
 }
 
 type DrainResponse struct {
@@ -2046,7 +2093,7 @@ type DrainResponse struct {
 
 func (x *DrainResponse) Reset() {
 	*x = DrainResponse{}
-	mi := &file_stage_proto_msgTypes[22]
+	mi := &file_stage_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2058,7 +2105,7 @@ func (x *DrainResponse) String() string {
 func (*DrainResponse) ProtoMessage() {}
 
 func (x *DrainResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[22]
+	mi := &file_stage_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2071,7 +2118,7 @@ func (x *DrainResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainResponse.ProtoReflect.Descriptor instead.
 func (*DrainResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{22}
+	return file_stage_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *DrainResponse) GetInFlight() uint32 {
@@ -2099,7 +2146,7 @@ type ContentPart struct {
 
 func (x *ContentPart) Reset() {
 	*x = ContentPart{}
-	mi := &file_stage_proto_msgTypes[23]
+	mi := &file_stage_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2111,7 +2158,7 @@ func (x *ContentPart) String() string {
 func (*ContentPart) ProtoMessage() {}
 
 func (x *ContentPart) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[23]
+	mi := &file_stage_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2124,7 +2171,7 @@ func (x *ContentPart) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ContentPart.ProtoReflect.Descriptor instead.
 func (*ContentPart) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{23}
+	return file_stage_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ContentPart) GetKind() string {
@@ -2174,7 +2221,8 @@ var File_stage_proto protoreflect.FileDescriptor
 const file_stage_proto_rawDesc = "" +
 	"\n" +
 	"\vstage.proto\x12\x0ftroupe.stage.v1\"\x17\n" +
-	"\x15SubscribeCacheRequest\"\xf0\x02\n" +
+	"\x15SubscribeCacheRequest\"\x16\n" +
+	"\x14SubscribeLoadRequest\"\xf0\x02\n" +
 	"\bMuxFrame\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12:\n" +
 	"\arequest\x18\x02 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12\x16\n" +
@@ -2310,7 +2358,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x15enable_prefix_caching\x18\x03 \x01(\bR\x13enablePrefixCaching\x12 \n" +
 	"\fmax_num_seqs\x18\x04 \x01(\rR\n" +
 	"maxNumSeqs\x12\x1b\n" +
-	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xb8\x05\n" +
+	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xe5\x05\n" +
 	"\x0eHealthResponse\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.troupe.stage.v1.ServingStatusR\x06status\x12<\n" +
 	"\vsleep_state\x18\x02 \x01(\x0e2\x1b.troupe.stage.v1.SleepStateR\n" +
@@ -2334,7 +2382,8 @@ const file_stage_proto_rawDesc = "" +
 	"\vinput_parts\x18\x0f \x03(\tR\n" +
 	"inputParts\x12&\n" +
 	"\x0finput_part_urls\x18\x10 \x01(\bR\rinputPartUrls\x12-\n" +
-	"\x12cache_subscription\x18\x11 \x01(\bR\x11cacheSubscription\"$\n" +
+	"\x12cache_subscription\x18\x11 \x01(\bR\x11cacheSubscription\x12+\n" +
+	"\x11load_subscription\x18\x12 \x01(\bR\x10loadSubscription\"$\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\"M\n" +
 	"\rSleepResponse\x12<\n" +
@@ -2369,7 +2418,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16SERVING_STATUS_SERVING\x10\x01\x12\x1e\n" +
 	"\x1aSERVING_STATUS_NOT_SERVING\x10\x02\x12\x1b\n" +
-	"\x17SERVING_STATUS_DRAINING\x10\x032\xf6\x04\n" +
+	"\x17SERVING_STATUS_DRAINING\x10\x032\xce\x05\n" +
 	"\fStageService\x12N\n" +
 	"\bGenerate\x12 .troupe.stage.v1.GenerateRequest\x1a\x1e.troupe.stage.v1.GenerateChunk0\x01\x12I\n" +
 	"\x06Health\x12\x1e.troupe.stage.v1.HealthRequest\x1a\x1f.troupe.stage.v1.HealthResponse\x12F\n" +
@@ -2378,7 +2427,8 @@ const file_stage_proto_rawDesc = "" +
 	"\x05Drain\x12\x1d.troupe.stage.v1.DrainRequest\x1a\x1e.troupe.stage.v1.DrainResponse\x12R\n" +
 	"\x0eGenerateStream\x12\x1c.troupe.stage.v1.StreamInput\x1a\x1e.troupe.stage.v1.GenerateChunk(\x010\x01\x12E\n" +
 	"\tMultiplex\x12\x19.troupe.stage.v1.MuxFrame\x1a\x19.troupe.stage.v1.MuxFrame(\x010\x01\x12U\n" +
-	"\x0eSubscribeCache\x12&.troupe.stage.v1.SubscribeCacheRequest\x1a\x19.troupe.stage.v1.KvEvents0\x01B.Z,github.com/troupe-serving/troupe/pkg/stagepbb\x06proto3"
+	"\x0eSubscribeCache\x12&.troupe.stage.v1.SubscribeCacheRequest\x1a\x19.troupe.stage.v1.KvEvents0\x01\x12V\n" +
+	"\rSubscribeLoad\x12%.troupe.stage.v1.SubscribeLoadRequest\x1a\x1c.troupe.stage.v1.EngineStats0\x01B.Z,github.com/troupe-serving/troupe/pkg/stagepbb\x06proto3"
 
 var (
 	file_stage_proto_rawDescOnce sync.Once
@@ -2393,79 +2443,82 @@ func file_stage_proto_rawDescGZIP() []byte {
 }
 
 var file_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
+var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_stage_proto_goTypes = []any{
 	(FinishReason)(0),             // 0: troupe.stage.v1.FinishReason
 	(SleepState)(0),               // 1: troupe.stage.v1.SleepState
 	(ServingStatus)(0),            // 2: troupe.stage.v1.ServingStatus
 	(*SubscribeCacheRequest)(nil), // 3: troupe.stage.v1.SubscribeCacheRequest
-	(*MuxFrame)(nil),              // 4: troupe.stage.v1.MuxFrame
-	(*MuxEnd)(nil),                // 5: troupe.stage.v1.MuxEnd
-	(*SamplingParams)(nil),        // 6: troupe.stage.v1.SamplingParams
-	(*TokenIds)(nil),              // 7: troupe.stage.v1.TokenIds
-	(*Codes)(nil),                 // 8: troupe.stage.v1.Codes
-	(*ChatMessage)(nil),           // 9: troupe.stage.v1.ChatMessage
-	(*Chat)(nil),                  // 10: troupe.stage.v1.Chat
-	(*GenerateRequest)(nil),       // 11: troupe.stage.v1.GenerateRequest
-	(*StreamInput)(nil),           // 12: troupe.stage.v1.StreamInput
-	(*EngineStats)(nil),           // 13: troupe.stage.v1.EngineStats
-	(*KvEvents)(nil),              // 14: troupe.stage.v1.KvEvents
-	(*Timings)(nil),               // 15: troupe.stage.v1.Timings
-	(*GenerateChunk)(nil),         // 16: troupe.stage.v1.GenerateChunk
-	(*HealthRequest)(nil),         // 17: troupe.stage.v1.HealthRequest
-	(*CacheConfig)(nil),           // 18: troupe.stage.v1.CacheConfig
-	(*HealthResponse)(nil),        // 19: troupe.stage.v1.HealthResponse
-	(*SleepRequest)(nil),          // 20: troupe.stage.v1.SleepRequest
-	(*SleepResponse)(nil),         // 21: troupe.stage.v1.SleepResponse
-	(*WakeUpRequest)(nil),         // 22: troupe.stage.v1.WakeUpRequest
-	(*WakeUpResponse)(nil),        // 23: troupe.stage.v1.WakeUpResponse
-	(*DrainRequest)(nil),          // 24: troupe.stage.v1.DrainRequest
-	(*DrainResponse)(nil),         // 25: troupe.stage.v1.DrainResponse
-	(*ContentPart)(nil),           // 26: troupe.stage.v1.ContentPart
-	nil,                           // 27: troupe.stage.v1.MuxFrame.MetadataEntry
-	nil,                           // 28: troupe.stage.v1.SamplingParams.LogitBiasEntry
+	(*SubscribeLoadRequest)(nil),  // 4: troupe.stage.v1.SubscribeLoadRequest
+	(*MuxFrame)(nil),              // 5: troupe.stage.v1.MuxFrame
+	(*MuxEnd)(nil),                // 6: troupe.stage.v1.MuxEnd
+	(*SamplingParams)(nil),        // 7: troupe.stage.v1.SamplingParams
+	(*TokenIds)(nil),              // 8: troupe.stage.v1.TokenIds
+	(*Codes)(nil),                 // 9: troupe.stage.v1.Codes
+	(*ChatMessage)(nil),           // 10: troupe.stage.v1.ChatMessage
+	(*Chat)(nil),                  // 11: troupe.stage.v1.Chat
+	(*GenerateRequest)(nil),       // 12: troupe.stage.v1.GenerateRequest
+	(*StreamInput)(nil),           // 13: troupe.stage.v1.StreamInput
+	(*EngineStats)(nil),           // 14: troupe.stage.v1.EngineStats
+	(*KvEvents)(nil),              // 15: troupe.stage.v1.KvEvents
+	(*Timings)(nil),               // 16: troupe.stage.v1.Timings
+	(*GenerateChunk)(nil),         // 17: troupe.stage.v1.GenerateChunk
+	(*HealthRequest)(nil),         // 18: troupe.stage.v1.HealthRequest
+	(*CacheConfig)(nil),           // 19: troupe.stage.v1.CacheConfig
+	(*HealthResponse)(nil),        // 20: troupe.stage.v1.HealthResponse
+	(*SleepRequest)(nil),          // 21: troupe.stage.v1.SleepRequest
+	(*SleepResponse)(nil),         // 22: troupe.stage.v1.SleepResponse
+	(*WakeUpRequest)(nil),         // 23: troupe.stage.v1.WakeUpRequest
+	(*WakeUpResponse)(nil),        // 24: troupe.stage.v1.WakeUpResponse
+	(*DrainRequest)(nil),          // 25: troupe.stage.v1.DrainRequest
+	(*DrainResponse)(nil),         // 26: troupe.stage.v1.DrainResponse
+	(*ContentPart)(nil),           // 27: troupe.stage.v1.ContentPart
+	nil,                           // 28: troupe.stage.v1.MuxFrame.MetadataEntry
+	nil,                           // 29: troupe.stage.v1.SamplingParams.LogitBiasEntry
 }
 var file_stage_proto_depIdxs = []int32{
-	11, // 0: troupe.stage.v1.MuxFrame.request:type_name -> troupe.stage.v1.GenerateRequest
-	16, // 1: troupe.stage.v1.MuxFrame.chunk:type_name -> troupe.stage.v1.GenerateChunk
-	5,  // 2: troupe.stage.v1.MuxFrame.end:type_name -> troupe.stage.v1.MuxEnd
-	27, // 3: troupe.stage.v1.MuxFrame.metadata:type_name -> troupe.stage.v1.MuxFrame.MetadataEntry
-	28, // 4: troupe.stage.v1.SamplingParams.logit_bias:type_name -> troupe.stage.v1.SamplingParams.LogitBiasEntry
-	26, // 5: troupe.stage.v1.ChatMessage.parts:type_name -> troupe.stage.v1.ContentPart
-	9,  // 6: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
-	7,  // 7: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
-	8,  // 8: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
-	10, // 9: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
-	6,  // 10: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
-	11, // 11: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
+	12, // 0: troupe.stage.v1.MuxFrame.request:type_name -> troupe.stage.v1.GenerateRequest
+	17, // 1: troupe.stage.v1.MuxFrame.chunk:type_name -> troupe.stage.v1.GenerateChunk
+	6,  // 2: troupe.stage.v1.MuxFrame.end:type_name -> troupe.stage.v1.MuxEnd
+	28, // 3: troupe.stage.v1.MuxFrame.metadata:type_name -> troupe.stage.v1.MuxFrame.MetadataEntry
+	29, // 4: troupe.stage.v1.SamplingParams.logit_bias:type_name -> troupe.stage.v1.SamplingParams.LogitBiasEntry
+	27, // 5: troupe.stage.v1.ChatMessage.parts:type_name -> troupe.stage.v1.ContentPart
+	10, // 6: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
+	8,  // 7: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
+	9,  // 8: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
+	11, // 9: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
+	7,  // 10: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
+	12, // 11: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
 	0,  // 12: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
-	13, // 13: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
-	15, // 14: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
-	14, // 15: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
+	14, // 13: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
+	16, // 14: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
+	15, // 15: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
 	2,  // 16: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
 	1,  // 17: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	18, // 18: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
-	13, // 19: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
+	19, // 18: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
+	14, // 19: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
 	1,  // 20: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
 	1,  // 21: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	11, // 22: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
-	17, // 23: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
-	20, // 24: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
-	22, // 25: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
-	24, // 26: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
-	12, // 27: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
-	4,  // 28: troupe.stage.v1.StageService.Multiplex:input_type -> troupe.stage.v1.MuxFrame
+	12, // 22: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
+	18, // 23: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
+	21, // 24: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
+	23, // 25: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
+	25, // 26: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
+	13, // 27: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
+	5,  // 28: troupe.stage.v1.StageService.Multiplex:input_type -> troupe.stage.v1.MuxFrame
 	3,  // 29: troupe.stage.v1.StageService.SubscribeCache:input_type -> troupe.stage.v1.SubscribeCacheRequest
-	16, // 30: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
-	19, // 31: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
-	21, // 32: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
-	23, // 33: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
-	25, // 34: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
-	16, // 35: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
-	4,  // 36: troupe.stage.v1.StageService.Multiplex:output_type -> troupe.stage.v1.MuxFrame
-	14, // 37: troupe.stage.v1.StageService.SubscribeCache:output_type -> troupe.stage.v1.KvEvents
-	30, // [30:38] is the sub-list for method output_type
-	22, // [22:30] is the sub-list for method input_type
+	4,  // 30: troupe.stage.v1.StageService.SubscribeLoad:input_type -> troupe.stage.v1.SubscribeLoadRequest
+	17, // 31: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
+	20, // 32: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
+	22, // 33: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
+	24, // 34: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
+	26, // 35: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
+	17, // 36: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
+	5,  // 37: troupe.stage.v1.StageService.Multiplex:output_type -> troupe.stage.v1.MuxFrame
+	15, // 38: troupe.stage.v1.StageService.SubscribeCache:output_type -> troupe.stage.v1.KvEvents
+	14, // 39: troupe.stage.v1.StageService.SubscribeLoad:output_type -> troupe.stage.v1.EngineStats
+	31, // [31:40] is the sub-list for method output_type
+	22, // [22:31] is the sub-list for method input_type
 	22, // [22:22] is the sub-list for extension type_name
 	22, // [22:22] is the sub-list for extension extendee
 	0,  // [0:22] is the sub-list for field type_name
@@ -2476,8 +2529,8 @@ func file_stage_proto_init() {
 	if File_stage_proto != nil {
 		return
 	}
-	file_stage_proto_msgTypes[3].OneofWrappers = []any{}
-	file_stage_proto_msgTypes[8].OneofWrappers = []any{
+	file_stage_proto_msgTypes[4].OneofWrappers = []any{}
+	file_stage_proto_msgTypes[9].OneofWrappers = []any{
 		(*GenerateRequest_Text)(nil),
 		(*GenerateRequest_TokenIds)(nil),
 		(*GenerateRequest_Codes)(nil),
@@ -2489,7 +2542,7 @@ func file_stage_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_stage_proto_rawDesc), len(file_stage_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   26,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

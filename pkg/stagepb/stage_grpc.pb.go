@@ -34,6 +34,7 @@ const (
 	StageService_GenerateStream_FullMethodName = "/troupe.stage.v1.StageService/GenerateStream"
 	StageService_Multiplex_FullMethodName      = "/troupe.stage.v1.StageService/Multiplex"
 	StageService_SubscribeCache_FullMethodName = "/troupe.stage.v1.StageService/SubscribeCache"
+	StageService_SubscribeLoad_FullMethodName  = "/troupe.stage.v1.StageService/SubscribeLoad"
 )
 
 // StageServiceClient is the client API for StageService service.
@@ -82,6 +83,14 @@ type StageServiceClient interface {
 	// ResourceExhausted) and subscribes again for a fresh snapshot; so does
 	// one that sees a gap in seq. The worker never waits for a subscriber.
 	SubscribeCache(ctx context.Context, in *SubscribeCacheRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[KvEvents], error)
+	// SubscribeLoad streams the engine's load (served by a worker whose
+	// Health says load_subscription): the snapshot fields of EngineStats
+	// (running, waiting, KV cache usage; the per-request deltas are unset),
+	// first the current load, then each change, at most one message per
+	// interval (the worker's, 20 ms by default), and the current load again
+	// after a second without change, so a head that reads the stream always
+	// holds a fresh report of every replica, also of one it sends nothing.
+	SubscribeLoad(ctx context.Context, in *SubscribeLoadRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[EngineStats], error)
 }
 
 type stageServiceClient struct {
@@ -196,6 +205,25 @@ func (c *stageServiceClient) SubscribeCache(ctx context.Context, in *SubscribeCa
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type StageService_SubscribeCacheClient = grpc.ServerStreamingClient[KvEvents]
 
+func (c *stageServiceClient) SubscribeLoad(ctx context.Context, in *SubscribeLoadRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[EngineStats], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &StageService_ServiceDesc.Streams[4], StageService_SubscribeLoad_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[SubscribeLoadRequest, EngineStats]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type StageService_SubscribeLoadClient = grpc.ServerStreamingClient[EngineStats]
+
 // StageServiceServer is the server API for StageService service.
 // All implementations must embed UnimplementedStageServiceServer
 // for forward compatibility.
@@ -242,6 +270,14 @@ type StageServiceServer interface {
 	// ResourceExhausted) and subscribes again for a fresh snapshot; so does
 	// one that sees a gap in seq. The worker never waits for a subscriber.
 	SubscribeCache(*SubscribeCacheRequest, grpc.ServerStreamingServer[KvEvents]) error
+	// SubscribeLoad streams the engine's load (served by a worker whose
+	// Health says load_subscription): the snapshot fields of EngineStats
+	// (running, waiting, KV cache usage; the per-request deltas are unset),
+	// first the current load, then each change, at most one message per
+	// interval (the worker's, 20 ms by default), and the current load again
+	// after a second without change, so a head that reads the stream always
+	// holds a fresh report of every replica, also of one it sends nothing.
+	SubscribeLoad(*SubscribeLoadRequest, grpc.ServerStreamingServer[EngineStats]) error
 	mustEmbedUnimplementedStageServiceServer()
 }
 
@@ -275,6 +311,9 @@ func (UnimplementedStageServiceServer) Multiplex(grpc.BidiStreamingServer[MuxFra
 }
 func (UnimplementedStageServiceServer) SubscribeCache(*SubscribeCacheRequest, grpc.ServerStreamingServer[KvEvents]) error {
 	return status.Error(codes.Unimplemented, "method SubscribeCache not implemented")
+}
+func (UnimplementedStageServiceServer) SubscribeLoad(*SubscribeLoadRequest, grpc.ServerStreamingServer[EngineStats]) error {
+	return status.Error(codes.Unimplemented, "method SubscribeLoad not implemented")
 }
 func (UnimplementedStageServiceServer) mustEmbedUnimplementedStageServiceServer() {}
 func (UnimplementedStageServiceServer) testEmbeddedByValue()                      {}
@@ -405,6 +444,17 @@ func _StageService_SubscribeCache_Handler(srv interface{}, stream grpc.ServerStr
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type StageService_SubscribeCacheServer = grpc.ServerStreamingServer[KvEvents]
 
+func _StageService_SubscribeLoad_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(SubscribeLoadRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(StageServiceServer).SubscribeLoad(m, &grpc.GenericServerStream[SubscribeLoadRequest, EngineStats]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type StageService_SubscribeLoadServer = grpc.ServerStreamingServer[EngineStats]
+
 // StageService_ServiceDesc is the grpc.ServiceDesc for StageService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -450,6 +500,11 @@ var StageService_ServiceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "SubscribeCache",
 			Handler:       _StageService_SubscribeCache_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "SubscribeLoad",
+			Handler:       _StageService_SubscribeLoad_Handler,
 			ServerStreams: true,
 		},
 	},

@@ -516,6 +516,15 @@ func (r *Router) UsesKVEvents(rep *Replica) bool {
 	return ok && sink.UsesKVEvents(rep)
 }
 
+// ReadsLoad reports whether rep's stage routes by load (every policy but
+// round robin, and session affinity's bound), so a subscription to rep's
+// load reports is worth its cost.
+func (r *Router) ReadsLoad(rep *Replica) bool {
+	st := r.stages[rep.Key.Stage]
+	_, rr := st.Policy.(*RoundRobin)
+	return st.SessionAffinity || (st.Policy != nil && !rr)
+}
+
 // ApplyCacheSnapshot hands an engine's snapshot of its cache (the first
 // message of a SubscribeCache stream) to its stage's policy, under the
 // rules of ApplyKVEvents. Safe for concurrent use.
