@@ -36,15 +36,17 @@ func ContextLengthError(maxModelLen, promptTokens, requested int) error {
 	st := status.Newf(codes.InvalidArgument,
 		"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the prompt, %d in the completion). Please reduce the length of the prompt or of the completion (max_tokens).",
 		maxModelLen, requested, promptTokens, requested-promptTokens)
-	withInfo, err := st.WithDetails(&errdetails.ErrorInfo{
-		Reason: ReasonContextLengthExceeded,
-		Domain: ErrorDomain,
-		Metadata: map[string]string{
-			"max_model_len":    strconv.Itoa(maxModelLen),
-			"prompt_tokens":    strconv.Itoa(promptTokens),
-			"requested_tokens": strconv.Itoa(requested),
-		},
+	return withReason(st, ReasonContextLengthExceeded, map[string]string{
+		"max_model_len":    strconv.Itoa(maxModelLen),
+		"prompt_tokens":    strconv.Itoa(promptTokens),
+		"requested_tokens": strconv.Itoa(requested),
 	})
+}
+
+// withReason is st's error with an ErrorInfo of ErrorDomain, reason and
+// metadata (nil: none).
+func withReason(st *status.Status, reason string, metadata map[string]string) error {
+	withInfo, err := st.WithDetails(&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain, Metadata: metadata})
 	if err != nil { // only for a detail that cannot be marshalled
 		return st.Err()
 	}
@@ -59,12 +61,7 @@ const ReasonInvalidVoice = "INVALID_VOICE"
 // InvalidArgument with an ErrorInfo of ReasonInvalidVoice. message is
 // written for the API client.
 func InvalidVoiceError(message string) error {
-	st := status.New(codes.InvalidArgument, message)
-	withInfo, err := st.WithDetails(&errdetails.ErrorInfo{Reason: ReasonInvalidVoice, Domain: ErrorDomain})
-	if err != nil { // only for a detail that cannot be marshalled
-		return st.Err()
-	}
-	return withInfo.Err()
+	return withReason(status.New(codes.InvalidArgument, message), ReasonInvalidVoice, nil)
 }
 
 // ReasonDraining: the replica is draining (it finishes what it runs and
@@ -77,12 +74,7 @@ const ReasonDraining = "DRAINING"
 // DrainingError is a draining replica's refusal of a new call:
 // Unavailable with an ErrorInfo of ReasonDraining. message is for logs.
 func DrainingError(message string) error {
-	st := status.New(codes.Unavailable, message)
-	withInfo, err := st.WithDetails(&errdetails.ErrorInfo{Reason: ReasonDraining, Domain: ErrorDomain})
-	if err != nil { // only for a detail that cannot be marshalled
-		return st.Err()
-	}
-	return withInfo.Err()
+	return withReason(status.New(codes.Unavailable, message), ReasonDraining, nil)
 }
 
 // ErrorReason is the troupe reason an error's status carries (an ErrorInfo
