@@ -262,13 +262,25 @@ func TestLeastLoadedFollowsUpstreams(t *testing.T) {
 	busyText.Store(gauge(0).Load())
 	idleText.Store(gauge(20).Load())
 	require.Eventually(t, func() bool { return busyScrapes.Load() >= b+2 && idleScrapes.Load() >= i+2 }, wait, time.Millisecond)
-	ask("b0") // the head still believes the idle one is at 0: its answer says 20
-	assert.Equal(t, int32(6), idleServed.Load())
-	for i := range 4 {
-		ask(fmt.Sprint("b", i+1))
+	// Every worker streams its engine's load to the head (SubscribeLoad),
+	// so the head learns the new loads without sending anything.
+	require.Eventually(t, func() bool {
+		for _, r := range c.Head.Replicas() {
+			if r.Load == nil || (*r.Load != 0 && *r.Load != 20) {
+				return false
+			}
+		}
+		total := int64(0)
+		for _, r := range c.Head.Replicas() {
+			total += *r.Load
+		}
+		return total == 20
+	}, wait, time.Millisecond, "the head reads the loads the upstreams report")
+	for i := range 5 {
+		ask(fmt.Sprint("b", i))
 	}
-	assert.Equal(t, int32(4), busyServed.Load(), "then to the upstream that drained")
-	assert.Equal(t, int32(6), idleServed.Load())
+	assert.Equal(t, int32(5), busyServed.Load(), "then to the upstream that drained")
+	assert.Equal(t, int32(5), idleServed.Load())
 }
 
 // TestSleepWake: sleep and wake map to vLLM's sleep-mode endpoints; a
