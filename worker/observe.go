@@ -9,8 +9,8 @@ import (
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
-// Observer sees the replica's own Generate calls as this worker serves
-// them (Config.Observer): troupe worker serves them on --metrics-listen
+// Observer sees the replica's own Generate and GenerateStream calls as
+// this worker serves them (Config.Observer): troupe worker serves them on --metrics-listen
 // as the head's per-replica families (docs/stats.md). It is called from
 // request goroutines, concurrently; it must not block.
 type Observer interface {

@@ -85,6 +85,7 @@ func (svc *service) GenerateStream(stream grpc.BidiStreamingServer[stagepb.Strea
 	seg.add(first)
 	start := time.Now()
 	var timings *stagepb.Timings
+	obs := s.observe(req, start)
 	send, flush := newOutputHolder(req, stream.Send)
 	err = seg.run(ctx, in, inErr, func(r *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
 		return s.cfg.Engine.Generate(ctx, r, emit)
@@ -92,11 +93,13 @@ func (svc *service) GenerateStream(stream grpc.BidiStreamingServer[stagepb.Strea
 		if c.GetTimings() != nil {
 			timings = c.GetTimings()
 		}
+		obs.chunk(c)
 		return send(c)
 	})
 	if ferr := flush(); err == nil {
 		err = ferr
 	}
+	obs.end(ctx, err)
 	if timings != nil {
 		recordPhases(ctx, start, timings)
 	}

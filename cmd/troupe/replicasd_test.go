@@ -158,3 +158,48 @@ scrape_configs:
 	assert.NotContains(t, got[0].Metric, "exported_stage", "the worker's stage name is dropped for the SD's index")
 	t.Logf("stored series: %v", got[0].Metric)
 }
+
+// TestWorkerSeriesCountStreamedCalls: in a streamed pipeline the talker
+// and the vocoder are fed by GenerateStream; their workers' own series
+// count those calls too (one request each per chat), as the head does.
+func TestWorkerSeriesCountStreamedCalls(t *testing.T) {
+	etcd := strings.Join(membershiptest.Start(t).Endpoints(), ",")
+	pipeline := filepath.Join(t.TempDir(), "pipeline.yaml")
+	require.NoError(t, os.WriteFile(pipeline, []byte("model: troupe-omni-sim\nstages:\n  - name: thinker\n  - name: talker\n  - name: vocoder\n"), 0o600))
+	h := background(t, "head", runHead, "--etcd-endpoints", etcd, "--pipeline", pipeline, "--http", "127.0.0.1:0", "--log-level", "error")
+	base := h.wait(t, headRE)
+	metrics := map[string]string{}
+	for _, stage := range []string{"thinker", "talker", "vocoder"} {
+		w := background(t, "worker "+stage, runWorker, "--etcd-endpoints", etcd, "--stage", stage, "--replica-id", "0",
+			"--log-level", "error", "--metrics-listen", "127.0.0.1:0")
+		metrics[stage] = w.wait(t, regexp.MustCompile(`metrics on (http://\S+)\n`))
+		w.wait(t, workRE)
+	}
+
+	hc := &http.Client{Transport: &http.Transport{}, Timeout: 5 * time.Second}
+	defer hc.CloseIdleConnections()
+	get := func(u string) (int, string) {
+		resp, err := hc.Get(u)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	require.Eventually(t, func() bool { code, _ := get(base + "/readyz"); return code == http.StatusOK }, 60*time.Second, 20*time.Millisecond)
+	const chats = 2
+	for i := range chats {
+		a := chat(t, base, fmt.Sprintf(`{"model":"troupe-omni-sim","seed":%d,"messages":[{"role":"user","content":"say hi"}],"max_tokens":8,`+
+			`"modalities":["text","audio"],"audio":{"voice":"alloy","format":"wav"}}`, i))
+		require.NotNil(t, a.Choices[0].Message.Audio, "the chat ran every stage")
+	}
+	for _, stage := range []string{"talker", "vocoder"} {
+		done := regexp.MustCompile(fmt.Sprintf(`\ntroupe_e2e_request_latency_seconds_count\{model_name="[^"]*",replica="0",stage="%s"\} %d\n`, stage, chats))
+		var body string
+		require.Eventually(t, func() bool { _, b := get(metrics[stage]); body = b; return done.MatchString(b) }, 30*time.Second, 20*time.Millisecond,
+			"the %s worker's own e2e histogram counts its %d streamed calls", stage, chats)
+		assert.Regexp(t, fmt.Sprintf(`\ntroupe_time_to_first_token_seconds_count\{model_name="[^"]*",replica="0",stage="%s"\} %d\n`, stage, chats), body)
+		assert.Regexp(t, fmt.Sprintf(`\ntroupe_num_requests_running\{model_name="[^"]*",replica="0",stage="%s"\} 0\n`, stage), body)
+	}
+}
