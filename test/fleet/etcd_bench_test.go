@@ -41,6 +41,8 @@ import (
 //   - leave storm: half the children revoke every lease at once;
 //     leave-seen-all until every watcher has seen all N/2 leaves.
 //
+// Sizes, head counts and TTL are BenchmarkFleetProcs' variables:
+//
 //	TROUPE_FLEET_N=1000,10000 TROUPE_FLEET_HEADS=1,5 go test -run '^$' -bench EtcdHeads -benchtime 1x -timeout 60m ./test/fleet/
 func BenchmarkEtcdHeads(b *testing.B) {
 	sizes, heads := envInts(b, "TROUPE_FLEET_N", "1000"), envInts(b, "TROUPE_FLEET_HEADS", "5")
