@@ -130,7 +130,7 @@ func runEtcdHeads(b *testing.B, bin string, nHeads, n int, ttl time.Duration) {
 		b.Fatal(err)
 	}
 	report(b, time.Since(t0).Seconds()*1000, "restart-seen-all-ms")
-	report(b, (cpu1.cpu - cpu0.cpu).Seconds()*1000, "restart-etcd-cpu-ms")
+	report(b, (cpu1.cpu-cpu0.cpu).Seconds()*1000, "restart-etcd-cpu-ms")
 
 	for _, c := range f.leave {
 		c.send(b, "leave")
