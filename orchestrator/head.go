@@ -487,7 +487,10 @@ type probeResult struct {
 // Run watches membership and applies it until ctx ends. It is the only
 // writer of the registry, the stat bindings and the router.
 func (h *Head) Run(ctx context.Context) error {
-	events := make(chan membership.Event)
+	// Buffered: a list (a restart's, a re-list's) reaches the loop as
+	// fast as the watcher decodes it, and the loop applies it in batches
+	// (drain), instead of one scheduling round trip per record.
+	events := make(chan membership.Event, maxBatch)
 	probes := make(chan probeResult)
 	departures := make(chan departure)
 	var probing sync.WaitGroup
@@ -1079,11 +1082,11 @@ func (h *Head) mergeView(old []*tracked) *[]*tracked {
 	out := make([]*tracked, 0, len(old)+len(keys))
 	i := 0
 	for _, k := range keys {
-		for i < len(old) && compareKeys(old[i].key, k) < 0 {
-			out = append(out, old[i])
-			i++
-		}
-		if i < len(old) && old[i].key == k {
+		// Copy the run of unchanged records before k in one memmove.
+		j, found := slices.BinarySearchFunc(old[i:], k, func(e *tracked, k router.Key) int { return compareKeys(e.key, k) })
+		out = append(out, old[i:i+j]...)
+		i += j
+		if found {
 			i++
 		}
 		c := *h.known[k]

@@ -820,11 +820,11 @@ func (s *Snapshot) withAll(changes map[Key]*Replica) *Snapshot {
 		st := make([]*Replica, 0, len(old)+len(ks))
 		i := 0
 		for _, k := range ks {
-			for i < len(old) && old[i].Key.Replica < k.Replica {
-				st = append(st, old[i])
-				i++
-			}
-			if i < len(old) && old[i].Key.Replica == k.Replica {
+			// Copy the run of unchanged replicas before k in one memmove.
+			j, found := search(old[i:], k.Replica)
+			st = append(st, old[i:i+j]...)
+			i += j
+			if found {
 				i++ // replaced or removed
 			}
 			if rep := changes[k]; rep != nil {
