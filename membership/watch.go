@@ -58,7 +58,7 @@ type Watcher struct {
 	cfgErr    error
 
 	listTimeout time.Duration
-	listPage    int64 // records per request of a list (listPage)
+	listPage    int64                      // records per request of a list (listPage)
 	onResync    func(rev int64, err error) // test hook: after each list
 	dropEvent   func(*clientv3.Event) bool // test hook: lose a watch event silently
 
