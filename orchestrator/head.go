@@ -193,6 +193,10 @@ type Head struct {
 	wake     bool
 
 	cacheSnapshots prometheus.Counter // troupe_router_cache_snapshots_total
+
+	// firstProbes bounds the joins whose first dial and Health are in
+	// flight (maxFirstProbes; see probe).
+	firstProbes chan struct{}
 }
 
 // tracked is the loop's record of one replica key. Published copies are
@@ -245,18 +249,19 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		return nil, err
 	}
 	h := &Head{
-		pipeline:   pipe,
-		cfg:        cfg,
-		log:        cfg.Logger,
-		stats:      st,
-		router:     router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker)),
-		tracer:     cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
-		callTracer: callTracer,
-		known:      map[router.Key]*tracked{},
-		subs:       map[router.Key]*cacheSub{},
-		etcd:       cli,
-		created:    time.Now(),
-		calls:      []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
+		pipeline:    pipe,
+		cfg:         cfg,
+		log:         cfg.Logger,
+		stats:       st,
+		router:      router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker)),
+		tracer:      cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
+		callTracer:  callTracer,
+		known:       map[router.Key]*tracked{},
+		firstProbes: make(chan struct{}, maxFirstProbes),
+		subs:        map[router.Key]*cacheSub{},
+		etcd:        cli,
+		created:     time.Now(),
+		calls:       []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
 	}
 	for _, st := range cfg.Pipeline.Stages {
 		h.stageSpans = append(h.stageSpans, telemetry.StageSpanName(st.Name))
@@ -733,10 +738,31 @@ func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, re
 	}(t.probeGen)
 }
 
+// maxFirstProbes is how many joins' first dial and Health the head has
+// in flight at once.
+const maxFirstProbes = 128
+
 // probe dials the replica and asks its Health until it answers, then hands
 // the result to the loop. It gives up only when ctx ends (a leave, a newer
 // record, or shutdown).
 func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, probes chan<- probeResult) {
+	// The first dial and Health take a slot of firstProbes: a restart's
+	// list starts a probe per replica at once, and thousands of
+	// connections set up together answer their first Health late, all of
+	// them; a bounded number in flight answer in join order.
+	select {
+	case h.firstProbes <- struct{}{}:
+	case <-ctx.Done():
+		return
+	}
+	held := true
+	release := func() {
+		if held {
+			held = false
+			<-h.firstProbes
+		}
+	}
+	defer release()
 	rep, err := h.router.Dial(spec)
 	if err != nil {
 		h.errors.WithLabelValues("dial").Inc()
@@ -750,6 +776,7 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 		pctx, cancel := context.WithTimeout(ctx, h.cfg.ProbeTimeout)
 		health, err := rep.Client.Health(pctx, &stagepb.HealthRequest{})
 		cancel()
+		release()
 		if err == nil && health.GetStatus() == stagepb.ServingStatus_SERVING_STATUS_SERVING {
 			select {
 			case probes <- probeResult{key: spec.Key, gen: gen, rep: rep, health: health, at: time.Now()}:
