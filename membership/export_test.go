@@ -29,3 +29,6 @@ func NextBackoffs(initial, maxDelay time.Duration, n int) []time.Duration {
 	}
 	return out
 }
+
+// SetListPage sets how many records one request of a list reads.
+func SetListPage(w *Watcher, n int64) { w.listPage = n }

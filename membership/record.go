@@ -280,12 +280,16 @@ func (r *leased) run(ctx context.Context, lease clientv3.LeaseID) {
 }
 
 // keepAlive returns when the lease is no longer refreshed or ctx ends.
-// Meanwhile it writes updated values, and checks the record every third of
-// the TTL: one deleted or overwritten by someone else (an operator's
-// etcdctl, a stray script) is written back, since the head stops routing to
-// a replica whose record is gone. (A watch on the key would notice sooner,
-// but a watch stream on the same client was seen to hold back the lease's
-// keepalive answers.)
+// Meanwhile it writes updated values, and guards the record: one deleted
+// or overwritten by someone else (an operator's etcdctl, a stray script) is
+// written back, since the head stops routing to a replica whose record is
+// gone. The guard is a watch on the key itself, from the revision of one
+// read of it (and again after the watch breaks), so that it costs etcd
+// nothing while nothing happens: the read every third of the TTL it
+// replaces doubled etcd's requests at rest (docs/benchmarks.md). The
+// keepalive does not depend on the watch: a watch that holds back or
+// breaks delays only the guard, and the keepalive's own deadline (below)
+// still ends a lease that goes unanswered.
 func (r *leased) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 	kac, err := r.cli.KeepAlive(ctx, lease)
 	if err != nil {
@@ -296,8 +300,18 @@ func (r *leased) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 	if _, v := r.current(); v > r.writtenVersion() {
 		r.wake()
 	}
-	check := time.NewTicker(max(time.Duration(r.ttlSecs)*time.Second/3, 500*time.Millisecond))
-	defer check.Stop()
+	// Watch blocks until the client's watch stream is up, which it is not
+	// while etcd is down: it is opened off this loop, which must keep
+	// draining the keepalive and watching its deadline.
+	wctx, stopWatch := context.WithCancel(ctx)
+	var opening sync.WaitGroup
+	defer opening.Wait()
+	defer stopWatch()
+	opened := make(chan clientv3.WatchChan, 1)
+	var guarded clientv3.WatchChan // nil until watching, and while a re-watch waits
+	rewatch := time.NewTimer(0)
+	defer rewatch.Stop()
+	rewatchWait := newBackoff(500*time.Millisecond, max(time.Duration(r.ttlSecs)*time.Second/3, 500*time.Millisecond))
 	retry := time.NewTimer(time.Hour)
 	retry.Stop()
 	defer retry.Stop()
@@ -345,8 +359,26 @@ func (r *leased) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 			write()
 		case <-retry.C:
 			write()
-		case <-check.C:
-			r.checkRecord(ctx, lease)
+		case <-rewatch.C:
+			// Read, guard what it shows, and watch from just after it.
+			if rev := r.checkRecord(ctx, lease); rev > 0 {
+				opening.Go(func() { opened <- r.cli.Watch(wctx, r.key, clientv3.WithRev(rev+1)) })
+			} else if ctx.Err() == nil {
+				rewatch.Reset(rewatchWait.NextBackOff())
+			}
+		case guarded = <-opened:
+		case wresp, ok := <-guarded:
+			if !ok || wresp.Err() != nil {
+				// Compacted, cancelled by etcd, or the client's watch
+				// ended: read again and watch anew, backed off.
+				guarded = nil
+				rewatch.Reset(rewatchWait.NextBackOff())
+				continue
+			}
+			rewatchWait.Reset()
+			if len(wresp.Events) > 0 {
+				r.guard(ctx, lease, wresp.Events)
+			}
 		case <-ctx.Done():
 			return
 		case <-r.cli.Ctx().Done():
@@ -395,19 +427,21 @@ func (r *leased) write(ctx context.Context, lease clientv3.LeaseID) error {
 	return nil
 }
 
-// checkRecord reads the record and guards it.
-func (r *leased) checkRecord(ctx context.Context, lease clientv3.LeaseID) {
+// checkRecord reads the record and guards it. It returns the revision of
+// the read, 0 when etcd did not answer.
+func (r *leased) checkRecord(ctx context.Context, lease clientv3.LeaseID) int64 {
 	gctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	got, err := r.cli.Get(gctx, r.key)
 	cancel()
 	switch {
 	case err != nil:
-		return // etcd unreachable: the keepalive tells
+		return 0 // etcd unreachable: the keepalive tells
 	case len(got.Kvs) == 0:
 		r.guard(ctx, lease, []*clientv3.Event{{Type: clientv3.EventTypeDelete, Kv: &mvccpb.KeyValue{Key: []byte(r.key)}}})
 	default:
 		r.guard(ctx, lease, []*clientv3.Event{{Type: clientv3.EventTypePut, Kv: got.Kvs[0]}})
 	}
+	return got.Header.Revision
 }
 
 // guard writes the record back when an event shows it deleted, or

@@ -7,12 +7,15 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
 
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/membership/membershiptest"
@@ -407,4 +410,41 @@ func TestRecordDeletedOrOverwrittenIsRestored(t *testing.T) {
 	_, err = cli.Put(ctx, r.Key(), `{"stage":"thinker","replica_id":0,"addr":"127.0.0.1:1"}`)
 	require.NoError(t, err)
 	restoredWithin("overwritten")
+}
+
+// TestRecordGuardCostsNoReadAtRest: a live registration reads its record
+// once, when its keepalive starts, and then only watches it: across
+// several keepalive periods at rest it sends etcd no Range (a Get of its
+// own key every TTL/3 doubled etcd's requests at rest).
+func TestRecordGuardCostsNoReadAtRest(t *testing.T) {
+	e := membershiptest.Start(t)
+	var ranges atomic.Int64
+	count := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if method == "/etcdserverpb.KV/Range" {
+			ranges.Add(1)
+		}
+		return invoker(ctx, method, req, reply, cc, opts...)
+	}
+	cli, err := clientv3.New(clientv3.Config{Endpoints: e.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
+		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(count)}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = cli.Close() })
+	r := register(t, cli, membership.RegisterConfig{Member: member("thinker", 0, "127.0.0.1:7000"), TTL: time.Second})
+	require.Eventually(t, func() bool { return ranges.Load() >= 1 }, 10*time.Second, 5*time.Millisecond, "the guard reads the record once")
+	before := ranges.Load()
+	// Four keepalive answers: about four thirds of the TTL at rest.
+	last := r.LastKeepAlive()
+	for range 4 {
+		require.Eventually(t, func() bool { return r.LastKeepAlive().After(last) }, 10*time.Second, 5*time.Millisecond)
+		last = r.LastKeepAlive()
+	}
+	assert.Equal(t, before, ranges.Load(), "no Range at rest")
+
+	// The guard still works: a deletion is written back.
+	_, err = cli.Delete(testCtx(t), r.Key())
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		resp, err := cli.Get(testCtx(t), r.Key())
+		return err == nil && len(resp.Kvs) == 1 && clientv3.LeaseID(resp.Kvs[0].Lease) == r.Lease()
+	}, 10*time.Second, 10*time.Millisecond, "record restored after it was deleted")
 }

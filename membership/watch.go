@@ -58,6 +58,7 @@ type Watcher struct {
 	cfgErr    error
 
 	listTimeout time.Duration
+	listPage    int64                      // records per request of a list (listPage)
 	onResync    func(rev int64, err error) // test hook: after each list
 	dropEvent   func(*clientv3.Event) bool // test hook: lose a watch event silently
 
@@ -94,6 +95,7 @@ func NewWatcher(cli *clientv3.Client, cfg WatchConfig) *Watcher {
 		invalid:   map[string]int64{},
 
 		listTimeout: listTimeout,
+		listPage:    listPage,
 	}
 	if w.reconcile <= 0 {
 		w.reconcile = DefaultReconcileInterval
@@ -208,17 +210,13 @@ func (w *Watcher) heard() { w.lastContact.Store(time.Now().UnixNano()) }
 // resync lists the members, sends the difference to the known state, and
 // returns the revision of the list.
 func (w *Watcher) resync(ctx context.Context, out chan<- Event) (int64, error) {
-	lctx, cancel := context.WithTimeout(ctx, w.listTimeout)
-	defer cancel()
-	resp, err := w.cli.Get(lctx, w.prefix, clientv3.WithPrefix()) // linearizable
+	kvs, rev, err := w.list(ctx)
 	if err != nil {
 		return 0, err
 	}
-	w.heard()
-	rev := resp.Header.Revision
-	seen := make(map[string]bool, len(resp.Kvs))
+	seen := make(map[string]bool, len(kvs))
 	var leaves, joins []Event
-	for _, kv := range resp.Kvs {
+	for _, kv := range kvs {
 		key := string(kv.Key)
 		seen[key] = true
 		m, err := w.decode(key, kv.Value, kv.Lease)
@@ -257,6 +255,45 @@ func (w *Watcher) resync(ctx context.Context, out chan<- Event) (int64, error) {
 		}
 	}
 	return rev, nil
+}
+
+// listPage is how many records one request of a list reads.
+const listPage = 1000
+
+// list reads every record under the prefix, listPage at a time, all at the
+// revision of the first page (linearizable), so that the pages make one
+// consistent list. Each page has its own listTimeout: a large membership
+// is a series of bounded requests that a busy etcd answers one by one,
+// not one answer of every record that it may never give in time (five
+// heads re-listing 10,000 records did not, and retried, and kept etcd
+// saturated). A page that fails fails the list, which Run retries with
+// backoff; a revision compacted meanwhile fails it too.
+func (w *Watcher) list(ctx context.Context) ([]*mvccpb.KeyValue, int64, error) {
+	end := clientv3.GetPrefixRangeEnd(w.prefix)
+	from := w.prefix
+	var rev int64
+	var kvs []*mvccpb.KeyValue
+	for {
+		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(w.listPage)}
+		if rev != 0 {
+			opts = append(opts, clientv3.WithRev(rev))
+		}
+		lctx, cancel := context.WithTimeout(ctx, w.listTimeout)
+		resp, err := w.cli.Get(lctx, from, opts...)
+		cancel()
+		if err != nil {
+			return nil, 0, err
+		}
+		w.heard()
+		if rev == 0 {
+			rev = resp.Header.Revision
+		}
+		kvs = append(kvs, resp.Kvs...)
+		if !resp.More || len(resp.Kvs) == 0 {
+			return kvs, rev, nil
+		}
+		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
+	}
 }
 
 type watchEnd uint8

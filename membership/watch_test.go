@@ -262,3 +262,30 @@ func mustJSON(t *testing.T, m membership.Member) string {
 	require.NoError(t, err)
 	return string(b)
 }
+
+// TestListReadsEveryPage: a membership larger than one page of a list is
+// listed whole, each record once, in pages; a re-list finds nothing new.
+func TestListReadsEveryPage(t *testing.T) {
+	e := membershiptest.Start(t)
+	cli := dial(t, e.Endpoints())
+	want := map[string]bool{}
+	for id := range uint32(10) {
+		r := register(t, cli, membership.RegisterConfig{Member: member("thinker", id, fmt.Sprintf("127.0.0.1:%d", 7000+id))})
+		want[r.Key()] = true
+	}
+	w := membership.NewWatcher(cli, membership.WatchConfig{ReconcileInterval: 200 * time.Millisecond, Logger: quietLogger()})
+	membership.SetListPage(w, 3)
+	lists := hookResyncs(w, 5*time.Second)
+	wa := startWatcher(t, w)
+	got := map[string]bool{}
+	for range want {
+		ev := wa.next(t)
+		require.Equal(t, membership.Join, ev.Type)
+		require.False(t, got[ev.Key], "%s listed twice", ev.Key)
+		got[ev.Key] = true
+	}
+	require.Equal(t, want, got)
+	lists.waitFor(t, "first", func(err error) bool { return err == nil })
+	lists.waitFor(t, "second", func(err error) bool { return err == nil })
+	wa.none(t)
+}

@@ -168,6 +168,7 @@ func runFleet(b *testing.B, n int) {
 	b.ReportMetric(pct(lat, 0.99), "join-txn-to-routed-p99-ms")
 	b.ReportMetric(pct(lat, 1), "join-txn-to-routed-max-ms")
 	b.ReportMetric(heapPer, "heap-KiB-per-replica")
+	reportJoinSteps(b, c.Head, n, start, "join")
 
 	// Head restart: a new head against the live fleet.
 	start = time.Now()
@@ -176,6 +177,7 @@ func runFleet(b *testing.B, n int) {
 	restartAll := waitFleet(b, h2, 20*time.Second, func(reps []*orchestrator.ReplicaRef) bool { return len(reps) == n }, start)
 	b.ReportMetric(ready.Seconds()*1000, "restart-ready-ms")
 	b.ReportMetric(restartAll.Seconds()*1000, "restart-all-routed-ms")
+	reportJoinSteps(b, h2, n, start, "restart")
 
 	// Leave storm: the upper half drains and revokes its leases at once.
 	start = time.Now()
@@ -239,6 +241,31 @@ func waitFleet(b *testing.B, h *orchestrator.Head, limit time.Duration, cond fun
 			b.Fatalf("fleet: condition not reached within %v (%d routed; %d known, first: %+v)", limit, len(orchestrator.RoutedReplicas(h, 0)), len(reps), reps[:min(1, len(reps))])
 		}
 	}
+}
+
+// reportJoinSteps reports, as p99s over the N replicas of h's latest
+// joins, where a join's time goes: from start to its event reaching the
+// loop (the watch, or a restart's list), the event to its Health answer
+// (dial and probe), the answer to the loop taking it (the loop's queue),
+// and the loop taking it to the snapshot that routes to it (bind, route,
+// publish).
+func reportJoinSteps(b *testing.B, h *orchestrator.Head, n int, start time.Time, phase string) {
+	b.Helper()
+	var event, probe, queue, publish []time.Duration
+	for id := uint32(1); id <= uint32(n); id++ {
+		jt, ok := orchestrator.JoinTimes(h, 0, id)
+		if !ok || jt.Routed.IsZero() {
+			b.Fatalf("replica %d: no routed stamp", id)
+		}
+		event = append(event, jt.Event.Sub(start))
+		probe = append(probe, jt.Answered.Sub(jt.Event))
+		queue = append(queue, jt.Attach.Sub(jt.Answered))
+		publish = append(publish, jt.Routed.Sub(jt.Attach))
+	}
+	b.ReportMetric(pct(event, 0.99), phase+"-event-p99-ms")
+	b.ReportMetric(pct(probe, 0.99), phase+"-probe-p99-ms")
+	b.ReportMetric(pct(queue, 0.99), phase+"-loop-queue-p99-ms")
+	b.ReportMetric(pct(publish, 0.99), phase+"-attach-to-routed-p99-ms")
 }
 
 func heapInUse() uint64 {

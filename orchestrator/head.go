@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"slices"
 	"strconv"
 	"sync"
@@ -180,7 +181,22 @@ type Head struct {
 	subs        map[router.Key]*cacheSub // cache subscriptions by replica key (see cacheSub)
 	loadSubs    []int                    // by stage: subscriptions that follow load (see maxLoadSubs)
 
+	// The batch the loop is applying (see flush): whether it holds one,
+	// the keys it changed, the records it routed (stamped when the
+	// snapshot that routes them is published), the stage outputs to
+	// publish (nil: unchanged), and whether waiters on changed are due a
+	// wake-up.
+	batching bool
+	dirty    map[router.Key]struct{}
+	attached []*tracked
+	outs     *[]string
+	wake     bool
+
 	cacheSnapshots prometheus.Counter // troupe_router_cache_snapshots_total
+
+	// firstProbes bounds the joins whose first dial and Health are in
+	// flight (maxFirstProbes; see probe).
+	firstProbes chan struct{}
 }
 
 // tracked is the loop's record of one replica key. Published copies are
@@ -199,6 +215,8 @@ type tracked struct {
 	cancel     context.CancelFunc // cancels the pending probe
 	io         stageIO            // what its engine takes and gives, from the probe
 	routed     bool               // attached: its series are bound and the router has it
+	noted      bool               // routed as noteRouted last counted it
+	notedInst  string             // instance as noteRouted last indexed it
 	refused    string             // why the head refused to route it (roles, identity); "" when not refused
 	instance   string             // the worker's instance id, from the probe ("" for older workers)
 	capacity   uint32             // max_num_seqs from the probe (0: not reported)
@@ -231,18 +249,19 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		return nil, err
 	}
 	h := &Head{
-		pipeline:   pipe,
-		cfg:        cfg,
-		log:        cfg.Logger,
-		stats:      st,
-		router:     router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker)),
-		tracer:     cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
-		callTracer: callTracer,
-		known:      map[router.Key]*tracked{},
-		subs:       map[router.Key]*cacheSub{},
-		etcd:       cli,
-		created:    time.Now(),
-		calls:      []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
+		pipeline:    pipe,
+		cfg:         cfg,
+		log:         cfg.Logger,
+		stats:       st,
+		router:      router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker)),
+		tracer:      cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
+		callTracer:  callTracer,
+		known:       map[router.Key]*tracked{},
+		firstProbes: make(chan struct{}, maxFirstProbes),
+		subs:        map[router.Key]*cacheSub{},
+		etcd:        cli,
+		created:     time.Now(),
+		calls:       []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
 	}
 	for _, st := range cfg.Pipeline.Stages {
 		h.stageSpans = append(h.stageSpans, telemetry.StageSpanName(st.Name))
@@ -265,6 +284,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	h.routedIO = make([]stageIO, len(cfg.Pipeline.Stages))
 	h.routedBy = make(map[string]router.Key)
 	h.loadSubs = make([]int, len(cfg.Pipeline.Stages))
+	h.dirty = map[router.Key]struct{}{}
 	ch := make(chan struct{})
 	h.changed.Store(&ch)
 	return h, nil
@@ -472,7 +492,10 @@ type probeResult struct {
 // Run watches membership and applies it until ctx ends. It is the only
 // writer of the registry, the stat bindings and the router.
 func (h *Head) Run(ctx context.Context) error {
-	events := make(chan membership.Event)
+	// Buffered: a list (a restart's, a re-list's) reaches the loop as
+	// fast as the watcher decodes it, and the loop applies it in batches
+	// (drain), instead of one scheduling round trip per record.
+	events := make(chan membership.Event, maxBatch)
 	probes := make(chan probeResult)
 	departures := make(chan departure)
 	var probing sync.WaitGroup
@@ -515,13 +538,24 @@ func (h *Head) Run(ctx context.Context) error {
 				h.stopCacheSubs()
 				return gctx.Err()
 			case ev := <-events:
-				h.apply(gctx, ev, probes, departures, &probing)
+				h.begin()
+				h.applyEvent(gctx, ev, probes, departures, &probing)
+				h.drain(gctx, events, probes, departures, &probing)
+				h.flush()
 			case pr := <-probes:
+				h.begin()
 				h.attach(pr)
+				h.drain(gctx, events, probes, departures, &probing)
+				h.flush()
 			case d := <-departures:
+				h.begin()
 				h.departed(d)
+				h.drain(gctx, events, probes, departures, &probing)
+				h.flush()
 			case now := <-graceTick.C:
+				h.begin()
 				h.endGraces(now)
+				h.flush()
 			case now := <-sweep.C:
 				if n := h.stats.Sweep(now); n > 0 {
 					h.log.Info("orchestrator: deleted series of long-detached replicas", "replicas", n)
@@ -534,6 +568,62 @@ func (h *Head) Run(ctx context.Context) error {
 		return nil
 	}
 	return err
+}
+
+// Bounds of one batch of the loop: a burst of inputs is applied and
+// published together, but the first of them waits at most this long (or
+// this many inputs) for its snapshot.
+const (
+	maxBatch    = 1024
+	maxBatchAge = 5 * time.Millisecond
+)
+
+// drain applies, after a batch's first input, the inputs already waiting
+// (membership events, probe answers, leave verdicts), up to maxBatch and
+// maxBatchAge, so that a storm of N joins publishes a snapshot per batch,
+// not per replica. A batch changes a key once: an input for a key it
+// already changed publishes the batch first (before), so every input
+// sees its own key's previous changes published.
+func (h *Head) drain(ctx context.Context, events <-chan membership.Event, probes chan probeResult, departures chan departure, probing *sync.WaitGroup) {
+	end := time.Now().Add(maxBatchAge)
+	for n := 1; n < maxBatch && time.Now().Before(end); n++ {
+		select {
+		case ev := <-events:
+			h.applyEvent(ctx, ev, probes, departures, probing)
+		case pr := <-probes:
+			h.before(pr.key)
+			h.attach(pr)
+		case d := <-departures:
+			h.before(d.key)
+			h.departed(d)
+		default:
+			return
+		}
+	}
+}
+
+// applyEvent applies a membership event within the current batch.
+func (h *Head) applyEvent(ctx context.Context, ev membership.Event, probes chan<- probeResult, departures chan<- departure, probing *sync.WaitGroup) {
+	if stage := h.cfg.Pipeline.StageIndex(ev.Member.Stage); stage >= 0 {
+		h.before(router.Key{Stage: stage, Replica: ev.Member.ReplicaID})
+	}
+	h.apply(ctx, ev, probes, departures, probing)
+}
+
+// begin starts a batch: the router holds its changes and publish stages
+// records until flush.
+func (h *Head) begin() {
+	h.batching = true
+	h.router.Hold()
+}
+
+// before publishes the batch and starts a new one when it already changed
+// key.
+func (h *Head) before(key router.Key) {
+	if _, ok := h.dirty[key]; ok {
+		h.flush()
+		h.begin()
+	}
 }
 
 func sweepInterval(ttl time.Duration) time.Duration {
@@ -648,10 +738,31 @@ func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, re
 	}(t.probeGen)
 }
 
+// maxFirstProbes is how many joins' first dial and Health the head has
+// in flight at once.
+const maxFirstProbes = 128
+
 // probe dials the replica and asks its Health until it answers, then hands
 // the result to the loop. It gives up only when ctx ends (a leave, a newer
 // record, or shutdown).
 func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, probes chan<- probeResult) {
+	// The first dial and Health take a slot of firstProbes: a restart's
+	// list starts a probe per replica at once, and thousands of
+	// connections set up together answer their first Health late, all of
+	// them; a bounded number in flight answer in join order.
+	select {
+	case h.firstProbes <- struct{}{}:
+	case <-ctx.Done():
+		return
+	}
+	held := true
+	release := func() {
+		if held {
+			held = false
+			<-h.firstProbes
+		}
+	}
+	defer release()
 	rep, err := h.router.Dial(spec)
 	if err != nil {
 		h.errors.WithLabelValues("dial").Inc()
@@ -665,6 +776,7 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 		pctx, cancel := context.WithTimeout(ctx, h.cfg.ProbeTimeout)
 		health, err := rep.Client.Health(pctx, &stagepb.HealthRequest{})
 		cancel()
+		release()
 		if err == nil && health.GetStatus() == stagepb.ServingStatus_SERVING_STATUS_SERVING {
 			select {
 			case probes <- probeResult{key: spec.Key, gen: gen, rep: rep, health: health, at: time.Now()}:
@@ -760,10 +872,9 @@ func (h *Head) attach(pr probeResult) {
 		h.publish(pr.key)
 		return
 	}
-	t.routed, t.times.routed = true, time.Now()
+	t.routed, t.times.routed = true, time.Time{}
+	h.attached = append(h.attached, t)
 	h.startCacheSub(pr.rep, pr.health)
-	h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", pr.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "sleep_state", sleep.String(), "roles", t.io.String(),
-		"probe", t.times.answered.Sub(t.times.event), "join", t.times.routed.Sub(t.times.event))
 	h.publish(pr.key)
 }
 
@@ -940,31 +1051,77 @@ func (h *Head) detach(t *tracked, why string) {
 
 // publish makes the loop's record of key, which it just changed, visible
 // to readers, and wakes the waiters on changed. Every change of a record
-// is published under its key before the loop takes its next input. The
-// new view shares the other records' immutable copies with the old one:
-// only the changed record is copied (and the view's pointers), so a join
-// costs O(1) records, not a copy of every replica the head knows (the
-// largest allocation of a join on a head with 200 replicas: see
-// docs/benchmarks.md).
+// is published under its key before the loop takes another input for
+// that key: within a batch (begin), publish only stages the key, and
+// flush publishes the batch's records, router changes and stage outputs
+// together; outside one, it flushes at once. The join checks' indexes
+// (noteRouted) follow each change at once, so a batch's later joins see
+// its earlier ones.
 func (h *Head) publish(key router.Key) {
 	if t := h.known[key]; t != nil {
-		old := *h.view.Load()
-		i, found := slices.BinarySearchFunc(old, key, func(e *tracked, k router.Key) int { return compareKeys(e.key, k) })
-		c := *t
-		c.cancel = nil
-		out := make([]*tracked, len(old), len(old)+1)
-		copy(out, old)
-		var prev *tracked
-		if found {
-			prev, out[i] = old[i], &c
-		} else {
-			out = slices.Insert(out, i, &c)
-		}
-		h.view.Store(&out)
-		h.noteRouted(prev, &c)
+		h.noteRouted(t)
+		h.dirty[key] = struct{}{}
 	}
-	next := make(chan struct{})
-	close(*h.changed.Swap(&next))
+	h.wake = true
+	if !h.batching {
+		h.flush()
+	}
+}
+
+// flush publishes the batch: the router's held changes in one snapshot,
+// then the routed stamps of the records it attached, then the view with
+// the changed records copied (the others stay the copies readers already
+// hold: one merge of the view per batch, O(N + changes), so a storm of N
+// joins costs O(N) per batch, not per join), the stage outputs, and a
+// wake-up of the waiters on changed.
+func (h *Head) flush() {
+	h.batching = false
+	h.router.Commit()
+	now := time.Now()
+	for _, t := range h.attached {
+		if !t.routed || !t.times.routed.IsZero() {
+			continue
+		}
+		t.times.routed = now
+		h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", t.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "roles", t.io.String(),
+			"probe", t.times.answered.Sub(t.times.event), "join", t.times.routed.Sub(t.times.event))
+	}
+	clear(h.attached)
+	h.attached = h.attached[:0]
+	if len(h.dirty) > 0 {
+		h.view.Store(h.mergeView(*h.view.Load()))
+		clear(h.dirty)
+	}
+	if h.outs != nil {
+		h.outputs.Store(h.outs)
+		h.outs = nil
+	}
+	if h.wake {
+		h.wake = false
+		next := make(chan struct{})
+		close(*h.changed.Swap(&next))
+	}
+}
+
+// mergeView is old with the dirty keys' records copied from the loop's.
+func (h *Head) mergeView(old []*tracked) *[]*tracked {
+	keys := slices.SortedFunc(maps.Keys(h.dirty), compareKeys)
+	out := make([]*tracked, 0, len(old)+len(keys))
+	i := 0
+	for _, k := range keys {
+		// Copy the run of unchanged records before k in one memmove.
+		j, found := slices.BinarySearchFunc(old[i:], k, func(e *tracked, k router.Key) int { return compareKeys(e.key, k) })
+		out = append(out, old[i:i+j]...)
+		i += j
+		if found {
+			i++
+		}
+		c := *h.known[k]
+		c.cancel = nil
+		out = append(out, &c)
+	}
+	out = append(out, old[i:]...)
+	return &out
 }
 
 // compareKeys orders keys by stage, then replica id: the view's order.

@@ -80,3 +80,46 @@ func TestPublishCopiesOnlyTheChangedRecord(t *testing.T) {
 	_, ok = h.lookup(router.Key{Stage: 0, Replica: 99})
 	assert.False(t, ok)
 }
+
+// TestBatchPublishesAtFlush: within a batch, publish only stages records:
+// readers see none of the batch until flush publishes it whole, with one
+// wake-up; an input for a key the batch already changed (before) publishes
+// the batch first, so it sees its own key's earlier change published.
+func TestBatchPublishesAtFlush(t *testing.T) {
+	h, err := New(nil, Config{
+		Pipeline: DefaultPipeline(),
+		Metrics:  prometheus.NewRegistry(),
+		Dial:     func(string) (*grpc.ClientConn, error) { return nil, errors.New("not dialled in this test") },
+	})
+	require.NoError(t, err)
+	keys := []router.Key{{Stage: 0, Replica: 3}, {Stage: 0, Replica: 1}, {Stage: 1, Replica: 2}}
+	changed := *h.changed.Load()
+	h.begin()
+	for i, k := range keys {
+		h.known[k] = &tracked{key: k, index: i}
+		h.publish(k)
+	}
+	assert.Empty(t, *h.view.Load(), "nothing published within the batch")
+	select {
+	case <-changed:
+		t.Fatal("waiters woken before the batch was published")
+	default:
+	}
+	h.before(keys[2]) // the batch changed it: published first
+	require.Len(t, *h.view.Load(), 3)
+	<-changed
+	assert.True(t, h.batching, "a new batch started")
+	h.known[keys[2]].index = 100
+	h.publish(keys[2])
+	got, _ := h.lookup(keys[2])
+	assert.Equal(t, 2, got.index, "the new batch is not published yet")
+	h.before(keys[0]) // not changed in this batch: nothing published
+	got, _ = h.lookup(keys[2])
+	assert.Equal(t, 2, got.index)
+	h.flush()
+	got, _ = h.lookup(keys[2])
+	assert.Equal(t, 100, got.index)
+	assert.False(t, h.batching)
+	view := *h.view.Load()
+	assert.True(t, slices.IsSortedFunc(view, func(a, b *tracked) int { return compareKeys(a.key, b.key) }))
+}

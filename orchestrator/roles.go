@@ -57,44 +57,50 @@ func (h *Head) checkRoles(key router.Key, io stageIO) string {
 	return ""
 }
 
-// noteRouted keeps the published stage outputs (what each stage's routed
+// noteRouted keeps the stage outputs to publish (what each stage's routed
 // replicas give, "": none routed), and the loop's indexes of routed
-// records (routedIO, routedBy), in step with one record's publish: prev
-// is its record as last published (nil: never), next as published now. It
-// counts the routed records of each stage instead of walking every record
-// on each publish, which made a storm of N joins O(N²) (BenchmarkFleet).
-// All routed replicas of a stage give the same (checkRoles), so the output
-// is the latest routed one's. It runs on the loop goroutine.
-func (h *Head) noteRouted(prev, next *tracked) {
-	was, is := prev != nil && prev.routed, next.routed
+// records (routedIO, routedBy), in step with a change of t: it compares
+// t.routed with what it counted last (t.noted). It counts the routed
+// records of each stage instead of walking every record on each publish,
+// which made a storm of N joins O(N²) (BenchmarkFleet). All routed
+// replicas of a stage give the same (checkRoles), so the output is the
+// latest routed one's. It runs on the loop goroutine; flush publishes the
+// outputs.
+func (h *Head) noteRouted(t *tracked) {
+	was, is := t.noted, t.routed
 	if was == is {
 		return
 	}
-	st := next.key.Stage
+	t.noted = is
+	st := t.key.Stage
 	if is {
 		h.routedCount[st]++
-		h.routedIO[st] = next.io
-		if next.instance != "" {
-			h.routedBy[next.instance] = next.key
+		h.routedIO[st] = t.io
+		t.notedInst = t.instance
+		if t.instance != "" {
+			h.routedBy[t.instance] = t.key
 		}
 	} else {
 		h.routedCount[st]--
-		if prev.instance != "" && h.routedBy[prev.instance] == prev.key {
-			delete(h.routedBy, prev.instance)
+		if t.notedInst != "" && h.routedBy[t.notedInst] == t.key {
+			delete(h.routedBy, t.notedInst)
 		}
 	}
-	out := *h.outputs.Load()
+	out := h.outs
+	if out == nil {
+		out = h.outputs.Load()
+	}
 	want := ""
 	if h.routedCount[st] > 0 {
-		want = out[st]
+		want = (*out)[st]
 		if is {
-			want = next.io.out
+			want = t.io.out
 		}
 	}
-	if out[st] != want {
-		out = slices.Clone(out)
-		out[st] = want
-		h.outputs.Store(&out)
+	if (*out)[st] != want {
+		next := slices.Clone(*out)
+		next[st] = want
+		h.outs = &next
 	}
 }
 

@@ -3,8 +3,10 @@ package worker_test
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -141,4 +143,34 @@ func TestShutdownDeregistersThenFinishesInFlight(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, want.Text, joinText(chunks))
 	assert.NoError(t, r.stop(t))
+}
+
+// TestFirstRegistrationRetriesUntilEtcdAnswers: a worker that starts while
+// etcd is down does not exit: its first registration is retried with
+// backoff, each failure logged, and it registers once etcd is back.
+func TestFirstRegistrationRetriesUntilEtcdAnswers(t *testing.T) {
+	etcd := membershiptest.Start(t)
+	cli := etcd.Client(t)
+	etcd.Stop()
+	var logs syncBuffer
+	r := start(t, worker.Config{Stage: "thinker", ReplicaID: 4, EtcdClient: cli, Engine: newSim(t, sim.Config{}),
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "worker: registration failed; retrying") },
+		wait, 20*time.Millisecond, "the failed first registration is logged")
+	select {
+	case err := <-r.done:
+		t.Fatalf("the worker stopped while etcd was down: %v", err)
+	case <-r.Registered():
+		t.Fatal("registered while etcd was down")
+	default:
+	}
+
+	etcd.Restart(t)
+	r.waitRegistered(t)
+	ctx := testCtx(t)
+	got, err := cli.Get(ctx, membership.MemberKey(membership.DefaultCluster, "thinker", 4))
+	require.NoError(t, err)
+	require.Len(t, got.Kvs, 1, "the record is in etcd")
+	assert.NotZero(t, got.Kvs[0].Lease, "under a lease")
+	require.NoError(t, r.stop(t))
 }

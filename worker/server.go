@@ -27,6 +27,7 @@ import (
 
 	"github.com/cenkalti/backoff/v5"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
@@ -372,9 +373,12 @@ func (s *Server) Close() error {
 }
 
 // Run serves until ctx ends, then drains and returns nil (see the package
-// doc). It returns an error when the first registration fails (a duplicate
-// replica id returns membership's *AlreadyRegisteredError unchanged) or
-// serving fails. With an engine that implements Availability, the replica
+// doc). It returns an error when the first registration fails for good (a
+// duplicate replica id returns membership's *AlreadyRegisteredError
+// unchanged) or serving fails; a first registration that etcd did not
+// answer (unreachable, no leader, too many requests) is retried with
+// backoff (0.5 s to 10 s, each attempt bounded by 5 s), logged at every
+// failure, until it succeeds or ctx ends. With an engine that implements Availability, the replica
 // is registered only while the engine is available (see Availability); a
 // later registration that fails is retried with backoff, never fatal.
 // Run may be called once.
@@ -454,6 +458,7 @@ func newReregisterBackoff() *backoff.ExponentialBackOff {
 // registration that failed (then nothing else).
 func (s *Server) maintain(ctx context.Context, served chan error) (reg *membership.Registration, serveErr, err error) {
 	inRotation := false
+	attempts := 0 // failed first registrations
 	wait := newReregisterBackoff()
 	var retry *time.Timer
 	defer func() {
@@ -489,8 +494,13 @@ func (s *Server) maintain(ctx context.Context, served chan error) (reg *membersh
 				}
 			case ctx.Err() != nil:
 				return nil, nil, nil // asked to stop while registering
-			case first:
+			case first && !transientRegisterError(rerr):
 				return nil, nil, rerr
+			case first:
+				attempts++
+				in := wait.NextBackOff()
+				s.log.Warn("worker: registration failed; retrying", "err", rerr, "attempts", attempts, "in", in)
+				retry = time.NewTimer(in)
 			default:
 				in := wait.NextBackOff()
 				s.log.Warn("worker: re-registration failed; retrying", "err", rerr, "in", in)
@@ -549,6 +559,10 @@ func (s *Server) register(ctx context.Context) (*membership.Registration, error)
 	if prev := s.member.Load(); prev != nil {
 		m.ReplicaID, auto = prev.ReplicaID, false
 	}
+	// Bounded: with etcd unreachable, the client would wait for it as
+	// long as ctx lives; maintain retries instead, and says so.
+	ctx, cancel := context.WithTimeout(ctx, registerAttemptTimeout)
+	defer cancel()
 	return membership.Register(ctx, s.cfg.EtcdClient, membership.RegisterConfig{
 		Cluster: s.cfg.Cluster,
 		Member:  m,
@@ -556,6 +570,33 @@ func (s *Server) register(ctx context.Context) (*membership.Registration, error)
 		TTL:     s.cfg.LeaseTTL,
 		Logger:  s.cfg.Logger,
 	})
+}
+
+// registerAttemptTimeout bounds one registration attempt.
+const registerAttemptTimeout = 5 * time.Second
+
+// transientRegisterError reports whether a failed registration may succeed
+// when tried again: etcd did not answer in time, is unreachable, has no
+// leader, or is overloaded ("too many requests"). A live holder of the
+// replica id (membership.ErrAlreadyRegistered), an invalid record or a
+// stage with no free id is not: retrying would not change it.
+func transientRegisterError(err error) bool {
+	if errors.Is(err, membership.ErrAlreadyRegistered) {
+		return false
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		return true
+	}
+	code := status.Code(err)
+	var ee rpctypes.EtcdError
+	if errors.As(err, &ee) {
+		code = ee.Code()
+	}
+	switch code {
+	case codes.Unavailable, codes.DeadlineExceeded, codes.ResourceExhausted, codes.Aborted:
+		return true
+	}
+	return false
 }
 
 // deregister revokes the lease, bounded, so the record goes at once.

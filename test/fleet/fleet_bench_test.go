@@ -75,7 +75,8 @@ const model = "fleet-sim"
 //
 // TROUPE_FLEET_N (default "10,100,1000") and TROUPE_FLEET_HEADS (default
 // "1") list the sizes and head counts, TROUPE_FLEET_TTL the replicas' lease
-// TTL (default 10s, as a worker's):
+// TTL (default 10s, as a worker's); TROUPE_FLEET_SKIP_LEAVE=1 stops after
+// the head restart (no leave storm, no freeze):
 //
 //	TROUPE_FLEET_N=10,100,1000,10000 TROUPE_FLEET_HEADS=1,5 go test -run '^$' -bench FleetProcs -benchtime 1x -timeout 60m ./test/fleet/
 func BenchmarkFleetProcs(b *testing.B) {
@@ -185,8 +186,10 @@ func runFleet(b *testing.B, bin string, nHeads, n int, ttl time.Duration) {
 	report(b, float64(after[0].rss)/(1<<20), "head-rss-MiB")
 	f.etcdLoad(b, ctx, max(10*time.Second, ttl))
 	f.headRestart(b, ctx, limit)
-	f.leaveStorm(b, ctx, limit)
-	f.freeze(b, ctx, limit+ttl)
+	if os.Getenv("TROUPE_FLEET_SKIP_LEAVE") == "" {
+		f.leaveStorm(b, ctx, limit)
+		f.freeze(b, ctx, limit+ttl)
+	}
 	b.StopTimer()
 	b.ReportMetric(loadAvg(), "loadavg-end")
 }

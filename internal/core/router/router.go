@@ -19,6 +19,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"strconv"
 	"sync"
@@ -406,6 +407,14 @@ type Router struct {
 	snap      atomic.Pointer[Snapshot]
 	hints     []stageHints // by stage: large stages' recent winners
 	watchers  sync.WaitGroup
+
+	// Between Hold and Commit (the writer's only): the changes Add and
+	// Remove made, by key (nil: removed), not published yet; the replicas
+	// they replaced or removed, retired once the snapshot without them is
+	// published; and the removed keys, forgotten then.
+	held      map[Key]*Replica
+	retired   []*Replica
+	forgotten []Key
 }
 
 // StageRouting is how one stage routes.
@@ -596,8 +605,47 @@ func (r *Router) Discard(rep *Replica) {
 	rep.close()
 }
 
-// Add publishes rep as routable, replacing any replica with the same key.
-// Only the head's event loop calls Add, Remove and Close.
+// Hold makes Add and Remove collect their changes until Commit, which
+// publishes them all in one snapshot: a burst of N joins then costs one
+// copy of the stage, not N (see docs/benchmarks.md, fleet simulation).
+// Until Commit, readers see the snapshot before Hold. Only the writer
+// (the head's loop) calls Hold and Commit.
+func (r *Router) Hold() {
+	if r.held == nil {
+		r.held = map[Key]*Replica{}
+	}
+}
+
+// Commit publishes the changes made since Hold in one snapshot, then
+// retires the replicas they replaced or removed, and ends the hold.
+func (r *Router) Commit() {
+	held, retired, forgotten := r.held, r.retired, r.forgotten
+	r.held, r.retired, r.forgotten = nil, nil, nil
+	if len(held) > 0 {
+		r.snap.Store(r.snap.Load().withAll(held))
+	}
+	for _, k := range forgotten {
+		r.Forget(k)
+	}
+	for _, rep := range retired {
+		if held[rep.Key] != rep {
+			retire(rep)
+		}
+	}
+}
+
+// current is the replica under k as the writer sees it: held changes
+// first, then the published snapshot.
+func (r *Router) current(k Key) (*Replica, bool) {
+	if rep, ok := r.held[k]; ok {
+		return rep, rep != nil
+	}
+	return r.snap.Load().Lookup(k)
+}
+
+// Add publishes rep as routable, replacing any replica with the same key
+// (at Commit, during a Hold). Only the head's event loop calls Add,
+// Remove, Hold, Commit and Close.
 func (r *Router) Add(rep *Replica) error {
 	if rep.Key.Stage < 0 || rep.Key.Stage >= r.numStages {
 		return fmt.Errorf("router: stage %d out of range 0..%d", rep.Key.Stage, r.numStages-1)
@@ -613,6 +661,13 @@ func (r *Router) Add(rep *Replica) error {
 	// Whatever was remembered under this key (an earlier process's cache,
 	// a late guess about a removed replica) describes another engine.
 	r.Forget(rep.Key)
+	if r.held != nil {
+		if prev, ok := r.current(rep.Key); ok && prev != rep {
+			r.retired = append(r.retired, prev)
+		}
+		r.held[rep.Key] = rep
+		return nil
+	}
 	old := r.snap.Load()
 	next := old.with(rep)
 	r.snap.Store(next)
@@ -625,6 +680,16 @@ func (r *Router) Add(rep *Replica) error {
 // Remove takes a replica out of rotation. Its connection closes when its
 // last in-flight request ends.
 func (r *Router) Remove(k Key) (*Replica, bool) {
+	if r.held != nil {
+		rep, ok := r.current(k)
+		if !ok {
+			return nil, false
+		}
+		r.held[k] = nil
+		r.retired = append(r.retired, rep)
+		r.forgotten = append(r.forgotten, k)
+		return rep, true
+	}
 	old := r.snap.Load()
 	rep, ok := old.Lookup(k)
 	if !ok {
@@ -670,7 +735,15 @@ func (s *Snapshot) noReplica(stage int) error {
 func (r *Router) Close() {
 	old := r.snap.Load()
 	r.snap.Store(newSnapshot(make([][]*Replica, r.numStages)))
-	for _, rep := range old.All() {
+	all := old.All()
+	for _, rep := range r.held {
+		if rep != nil {
+			all = append(all, rep)
+		}
+	}
+	all = append(all, r.retired...)
+	r.held, r.retired, r.forgotten = nil, nil, nil
+	for _, rep := range all {
 		rep.removed.Store(true)
 		rep.close()
 	}
@@ -727,6 +800,61 @@ func (s *Snapshot) with(rep *Replica) *Snapshot {
 	}
 	return next
 }
+
+// withAll is s with changes applied (a nil replica: removed): each
+// changed stage is merged once with its sorted changes, O(stage + changes
+// log changes), whatever their number.
+func (s *Snapshot) withAll(changes map[Key]*Replica) *Snapshot {
+	keys := slices.SortedFunc(maps.Keys(changes), func(a, b Key) int {
+		return cmp.Or(cmp.Compare(a.Stage, b.Stage), cmp.Compare(a.Replica, b.Replica))
+	})
+	next := &Snapshot{stages: slices.Clone(s.stages), orders: slices.Clone(s.orders)}
+	for len(keys) > 0 {
+		stage, n := keys[0].Stage, 1
+		for n < len(keys) && keys[n].Stage == stage {
+			n++
+		}
+		ks := keys[:n]
+		keys = keys[n:]
+		old := s.stages[stage]
+		st := make([]*Replica, 0, len(old)+len(ks))
+		i := 0
+		for _, k := range ks {
+			// Copy the run of unchanged replicas before k in one memmove.
+			j, found := search(old[i:], k.Replica)
+			st = append(st, old[i:i+j]...)
+			i += j
+			if found {
+				i++ // replaced or removed
+			}
+			if rep := changes[k]; rep != nil {
+				st = append(st, rep)
+			}
+		}
+		st = append(st, old[i:]...)
+		next.stages[stage] = st
+		if next.orders == nil {
+			continue
+		}
+		if len(ks) > orderRebuild {
+			next.orders[stage] = newStageOrder(st)
+			continue
+		}
+		for _, k := range ks {
+			if rep := changes[k]; rep != nil {
+				next.orders[stage] = next.orders[stage].with(rep)
+			} else {
+				next.orders[stage] = next.orders[stage].without(k)
+			}
+		}
+	}
+	return next
+}
+
+// orderRebuild is how many changes of a stage in one commit make
+// rebuilding its order cheaper than changing it one replica at a time
+// (each copies the group array and one group).
+const orderRebuild = 16
 
 // without is s less the replica under k (s itself when there is none).
 func (s *Snapshot) without(k Key) *Snapshot {

@@ -1,9 +1,11 @@
 package router
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"net"
+	"slices"
 	"testing"
 	"time"
 
@@ -220,5 +222,69 @@ func TestUnknownPolicy(t *testing.T) {
 		p, err := NewPolicy(name, PolicyOptions{})
 		require.NoError(t, err)
 		assert.Equal(t, name, p.Name())
+	}
+}
+
+// TestHoldPublishesOnCommit: between Hold and Commit, Add and Remove
+// change nothing readers see; Commit publishes them all in one snapshot,
+// sorted, with the order a snapshot built from scratch has, and retires
+// the replaced and removed replicas only then.
+func TestHoldPublishesOnCommit(t *testing.T) {
+	addr, _ := serve(t)
+	r := New(stages(t, 2, ""), insecureDial, nil)
+	defer r.Close()
+	two := addReplica(t, r, 0, 2, addr)
+	four := addReplica(t, r, 0, 4, addr)
+	before := r.Snapshot()
+
+	r.Hold()
+	one := addReplica(t, r, 0, 1, addr)
+	three := addReplica(t, r, 0, 3, addr)
+	newFour := addReplica(t, r, 0, 4, addr)
+	got, ok := r.Remove(Key{Stage: 0, Replica: 2})
+	require.True(t, ok)
+	assert.Same(t, two, got)
+	_, ok = r.Remove(Key{Stage: 0, Replica: 9})
+	assert.False(t, ok, "nothing under that key")
+	assert.Same(t, before, r.Snapshot(), "held changes are not published")
+	assert.False(t, two.removed.Load() || four.removed.Load(), "nothing retired before the commit")
+
+	r.Commit()
+	assert.Equal(t, []*Replica{one, three, newFour}, r.Snapshot().Stage(0))
+	assert.True(t, two.removed.Load(), "removed: retired at the commit")
+	assert.True(t, four.removed.Load(), "replaced: retired at the commit")
+	assert.False(t, newFour.removed.Load())
+	sameOrder(t, newStageOrder(r.Snapshot().Stage(0)), r.Snapshot().order(0))
+
+	// A large batch rebuilds the stage's order; it is the same order.
+	r.Hold()
+	for id := uint32(10); id < 10+2*orderRebuild; id++ {
+		addReplica(t, r, 1, id, addr)
+	}
+	r.Remove(Key{Stage: 0, Replica: 1})
+	r.Commit()
+	require.Len(t, r.Snapshot().Stage(1), 2*orderRebuild)
+	assert.True(t, slices.IsSortedFunc(r.Snapshot().Stage(1), func(a, b *Replica) int { return cmp.Compare(a.Key.Replica, b.Key.Replica) }))
+	sameOrder(t, newStageOrder(r.Snapshot().Stage(1)), r.Snapshot().order(1))
+	sameOrder(t, newStageOrder(r.Snapshot().Stage(0)), r.Snapshot().order(0))
+	assert.Equal(t, []*Replica{three, newFour}, r.Snapshot().Stage(0))
+
+	// Close closes what a hold added but never published.
+	r.Hold()
+	held := addReplica(t, r, 0, 20, addr)
+	r.Close()
+	assert.True(t, held.removed.Load())
+}
+
+// sameOrder asserts two stage orders hold the same members in the same
+// groups, in the same order.
+func sameOrder(t *testing.T, want, got *stageOrder) {
+	t.Helper()
+	for g := range want.groups {
+		require.Len(t, got.groups[g], len(want.groups[g]), "group %d", g)
+		for i, m := range want.groups[g] {
+			assert.Equal(t, m.key, got.groups[g][i].key, "group %d member %d", g, i)
+			assert.Same(t, m.rep, got.groups[g][i].rep, "group %d member %d", g, i)
+		}
 	}
 }
