@@ -349,6 +349,9 @@ func (h *Head) shed(sr *stageRun, d router.Decision) error {
 
 // observeDeadline feeds what an attempt on a deadline stage took to the
 // policy, and the prediction's error to troupe_router_deadline_prediction_error_seconds.
+// The policy learns the replica's own time: from when the attempt's input
+// reached it (router.Pending), so a later stage that waited for the stage
+// before is not judged slow for it.
 func (h *Head) observeDeadline(a *attemptRun) {
 	if !h.deadlineStage[a.sr.stage] {
 		return
@@ -363,9 +366,12 @@ func (h *Head) observeDeadline(a *attemptRun) {
 		// than this. Learned as if it came now, or a replica slower than
 		// every target would never be learned (none of its first outputs
 		// comes in time) and would keep the share of an unobserved one.
+		// One that never got its input is not learned (ObserveFirstOutput).
 		h.router.ObserveFirstOutput(a.pending, a.fin.E2E)
 	}
-	h.router.ObserveHold(a.rep, a.fin.E2E)
+	if lead, ok := a.pending.Lead(); ok {
+		h.router.ObserveHold(a.rep, a.fin.E2E-lead)
+	}
 	if a.out.sampleRate > 0 && a.out.pcmBytes > 0 && !a.last.IsZero() && a.fin.TTFT > 0 {
 		first := a.start.Add(a.fin.TTFT)
 		if wall := a.last.Sub(first); wall > 0 {

@@ -12,7 +12,7 @@ import (
 // each of an attempt that started with none ahead of it.
 func observe(p *Deadline, c []*Replica, ttft ...time.Duration) {
 	for i, r := range c {
-		p.Observe(r, Pending{}, ttft[i])
+		p.Observe(r, nil, ttft[i])
 	}
 }
 
@@ -80,7 +80,7 @@ func TestDeadlinePredictionCountsPendingFirstOutputs(t *testing.T) {
 	require.True(t, ok)
 	assert.InDelta(t, float64(20*time.Millisecond), float64(got), float64(time.Microsecond), "none waiting: one unit")
 
-	queued := []Pending{rt.StartFirstOutput(c[0]), rt.StartFirstOutput(c[0])}
+	queued := []*Pending{rt.StartFirstOutput(c[0]), rt.StartFirstOutput(c[0])}
 	got, _ = rt.PredictedFirstOutput(c[0])
 	assert.InDelta(t, float64(60*time.Millisecond), float64(got), float64(time.Microsecond), "two waiting: three units")
 	for range 3 {
@@ -103,7 +103,7 @@ func TestDeadlinePredictionCountsPendingFirstOutputs(t *testing.T) {
 
 	// Later observations move the average by deadlineAlpha, and the
 	// deviation from 0; the in-time check adds the margin to the unit.
-	p.Observe(c[0], Pending{}, 35*time.Millisecond)
+	p.Observe(c[0], nil, 35*time.Millisecond)
 	u := 0.020 + deadlineAlpha*(0.035-0.020)
 	assert.InDelta(t, u, loadFloat(&c[0].deadline.unit), 1e-9)
 	dev := deadlineAlpha * 0.015
@@ -116,7 +116,7 @@ func TestDeadlinePredictionCountsPendingFirstOutputs(t *testing.T) {
 	assert.InDelta(t, (u+DeadlineMargin*dev)*2, bound, 1e-9)
 
 	// One stalled observation counts as deadlineMaxJump units at most.
-	p.Observe(c[0], Pending{}, time.Second)
+	p.Observe(c[0], nil, time.Second)
 	assert.InDelta(t, u+deadlineAlpha*(deadlineMaxJump*u-u), loadFloat(&c[0].deadline.unit), 1e-9, "a stall of 1 s does not spoil the unit")
 
 	// A stage routed otherwise counts nothing; the zero Pending's Done is
@@ -135,7 +135,7 @@ func TestDeadlinePredictionWaitsForASlot(t *testing.T) {
 	p := &Deadline{Options: DeadlineOptions{Capacity: 2}}
 	rt := New([]StageRouting{{Policy: p}}, nil, nil)
 	c := replicas(1)
-	p.Observe(c[0], Pending{}, 30*time.Millisecond)
+	p.Observe(c[0], nil, 30*time.Millisecond)
 	rt.ObserveHold(c[0], 100*time.Millisecond)
 	c[0].Acquire()
 	got, _ := rt.PredictedFirstOutput(c[0])
@@ -163,12 +163,12 @@ func TestDeadlineMarginForVariance(t *testing.T) {
 	p := &Deadline{}
 	c := replicas(2)
 	for i := range 40 {
-		p.Observe(c[0], Pending{}, 30*time.Millisecond)
+		p.Observe(c[0], nil, 30*time.Millisecond)
 		jitter := 20 * time.Millisecond
 		if i%2 == 0 {
 			jitter = -jitter
 		}
-		p.Observe(c[1], Pending{}, 30*time.Millisecond+jitter)
+		p.Observe(c[1], nil, 30*time.Millisecond+jitter)
 	}
 	c[0].Acquire()
 	defer c[0].Release()
@@ -268,7 +268,7 @@ func TestDeadlineProbesWhileShedding(t *testing.T) {
 
 	// The probe's outcome, fast again, reopens the replica to targets.
 	for range 10 {
-		p.Observe(c[1], Pending{}, 10*time.Millisecond)
+		p.Observe(c[1], nil, 10*time.Millisecond)
 	}
 	d = p.Pick(late, c)
 	assert.Equal(t, ReasonDeadline, d.Reason)

@@ -264,6 +264,12 @@ type Request struct {
 	// wall second the stage must keep.
 	Deadline time.Time
 	MinRTF   float64
+	// AwaitsInput: the stage's input does not exist yet when it is routed
+	// (a later stage of a streamed pipeline, fed by the stage before): the
+	// deadline policy adds the stage's learned wait for it (its lead, with
+	// Margin mean deviations in the in-time check) to each replica's own
+	// predicted time to first output.
+	AwaitsInput bool
 
 	hashes []schemeHashes
 	// order is a large stage's rendezvous order during one pick (nil:
