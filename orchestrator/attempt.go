@@ -348,6 +348,10 @@ type attemptRun struct {
 	fin       stats.Finished
 	start     time.Time
 	last      time.Time // of the latest output
+	// arrived is when the attempt's first output reached the head (its
+	// chunk's arrival; a held chunk's outputs are dated earlier): when
+	// the client or the next stage can have it.
+	arrived time.Time
 	// pending counts the attempt among its replica's waiting for a first
 	// output (deadline stages), from when its input reaches the replica
 	// until its first output or its end.
@@ -693,8 +697,11 @@ func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb
 		stall.progress()
 		h.account(a, chunk)
 		if stagepb.HasOutput(chunk) {
-			if a.last.IsZero() && !a.sr.gate.serve() {
-				return h.missed(a)
+			if a.last.IsZero() {
+				if !a.sr.gate.serve() {
+					return h.missed(a)
+				}
+				a.arrived = time.Now()
 			}
 			a.dateOutputs(chunk)
 			a.keep(chunk)

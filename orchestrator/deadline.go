@@ -351,12 +351,16 @@ func (h *Head) shed(sr *stageRun, d router.Decision) error {
 // policy, and the prediction's error to troupe_router_deadline_prediction_error_seconds.
 // The policy learns the replica's own time: from when the attempt's input
 // reached it (router.Pending), so a later stage that waited for the stage
-// before is not judged slow for it.
+// before is not judged slow for it; to when its first output reached the
+// head, so a stage whose output is held in chunks for the next stage (a
+// talker's codes, a segment at a time) is judged by its first chunk, what
+// the next stage waits for.
 func (h *Head) observeDeadline(a *attemptRun) {
 	if !h.deadlineStage[a.sr.stage] {
 		return
 	}
-	if ttft := a.fin.TTFT; ttft > 0 {
+	if !a.arrived.IsZero() {
+		ttft := a.arrived.Sub(a.start)
 		if a.d.Predicted > 0 {
 			h.predictionError[a.sr.stage].Observe((ttft - a.d.Predicted).Seconds())
 		}

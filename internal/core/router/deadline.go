@@ -423,6 +423,8 @@ type Pending struct {
 	p     *Deadline
 	start time.Time
 
+	awaiting bool // started by AwaitInput
+
 	mu     sync.Mutex
 	state  int8      // pendingAwaiting, pendingQueued or pendingDone
 	queued time.Time // when the input reached the replica; zero: not yet
@@ -442,12 +444,14 @@ const (
 // those waiting for their first output. nil when r's stage does not route
 // by deadline. Safe for concurrent use.
 func (rt *Router) StartFirstOutput(r *Replica) *Pending {
-	w := rt.AwaitInput(r)
-	if w != nil {
-		w.mu.Lock()
-		w.queue(w.start) // its input came with it: no lead
-		w.mu.Unlock()
+	p, ok := rt.stages[r.Key.Stage].Policy.(*Deadline)
+	if !ok {
+		return nil
 	}
+	w := &Pending{r: r, p: p, start: time.Now()}
+	w.mu.Lock()
+	w.queue(w.start) // its input came with it: no lead
+	w.mu.Unlock()
 	return w
 }
 
@@ -461,34 +465,36 @@ func (rt *Router) AwaitInput(r *Replica) *Pending {
 		return nil
 	}
 	r.deadline.awaiting.Add(1)
-	return &Pending{r: r, p: p, start: time.Now()}
+	return &Pending{r: r, p: p, start: time.Now(), awaiting: true}
 }
 
 // InputSent records that the attempt's first input piece reached its
 // replica: from now it queues there, and the time it waited for it is the
-// stage's lead (Deadline.ObserveLead) when it waited at all. Only the
-// first call counts, and none after Done.
+// stage's lead (Deadline.ObserveLead). Only the first call of an attempt
+// started by AwaitInput counts, and none after Done.
 func (w *Pending) InputSent() {
 	if w == nil {
 		return
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.state == pendingAwaiting {
+	if w.awaiting && w.state == pendingAwaiting {
 		w.queue(time.Now())
 		w.p.ObserveLead(w.queued.Sub(w.start))
 	}
 }
 
-// queue moves the attempt from awaiting its input to r's queue, its input
-// having reached r at now; w.mu held.
+// queue moves the attempt into r's queue, its input having reached r at
+// now; w.mu held. The slot wait is taken first, while the attempt itself
+// does not count in r's occupancy (not yet acquired, or awaiting).
 func (w *Pending) queue(now time.Time) {
-	w.state = pendingQueued
-	w.queued = now
 	r, p := w.r, w.p
-	r.deadline.awaiting.Add(-1)
 	sc := newScorer([]*Replica{r}, p.MaxAge)
 	w.slot, w.score = p.slotWait(r, &sc), sc.score(r)
+	if w.awaiting {
+		r.deadline.awaiting.Add(-1)
+	}
+	w.state, w.queued = pendingQueued, now
 	w.ahead = max(r.deadline.pending.Add(1)-1, 0)
 }
 

@@ -299,3 +299,65 @@ func TestDeadlineLoadModel(t *testing.T) {
 	assert.NoError(t, CheckDeadlineModel(DeadlineModelLoad))
 	assert.Error(t, CheckDeadlineModel("psychic"))
 }
+
+// An attempt whose input does not exist yet (a streamed later stage)
+// awaits it outside the replica's queue and slots; from its first input
+// piece it queues, the time it waited is the stage's lead, and its first
+// output is learned as the replica's own time, less the lead. A pick for
+// such an attempt adds the lead, so a fast replica whose input comes late
+// is predicted late for a target shorter than the wait, and in time for
+// one that covers it. An attempt whose input never came teaches nothing.
+func TestDeadlineLeadIsNotTheReplicas(t *testing.T) {
+	p := &Deadline{Options: DeadlineOptions{Capacity: 1}}
+	rt := New([]StageRouting{{Policy: p}}, nil, nil)
+	c := replicas(1)
+	rt.ObserveHold(c[0], 100*time.Millisecond)
+
+	w := rt.AwaitInput(c[0])
+	c[0].Acquire()
+	assert.Equal(t, int64(1), c[0].deadline.awaiting.Load())
+	assert.Equal(t, int64(0), c[0].deadline.pending.Load(), "not in the replica's queue before its input")
+	sc := newScorer(c, 0)
+	assert.Zero(t, p.slotWait(c[0], &sc), "nor holding one of its slots")
+	w.start = w.start.Add(-80 * time.Millisecond) // it waited 80 ms for its input
+	w.InputSent()
+	w.InputSent() // only the first counts
+	assert.Equal(t, int64(0), c[0].deadline.awaiting.Load())
+	assert.Equal(t, int64(1), c[0].deadline.pending.Load())
+	lead, ok := w.Lead()
+	require.True(t, ok)
+	assert.InDelta(t, 0.080, lead.Seconds(), 0.005)
+	assert.InDelta(t, 0.080, loadFloat(&p.lead), 0.005, "the stage's lead")
+	w.Done()
+	rt.ObserveFirstOutput(w, lead+20*time.Millisecond)
+	c[0].Release()
+	assert.InDelta(t, 0.020, loadFloat(&c[0].deadline.unit), 1e-9, "the replica's own 20 ms, not the 100 ms since the attempt's start")
+
+	d := p.Pick(&Request{Deadline: time.Now().Add(50 * time.Millisecond)}, c)
+	assert.Equal(t, ReasonDeadline, d.Reason, "its input there, the replica is in time")
+	d = p.Pick(&Request{Deadline: time.Now().Add(50 * time.Millisecond), AwaitsInput: true}, c)
+	assert.Equal(t, ReasonLoadFallback, d.Reason, "20 ms of its own after 80 ms of wait: late for 50 ms")
+	assert.InDelta(t, 0.100, d.Predicted.Seconds(), 0.005)
+	d = p.Pick(&Request{Deadline: time.Now().Add(150 * time.Millisecond), AwaitsInput: true}, c)
+	assert.Equal(t, ReasonDeadline, d.Reason)
+
+	// Ended before its input came (the stage before failed or was late):
+	// nothing learned of the replica, nothing held.
+	w = rt.AwaitInput(c[0])
+	w.Done()
+	w.InputSent()
+	_, ok = w.Lead()
+	assert.False(t, ok)
+	rt.ObserveFirstOutput(w, time.Second)
+	assert.InDelta(t, 0.020, loadFloat(&c[0].deadline.unit), 1e-9)
+	assert.Equal(t, int64(0), c[0].deadline.awaiting.Load())
+	assert.Equal(t, int64(0), c[0].deadline.pending.Load())
+
+	// A stage routed otherwise counts nothing; a nil Pending is harmless.
+	other := New([]StageRouting{{Policy: LeastLoaded{}}}, nil, nil)
+	none := other.AwaitInput(c[0])
+	assert.Nil(t, none)
+	none.InputSent()
+	none.Done()
+	other.ObserveFirstOutput(none, time.Second)
+}
