@@ -109,19 +109,24 @@ const DeadlineMargin = 1
 // prefill rate plus one decode latency) gives a new request its first
 // output after the prefills ahead of it and its own: so per replica
 //
-//	predicted = unit × (pending + 1) + slot wait
+//	predicted = lead + unit × (pending + 1) + slot wait
 //
 // where pending is how many of this head's attempts on the replica have
-// started and not yet given their first output (Router.StartFirstOutput),
-// unit is the moving average of observed first-output times divided by
-// (pending at the attempt's start + 1) (one request's prefill, plus the
-// step overhead it shares), and slot wait is, when the replica already runs
-// Capacity requests or more (this head's in flight, or the engine's
-// reported running+waiting when larger), (occupancy − Capacity + 1) ×
-// hold / Capacity, hold being the moving average of how long an attempt
-// holds a slot. A replica not yet observed takes the mean unit of those
-// that were (0 when none was: it is tried). The in-time check adds Margin
-// mean deviations to unit. The real-time check compares the replica's
+// their input there and not yet their first output (Pending), unit is the
+// moving average of observed first-output times, counted from when the
+// attempt's input reached the replica, divided by (pending then + 1) (one
+// request's prefill, plus the step overhead it shares), and slot wait is,
+// when the replica already runs Capacity requests or more (this head's in
+// flight whose input reached it, or the engine's reported running+waiting
+// when larger), (occupancy − Capacity + 1) × hold / Capacity, hold being
+// the moving average of how long an attempt holds a slot. lead is, for a
+// request whose input does not exist yet (Request.AwaitsInput: a streamed
+// later stage), the stage's moving average of how long such attempts
+// waited for their first input piece (ObserveLead), else 0: the replica's
+// own time is what the replicas differ in, the wait is the stage's. A
+// replica not yet observed takes the mean unit of those that were (0 when
+// none was: it is tried). The in-time check adds Margin mean deviations
+// to unit and to lead. The real-time check compares the replica's
 // moving average of audio seconds per wall second with Request.MinRTF; a
 // replica not yet observed passes it.
 //
