@@ -365,12 +365,15 @@ func (h *Head) observeDeadline(a *attemptRun) {
 			h.predictionError[a.sr.stage].Observe((ttft - a.d.Predicted).Seconds())
 		}
 		h.router.ObserveFirstOutput(a.pending, ttft)
-	} else if a.stopped {
-		// Stopped at the target: its first output would have come later
-		// than this. Learned as if it came now, or a replica slower than
-		// every target would never be learned (none of its first outputs
-		// comes in time) and would keep the share of an unobserved one.
-		// One that never got its input is not learned (ObserveFirstOutput).
+	} else if due := a.sr.route.Deadline; a.stopped || (!due.IsZero() && !time.Now().Before(due)) {
+		// Ended without a first output past its target: stopped there
+		// (the gate), or, on another stage, cancelled with its request
+		// when the last stage's gate stopped it. Its first output would
+		// have come later than this. Learned as if it came now, or a
+		// replica slower than every target would never be learned (none
+		// of its first outputs comes in time) and would keep the share of
+		// an unobserved one. One that never got its input is not learned
+		// (ObserveFirstOutput).
 		h.router.ObserveFirstOutput(a.pending, a.fin.E2E)
 	}
 	if lead, ok := a.pending.Lead(); ok {
