@@ -151,6 +151,12 @@ type Deadline struct {
 	// piece (a streamed later stage's: the stages before it), and their
 	// mean deviation (float64 bits): see Request.AwaitsInput.
 	lead, leadDev atomic.Uint64
+	// fed: the stage's attempts are fed by the stage before (AwaitInput
+	// was called). Their first output is the decode of their first
+	// segment, batched with the others' (a talker's first chunk of codes,
+	// a vocoder's first audio), not a queue of prefills: so unit is
+	// not divided by, nor the prediction multiplied by, pending + 1.
+	fed atomic.Bool
 }
 
 // Name implements Policy.
@@ -213,7 +219,10 @@ func (p *Deadline) predict(r *Replica, sc *scorer, prior float64) (pred, bound f
 		f := p.factor(sc.score(r))
 		return u * f, (u + p.margin()*dev) * f
 	}
-	n := float64(max(r.deadline.pending.Load(), 0) + 1)
+	n := 1.0
+	if !p.fed.Load() {
+		n = float64(max(r.deadline.pending.Load(), 0) + 1)
+	}
 	w := p.slotWait(r, sc)
 	return u*n + w, (u+p.margin()*dev)*n + w
 }
@@ -321,6 +330,9 @@ func (p *Deadline) Observe(r *Replica, at *Pending, ttft time.Duration) {
 		at.mu.Lock()
 		ahead, slot, score = at.ahead, at.slot, at.score
 		at.mu.Unlock()
+	}
+	if p.fed.Load() {
+		ahead = 0 // see Deadline.fed
 	}
 	x := (ttft.Seconds() - slot) / float64(ahead+1)
 	if p.Options.Model == DeadlineModelLoad {
@@ -468,6 +480,9 @@ func (rt *Router) AwaitInput(r *Replica) *Pending {
 	p, ok := rt.stages[r.Key.Stage].Policy.(*Deadline)
 	if !ok {
 		return nil
+	}
+	if !p.fed.Load() {
+		p.fed.Store(true)
 	}
 	r.deadline.awaiting.Add(1)
 	return &Pending{r: r, p: p, start: time.Now(), awaiting: true}

@@ -341,6 +341,15 @@ func TestDeadlineLeadIsNotTheReplicas(t *testing.T) {
 	d = p.Pick(&Request{Deadline: time.Now().Add(150 * time.Millisecond), AwaitsInput: true}, c)
 	assert.Equal(t, ReasonDeadline, d.Reason)
 
+	// A fed stage's first output is its first segment's decode, batched:
+	// first outputs pending do not multiply it.
+	queued := []*Pending{rt.StartFirstOutput(c[0]), rt.StartFirstOutput(c[0])}
+	got, _ := rt.PredictedFirstOutput(c[0])
+	assert.InDelta(t, 0.020, got.Seconds(), 1e-9)
+	for _, q := range queued {
+		q.Done()
+	}
+
 	// Ended before its input came (the stage before failed or was late):
 	// nothing learned of the replica, nothing held.
 	w = rt.AwaitInput(c[0])
