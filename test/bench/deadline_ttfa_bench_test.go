@@ -165,7 +165,6 @@ func runTTFA(b *testing.B, policy string) ttfaResult {
 	run, err := loadgen.Run(ctx, open, nil)
 	cancel()
 	require.NoError(b, err)
-	require.Zero(b, run.Failed, "errors: %v", run.Errors)
 	res.open = run
 	for _, rec := range run.Records {
 		switch {
@@ -227,7 +226,6 @@ func runTTFA(b *testing.B, policy string) ttfaResult {
 		run, err := loadgen.Run(ctx, closed, nil)
 		cancel()
 		require.NoError(b, err)
-		require.Zero(b, run.Failed, "errors: %v", run.Errors)
 		res.runs = append(res.runs, run)
 	}
 	return res
@@ -247,28 +245,28 @@ func stageIndex(p orchestrator.Pipeline, name string) int {
 func ttfaTable(rs []ttfaResult) string {
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "TTFA target %s, open loop %.0f req/s Poisson for %s, one %s of %d 3x slower\n\n", ttfaTarget, ttfaRate, ttfaOpen, ttfaSlow, ttfaReplicas[ttfaSlow])
-	sb.WriteString("| policy | sent | served | shed (429 + 503) | refused / stopped at target | late (served past target; most past, ms) | missed | goodput (req/s) | ÷ least_loaded | TTFA p50 / p90 / p99 (ms) | TTFT p50 / p99 (ms) | slow replica's share | prediction error, slow stage (ms) | predicted, slow stage (ms) |\n")
-	sb.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|\n")
+	sb.WriteString("| policy | sent | served | failed | shed (429 + 503) | refused / stopped at target | late (served past target; most past, ms) | missed | goodput (req/s) | ÷ least_loaded | TTFA p50 / p90 / p99 (ms) | TTFT p50 / p99 (ms) | slow replica's share | prediction error, slow stage (ms) | predicted, slow stage (ms) |\n")
+	sb.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|\n")
 	for _, r := range rs {
 		sent := float64(max(r.open.Sent, 1))
 		pe := "–"
 		if r.predN > 0 {
 			pe = fmt.Sprintf("%+.1f (n=%d)", r.predErr, r.predN)
 		}
-		fmt.Fprintf(&sb, "| %s | %d | %d | %d (%.1f%%) | %.0f / %.0f | %d (%.1f%%; %.1f) | %d (%.1f%%) | %.1f | %.2f× | %.0f / %.0f / %.0f | %.0f / %.0f | %.1f%% | %s | %s |\n",
-			r.policy, r.open.Sent, r.open.OK, r.open.Shed, 100*float64(r.open.Shed)/sent, r.shedCounted, r.missCounted,
+		fmt.Fprintf(&sb, "| %s | %d | %d | %d | %d (%.1f%%) | %.0f / %.0f | %d (%.1f%%; %.1f) | %d (%.1f%%) | %.1f | %.2f× | %.0f / %.0f / %.0f | %.0f / %.0f | %.1f%% | %s | %s |\n",
+			r.policy, r.open.Sent, r.open.OK, r.open.Failed, r.open.Shed, 100*float64(r.open.Shed)/sent, r.shedCounted, r.missCounted,
 			r.late, 100*float64(r.late)/sent, r.lateBy, r.missed, 100*float64(r.missed)/sent,
 			r.open.Goodput, r.open.Goodput/rs[0].open.Goodput, r.open.TTFA.P50, r.open.TTFA.P90, r.open.TTFA.P99,
 			r.open.TTFT.P50, r.open.TTFT.P99, 100*r.slowShare, pe, predictedCell(r.predicted))
 	}
 	sb.WriteString("\nClosed loop, ")
 	fmt.Fprintf(&sb, "%s per level:\n\n", ttfaDuration)
-	sb.WriteString("| policy | concurrency | requests | shed | TTFA p50 / p90 / p99 (ms) | met TTFA target | RTF p50 / min |\n")
-	sb.WriteString("|---|---:|---:|---:|---|---:|---|\n")
+	sb.WriteString("| policy | concurrency | requests | shed | failed | TTFA p50 / p90 / p99 (ms) | met TTFA target | RTF p50 / min |\n")
+	sb.WriteString("|---|---:|---:|---:|---:|---|---:|---|\n")
 	for _, r := range rs {
 		for i, run := range r.runs {
-			fmt.Fprintf(&sb, "| %s | %d | %d | %d | %.0f / %.0f / **%.0f** | %.1f%% | %.2f / %.2f |\n",
-				r.policy, ttfaLevels[i], run.Sent, run.Shed, run.TTFA.P50, run.TTFA.P90, run.TTFA.P99,
+			fmt.Fprintf(&sb, "| %s | %d | %d | %d | %d | %.0f / %.0f / **%.0f** | %.1f%% | %.2f / %.2f |\n",
+				r.policy, ttfaLevels[i], run.Sent, run.Shed, run.Failed, run.TTFA.P50, run.TTFA.P90, run.TTFA.P99,
 				100*float64(run.MetSLO)/float64(max(run.Sent, 1)), run.RTF.P50, run.RTF.Min)
 		}
 	}
