@@ -378,6 +378,8 @@ func (h *Head) observeDeadline(a *attemptRun) {
 	}
 	if lead, ok := a.pending.Lead(); ok {
 		h.router.ObserveHold(a.rep, a.fin.E2E-lead)
+	} else if a.d.Probe {
+		h.router.ReleaseProbe(a.rep) // it never reached the replica
 	}
 	if a.out.sampleRate > 0 && a.out.pcmBytes > 0 && !a.last.IsZero() && a.fin.TTFT > 0 {
 		first := a.start.Add(a.fin.TTFT)

@@ -281,8 +281,11 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 		d = Decision{Policy: PolicyDeadline, Reason: ReasonLoad, Replica: least, Score: leastScore, Predicted: seconds(leastPred)}
 	case best == nil:
 		d = Decision{Policy: PolicyDeadline, Reason: ReasonLoadFallback, Replica: soonest, Score: soonestScore, Predicted: seconds(soonestPred)}
-		if p.Options.Admission && !probe(soonest, sc.now) {
-			d.Reason = ReasonDeadlineShed
+		if p.Options.Admission {
+			d.Probe = probe(soonest, sc.now)
+			if !d.Probe {
+				d.Reason = ReasonDeadlineShed
+			}
 		}
 	}
 	return d
@@ -305,6 +308,18 @@ func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Se
 func probe(r *Replica, now int64) bool {
 	seen := r.deadline.seen.Load()
 	return now-seen >= int64(DeadlineProbeAfter) && r.deadline.seen.CompareAndSwap(seen, now)
+}
+
+// ReleaseProbe makes r due a probe again (see DeadlineProbeAfter): its
+// probe taught nothing, the attempt having ended before its input reached
+// r (another stage of a streamed request shed it). A probe at one stage
+// is otherwise spent on requests the other stages refuse, and a pipeline
+// whose stages all predict late recovers only when their probes happen to
+// fall on the same request. Safe for concurrent use.
+func (rt *Router) ReleaseProbe(r *Replica) {
+	if _, ok := rt.stages[r.Key.Stage].Policy.(*Deadline); ok {
+		r.deadline.seen.Store(time.Now().Add(-DeadlineProbeAfter).UnixNano())
+	}
 }
 
 // keepsRate reports whether r is known to keep min audio seconds per wall

@@ -263,8 +263,18 @@ func TestDeadlineProbesWhileShedding(t *testing.T) {
 	c[1].deadline.seen.Store(time.Now().Add(-2 * DeadlineProbeAfter).UnixNano())
 	d := p.Pick(late, c)
 	assert.Equal(t, ReasonLoadFallback, d.Reason, "a probe goes through")
+	assert.True(t, d.Probe)
 	assert.Equal(t, c[1], d.Replica, "to the replica predicted soonest")
 	assert.Equal(t, ReasonDeadlineShed, p.Pick(late, c).Reason, "one probe per interval")
+
+	// A probe that taught nothing (another stage shed its request before
+	// its input came) is given back: the next request probes.
+	rt := New([]StageRouting{{Policy: p}}, nil, nil)
+	rt.ReleaseProbe(c[1])
+	d = p.Pick(late, c)
+	assert.True(t, d.Probe, "due again")
+	assert.Equal(t, c[1], d.Replica)
+	assert.False(t, p.Pick(late, c).Probe)
 
 	// The probe's outcome, fast again, reopens the replica to targets.
 	for range 10 {

@@ -239,6 +239,11 @@ type Decision struct {
 	// its predicted time to first output (0: nothing known).
 	Score     int64
 	Predicted time.Duration
+	// Probe: a deadline pick under admission that sends the request to
+	// the replica predicted soonest instead of shedding it (see
+	// DeadlineProbeAfter); Router.ReleaseProbe gives the probe back when
+	// the attempt taught nothing.
+	Probe bool
 }
 
 // Values of Decision.PrefixSource (the troupe.route.prefix_source attribute).
