@@ -29,7 +29,7 @@ var (
 	ttfaPrefill   = 8000.0                                              // tokens per second; the slow replica's a third
 	ttfaSeqs      = 8
 	ttfaTarget    = envDuration("TROUPE_TTFA_TARGET", 150*time.Millisecond)
-	ttfaRate      = envFloat("TROUPE_TTFA_RATE", 40)
+	ttfaRate      = envFloat("TROUPE_TTFA_RATE", 20)
 	ttfaOpen      = envDuration("TROUPE_TTFA_OPEN", 20*time.Second) // the open-loop run
 	ttfaDuration  = envDuration("TROUPE_TTFA_DURATION", 8*time.Second)
 	ttfaMaxTokens = 16
@@ -81,7 +81,8 @@ type ttfaResult struct {
 //	go test -run '^$' -bench BenchmarkDeadlineTTFA -benchtime 1x ./test/bench
 //
 // TROUPE_TTFA_TARGET, _RATE, _OPEN, _DURATION, _STEP, _SLOW, _LEVELS and
-// _CASES override the defaults.
+// _CASES override the defaults (one more case: deadline+admission-last,
+// admission on the last stage only).
 func BenchmarkDeadlineTTFA(b *testing.B) {
 	var results []ttfaResult
 	for _, policy := range ttfaCases {
@@ -110,7 +111,10 @@ func ttfaPipeline(policy string) orchestrator.Pipeline {
 		p.Stages[i].Policy = "least_loaded"
 		if deadline {
 			p.Stages[i].Policy = "deadline"
-			p.Stages[i].Deadline = &orchestrator.Deadline{Capacity: ttfaSeqs, Admission: policy == "deadline+admission"}
+			// deadline+admission admits on every stage; -last only on the
+			// last, whose first audio the TTFA target is about.
+			admit := policy == "deadline+admission" || (policy == "deadline+admission-last" && i == len(p.Stages)-1)
+			p.Stages[i].Deadline = &orchestrator.Deadline{Capacity: ttfaSeqs, Admission: admit}
 		}
 	}
 	if deadline {
