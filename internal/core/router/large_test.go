@@ -2,6 +2,7 @@ package router
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -304,4 +305,79 @@ func TestPickAllocsFlat(t *testing.T) {
 		}
 		assert.LessOrEqual(t, allocs(10000), allocs(100)+1, st.Policy.Name())
 	}
+}
+
+// TestOrderTopExact: the order's shortcuts (group logarithms pruned by a
+// bound, a group's head ranked from inline keys before any replica is
+// read) change no result: for stages of several sizes with a share of
+// replicas out and some excluded, top and weight equal a plain
+// computation that scores every group and reads every member.
+func TestOrderTopExact(t *testing.T) {
+	for _, tc := range []struct {
+		n   int
+		out float64 // share of replicas not routable
+	}{{100, 0}, {1000, 0.3}, {10000, 0.1}, {10000, 0.9}, {3000, 1}} {
+		reps := orderReplicas(tc.n, uint64(tc.n))
+		rng := rand.New(rand.NewPCG(uint64(tc.n), 2))
+		for _, rep := range reps {
+			if rng.Float64() < tc.out {
+				rep.healthy.Store(false)
+			}
+		}
+		exclude := []*Replica{reps[0], reps[1], reps[2]}
+		o := newStageOrder(sortedByID(reps))
+		var ord order
+		for i := range 2000 {
+			k := mix64(uint64(i) ^ uint64(tc.n))
+			ord.reset(o)
+			got := ord.top(k, nil, exclude)
+			want := plainTop(o, k, exclude)
+			require.Equal(t, keysOf(want), keysOf(got), "n=%d out=%v key %d", tc.n, tc.out, i)
+			for _, rep := range reps[:50] {
+				var s [orderGroups]float64
+				for g := range s {
+					s[g] = groupScore(k, g, len(o.groups[g]))
+				}
+				w := math.Float64bits(s[groupOf(rep.Key)])>>21<<22 | weight(k, rep.Key)>>42
+				require.Equal(t, w, ord.weight(k, rep.Key))
+			}
+		}
+	}
+}
+
+// plainTop is order.top computed the plain way: every group's score,
+// every member read.
+func plainTop(o *stageOrder, k uint64, exclude []*Replica) []*Replica {
+	var s [orderGroups]float64
+	for g := range s {
+		s[g] = groupScore(k, g, len(o.groups[g]))
+	}
+	best := [orderDepth]int{-1, -1}
+	for g, v := range s {
+		if v == 0 {
+			continue
+		}
+		for d := range best {
+			if best[d] < 0 || v > s[best[d]] {
+				copy(best[d+1:], best[d:len(best)-1])
+				best[d] = g
+				break
+			}
+		}
+	}
+	var c []*Replica
+	for _, g := range best {
+		if g >= 0 {
+			c = slowTopOf(k, o.groups[g], c, exclude)
+		}
+	}
+	return c
+}
+
+func keysOf(c []*Replica) []Key {
+	out := make([]Key, len(c))
+	for i, rep := range c {
+		out[i] = rep.Key
+	}
+	return out
 }
