@@ -47,23 +47,15 @@ func (a Affinity) pick(session string, c []*Replica, ord *order) (*Replica, bool
 	}
 	bound := int64(math.Ceil(factor * float64(total+1) / float64(len(c))))
 	// The heaviest replica within the bound is the first of Rank's order
-	// within it: one pass, no sort (distinct keys have distinct weights).
+	// within it: no sort (distinct keys have distinct weights).
 	sk := sessionHash(session)
-	var heaviest, chosen *Replica
-	var hw, cw uint64
-	for _, r := range c {
-		w := ord.weight(sk, r.Key)
-		if heaviest == nil || w > hw {
-			heaviest, hw = r, w
-		}
-		if sc.score(r)+1 <= bound && (chosen == nil || w > cw) {
-			chosen, cw = r, w
-		}
+	keyOf := func(i int) Key { return c[i].Key }
+	heaviest := ord.argmax(sk, len(c), keyOf, func(int) bool { return true })
+	chosen := ord.argmax(sk, len(c), keyOf, func(i int) bool { return sc.score(c[i])+1 <= bound })
+	if chosen < 0 {
+		return c[heaviest], true // unreachable: the least loaded is never above the average
 	}
-	if chosen == nil {
-		return heaviest, true // unreachable: the least loaded is never above the average
-	}
-	return chosen, chosen == heaviest
+	return c[chosen], chosen == heaviest
 }
 
 func sessionHash(session string) uint64 {

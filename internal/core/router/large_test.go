@@ -309,9 +309,10 @@ func TestPickAllocsFlat(t *testing.T) {
 
 // TestOrderTopExact: the order's shortcuts (group logarithms pruned by a
 // bound, a group's head ranked from inline keys before any replica is
-// read) change no result: for stages of several sizes with a share of
-// replicas out and some excluded, top and weight equal a plain
-// computation that scores every group and reads every member.
+// read, argmax leaving out the groups heaviest skipped) change no
+// result: for stages of several sizes with a share of replicas out and
+// some excluded, top, argmax and weight equal a plain computation that
+// scores every group and reads every member.
 func TestOrderTopExact(t *testing.T) {
 	for _, tc := range []struct {
 		n   int
@@ -333,13 +334,33 @@ func TestOrderTopExact(t *testing.T) {
 			got := ord.top(k, nil, exclude)
 			want := plainTop(o, k, exclude)
 			require.Equal(t, keysOf(want), keysOf(got), "n=%d out=%v key %d", tc.n, tc.out, i)
-			for _, rep := range reps[:50] {
-				var s [orderGroups]float64
-				for g := range s {
-					s[g] = groupScore(k, g, len(o.groups[g]))
+			// A pick's candidates: the head of the order and a sample; the
+			// heaviest among those a random bound keeps.
+			c := append(got, reps[rng.IntN(len(reps))], reps[rng.IntN(len(reps))], reps[rng.IntN(len(reps))])
+			for range 30 {
+				c = append(c, reps[rng.IntN(len(reps))])
+			}
+			rng.Shuffle(len(c), func(a, b int) { c[a], c[b] = c[b], c[a] })
+			var s [orderGroups]float64
+			for g := range s {
+				s[g] = groupScore(k, g, len(o.groups[g]))
+			}
+			plain := func(rep *Replica) uint64 {
+				return math.Float64bits(s[groupOf(rep.Key)])>>21<<22 | weight(k, rep.Key)>>42
+			}
+			keep := make([]bool, len(c))
+			for j := range keep {
+				keep[j] = rng.IntN(4) != 0 || i%5 == 0 && j < len(got)
+			}
+			best := -1
+			for j, rep := range c {
+				if keep[j] && (best < 0 || plain(rep) > plain(c[best])) {
+					best = j
 				}
-				w := math.Float64bits(s[groupOf(rep.Key)])>>21<<22 | weight(k, rep.Key)>>42
-				require.Equal(t, w, ord.weight(k, rep.Key))
+			}
+			require.Equal(t, best, ord.argmax(k, len(c), func(j int) Key { return c[j].Key }, func(j int) bool { return keep[j] }), "n=%d key %d", tc.n, i)
+			for _, rep := range c {
+				require.Equal(t, plain(rep), ord.weight(k, rep.Key))
 			}
 		}
 	}

@@ -55,7 +55,7 @@ type stageOrder struct {
 // member is one replica of a group, its key's hash inline so that a
 // pick weighs a group's members without reading each replica.
 type member struct {
-	key uint64 // keyHash
+	key uint64 // mix64(keyHash): weight(k, rep.Key) is mix64(k ^ key)
 	rep *Replica
 }
 
@@ -80,7 +80,7 @@ func (o *stageOrder) with(rep *Replica) *stageOrder {
 	}
 	g := groupOf(rep.Key)
 	old := next.groups[g]
-	m := member{key: keyHash(rep.Key), rep: rep}
+	m := member{key: mix64(keyHash(rep.Key)), rep: rep}
 	i, found := searchMembers(old, rep.Key.Replica)
 	if found {
 		next.groups[g] = slices.Clone(old)
@@ -116,7 +116,7 @@ func newStageOrder(st []*Replica) *stageOrder {
 	o := &stageOrder{}
 	for _, rep := range st { // sorted by id: each group stays sorted
 		g := groupOf(rep.Key)
-		o.groups[g] = append(o.groups[g], member{key: keyHash(rep.Key), rep: rep})
+		o.groups[g] = append(o.groups[g], member{key: mix64(keyHash(rep.Key)), rep: rep})
 		o.maxSize = max(o.maxSize, len(o.groups[g]))
 	}
 	return o
@@ -146,11 +146,15 @@ var groupMix = func() (m [orderGroups]uint64) {
 	return m
 }()
 
-// pruneMargin keeps top's pruning exact: a group is skipped only when its
-// draw is below the bound by a relative margin far above the rounding
-// error of math.Log and math.Exp (about 1e-16), so that it cannot score
-// as much as the second heaviest group found so far.
-const pruneMargin = 1 - 1e-9
+// pruneMargin keeps heaviest's pruning exact: a group is skipped only
+// when its draw is below the bound by a relative margin far above the
+// rounding error of math.Log and math.Exp (about 1e-16), so that it
+// cannot score as much as the second heaviest group found so far; and
+// far above the 2⁻³¹ resolution of a score in weight's high bits, so
+// that a skipped group's members weigh less than a top group's
+// (argmax), with a relative gap of at least 1e-5·n₂/(nmax·37) > 1e-8
+// (−ln u ≤ 37 for the draws groupU makes; group sizes within 10×).
+const pruneMargin = 1 - 1e-5
 
 // order is one pick's view of a large stage's rendezvous order: the
 // group scores of up to two keys, each computed at most once, and only
@@ -163,6 +167,10 @@ type order struct {
 	nkeys  int
 	known  [2][orderGroups / 64]uint64 // which scores are computed
 	scores [2][orderGroups]float64
+	// floor is the score of the key's orderDepth-th heaviest group once
+	// heaviest ran for it (floorOK): every group not known scores less.
+	floor   [2]float64
+	floorOK [2]bool
 }
 
 // reset points ord at a stage's order and forgets the cached scores.
@@ -185,12 +193,16 @@ func (ord *order) slotOf(k uint64) int {
 	}
 	ord.keys[i] = k
 	ord.known[i] = [orderGroups / 64]uint64{}
+	ord.floorOK[i] = false
 	return i
 }
 
+// isKnown reports whether the score of group g is computed in slot i.
+func (ord *order) isKnown(i, g int) bool { return ord.known[i][g/64]&(1<<(g%64)) != 0 }
+
 // score is the score of group g for the key in slot i, computed once.
 func (ord *order) score(i int, g int) float64 {
-	if ord.known[i][g/64]&(1<<(g%64)) != 0 {
+	if ord.isKnown(i, g) {
 		return ord.scores[i][g]
 	}
 	v := groupScore(ord.keys[i], g, len(ord.o.groups[g]))
@@ -231,7 +243,7 @@ func (ord *order) heaviest(k uint64) [orderDepth]int {
 		if n == 0 {
 			continue
 		}
-		if ord.known[i][g/64]&(1<<(g%64)) == 0 && groupU(k, g) < bound {
+		if !ord.isKnown(i, g) && groupU(k, g) < bound {
 			continue
 		}
 		v := ord.score(i, g)
@@ -245,6 +257,49 @@ func (ord *order) heaviest(k uint64) [orderDepth]int {
 					bound = math.Exp(-nmax/last) * pruneMargin
 				}
 				break
+			}
+		}
+	}
+	ord.floor[i], ord.floorOK[i] = bs[orderDepth-1], true
+	return best
+}
+
+// argmax is the index of the heaviest for k (weight) of the n candidates
+// that keep accepts, the first of equals; -1 when it accepts none. keep
+// must be pure. Once heaviest ran for k, the groups it skipped score
+// below its floor: when the heaviest candidate of a known group is in
+// one of the key's top groups (the usual case: the pick read their
+// heads), no candidate of a skipped group can weigh more, and their
+// groups' logarithms are not taken.
+func (ord *order) argmax(k uint64, n int, keyOf func(int) Key, keep func(int) bool) int {
+	best, bw := -1, uint64(0)
+	if ord != nil && ord.o != nil {
+		if i := ord.slotOf(k); ord.floorOK[i] {
+			unknown, bg := false, 0
+			for j := range n {
+				if !keep(j) {
+					continue
+				}
+				key := keyOf(j)
+				g := groupOf(key)
+				if !ord.isKnown(i, g) {
+					unknown = true
+					continue
+				}
+				if w := math.Float64bits(ord.scores[i][g])>>21<<22 | weight(k, key)>>42; best < 0 || w > bw {
+					best, bw, bg = j, w, g
+				}
+			}
+			if best >= 0 && (!unknown || ord.scores[i][bg] >= ord.floor[i]) {
+				return best
+			}
+			best = -1
+		}
+	}
+	for j := range n {
+		if keep(j) {
+			if w := ord.weight(k, keyOf(j)); best < 0 || w > bw {
+				best, bw = j, w
 			}
 		}
 	}
@@ -280,7 +335,7 @@ func (ord *order) topOf(k uint64, ms []member, c, exclude []*Replica) []*Replica
 	var ws [topScan]uint64
 	n := 0
 	for _, m := range ms {
-		w := mix64(k ^ mix64(m.key)) // weight(k, m.rep.Key)
+		w := mix64(k ^ m.key) // weight(k, m.rep.Key)
 		if n == topScan && w <= ws[n-1] {
 			continue
 		}
@@ -318,7 +373,7 @@ func slowTopOf(k uint64, ms []member, c, exclude []*Replica) []*Replica {
 	var ws [orderWidth]uint64
 	n := 0
 	for _, m := range ms {
-		w := mix64(k ^ mix64(m.key)) // weight(k, m.rep.Key)
+		w := mix64(k ^ m.key) // weight(k, m.rep.Key)
 		if n == orderWidth && w <= ws[n-1] {
 			continue
 		}
