@@ -36,6 +36,11 @@ func (a Affinity) Pick(session string, c []*Replica) (*Replica, bool) {
 
 // pick is Pick with the rendezvous weights of ord (nil: flat).
 func (a Affinity) pick(session string, c []*Replica, ord *order) (*Replica, bool) {
+	return a.pickKey(sessionHash(session), c, ord)
+}
+
+// pickKey is pick for the session's hash sk.
+func (a Affinity) pickKey(sk uint64, c []*Replica, ord *order) (*Replica, bool) {
 	sc := newScorer(c, a.MaxAge)
 	var total int64
 	for _, r := range c {
@@ -48,14 +53,21 @@ func (a Affinity) pick(session string, c []*Replica, ord *order) (*Replica, bool
 	bound := int64(math.Ceil(factor * float64(total+1) / float64(len(c))))
 	// The heaviest replica within the bound is the first of Rank's order
 	// within it: no sort (distinct keys have distinct weights).
-	sk := sessionHash(session)
+	// It is the first choice unless one above the bound weighs more (or
+	// as much and comes first): each candidate is weighed in one of the
+	// two passes only.
 	keyOf := func(i int) Key { return c[i].Key }
-	heaviest := ord.argmax(sk, len(c), keyOf, func(int) bool { return true })
-	chosen := ord.argmax(sk, len(c), keyOf, func(i int) bool { return sc.score(c[i])+1 <= bound })
+	within := func(i int) bool { return sc.score(c[i])+1 <= bound }
+	chosen := ord.argmax(sk, len(c), keyOf, within)
+	over := ord.argmax(sk, len(c), keyOf, func(i int) bool { return !within(i) })
 	if chosen < 0 {
-		return c[heaviest], true // unreachable: the least loaded is never above the average
+		return c[over], true // unreachable: the least loaded is never above the average
 	}
-	return c[chosen], chosen == heaviest
+	if over < 0 {
+		return c[chosen], true
+	}
+	wc, wo := ord.weight(sk, c[chosen].Key), ord.weight(sk, c[over].Key)
+	return c[chosen], wc > wo || wc == wo && chosen < over
 }
 
 func sessionHash(session string) uint64 {

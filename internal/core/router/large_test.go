@@ -362,6 +362,32 @@ func TestOrderTopExact(t *testing.T) {
 			for _, rep := range c {
 				require.Equal(t, plain(rep), ord.weight(k, rep.Key))
 			}
+			// Session affinity over c: the heaviest within the load bound, and
+			// whether it is the heaviest of all.
+			c = slices.Compact(c)
+			for _, rep := range c {
+				rep.SetLoad(int64(rng.IntN(6)))
+			}
+			sc := newScorer(c, 0)
+			var total int64
+			for _, rep := range c {
+				total += sc.score(rep)
+			}
+			bound := int64(math.Ceil(AffinityLoadFactor * float64(total+1) / float64(len(c))))
+			heaviest, chosen := -1, -1
+			for j, rep := range c {
+				if heaviest < 0 || plain(rep) > plain(c[heaviest]) {
+					heaviest = j
+				}
+				if sc.score(rep)+1 <= bound && (chosen < 0 || plain(rep) > plain(c[chosen])) {
+					chosen = j
+				}
+			}
+			ord.reset(o)
+			ord.top(k, nil, exclude)
+			gotRep, gotFirst := Affinity{}.pickKey(k, c, &ord)
+			require.Same(t, c[chosen], gotRep, "n=%d key %d", tc.n, i)
+			require.Equal(t, chosen == heaviest, gotFirst, "n=%d key %d", tc.n, i)
 		}
 	}
 }

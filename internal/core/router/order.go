@@ -306,10 +306,12 @@ func (ord *order) argmax(k uint64, n int, keyOf func(int) Key, keep func(int) bo
 	return best
 }
 
-// topScan is how many of a group's heaviest members top weighs before it
+// topScan is how many of a group's heaviest members top ranks before it
 // reads any replica: when orderWidth of them are eligible, the rest of
-// the group cannot come before them.
-const topScan = 2 * orderWidth
+// the group cannot come before them. A group with more than
+// topScan−orderWidth of its head out (asleep, ejected, excluded) is read
+// in full (slowTopOf): slower, same result.
+const topScan = orderWidth + orderWidth/2
 
 // top appends to c the first orderWidth eligible replicas of each of k's
 // orderDepth heaviest groups, in k's order: the head of the order, which
