@@ -160,6 +160,28 @@ func (p *PrefixAware) schemeOf(r *Replica) scheme {
 	return scheme{}
 }
 
+// schemeMemo is schemeOf for one pick, remembering the last engine it
+// looked up: a stage's replicas are usually of one engine, so a large
+// pick looks up its tokenizer once rather than once per candidate.
+type schemeMemo struct {
+	p         *PrefixAware
+	name      string
+	blockSize int
+	s         scheme
+	ok        bool
+}
+
+func (m *schemeMemo) of(r *Replica) scheme {
+	e := &r.Engine
+	if m.p.source != PrefixSourceAuto || !e.KVEvents || e.BlockSize <= 0 {
+		return scheme{}
+	}
+	if !m.ok || e.Name != m.name || e.BlockSize != m.blockSize {
+		m.name, m.blockSize, m.s, m.ok = e.Name, e.BlockSize, m.p.schemeOf(r), true
+	}
+	return m.s
+}
+
 // hashesOf returns req's block hashes in scheme s, computing them once.
 func (p *PrefixAware) hashesOf(req *Request, s scheme) []uint64 {
 	for _, sh := range req.hashes {
@@ -254,8 +276,9 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	cs := slices.Grow(sp.cs[:0], len(c))[:len(c)]
 	sp.cs = cs
 	schemes := sp.schemes[:0]
+	memo := schemeMemo{p: p}
 	for i, r := range c {
-		cs[i] = cand{r: r, s: p.schemeOf(r), score: sc.score(r)}
+		cs[i] = cand{r: r, s: memo.of(r), score: sc.score(r)}
 		if !slices.Contains(schemes, cs[i].s) {
 			schemes = append(schemes, cs[i].s)
 		}
