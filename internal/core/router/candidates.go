@@ -47,7 +47,19 @@ type largeScratch struct {
 	ord  order
 }
 
-var largePool = sync.Pool{New: func() any { return new(largeScratch) }}
+// scratchCap is the room a new largeScratch starts with: enough for a
+// pick's usual candidates, so that a pool miss (frequent under -race,
+// where sync.Pool drops items on purpose) costs a fixed few allocations,
+// not a slice growing step by step.
+const scratchCap = 128
+
+var largePool = sync.Pool{New: func() any {
+	return &largeScratch{
+		c:   make([]*Replica, 0, scratchCap),
+		tmp: make([]*Replica, 0, scratchCap),
+		ids: make([]uint64, 0, scratchCap),
+	}
+}}
 
 // pickLarge decides for a stage of more than LargeStage replicas from a
 // bounded candidate set (docs/routing.md, Large stages): loadSample

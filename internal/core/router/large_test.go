@@ -292,6 +292,9 @@ func TestLargeStageIneligible(t *testing.T) {
 // TestPickAllocsFlat: a pick allocates no more at 10,000 replicas than at
 // 100 (pooled scratch; the request's own hashes aside).
 func TestPickAllocsFlat(t *testing.T) {
+	if raceEnabled {
+		t.Skip("under -race sync.Pool drops items at random: the scratch's allocations are noise")
+	}
 	for _, st := range []StageRouting{
 		{Policy: LeastLoaded{}},
 		{Policy: &Deadline{}},
