@@ -36,6 +36,11 @@ func (a Affinity) Pick(session string, c []*Replica) (*Replica, bool) {
 
 // pick is Pick with the rendezvous weights of ord (nil: flat).
 func (a Affinity) pick(session string, c []*Replica, ord *order) (*Replica, bool) {
+	return a.pickKey(sessionHash(session), c, ord)
+}
+
+// pickKey is pick for the session's hash sk.
+func (a Affinity) pickKey(sk uint64, c []*Replica, ord *order) (*Replica, bool) {
 	sc := newScorer(c, a.MaxAge)
 	var total int64
 	for _, r := range c {
@@ -47,23 +52,22 @@ func (a Affinity) pick(session string, c []*Replica, ord *order) (*Replica, bool
 	}
 	bound := int64(math.Ceil(factor * float64(total+1) / float64(len(c))))
 	// The heaviest replica within the bound is the first of Rank's order
-	// within it: one pass, no sort (distinct keys have distinct weights).
-	sk := sessionHash(session)
-	var heaviest, chosen *Replica
-	var hw, cw uint64
-	for _, r := range c {
-		w := ord.weight(sk, r.Key)
-		if heaviest == nil || w > hw {
-			heaviest, hw = r, w
-		}
-		if sc.score(r)+1 <= bound && (chosen == nil || w > cw) {
-			chosen, cw = r, w
-		}
+	// within it: no sort (distinct keys have distinct weights).
+	// It is the first choice unless one above the bound weighs more (or
+	// as much and comes first): each candidate is weighed in one of the
+	// two passes only.
+	keyOf := func(i int) Key { return c[i].Key }
+	within := func(i int) bool { return sc.score(c[i])+1 <= bound }
+	chosen := ord.argmax(sk, len(c), keyOf, within)
+	over := ord.argmax(sk, len(c), keyOf, func(i int) bool { return !within(i) })
+	if chosen < 0 {
+		return c[over], true // unreachable: the least loaded is never above the average
 	}
-	if chosen == nil {
-		return heaviest, true // unreachable: the least loaded is never above the average
+	if over < 0 {
+		return c[chosen], true
 	}
-	return chosen, chosen == heaviest
+	wc, wo := ord.weight(sk, c[chosen].Key), ord.weight(sk, c[over].Key)
+	return c[chosen], wc > wo || wc == wo && chosen < over
 }
 
 func sessionHash(session string) uint64 {

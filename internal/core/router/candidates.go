@@ -1,7 +1,6 @@
 package router
 
 import (
-	"cmp"
 	"math/rand/v2"
 	"slices"
 	"sync"
@@ -42,11 +41,25 @@ func (h *stageHints) record(rep *Replica) {
 // so that a pick allocates nothing that grows with the stage.
 type largeScratch struct {
 	c    []*Replica
+	tmp  []*Replica
+	ids  []uint64
 	keys []Key
 	ord  order
 }
 
-var largePool = sync.Pool{New: func() any { return new(largeScratch) }}
+// scratchCap is the room a new largeScratch starts with: enough for a
+// pick's usual candidates, so that a pool miss (frequent under -race,
+// where sync.Pool drops items on purpose) costs a fixed few allocations,
+// not a slice growing step by step.
+const scratchCap = 128
+
+var largePool = sync.Pool{New: func() any {
+	return &largeScratch{
+		c:   make([]*Replica, 0, scratchCap),
+		tmp: make([]*Replica, 0, scratchCap),
+		ids: make([]uint64, 0, scratchCap),
+	}
+}}
 
 // pickLarge decides for a stage of more than LargeStage replicas from a
 // bounded candidate set (docs/routing.md, Large stages): loadSample
@@ -62,7 +75,7 @@ func (r *Router) pickLarge(s *Snapshot, stage int, req *Request, all, exclude []
 	defer largePool.Put(ls)
 	ls.ord.reset(o)
 	c := ls.c[:0]
-	defer func() { clear(c); ls.c, ls.ord.o = c[:0], nil }() // the pool holds no replica
+	defer func() { clear(c); clear(ls.tmp); ls.c, ls.ord.o = c[:0], nil }() // the pool holds no replica
 	for range sampleTries {
 		if len(c) == loadSample {
 			break
@@ -99,7 +112,7 @@ func (r *Router) pickLarge(s *Snapshot, stage int, req *Request, all, exclude []
 	}
 	// Sorted by id, without repeats, as a small stage's candidates are:
 	// ties then go alike on every head, and the index matches them fast.
-	slices.SortFunc(c, func(a, b *Replica) int { return cmp.Compare(a.Key.Replica, b.Key.Replica) })
+	c, ls.ids, ls.tmp = sortByID(c, ls.ids, ls.tmp)
 	c = slices.Compact(c)
 	if session {
 		rep, first := affinityOf(st.Policy).pick(req.SessionKey, c, &ls.ord)
@@ -116,4 +129,19 @@ func (r *Router) pickLarge(s *Snapshot, stage int, req *Request, all, exclude []
 		hints.record(d.Replica)
 	}
 	return d, true
+}
+
+// sortByID sorts c by replica id, stably, through ids and tmp (scratch,
+// returned for reuse): the ids packed with their positions sort as plain
+// integers, without a comparison call that reads two replicas.
+func sortByID(c []*Replica, ids []uint64, tmp []*Replica) ([]*Replica, []uint64, []*Replica) {
+	ids, tmp = ids[:0], append(tmp[:0], c...)
+	for i, rep := range c {
+		ids = append(ids, uint64(rep.Key.Replica)<<32|uint64(i))
+	}
+	slices.Sort(ids)
+	for i, id := range ids {
+		c[i] = tmp[uint32(id)]
+	}
+	return c, ids, tmp
 }

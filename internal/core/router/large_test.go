@@ -2,6 +2,7 @@ package router
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -291,6 +292,9 @@ func TestLargeStageIneligible(t *testing.T) {
 // TestPickAllocsFlat: a pick allocates no more at 10,000 replicas than at
 // 100 (pooled scratch; the request's own hashes aside).
 func TestPickAllocsFlat(t *testing.T) {
+	if raceEnabled {
+		t.Skip("under -race sync.Pool drops items at random: the scratch's allocations are noise")
+	}
 	for _, st := range []StageRouting{
 		{Policy: LeastLoaded{}},
 		{Policy: &Deadline{}},
@@ -304,4 +308,126 @@ func TestPickAllocsFlat(t *testing.T) {
 		}
 		assert.LessOrEqual(t, allocs(10000), allocs(100)+1, st.Policy.Name())
 	}
+}
+
+// TestOrderTopExact: the order's shortcuts (group logarithms pruned by a
+// bound, a group's head ranked from inline keys before any replica is
+// read, argmax leaving out the groups heaviest skipped) change no
+// result: for stages of several sizes with a share of replicas out and
+// some excluded, top, argmax and weight equal a plain computation that
+// scores every group and reads every member.
+func TestOrderTopExact(t *testing.T) {
+	for _, tc := range []struct {
+		n   int
+		out float64 // share of replicas not routable
+	}{{100, 0}, {1000, 0.3}, {10000, 0.1}, {10000, 0.9}, {3000, 1}} {
+		reps := orderReplicas(tc.n, uint64(tc.n))
+		rng := rand.New(rand.NewPCG(uint64(tc.n), 2))
+		for _, rep := range reps {
+			if rng.Float64() < tc.out {
+				rep.healthy.Store(false)
+			}
+		}
+		exclude := []*Replica{reps[0], reps[1], reps[2]}
+		o := newStageOrder(sortedByID(reps))
+		var ord order
+		for i := range 2000 {
+			k := mix64(uint64(i) ^ uint64(tc.n))
+			ord.reset(o)
+			got := ord.top(k, nil, exclude)
+			want := plainTop(o, k, exclude)
+			require.Equal(t, keysOf(want), keysOf(got), "n=%d out=%v key %d", tc.n, tc.out, i)
+			// A pick's candidates: the head of the order and a sample; the
+			// heaviest among those a random bound keeps.
+			c := append(got, reps[rng.IntN(len(reps))], reps[rng.IntN(len(reps))], reps[rng.IntN(len(reps))])
+			for range 30 {
+				c = append(c, reps[rng.IntN(len(reps))])
+			}
+			rng.Shuffle(len(c), func(a, b int) { c[a], c[b] = c[b], c[a] })
+			var s [orderGroups]float64
+			for g := range s {
+				s[g] = groupScore(k, g, len(o.groups[g]))
+			}
+			plain := func(rep *Replica) uint64 {
+				return math.Float64bits(s[groupOf(rep.Key)])>>21<<22 | weight(k, rep.Key)>>42
+			}
+			keep := make([]bool, len(c))
+			for j := range keep {
+				keep[j] = rng.IntN(4) != 0 || i%5 == 0 && j < len(got)
+			}
+			best := -1
+			for j, rep := range c {
+				if keep[j] && (best < 0 || plain(rep) > plain(c[best])) {
+					best = j
+				}
+			}
+			require.Equal(t, best, ord.argmax(k, len(c), func(j int) Key { return c[j].Key }, func(j int) bool { return keep[j] }), "n=%d key %d", tc.n, i)
+			for _, rep := range c {
+				require.Equal(t, plain(rep), ord.weight(k, rep.Key))
+			}
+			// Session affinity over c: the heaviest within the load bound, and
+			// whether it is the heaviest of all.
+			c = slices.Compact(c)
+			for _, rep := range c {
+				rep.SetLoad(int64(rng.IntN(6)))
+			}
+			sc := newScorer(c, 0)
+			var total int64
+			for _, rep := range c {
+				total += sc.score(rep)
+			}
+			bound := int64(math.Ceil(AffinityLoadFactor * float64(total+1) / float64(len(c))))
+			heaviest, chosen := -1, -1
+			for j, rep := range c {
+				if heaviest < 0 || plain(rep) > plain(c[heaviest]) {
+					heaviest = j
+				}
+				if sc.score(rep)+1 <= bound && (chosen < 0 || plain(rep) > plain(c[chosen])) {
+					chosen = j
+				}
+			}
+			ord.reset(o)
+			ord.top(k, nil, exclude)
+			gotRep, gotFirst := Affinity{}.pickKey(k, c, &ord)
+			require.Same(t, c[chosen], gotRep, "n=%d key %d", tc.n, i)
+			require.Equal(t, chosen == heaviest, gotFirst, "n=%d key %d", tc.n, i)
+		}
+	}
+}
+
+// plainTop is order.top computed the plain way: every group's score,
+// every member read.
+func plainTop(o *stageOrder, k uint64, exclude []*Replica) []*Replica {
+	var s [orderGroups]float64
+	for g := range s {
+		s[g] = groupScore(k, g, len(o.groups[g]))
+	}
+	best := [orderDepth]int{-1, -1}
+	for g, v := range s {
+		if v == 0 {
+			continue
+		}
+		for d := range best {
+			if best[d] < 0 || v > s[best[d]] {
+				copy(best[d+1:], best[d:len(best)-1])
+				best[d] = g
+				break
+			}
+		}
+	}
+	var c []*Replica
+	for _, g := range best {
+		if g >= 0 {
+			c = slowTopOf(k, o.groups[g], c, exclude)
+		}
+	}
+	return c
+}
+
+func keysOf(c []*Replica) []Key {
+	out := make([]Key, len(c))
+	for i, rep := range c {
+		out[i] = rep.Key
+	}
+	return out
 }

@@ -48,13 +48,14 @@ const (
 // 1/N of them, and inside it about 1/N more move to or from the replica:
 // about 2/N in all, against 1/N for flat rendezvous (TestStageOrderMoves).
 type stageOrder struct {
-	groups [orderGroups][]member
+	groups  [orderGroups][]member
+	maxSize int // the largest group's size
 }
 
 // member is one replica of a group, its key's hash inline so that a
 // pick weighs a group's members without reading each replica.
 type member struct {
-	key uint64 // keyHash
+	key uint64 // mix64(keyHash): weight(k, rep.Key) is mix64(k ^ key)
 	rep *Replica
 }
 
@@ -79,7 +80,7 @@ func (o *stageOrder) with(rep *Replica) *stageOrder {
 	}
 	g := groupOf(rep.Key)
 	old := next.groups[g]
-	m := member{key: keyHash(rep.Key), rep: rep}
+	m := member{key: mix64(keyHash(rep.Key)), rep: rep}
 	i, found := searchMembers(old, rep.Key.Replica)
 	if found {
 		next.groups[g] = slices.Clone(old)
@@ -87,6 +88,7 @@ func (o *stageOrder) with(rep *Replica) *stageOrder {
 		return next
 	}
 	next.groups[g] = slices.Insert(slices.Clip(old), i, m)
+	next.maxSize = max(next.maxSize, len(next.groups[g]))
 	return next
 }
 
@@ -102,6 +104,10 @@ func (o *stageOrder) without(k Key) *stageOrder {
 	}
 	next := *o
 	next.groups[g] = slices.Delete(slices.Clone(o.groups[g]), i, i+1)
+	next.maxSize = 0
+	for _, ms := range next.groups {
+		next.maxSize = max(next.maxSize, len(ms))
+	}
 	return &next
 }
 
@@ -110,31 +116,61 @@ func newStageOrder(st []*Replica) *stageOrder {
 	o := &stageOrder{}
 	for _, rep := range st { // sorted by id: each group stays sorted
 		g := groupOf(rep.Key)
-		o.groups[g] = append(o.groups[g], member{key: keyHash(rep.Key), rep: rep})
+		o.groups[g] = append(o.groups[g], member{key: mix64(keyHash(rep.Key)), rep: rep})
+		o.maxSize = max(o.maxSize, len(o.groups[g]))
 	}
 	return o
 }
 
 // groupScore is the weighted rendezvous score of group g of size n for
-// key k: n / −ln(u), u uniform in (0, 1) from the two hashes. The
-// heaviest group wins with probability n / (sum of the sizes).
+// key k: n / −ln(u), u uniform in (0, 1) from the two hashes (groupU).
+// The heaviest group wins with probability n / (sum of the sizes).
 func groupScore(k uint64, g, n int) float64 {
 	if n == 0 {
 		return 0
 	}
-	u := (float64(mix64(k^mix64(uint64(g)^groupScoreSalt))>>11) + 0.5) / (1 << 53)
-	return float64(n) / -math.Log(u)
+	return float64(n) / -math.Log(groupU(k, g))
 }
 
+// groupU is the uniform draw in (0, 1) of group g for key k.
+func groupU(k uint64, g int) float64 {
+	return (float64(mix64(k^groupMix[g])>>11) + 0.5) / (1 << 53)
+}
+
+// groupMix is mix64(g ^ groupScoreSalt) for each group: a constant of the
+// order, hashed once rather than on every pick.
+var groupMix = func() (m [orderGroups]uint64) {
+	for g := range m {
+		m[g] = mix64(uint64(g) ^ groupScoreSalt)
+	}
+	return m
+}()
+
+// pruneMargin keeps heaviest's pruning exact: a group is skipped only
+// when its draw is below the bound by a relative margin far above the
+// rounding error of math.Log and math.Exp (about 1e-16), so that it
+// cannot score as much as the second heaviest group found so far; and
+// far above the 2⁻³¹ resolution of a score in weight's high bits, so
+// that a skipped group's members weigh less than a top group's
+// (argmax), with a relative gap of at least 1e-5·n₂/(nmax·37) > 1e-8
+// (−ln u ≤ 37 for the draws groupU makes; group sizes within 10×).
+const pruneMargin = 1 - 1e-5
+
 // order is one pick's view of a large stage's rendezvous order: the
-// group scores of up to two keys, computed once each. A nil *order is
-// flat rendezvous (weight), as small stages use. One pick's: not safe for
-// concurrent use.
+// group scores of up to two keys, each computed at most once, and only
+// for the groups the pick needs (the two heaviest, and the groups of the
+// candidates it weighs). A nil *order is flat rendezvous (weight), as
+// small stages use. One pick's: not safe for concurrent use.
 type order struct {
 	o      *stageOrder
 	keys   [2]uint64
 	nkeys  int
+	known  [2][orderGroups / 64]uint64 // which scores are computed
 	scores [2][orderGroups]float64
+	// floor is the score of the key's orderDepth-th heaviest group once
+	// heaviest ran for it (floorOK): every group not known scores less.
+	floor   [2]float64
+	floorOK [2]bool
 }
 
 // reset points ord at a stage's order and forgets the cached scores.
@@ -142,11 +178,11 @@ func (ord *order) reset(o *stageOrder) {
 	ord.o, ord.nkeys = o, 0
 }
 
-// scoresOf is the group scores of key k, cached for the first two keys.
-func (ord *order) scoresOf(k uint64) *[orderGroups]float64 {
+// slotOf is the slot of key k's scores, cached for the first two keys.
+func (ord *order) slotOf(k uint64) int {
 	for i := range ord.nkeys {
 		if ord.keys[i] == k {
-			return &ord.scores[i]
+			return i
 		}
 	}
 	i := ord.nkeys
@@ -156,10 +192,23 @@ func (ord *order) scoresOf(k uint64) *[orderGroups]float64 {
 		ord.nkeys++
 	}
 	ord.keys[i] = k
-	for g := range ord.scores[i] {
-		ord.scores[i][g] = groupScore(k, g, len(ord.o.groups[g]))
+	ord.known[i] = [orderGroups / 64]uint64{}
+	ord.floorOK[i] = false
+	return i
+}
+
+// isKnown reports whether the score of group g is computed in slot i.
+func (ord *order) isKnown(i, g int) bool { return ord.known[i][g/64]&(1<<(g%64)) != 0 }
+
+// score is the score of group g for the key in slot i, computed once.
+func (ord *order) score(i int, g int) float64 {
+	if ord.isKnown(i, g) {
+		return ord.scores[i][g]
 	}
-	return &ord.scores[i]
+	v := groupScore(ord.keys[i], g, len(ord.o.groups[g]))
+	ord.scores[i][g] = v
+	ord.known[i][g/64] |= 1 << (g % 64)
+	return v
 }
 
 // weight is the rendezvous weight of replica key for k: flat (weight)
@@ -172,59 +221,178 @@ func (ord *order) weight(k uint64, key Key) uint64 {
 	if ord == nil || ord.o == nil {
 		return weight(k, key)
 	}
-	s := ord.scoresOf(k)[groupOf(key)]
+	s := ord.score(ord.slotOf(k), groupOf(key))
 	return math.Float64bits(s)>>21<<22 | weight(k, key)>>42
 }
 
-// top appends to c the first orderWidth eligible replicas of each of k's
-// orderDepth heaviest groups, in k's order: the head of the order, which
-// every head given the same membership computes alike.
-func (ord *order) top(k uint64, c, exclude []*Replica) []*Replica {
-	s := ord.scoresOf(k)
+// heaviest is k's orderDepth heaviest groups, heaviest first (-1: fewer
+// non-empty groups), ties to the lower group. It hashes every group but
+// takes the logarithm only of those whose draw could beat the second
+// heaviest so far (pruneMargin): about a tenth of them.
+func (ord *order) heaviest(k uint64) [orderDepth]int {
+	i := ord.slotOf(k)
 	var best [orderDepth]int
+	var bs [orderDepth]float64
 	for d := range best {
 		best[d] = -1
 	}
-	for g, v := range s {
-		if v == 0 {
+	nmax := float64(ord.o.maxSize)
+	bound := 0.0 // draws below it score less than bs[orderDepth-1]
+	for g := range ord.o.groups {
+		n := len(ord.o.groups[g])
+		if n == 0 {
 			continue
 		}
+		if !ord.isKnown(i, g) && groupU(k, g) < bound {
+			continue
+		}
+		v := ord.score(i, g)
 		for d := range best {
-			if best[d] < 0 || v > s[best[d]] {
+			if best[d] < 0 || v > bs[d] {
 				copy(best[d+1:], best[d:len(best)-1])
-				best[d] = g
+				copy(bs[d+1:], bs[d:len(bs)-1])
+				best[d], bs[d] = g, v
+				if last := bs[orderDepth-1]; last > 0 {
+					// n/−ln(u) ≥ last needs u ≥ exp(−n/last) ≥ exp(−nmax/last).
+					bound = math.Exp(-nmax/last) * pruneMargin
+				}
 				break
 			}
 		}
 	}
-	for _, g := range best {
+	ord.floor[i], ord.floorOK[i] = bs[orderDepth-1], true
+	return best
+}
+
+// argmax is the index of the heaviest for k (weight) of the n candidates
+// that keep accepts, the first of equals; -1 when it accepts none. keep
+// must be pure. Once heaviest ran for k, the groups it skipped score
+// below its floor: when the heaviest candidate of a known group is in
+// one of the key's top groups (the usual case: the pick read their
+// heads), no candidate of a skipped group can weigh more, and their
+// groups' logarithms are not taken.
+func (ord *order) argmax(k uint64, n int, keyOf func(int) Key, keep func(int) bool) int {
+	best, bw := -1, uint64(0)
+	if ord != nil && ord.o != nil {
+		if i := ord.slotOf(k); ord.floorOK[i] {
+			unknown, bg := false, 0
+			for j := range n {
+				if !keep(j) {
+					continue
+				}
+				key := keyOf(j)
+				g := groupOf(key)
+				if !ord.isKnown(i, g) {
+					unknown = true
+					continue
+				}
+				if w := math.Float64bits(ord.scores[i][g])>>21<<22 | weight(k, key)>>42; best < 0 || w > bw {
+					best, bw, bg = j, w, g
+				}
+			}
+			if best >= 0 && (!unknown || ord.scores[i][bg] >= ord.floor[i]) {
+				return best
+			}
+			best = -1
+		}
+	}
+	for j := range n {
+		if keep(j) {
+			if w := ord.weight(k, keyOf(j)); best < 0 || w > bw {
+				best, bw = j, w
+			}
+		}
+	}
+	return best
+}
+
+// topScan is how many of a group's heaviest members top ranks before it
+// reads any replica: when orderWidth of them are eligible, the rest of
+// the group cannot come before them. A group with more than
+// topScan−orderWidth of its head out (asleep, ejected, excluded) is read
+// in full (slowTopOf): slower, same result.
+const topScan = orderWidth + orderWidth/2
+
+// top appends to c the first orderWidth eligible replicas of each of k's
+// orderDepth heaviest groups, in k's order: the head of the order, which
+// every head given the same membership computes alike. It ranks a
+// group's topScan heaviest members from their inline keys, then reads
+// replicas in that order until orderWidth are eligible (usually
+// orderWidth reads); only a group with fewer eligible among those is
+// scanned in full.
+func (ord *order) top(k uint64, c, exclude []*Replica) []*Replica {
+	for _, g := range ord.heaviest(k) {
 		if g < 0 {
 			break
 		}
-		var tops [orderWidth]*Replica
-		var ws [orderWidth]uint64
-		n := 0
-		for _, m := range ord.o.groups[g] {
-			w := mix64(k ^ mix64(m.key)) // weight(k, m.rep.Key)
-			if n == orderWidth && w <= ws[n-1] {
-				continue
-			}
-			rep := m.rep
-			if !eligible(rep, exclude) {
-				continue
-			}
-			i := n
-			if n < orderWidth {
-				n++
-			} else {
-				i = n - 1
-			}
-			for ; i > 0 && ws[i-1] < w; i-- {
-				tops[i], ws[i] = tops[i-1], ws[i-1]
-			}
-			tops[i], ws[i] = rep, w
-		}
-		c = append(c, tops[:n]...)
+		c = ord.topOf(k, ord.o.groups[g], c, exclude)
 	}
 	return c
+}
+
+// topOf appends the first orderWidth eligible members of group ms in k's
+// order.
+func (ord *order) topOf(k uint64, ms []member, c, exclude []*Replica) []*Replica {
+	var heads [topScan]*Replica
+	var ws [topScan]uint64
+	n := 0
+	for _, m := range ms {
+		w := mix64(k ^ m.key) // weight(k, m.rep.Key)
+		if n == topScan && w <= ws[n-1] {
+			continue
+		}
+		i := n
+		if n < topScan {
+			n++
+		} else {
+			i = n - 1
+		}
+		for ; i > 0 && ws[i-1] < w; i-- {
+			heads[i], ws[i] = heads[i-1], ws[i-1]
+		}
+		heads[i], ws[i] = m.rep, w
+	}
+	found := 0
+	for _, rep := range heads[:n] {
+		if found == orderWidth {
+			break
+		}
+		if eligible(rep, exclude) {
+			c = append(c, rep)
+			found++
+		}
+	}
+	if found == orderWidth || n == len(ms) {
+		return c // the whole group weighed, or enough eligible at its head
+	}
+	return slowTopOf(k, ms, c[:len(c)-found], exclude)
+}
+
+// slowTopOf is topOf reading every member: a group whose heaviest
+// topScan members are mostly out.
+func slowTopOf(k uint64, ms []member, c, exclude []*Replica) []*Replica {
+	var tops [orderWidth]*Replica
+	var ws [orderWidth]uint64
+	n := 0
+	for _, m := range ms {
+		w := mix64(k ^ m.key) // weight(k, m.rep.Key)
+		if n == orderWidth && w <= ws[n-1] {
+			continue
+		}
+		rep := m.rep
+		if !eligible(rep, exclude) {
+			continue
+		}
+		i := n
+		if n < orderWidth {
+			n++
+		} else {
+			i = n - 1
+		}
+		for ; i > 0 && ws[i-1] < w; i-- {
+			tops[i], ws[i] = tops[i-1], ws[i-1]
+		}
+		tops[i], ws[i] = rep, w
+	}
+	return append(c, tops[:n]...)
 }

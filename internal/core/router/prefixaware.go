@@ -160,6 +160,28 @@ func (p *PrefixAware) schemeOf(r *Replica) scheme {
 	return scheme{}
 }
 
+// schemeMemo is schemeOf for one pick, remembering the last engine it
+// looked up: a stage's replicas are usually of one engine, so a large
+// pick looks up its tokenizer once rather than once per candidate.
+type schemeMemo struct {
+	p         *PrefixAware
+	name      string
+	blockSize int
+	s         scheme
+	ok        bool
+}
+
+func (m *schemeMemo) of(r *Replica) scheme {
+	e := &r.Engine
+	if m.p.source != PrefixSourceAuto || !e.KVEvents || e.BlockSize <= 0 {
+		return scheme{}
+	}
+	if !m.ok || e.Name != m.name || e.BlockSize != m.blockSize {
+		m.name, m.blockSize, m.s, m.ok = e.Name, e.BlockSize, m.p.schemeOf(r), true
+	}
+	return m.s
+}
+
 // hashesOf returns req's block hashes in scheme s, computing them once.
 func (p *PrefixAware) hashesOf(req *Request, s scheme) []uint64 {
 	for _, sh := range req.hashes {
@@ -254,8 +276,9 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	cs := slices.Grow(sp.cs[:0], len(c))[:len(c)]
 	sp.cs = cs
 	schemes := sp.schemes[:0]
+	memo := schemeMemo{p: p}
 	for i, r := range c {
-		cs[i] = cand{r: r, s: p.schemeOf(r), score: sc.score(r)}
+		cs[i] = cand{r: r, s: memo.of(r), score: sc.score(r)}
 		if !slices.Contains(schemes, cs[i].s) {
 			schemes = append(schemes, cs[i].s)
 		}
@@ -335,18 +358,12 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	// bound, the prefix's rendezvous order decides: every head ranks the
 	// replicas alike for the same prefix, so they agree without talking.
 	// The first in rendezvous order within the bound is the heaviest
-	// within it: one pass, no sort (distinct keys have distinct weights).
+	// within it: no sort (distinct keys have distinct weights).
 	rendezvous := func() int {
 		if req.Text == "" && len(req.Tokens) == 0 {
 			return least // nothing to agree on
 		}
-		root := p.root(req)
-		chosen, cw := -1, uint64(0)
-		for i, x := range cs {
-			if w := req.order.weight(root, x.r.Key); within(x) && (chosen < 0 || w > cw) {
-				chosen, cw = i, w
-			}
-		}
+		chosen := req.order.argmax(p.root(req), len(cs), func(i int) Key { return cs[i].r.Key }, func(i int) bool { return within(cs[i]) })
 		if chosen < 0 {
 			return least
 		}
@@ -519,21 +536,10 @@ func (p *PrefixAware) homeOf(conv uint64, cs []cand, sc scorer, sp *pickScratch)
 	u := float64(mix64(conv^0x5bd1e995)>>11) / (1 << 53)
 	bound := lightest + (0.5+2*u)*max(avg*(p.ReplicateFactor-1), float64(p.ReplicateSlack))
 	// The first in rendezvous order within the bound, and the first
-	// that is also not overloaded: one pass, no sort.
-	first, home := -1, -1
-	var fw, hw uint64
-	for i, x := range cs {
-		if loads[i] > bound {
-			continue
-		}
-		w := sp.ord.weight(conv, x.r.Key)
-		if first < 0 || w > fw {
-			first, fw = i, w
-		}
-		if !p.overloaded(cur[i], least) && (home < 0 || w > hw) {
-			home, hw = i, w
-		}
-	}
+	// that is also not overloaded: no sort.
+	keyOf := func(i int) Key { return cs[i].r.Key }
+	first := sp.ord.argmax(conv, len(cs), keyOf, func(i int) bool { return loads[i] <= bound })
+	home = sp.ord.argmax(conv, len(cs), keyOf, func(i int) bool { return loads[i] <= bound && !p.overloaded(cur[i], least) })
 	switch {
 	case first < 0: // unreachable: the lightest is within
 		return slices.Index(loads, lightest), false

@@ -33,8 +33,9 @@ func (p *PrefixAware) largeCandidates(req *Request, s *Snapshot, stage int, ord 
 	// to be decided by load.
 	var schemes [4]scheme
 	ns := 0
+	memo := schemeMemo{p: p}
 	for _, rep := range c {
-		if sch := p.schemeOf(rep); ns < len(schemes) && !slices.Contains(schemes[:ns], sch) {
+		if sch := memo.of(rep); ns < len(schemes) && !slices.Contains(schemes[:ns], sch) {
 			schemes[ns] = sch
 			ns++
 		}
@@ -42,7 +43,7 @@ func (p *PrefixAware) largeCandidates(req *Request, s *Snapshot, stage int, ord 
 	for _, sch := range schemes[:ns] {
 		keys = p.index.deepest(p.hashesOf(req, sch), prefixHolders, func(k Key) bool {
 			rep, ok := s.Lookup(k)
-			return ok && p.schemeOf(rep) == sch && eligible(rep, exclude)
+			return ok && memo.of(rep) == sch && eligible(rep, exclude)
 		}, keys[:0])
 		for _, k := range keys {
 			if rep, ok := s.Lookup(k); ok {

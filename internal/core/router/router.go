@@ -68,7 +68,22 @@ func (k Key) String() string {
 // Replica is one attached replica. Its identity fields never change; a
 // rejoin with a new address produces a new Replica.
 type Replica struct {
-	Key         Key
+	// What a large stage's pick reads on each of its ~50 candidates, read
+	// at random among thousands of replicas (eligible, scorer): kept
+	// together so that a candidate costs one or two cache lines, not five.
+	Key          Key
+	inFlight     atomic.Int64
+	load         atomic.Int64 // running + waiting, from the replica's latest stats
+	loadAt       atomic.Int64 // when load was reported (unix nanoseconds; 0: never)
+	ejectedUntil atomic.Int64 // the circuit breaker's: until when (unix nanoseconds, 0: not ejected) it is out of rotation
+	sleep        atomic.Int32 // stagepb.SleepState
+	healthy      atomic.Bool  // connection not in TRANSIENT_FAILURE/SHUTDOWN
+	removed      atomic.Bool
+	// Engine is what the replica's Health said on join. The head sets it
+	// between Dial and Add; it never changes once added. Next to the
+	// above: prefix_aware reads its scheme on every candidate.
+	Engine EngineInfo
+
 	StageName   string
 	EngineIndex int
 	Addr        string
@@ -77,28 +92,17 @@ type Replica struct {
 	// Mux sends Generate calls over one Multiplex stream; only for a
 	// replica whose Engine.Multiplex says it serves them.
 	Mux *stagemux.Client
-	// Engine is what the replica's Health said on join. The head sets it
-	// between Dial and Add; it never changes once added.
-	Engine EngineInfo
 
-	conn     *grpc.ClientConn
-	inFlight atomic.Int64
-	load     atomic.Int64 // running + waiting, from the replica's latest stats
-	loadAt   atomic.Int64 // when load was reported (unix nanoseconds; 0: never)
-	cacheAt  atomic.Int64 // when the engine last reported its cache (KvEvents)
-	sleep    atomic.Int32 // stagepb.SleepState
-	healthy  atomic.Bool  // connection not in TRANSIENT_FAILURE/SHUTDOWN
-	removed  atomic.Bool
-	// The circuit breaker (see Breaker): consecutive failed attempts, how
-	// many ejections in a row, and until when (unix nanoseconds, 0: not
-	// ejected) the replica is out of rotation.
+	conn    *grpc.ClientConn
+	cacheAt atomic.Int64 // when the engine last reported its cache (KvEvents)
 	// deadline is what the deadline policy learned of its timing.
-	deadline     deadlineStats
-	failures     atomic.Int32
-	ejections    atomic.Int32
-	ejectedUntil atomic.Int64
-	closeOnce    sync.Once
-	stopWatch    context.CancelFunc
+	deadline deadlineStats
+	// The circuit breaker (see Breaker, and ejectedUntil above):
+	// consecutive failed attempts and how many ejections in a row.
+	failures  atomic.Int32
+	ejections atomic.Int32
+	closeOnce sync.Once
+	stopWatch context.CancelFunc
 
 	mu       sync.Mutex // guards attempts
 	attempts map[*context.CancelCauseFunc]struct{}
