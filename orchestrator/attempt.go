@@ -191,6 +191,9 @@ func (h *Head) excluded(sr *stageRun, tr *stageTrail, failed []*router.Replica) 
 // the last attempt's error, or ErrNoReplica before any attempt.
 func (h *Head) pick(sr *stageRun, failed []*router.Replica, lastErr error) (router.Decision, error) {
 	h.setDeadline(sr)
+	if sr.input != nil {
+		sr.route.AwaitsInput = !sr.input.started()
+	}
 	d, err := h.router.Pick(sr.stage, sr.route, failed)
 	if err != nil {
 		if lastErr != nil {
@@ -345,9 +348,14 @@ type attemptRun struct {
 	fin       stats.Finished
 	start     time.Time
 	last      time.Time // of the latest output
+	// arrived is when the attempt's first output reached the head (its
+	// chunk's arrival; a held chunk's outputs are dated earlier): when
+	// the client or the next stage can have it.
+	arrived time.Time
 	// pending counts the attempt among its replica's waiting for a first
-	// output (deadline stages), until its first output or its end.
-	pending router.Pending
+	// output (deadline stages), from when its input reaches the replica
+	// until its first output or its end.
+	pending *router.Pending
 	// wait is how long a fed stage's input sender waited for input (behind).
 	wait inputWait
 	// stopped: the stage's first output missed its target (Head.missed).
@@ -388,7 +396,11 @@ func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err 
 	defer stall.stop()
 	defer a.sr.gate.arm(cancel)()
 
-	a.pending = h.router.StartFirstOutput(a.rep)
+	if a.sr.input != nil && !a.sr.input.started() {
+		a.pending = h.router.AwaitInput(a.rep) // queued from its first input piece (sendInput)
+	} else {
+		a.pending = h.router.StartFirstOutput(a.rep)
+	}
 	defer a.pending.Done()
 	a.rep.Acquire()
 	defer a.rep.Release()
@@ -685,8 +697,11 @@ func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb
 		stall.progress()
 		h.account(a, chunk)
 		if stagepb.HasOutput(chunk) {
-			if a.last.IsZero() && !a.sr.gate.serve() {
-				return h.missed(a)
+			if a.last.IsZero() {
+				if !a.sr.gate.serve() {
+					return h.missed(a)
+				}
+				a.arrived = time.Now()
 			}
 			a.dateOutputs(chunk)
 			a.keep(chunk)

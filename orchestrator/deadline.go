@@ -349,23 +349,38 @@ func (h *Head) shed(sr *stageRun, d router.Decision) error {
 
 // observeDeadline feeds what an attempt on a deadline stage took to the
 // policy, and the prediction's error to troupe_router_deadline_prediction_error_seconds.
+// The policy learns the replica's own time: from when the attempt's input
+// reached it (router.Pending), so a later stage that waited for the stage
+// before is not judged slow for it; to when its first output reached the
+// head, so a stage whose output is held in chunks for the next stage (a
+// talker's codes, a segment at a time) is judged by its first chunk, what
+// the next stage waits for.
 func (h *Head) observeDeadline(a *attemptRun) {
 	if !h.deadlineStage[a.sr.stage] {
 		return
 	}
-	if ttft := a.fin.TTFT; ttft > 0 {
+	if !a.arrived.IsZero() {
+		ttft := a.arrived.Sub(a.start)
 		if a.d.Predicted > 0 {
 			h.predictionError[a.sr.stage].Observe((ttft - a.d.Predicted).Seconds())
 		}
 		h.router.ObserveFirstOutput(a.pending, ttft)
-	} else if a.stopped {
-		// Stopped at the target: its first output would have come later
-		// than this. Learned as if it came now, or a replica slower than
-		// every target would never be learned (none of its first outputs
-		// comes in time) and would keep the share of an unobserved one.
+	} else if due := a.sr.route.Deadline; a.stopped || (!due.IsZero() && !time.Now().Before(due)) {
+		// Ended without a first output past its target: stopped there
+		// (the gate), or, on another stage, cancelled with its request
+		// when the last stage's gate stopped it. Its first output would
+		// have come later than this. Learned as if it came now, or a
+		// replica slower than every target would never be learned (none
+		// of its first outputs comes in time) and would keep the share of
+		// an unobserved one. One that never got its input is not learned
+		// (ObserveFirstOutput).
 		h.router.ObserveFirstOutput(a.pending, a.fin.E2E)
 	}
-	h.router.ObserveHold(a.rep, a.fin.E2E)
+	if lead, ok := a.pending.Lead(); ok {
+		h.router.ObserveHold(a.rep, a.fin.E2E-lead)
+	} else if a.d.Probe {
+		h.router.ReleaseProbe(a.rep) // it never reached the replica
+	}
 	if a.out.sampleRate > 0 && a.out.pcmBytes > 0 && !a.last.IsZero() && a.fin.TTFT > 0 {
 		first := a.start.Add(a.fin.TTFT)
 		if wall := a.last.Sub(first); wall > 0 {

@@ -224,6 +224,14 @@ func (in *stageInput) close() {
 	in.mu.Unlock()
 }
 
+// started reports whether the input has its first piece, or ended
+// without one: an attempt starting now sends its first message at once.
+func (in *stageInput) started() bool {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return len(in.pieces) > 0 || in.closed
+}
+
 // restart starts a new attempt's reading from the first piece.
 func (in *stageInput) restart() {
 	in.mu.Lock()
@@ -356,6 +364,9 @@ func (h *Head) sendInput(ctx context.Context, a *attemptRun, stream stagepb.Stag
 		}
 		if err := stream.Send(msg); err != nil {
 			return
+		}
+		if i == 0 {
+			a.pending.InputSent() // from now the attempt queues on the replica
 		}
 		for _, p := range ps {
 			h.pipeline.Handoff(stage-1, time.Since(p.at))

@@ -3,6 +3,7 @@ package router
 import (
 	"fmt"
 	"math"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -67,9 +68,14 @@ type deadlineStats struct {
 	dev  atomic.Uint64 // the mean absolute deviation of unit's observations from it
 	hold atomic.Uint64 // seconds an attempt holds one of the replica's slots (its whole duration)
 	rtf  atomic.Uint64 // audio seconds made per wall second, after the first output
-	// pending counts this head's attempts on the replica that have started
-	// and not yet given their first output (nor ended): see Pending.
+	// pending counts this head's attempts on the replica whose input has
+	// reached it and that have not yet given their first output (nor
+	// ended): its queue of first outputs, see Pending.
 	pending atomic.Int64
+	// awaiting counts this head's attempts on the replica that have
+	// started and whose input has not reached it yet (a fed stage's, see
+	// Router.AwaitInput): they hold no slot of the engine's yet.
+	awaiting atomic.Int64
 	// seen is when the replica last got an attempt or an observation
 	// while shedding (unix nanoseconds): see DeadlineProbeAfter.
 	seen atomic.Int64
@@ -103,19 +109,24 @@ const DeadlineMargin = 1
 // prefill rate plus one decode latency) gives a new request its first
 // output after the prefills ahead of it and its own: so per replica
 //
-//	predicted = unit × (pending + 1) + slot wait
+//	predicted = lead + unit × (pending + 1) + slot wait
 //
 // where pending is how many of this head's attempts on the replica have
-// started and not yet given their first output (Router.StartFirstOutput),
-// unit is the moving average of observed first-output times divided by
-// (pending at the attempt's start + 1) (one request's prefill, plus the
-// step overhead it shares), and slot wait is, when the replica already runs
-// Capacity requests or more (this head's in flight, or the engine's
-// reported running+waiting when larger), (occupancy − Capacity + 1) ×
-// hold / Capacity, hold being the moving average of how long an attempt
-// holds a slot. A replica not yet observed takes the mean unit of those
-// that were (0 when none was: it is tried). The in-time check adds Margin
-// mean deviations to unit. The real-time check compares the replica's
+// their input there and not yet their first output (Pending), unit is the
+// moving average of observed first-output times, counted from when the
+// attempt's input reached the replica, divided by (pending then + 1) (one
+// request's prefill, plus the step overhead it shares), and slot wait is,
+// when the replica already runs Capacity requests or more (this head's in
+// flight whose input reached it, or the engine's reported running+waiting
+// when larger), (occupancy − Capacity + 1) × hold / Capacity, hold being
+// the moving average of how long an attempt holds a slot. lead is, for a
+// request whose input does not exist yet (Request.AwaitsInput: a streamed
+// later stage), the stage's moving average of how long such attempts
+// waited for their first input piece (ObserveLead), else 0: the replica's
+// own time is what the replicas differ in, the wait is the stage's. A
+// replica not yet observed takes the mean unit of those that were (0 when
+// none was: it is tried). The in-time check adds Margin mean deviations
+// to unit and to lead. The real-time check compares the replica's
 // moving average of audio seconds per wall second with Request.MinRTF; a
 // replica not yet observed passes it.
 //
@@ -134,6 +145,18 @@ type Deadline struct {
 	MaxAge   time.Duration
 	Affinity Affinity
 	Options  DeadlineOptions
+
+	// lead and leadDev are the stage's moving averages of how long an
+	// attempt routed before its input existed waited for its first input
+	// piece (a streamed later stage's: the stages before it), and their
+	// mean deviation (float64 bits): see Request.AwaitsInput.
+	lead, leadDev atomic.Uint64
+	// fed: the stage's attempts are fed by the stage before (AwaitInput
+	// was called). Their first output is the decode of their first
+	// segment, batched with the others' (a talker's first chunk of codes,
+	// a vocoder's first audio), not a queue of prefills: so unit is
+	// not divided by, nor the prediction multiplied by, pending + 1.
+	fed atomic.Bool
 }
 
 // Name implements Policy.
@@ -168,9 +191,10 @@ func (p *Deadline) factor(s int64) float64 { return 1 + float64(max(s, 0))/p.cap
 
 // slotWait is the predicted wait for one of r's slots: 0 below Capacity,
 // else (occupancy − Capacity + 1) × hold / Capacity, occupancy being this
-// head's in flight or the engine's fresh report when larger.
+// head's in flight whose input reached r, or the engine's fresh report
+// when larger.
 func (p *Deadline) slotWait(r *Replica, sc *scorer) float64 {
-	occ := r.InFlight()
+	occ := max(r.InFlight()-r.deadline.awaiting.Load(), 0)
 	if sc.fresh(r) {
 		occ = max(occ, r.Load())
 	}
@@ -195,7 +219,10 @@ func (p *Deadline) predict(r *Replica, sc *scorer, prior float64) (pred, bound f
 		f := p.factor(sc.score(r))
 		return u * f, (u + p.margin()*dev) * f
 	}
-	n := float64(max(r.deadline.pending.Load(), 0) + 1)
+	n := 1.0
+	if !p.fed.Load() {
+		n = float64(max(r.deadline.pending.Load(), 0) + 1)
+	}
 	w := p.slotWait(r, sc)
 	return u*n + w, (u+p.margin()*dev)*n + w
 }
@@ -219,12 +246,21 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 	if !req.Deadline.IsZero() {
 		budget = float64(req.Deadline.UnixNano()-sc.now) / float64(time.Second)
 	}
+	// An attempt whose input does not exist yet starts on the replica
+	// only when it comes: what is left of the budget for the replica's own
+	// time is less the wait for it.
+	var lead, leadBound float64
+	if req.AwaitsInput {
+		lead = loadFloat(&p.lead)
+		leadBound = lead + p.margin()*loadFloat(&p.leadDev)
+	}
 	var best, least, soonest *Replica
 	var bestScore, leastScore, soonestScore, bestQueued int64
 	var bestPred, leastPred, soonestPred float64
 	for _, r := range c {
 		s := sc.score(r)
 		pred, bound := p.predict(r, &sc, prior)
+		pred, bound = pred+lead, bound+leadBound
 		if least == nil || s < leastScore {
 			least, leastScore, leastPred = r, s, pred
 		}
@@ -245,8 +281,11 @@ func (p *Deadline) Pick(req *Request, c []*Replica) Decision {
 		d = Decision{Policy: PolicyDeadline, Reason: ReasonLoad, Replica: least, Score: leastScore, Predicted: seconds(leastPred)}
 	case best == nil:
 		d = Decision{Policy: PolicyDeadline, Reason: ReasonLoadFallback, Replica: soonest, Score: soonestScore, Predicted: seconds(soonestPred)}
-		if p.Options.Admission && !probe(soonest, sc.now) {
-			d.Reason = ReasonDeadlineShed
+		if p.Options.Admission {
+			d.Probe = probe(soonest, sc.now)
+			if !d.Probe {
+				d.Reason = ReasonDeadlineShed
+			}
 		}
 	}
 	return d
@@ -271,6 +310,18 @@ func probe(r *Replica, now int64) bool {
 	return now-seen >= int64(DeadlineProbeAfter) && r.deadline.seen.CompareAndSwap(seen, now)
 }
 
+// ReleaseProbe makes r due a probe again (see DeadlineProbeAfter): its
+// probe taught nothing, the attempt having ended before its input reached
+// r (another stage of a streamed request shed it). A probe at one stage
+// is otherwise spent on requests the other stages refuse, and a pipeline
+// whose stages all predict late recovers only when their probes happen to
+// fall on the same request. Safe for concurrent use.
+func (rt *Router) ReleaseProbe(r *Replica) {
+	if _, ok := rt.stages[r.Key.Stage].Policy.(*Deadline); ok {
+		r.deadline.seen.Store(time.Now().Add(-DeadlineProbeAfter).UnixNano())
+	}
+}
+
 // keepsRate reports whether r is known to keep min audio seconds per wall
 // second, or not known not to.
 func keepsRate(r *Replica, min float64) bool {
@@ -281,24 +332,50 @@ func keepsRate(r *Replica, min float64) bool {
 	return rtf == 0 || rtf >= min
 }
 
-// Observe records that an attempt on r gave its first output after ttft;
-// at is its place in r's queue when it started (Router.StartFirstOutput).
-// An observation above deadlineMaxJump units counts as that many. Safe
-// for concurrent use, lock-free.
-func (p *Deadline) Observe(r *Replica, at Pending, ttft time.Duration) {
+// Observe records that an attempt on r gave its first output ttft after
+// its input reached r (the replica's own time, see Pending); at is its
+// place in r's queue then (nil: none ahead). An observation above
+// deadlineMaxJump units counts as that many. Safe for concurrent use,
+// lock-free but for at's lock.
+func (p *Deadline) Observe(r *Replica, at *Pending, ttft time.Duration) {
 	r.deadline.seen.Store(time.Now().UnixNano())
-	x := (ttft.Seconds() - at.slot) / float64(at.ahead+1)
+	var ahead, score int64
+	var slot float64
+	if at != nil {
+		at.mu.Lock()
+		ahead, slot, score = at.ahead, at.slot, at.score
+		at.mu.Unlock()
+	}
+	if p.fed.Load() {
+		ahead = 0 // see Deadline.fed
+	}
+	x := (ttft.Seconds() - slot) / float64(ahead+1)
 	if p.Options.Model == DeadlineModelLoad {
-		x = ttft.Seconds() / p.factor(at.score)
+		x = ttft.Seconds() / p.factor(score)
 	}
 	if x <= 0 {
 		return
 	}
-	if u := loadFloat(&r.deadline.unit); u > 0 {
+	observeBounded(&r.deadline.unit, &r.deadline.dev, x)
+}
+
+// observeBounded moves the moving average in avg and its mean deviation
+// in dev toward x, x counting at most deadlineMaxJump times the average.
+func observeBounded(avg, dev *atomic.Uint64, x float64) {
+	if u := loadFloat(avg); u > 0 {
 		x = min(x, deadlineMaxJump*u)
-		ewmaZero(&r.deadline.dev, math.Abs(x-u))
+		ewmaZero(dev, math.Abs(x-u))
 	}
-	ewma(&r.deadline.unit, x)
+	ewma(avg, x)
+}
+
+// ObserveLead records that an attempt routed before its input existed got
+// its first input piece lead after it started. Safe for concurrent use,
+// lock-free.
+func (p *Deadline) ObserveLead(lead time.Duration) {
+	if lead > 0 {
+		observeBounded(&p.lead, &p.leadDev, lead.Seconds())
+	}
 }
 
 // deadlineMaxJump bounds how much one observation counts: at most this
@@ -365,47 +442,139 @@ func (rt *Router) PredictedFirstOutput(r *Replica) (time.Duration, bool) {
 
 // Pending is one attempt's place among those of this head waiting for
 // their first output on its replica, counted only on a stage whose policy
-// is deadline (the zero value counts nothing). Done ends it; call Done at
-// the attempt's first output and again, harmlessly, when it ends. One
-// attempt's: not safe for concurrent use.
+// is deadline (a nil *Pending counts nothing). An attempt queues on its
+// replica from when its input reaches it: at its start (StartFirstOutput),
+// or for a fed stage at its first input piece (AwaitInput, then
+// InputSent); until then it is counted as awaiting its input, and the
+// time it waits is not the replica's (Lead). Done ends it; call Done at
+// the attempt's first output and again, harmlessly, when it ends. Safe for
+// concurrent use: a fed stage's input sender calls InputSent while its
+// receiver may call Done.
 type Pending struct {
 	r     *Replica
 	p     *Deadline
-	ahead int64   // attempts waiting on r when this one started
-	slot  float64 // the slot wait predicted then, seconds
-	score int64   // the replica's load score then (DeadlineModelLoad)
-	done  bool
+	start time.Time
+
+	awaiting bool // started by AwaitInput
+
+	mu     sync.Mutex
+	state  int8      // pendingAwaiting, pendingQueued or pendingDone
+	queued time.Time // when the input reached the replica; zero: not yet
+	ahead  int64     // attempts waiting on r then
+	slot   float64   // the slot wait predicted then, seconds
+	score  int64     // the replica's load score then (DeadlineModelLoad)
 }
 
-// StartFirstOutput counts an attempt starting on r, before it takes its
-// slot (Replica.Acquire), among those waiting for their first output.
-// Safe for concurrent use.
-func (rt *Router) StartFirstOutput(r *Replica) Pending {
+const (
+	pendingAwaiting int8 = iota
+	pendingQueued
+	pendingDone
+)
+
+// StartFirstOutput counts an attempt starting on r with its input (a
+// request of its own), before it takes its slot (Replica.Acquire), among
+// those waiting for their first output. nil when r's stage does not route
+// by deadline. Safe for concurrent use.
+func (rt *Router) StartFirstOutput(r *Replica) *Pending {
 	p, ok := rt.stages[r.Key.Stage].Policy.(*Deadline)
 	if !ok {
-		return Pending{}
+		return nil
 	}
-	sc := newScorer([]*Replica{r}, p.MaxAge)
-	slot := p.slotWait(r, &sc)
-	return Pending{r: r, p: p, ahead: max(r.deadline.pending.Add(1)-1, 0), slot: slot, score: sc.score(r)}
+	w := &Pending{r: r, p: p, start: time.Now()}
+	w.mu.Lock()
+	w.queue(w.start) // its input came with it: no lead
+	w.mu.Unlock()
+	return w
 }
 
-// Done takes the attempt out of its replica's count; only the first call
+// AwaitInput counts an attempt starting on r whose input does not exist
+// yet (a streamed later stage, fed by the stage before): it queues on r
+// only from InputSent. nil when r's stage does not route by deadline.
+// Safe for concurrent use.
+func (rt *Router) AwaitInput(r *Replica) *Pending {
+	p, ok := rt.stages[r.Key.Stage].Policy.(*Deadline)
+	if !ok {
+		return nil
+	}
+	if !p.fed.Load() {
+		p.fed.Store(true)
+	}
+	r.deadline.awaiting.Add(1)
+	return &Pending{r: r, p: p, start: time.Now(), awaiting: true}
+}
+
+// InputSent records that the attempt's first input piece reached its
+// replica: from now it queues there, and the time it waited for it is the
+// stage's lead (Deadline.ObserveLead). Only the first call of an attempt
+// started by AwaitInput counts, and none after Done.
+func (w *Pending) InputSent() {
+	if w == nil {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.awaiting && w.state == pendingAwaiting {
+		w.queue(time.Now())
+		w.p.ObserveLead(w.queued.Sub(w.start))
+	}
+}
+
+// queue moves the attempt into r's queue, its input having reached r at
+// now; w.mu held. The slot wait is taken first, while the attempt itself
+// does not count in r's occupancy (not yet acquired, or awaiting).
+func (w *Pending) queue(now time.Time) {
+	r, p := w.r, w.p
+	sc := newScorer([]*Replica{r}, p.MaxAge)
+	w.slot, w.score = p.slotWait(r, &sc), sc.score(r)
+	if w.awaiting {
+		r.deadline.awaiting.Add(-1)
+	}
+	w.state, w.queued = pendingQueued, now
+	w.ahead = max(r.deadline.pending.Add(1)-1, 0)
+}
+
+// Done takes the attempt out of its replica's counts; only the first call
 // counts.
 func (w *Pending) Done() {
-	if !w.done && w.r != nil {
-		w.done = true
+	if w == nil {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	switch w.state {
+	case pendingAwaiting:
+		w.r.deadline.awaiting.Add(-1)
+	case pendingQueued:
 		w.r.deadline.pending.Add(-1)
 	}
+	w.state = pendingDone
+}
+
+// Lead is how long after its start the attempt's input reached its
+// replica; ok is false when it never did. A nil Pending's is 0.
+func (w *Pending) Lead() (lead time.Duration, ok bool) {
+	if w == nil {
+		return 0, true
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.queued.IsZero() {
+		return 0, false
+	}
+	return w.queued.Sub(w.start), true
 }
 
 // ObserveFirstOutput hands the time to first output of the attempt counted
-// by at to its stage's policy (at's zero value: none). Safe for
+// by at, from the attempt's start, to its stage's policy as the replica's
+// own time: less the attempt's lead (the wait for its input). An attempt
+// whose input never reached its replica teaches nothing of it. Safe for
 // concurrent use.
-func (rt *Router) ObserveFirstOutput(at Pending, ttft time.Duration) {
-	if at.p != nil && ttft > 0 {
-		at.p.Observe(at.r, at, ttft)
+func (rt *Router) ObserveFirstOutput(at *Pending, ttft time.Duration) {
+	lead, ok := at.Lead()
+	if at == nil || !ok || ttft-lead <= 0 {
+		return
 	}
+	at.p.Observe(at.r, at, ttft-lead)
 }
 
 // ObserveHold hands how long an attempt on r held its slot to its stage's

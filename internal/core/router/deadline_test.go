@@ -12,7 +12,7 @@ import (
 // each of an attempt that started with none ahead of it.
 func observe(p *Deadline, c []*Replica, ttft ...time.Duration) {
 	for i, r := range c {
-		p.Observe(r, Pending{}, ttft[i])
+		p.Observe(r, nil, ttft[i])
 	}
 }
 
@@ -80,7 +80,7 @@ func TestDeadlinePredictionCountsPendingFirstOutputs(t *testing.T) {
 	require.True(t, ok)
 	assert.InDelta(t, float64(20*time.Millisecond), float64(got), float64(time.Microsecond), "none waiting: one unit")
 
-	queued := []Pending{rt.StartFirstOutput(c[0]), rt.StartFirstOutput(c[0])}
+	queued := []*Pending{rt.StartFirstOutput(c[0]), rt.StartFirstOutput(c[0])}
 	got, _ = rt.PredictedFirstOutput(c[0])
 	assert.InDelta(t, float64(60*time.Millisecond), float64(got), float64(time.Microsecond), "two waiting: three units")
 	for range 3 {
@@ -103,7 +103,7 @@ func TestDeadlinePredictionCountsPendingFirstOutputs(t *testing.T) {
 
 	// Later observations move the average by deadlineAlpha, and the
 	// deviation from 0; the in-time check adds the margin to the unit.
-	p.Observe(c[0], Pending{}, 35*time.Millisecond)
+	p.Observe(c[0], nil, 35*time.Millisecond)
 	u := 0.020 + deadlineAlpha*(0.035-0.020)
 	assert.InDelta(t, u, loadFloat(&c[0].deadline.unit), 1e-9)
 	dev := deadlineAlpha * 0.015
@@ -116,7 +116,7 @@ func TestDeadlinePredictionCountsPendingFirstOutputs(t *testing.T) {
 	assert.InDelta(t, (u+DeadlineMargin*dev)*2, bound, 1e-9)
 
 	// One stalled observation counts as deadlineMaxJump units at most.
-	p.Observe(c[0], Pending{}, time.Second)
+	p.Observe(c[0], nil, time.Second)
 	assert.InDelta(t, u+deadlineAlpha*(deadlineMaxJump*u-u), loadFloat(&c[0].deadline.unit), 1e-9, "a stall of 1 s does not spoil the unit")
 
 	// A stage routed otherwise counts nothing; the zero Pending's Done is
@@ -135,7 +135,7 @@ func TestDeadlinePredictionWaitsForASlot(t *testing.T) {
 	p := &Deadline{Options: DeadlineOptions{Capacity: 2}}
 	rt := New([]StageRouting{{Policy: p}}, nil, nil)
 	c := replicas(1)
-	p.Observe(c[0], Pending{}, 30*time.Millisecond)
+	p.Observe(c[0], nil, 30*time.Millisecond)
 	rt.ObserveHold(c[0], 100*time.Millisecond)
 	c[0].Acquire()
 	got, _ := rt.PredictedFirstOutput(c[0])
@@ -163,12 +163,12 @@ func TestDeadlineMarginForVariance(t *testing.T) {
 	p := &Deadline{}
 	c := replicas(2)
 	for i := range 40 {
-		p.Observe(c[0], Pending{}, 30*time.Millisecond)
+		p.Observe(c[0], nil, 30*time.Millisecond)
 		jitter := 20 * time.Millisecond
 		if i%2 == 0 {
 			jitter = -jitter
 		}
-		p.Observe(c[1], Pending{}, 30*time.Millisecond+jitter)
+		p.Observe(c[1], nil, 30*time.Millisecond+jitter)
 	}
 	c[0].Acquire()
 	defer c[0].Release()
@@ -263,12 +263,22 @@ func TestDeadlineProbesWhileShedding(t *testing.T) {
 	c[1].deadline.seen.Store(time.Now().Add(-2 * DeadlineProbeAfter).UnixNano())
 	d := p.Pick(late, c)
 	assert.Equal(t, ReasonLoadFallback, d.Reason, "a probe goes through")
+	assert.True(t, d.Probe)
 	assert.Equal(t, c[1], d.Replica, "to the replica predicted soonest")
 	assert.Equal(t, ReasonDeadlineShed, p.Pick(late, c).Reason, "one probe per interval")
 
+	// A probe that taught nothing (another stage shed its request before
+	// its input came) is given back: the next request probes.
+	rt := New([]StageRouting{{Policy: p}}, nil, nil)
+	rt.ReleaseProbe(c[1])
+	d = p.Pick(late, c)
+	assert.True(t, d.Probe, "due again")
+	assert.Equal(t, c[1], d.Replica)
+	assert.False(t, p.Pick(late, c).Probe)
+
 	// The probe's outcome, fast again, reopens the replica to targets.
 	for range 10 {
-		p.Observe(c[1], Pending{}, 10*time.Millisecond)
+		p.Observe(c[1], nil, 10*time.Millisecond)
 	}
 	d = p.Pick(late, c)
 	assert.Equal(t, ReasonDeadline, d.Reason)
@@ -298,4 +308,75 @@ func TestDeadlineLoadModel(t *testing.T) {
 	assert.NoError(t, CheckDeadlineModel(""))
 	assert.NoError(t, CheckDeadlineModel(DeadlineModelLoad))
 	assert.Error(t, CheckDeadlineModel("psychic"))
+}
+
+// An attempt whose input does not exist yet (a streamed later stage)
+// awaits it outside the replica's queue and slots; from its first input
+// piece it queues, the time it waited is the stage's lead, and its first
+// output is learned as the replica's own time, less the lead. A pick for
+// such an attempt adds the lead, so a fast replica whose input comes late
+// is predicted late for a target shorter than the wait, and in time for
+// one that covers it. An attempt whose input never came teaches nothing.
+func TestDeadlineLeadIsNotTheReplicas(t *testing.T) {
+	p := &Deadline{Options: DeadlineOptions{Capacity: 1}}
+	rt := New([]StageRouting{{Policy: p}}, nil, nil)
+	c := replicas(1)
+	rt.ObserveHold(c[0], 100*time.Millisecond)
+
+	w := rt.AwaitInput(c[0])
+	c[0].Acquire()
+	assert.Equal(t, int64(1), c[0].deadline.awaiting.Load())
+	assert.Equal(t, int64(0), c[0].deadline.pending.Load(), "not in the replica's queue before its input")
+	sc := newScorer(c, 0)
+	assert.Zero(t, p.slotWait(c[0], &sc), "nor holding one of its slots")
+	w.start = w.start.Add(-80 * time.Millisecond) // it waited 80 ms for its input
+	w.InputSent()
+	w.InputSent() // only the first counts
+	assert.Equal(t, int64(0), c[0].deadline.awaiting.Load())
+	assert.Equal(t, int64(1), c[0].deadline.pending.Load())
+	lead, ok := w.Lead()
+	require.True(t, ok)
+	assert.InDelta(t, 0.080, lead.Seconds(), 0.005)
+	assert.InDelta(t, 0.080, loadFloat(&p.lead), 0.005, "the stage's lead")
+	w.Done()
+	rt.ObserveFirstOutput(w, lead+20*time.Millisecond)
+	c[0].Release()
+	assert.InDelta(t, 0.020, loadFloat(&c[0].deadline.unit), 1e-9, "the replica's own 20 ms, not the 100 ms since the attempt's start")
+
+	d := p.Pick(&Request{Deadline: time.Now().Add(50 * time.Millisecond)}, c)
+	assert.Equal(t, ReasonDeadline, d.Reason, "its input there, the replica is in time")
+	d = p.Pick(&Request{Deadline: time.Now().Add(50 * time.Millisecond), AwaitsInput: true}, c)
+	assert.Equal(t, ReasonLoadFallback, d.Reason, "20 ms of its own after 80 ms of wait: late for 50 ms")
+	assert.InDelta(t, 0.100, d.Predicted.Seconds(), 0.005)
+	d = p.Pick(&Request{Deadline: time.Now().Add(150 * time.Millisecond), AwaitsInput: true}, c)
+	assert.Equal(t, ReasonDeadline, d.Reason)
+
+	// A fed stage's first output is its first segment's decode, batched:
+	// first outputs pending do not multiply it.
+	queued := []*Pending{rt.StartFirstOutput(c[0]), rt.StartFirstOutput(c[0])}
+	got, _ := rt.PredictedFirstOutput(c[0])
+	assert.InDelta(t, 0.020, got.Seconds(), 1e-9)
+	for _, q := range queued {
+		q.Done()
+	}
+
+	// Ended before its input came (the stage before failed or was late):
+	// nothing learned of the replica, nothing held.
+	w = rt.AwaitInput(c[0])
+	w.Done()
+	w.InputSent()
+	_, ok = w.Lead()
+	assert.False(t, ok)
+	rt.ObserveFirstOutput(w, time.Second)
+	assert.InDelta(t, 0.020, loadFloat(&c[0].deadline.unit), 1e-9)
+	assert.Equal(t, int64(0), c[0].deadline.awaiting.Load())
+	assert.Equal(t, int64(0), c[0].deadline.pending.Load())
+
+	// A stage routed otherwise counts nothing; a nil Pending is harmless.
+	other := New([]StageRouting{{Policy: LeastLoaded{}}}, nil, nil)
+	none := other.AwaitInput(c[0])
+	assert.Nil(t, none)
+	none.InputSent()
+	none.Done()
+	other.ObserveFirstOutput(none, time.Second)
 }

@@ -87,7 +87,7 @@ func BenchmarkPick(b *testing.B) {
 				if dp, ok := p.(*Deadline); ok {
 					// Every replica observed, a tenth of them too slow.
 					for i, rep := range reps {
-						dp.Observe(rep, Pending{}, time.Duration(20+180*(i%10/9))*time.Millisecond)
+						dp.Observe(rep, nil, time.Duration(20+180*(i%10/9))*time.Millisecond)
 					}
 				}
 				sample := make([]time.Duration, 0, min(b.N, 1<<20))

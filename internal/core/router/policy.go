@@ -239,6 +239,11 @@ type Decision struct {
 	// its predicted time to first output (0: nothing known).
 	Score     int64
 	Predicted time.Duration
+	// Probe: a deadline pick under admission that sends the request to
+	// the replica predicted soonest instead of shedding it (see
+	// DeadlineProbeAfter); Router.ReleaseProbe gives the probe back when
+	// the attempt taught nothing.
+	Probe bool
 }
 
 // Values of Decision.PrefixSource (the troupe.route.prefix_source attribute).
@@ -264,6 +269,12 @@ type Request struct {
 	// wall second the stage must keep.
 	Deadline time.Time
 	MinRTF   float64
+	// AwaitsInput: the stage's input does not exist yet when it is routed
+	// (a later stage of a streamed pipeline, fed by the stage before): the
+	// deadline policy adds the stage's learned wait for it (its lead, with
+	// Margin mean deviations in the in-time check) to each replica's own
+	// predicted time to first output.
+	AwaitsInput bool
 
 	hashes []schemeHashes
 	// order is a large stage's rendezvous order during one pick (nil:

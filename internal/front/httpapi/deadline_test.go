@@ -2,6 +2,7 @@ package httpapi
 
 import (
 	"encoding/json"
+	"log/slog"
 	"net/http"
 	"strconv"
 	"strings"
@@ -211,4 +212,94 @@ func TestDeadlinePredictionQueueAware(t *testing.T) {
 		require.NoError(t, <-errs)
 	}
 	assert.Less(t, predicted(), 0.75*peak, "none pending once both answered")
+}
+
+// A streamed later stage waits for its input, the stage before's output:
+// the deadline policy learns the replica's own time from when its first
+// input piece reached it, not from the attempt's start, and adds the
+// stage's learned wait for its input (its lead) when it checks a target.
+// Here the thinker takes about half a second to its first words and the
+// talker, fed by it, a few tens of milliseconds after them: the talker's
+// predicted first output stays its own, far below the wait (before, it
+// was judged as slow as the thinker); and under admission a first-audio
+// target shorter than the wait is refused up front (429, stage "talker")
+// although the talker alone would be in time, while a longer one is
+// served.
+func TestDeadlineLaterStageExcludesInputWait(t *testing.T) {
+	p := orchestrator.DefaultPipeline()
+	p.Stages[1].Policy = "deadline"
+	p.Stages[1].Deadline = &orchestrator.Deadline{Admission: true}
+	c := startCluster(t, orchestratortest.Options{Pipeline: p, ReplicasPerStage: -1})
+	quiet := slog.New(slog.DiscardHandler)
+	fast := sim.Config{DecodeTokenLatency: 2 * time.Millisecond, Logger: quiet}
+	// About 500 ms of prefill for the prompt below.
+	slowPrefill := sim.Config{DecodeTokenLatency: 2 * time.Millisecond, PrefillTokensPerSec: 600, Logger: quiet}
+	c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{Sim: &slowPrefill})
+	c.AddWorker(t, "talker", orchestratortest.WorkerOptions{Sim: &fast})
+	c.AddWorker(t, "vocoder", orchestratortest.WorkerOptions{Sim: &fast})
+	require.Eventually(t, func() bool {
+		n := 0
+		for _, r := range c.Head.Replicas() {
+			if r.State == "attached" {
+				n++
+			}
+		}
+		return n == 3
+	}, 30*time.Second, 5*time.Millisecond)
+	a := startAPI(t, c, Config{}, nil, nil)
+	client := a.openai()
+	n := 0
+	chat := func(deadline string) (*openai.ChatCompletion, error) {
+		n++ // a prompt of its own each: no prefix cached
+		prompt := strconv.Itoa(n) + strings.Repeat(" tell me about the weather", 60)
+		return client.Chat.Completions.New(testCtx(t), openai.ChatCompletionNewParams{
+			Model:               model,
+			Messages:            []openai.ChatCompletionMessageParamUnion{openai.UserMessage(prompt)},
+			MaxCompletionTokens: openai.Int(8),
+			Modalities:          []string{"text", "audio"},
+			Audio: openai.ChatCompletionAudioParam{
+				Format: openai.ChatCompletionAudioParamFormatWAV,
+				Voice:  openai.ChatCompletionAudioParamVoiceUnion{OfString: openai.String("alloy")},
+			},
+		}, option.WithHeader("X-Troupe-Deadline", deadline))
+	}
+	var took time.Duration
+	for range 3 {
+		start := time.Now()
+		res, err := chat("ttfa=30s")
+		require.NoError(t, err)
+		require.NotEmpty(t, res.Choices[0].Message.Audio.Data)
+		took = time.Since(start)
+	}
+	require.Greater(t, took, 400*time.Millisecond, "the thinker's prefill is slow")
+
+	resp, body := a.do(t, "GET", "/v1/replicas", nil, nil)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "body: %s", body)
+	var list struct {
+		Data []struct {
+			Stage     int      `json:"stage"`
+			Predicted *float64 `json:"predicted_first_output_s"`
+		} `json:"data"`
+	}
+	require.NoError(t, json.Unmarshal(body, &list))
+	var talker *float64
+	for _, r := range list.Data {
+		if r.Stage == 1 {
+			talker = r.Predicted
+		}
+	}
+	require.NotNil(t, talker, "the talker's first outputs are observed")
+	assert.Less(t, *talker, 0.2, "the talker's own time, without the ~500 ms it waited for the thinker")
+
+	// 250 ms: the talker's own time fits, the wait for its input does not.
+	_, err := chat("ttfa=250ms")
+	oe := apiErrorOf(t, err)
+	assert.Equal(t, http.StatusTooManyRequests, oe.StatusCode)
+	assert.Equal(t, "deadline_unmeetable", oe.Code)
+	assert.Contains(t, oe.Message, `stage "talker"`)
+	assert.Equal(t, 1.0, counter(t, c, "troupe_router_decisions_total", "1", "reason", "deadline_shed"))
+
+	_, err = chat("ttfa=20s")
+	require.NoError(t, err)
+	assert.Equal(t, 4.0, counter(t, c, "troupe_router_decisions_total", "1", "reason", "deadline"))
 }
