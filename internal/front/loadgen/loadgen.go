@@ -193,8 +193,9 @@ func (r *runner) more(ctx context.Context) bool {
 	return r.cfg.Duration <= 0 || time.Since(r.start) < r.cfg.Duration
 }
 
-// send sends req, due at scheduled from the start, and records it.
-func (r *runner) send(ctx context.Context, req Request, scheduled time.Duration) {
+// send sends req, due at scheduled from the start, and records it; it
+// returns the answer's Retry-After (0: none).
+func (r *runner) send(ctx context.Context, req Request, scheduled time.Duration) time.Duration {
 	late := time.Since(r.start) - scheduled
 	r.inFlight.Add(1)
 	rec := r.client.do(ctx, req)
@@ -213,6 +214,7 @@ func (r *runner) send(ctx context.Context, req Request, scheduled time.Duration)
 	r.mu.Lock()
 	r.records = append(r.records, rec)
 	r.mu.Unlock()
+	return time.Duration(rec.RetryAfterMS * float64(time.Millisecond))
 }
 
 // launch sends req in its own goroutine, owned by r.wg.
@@ -225,9 +227,22 @@ func (r *runner) launch(ctx context.Context, req Request, scheduled time.Duratio
 	}()
 }
 
+// pause waits d, but not past the run's duration; false when ctx ends
+// first.
+func (r *runner) pause(ctx context.Context, d time.Duration) bool {
+	if r.cfg.Duration > 0 {
+		d = min(d, r.cfg.Duration-time.Since(r.start))
+	}
+	return wait(ctx, d)
+}
+
 // sleepUntil waits until at from the start; false when ctx ends first.
 func (r *runner) sleepUntil(ctx context.Context, at time.Duration) bool {
-	d := time.Until(r.start.Add(at))
+	return wait(ctx, time.Until(r.start.Add(at)))
+}
+
+// wait waits d; false when ctx ends first.
+func wait(ctx context.Context, d time.Duration) bool {
 	if d <= 0 {
 		return ctx.Err() == nil
 	}
@@ -272,7 +287,12 @@ func (r *runner) closedLoop(ctx context.Context) {
 				if !ok {
 					return
 				}
-				r.send(ctx, r.gen.next(), time.Since(r.start))
+				// A client honours Retry-After, as OpenAI's clients do:
+				// without it, N clients refused at once send again at
+				// once, and the run measures a spin of refusals.
+				if wait := r.send(ctx, r.gen.next(), time.Since(r.start)); wait > 0 && !r.pause(ctx, wait) {
+					return
+				}
 			}
 		}()
 	}

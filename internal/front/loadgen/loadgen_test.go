@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -113,19 +114,56 @@ func TestStreamErrorEventFails(t *testing.T) {
 }
 
 // A stream that a troupe head stopped at its target after the text began
-// (a deadline_missed error event: the first audio was late) is shed, not
-// failed, as a 503 deadline_missed before the stream would be.
+// (a deadline_missed error event: the first audio was late), or that a
+// later stage's admission refused (deadline_unmeetable), is shed, not
+// failed, as the same codes' 503 and 429 before the stream would be.
 func TestStreamDeadlineMissedIsShed(t *testing.T) {
+	for _, code := range []string{"deadline_missed", "deadline_unmeetable"} {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			fmt.Fprint(w, "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n")
+			fmt.Fprintf(w, "data: {\"error\":{\"type\":\"server_error\",\"code\":%q,\"message\":\"late\"}}\n\n", code)
+		}))
+		res, err := Run(context.Background(), Config{BaseURL: srv.URL, Model: "m", Workload: WorkloadStream,
+			Concurrency: 1, Requests: 2, MaxTokens: 4, PromptWords: 2, SampleRate: 24000}, nil)
+		srv.Close()
+		require.NoError(t, err)
+		assert.Equal(t, 2, res.Shed, code)
+		assert.Equal(t, 0, res.Failed, code)
+		assert.Equal(t, 1.0, res.ShedShare, code)
+	}
+}
+
+// TestClosedLoopHonoursRetryAfter: a closed-loop client refused with
+// Retry-After waits that long before its next request, as OpenAI's
+// clients do, instead of sending again at once; the record keeps it.
+func TestClosedLoopHonoursRetryAfter(t *testing.T) {
+	var mu sync.Mutex
+	var arrivals []time.Time
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "text/event-stream")
-		fmt.Fprint(w, "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n")
-		fmt.Fprint(w, "data: {\"error\":{\"type\":\"server_error\",\"code\":\"deadline_missed\",\"message\":\"late\"}}\n\n")
+		mu.Lock()
+		arrivals = append(arrivals, time.Now())
+		first := len(arrivals) == 1
+		mu.Unlock()
+		if first {
+			w.Header().Set("Retry-After", "1")
+			http.Error(w, `{"error":{"code":"deadline_unmeetable"}}`, http.StatusTooManyRequests)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprint(w, `{"choices":[{"message":{"content":"ok"}}]}`)
 	}))
 	defer srv.Close()
-	res, err := Run(context.Background(), Config{BaseURL: srv.URL, Model: "m", Workload: WorkloadStream,
+	res, err := Run(context.Background(), Config{BaseURL: srv.URL, Model: "m", Workload: WorkloadChat,
 		Concurrency: 1, Requests: 2, MaxTokens: 4, PromptWords: 2, SampleRate: 24000}, nil)
 	require.NoError(t, err)
-	assert.Equal(t, 2, res.Shed)
-	assert.Equal(t, 0, res.Failed)
-	assert.Equal(t, 1.0, res.ShedShare)
+	assert.Equal(t, 1, res.Shed)
+	assert.Equal(t, 1, res.OK)
+	require.Len(t, arrivals, 2)
+	assert.GreaterOrEqual(t, arrivals[1].Sub(arrivals[0]), time.Second, "the second request waited for Retry-After")
+	require.Len(t, res.Records, 2)
+	assert.Equal(t, 1000.0, res.Records[0].RetryAfterMS)
+	assert.Equal(t, 8.0*1000, retryAfter("8"))
+	assert.Equal(t, float64(maxRetryAfter/time.Millisecond), retryAfter("3600"), "bounded")
+	assert.Zero(t, retryAfter("Wed, 21 Oct 2015 07:28:00 GMT"))
 }

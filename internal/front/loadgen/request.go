@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -46,8 +47,11 @@ type Record struct {
 	RTF float64 `json:"rtf,omitempty"`
 	// Underruns counts the moments a player that started at the first
 	// audio had played everything received before more came.
-	Underruns int    `json:"underruns,omitempty"`
-	answer    string // the text, for the next turn of a conversation
+	Underruns int `json:"underruns,omitempty"`
+	// RetryAfterMS is a shed answer's Retry-After, in milliseconds (0:
+	// none): a closed-loop client waits that long before its next request.
+	RetryAfterMS float64 `json:"retry_after_ms,omitempty"`
+	answer       string  // the text, for the next turn of a conversation
 }
 
 // meanITL is the request's mean inter-token latency (0: none).
@@ -132,6 +136,7 @@ func (c *client) do(ctx context.Context, req Request) Record {
 		rec.Outcome, rec.E2EMS = OutcomeFailed, since()
 		if resp.StatusCode == http.StatusTooManyRequests || resp.StatusCode == http.StatusServiceUnavailable {
 			rec.Outcome = OutcomeShed
+			rec.RetryAfterMS = retryAfter(resp.Header.Get("Retry-After"))
 		}
 		rec.Error = fmt.Sprintf("status %d: %s", resp.StatusCode, strings.TrimSpace(string(msg)))
 		return rec
@@ -175,13 +180,29 @@ func (c *client) readWhole(r io.Reader, rec *Record) error {
 	return nil
 }
 
-// codeDeadlineMissed is the error code of a troupe head that stopped a
-// request at its target (docs/api.md, Deadlines): shed, also when it
-// comes as an error event after the stream began (first audio late after
-// the text).
-const codeDeadlineMissed = "deadline_missed"
+// maxRetryAfter bounds the wait a Retry-After asks of a closed-loop
+// client, so that a server's odd value cannot stall a run.
+const maxRetryAfter = 10 * time.Second
 
-// errShedInStream: the stream ended with a deadline_missed error event.
+// retryAfter reads a Retry-After header in seconds (RFC 9110's
+// delay-seconds; an HTTP date, which troupe never sends, reads as none),
+// in milliseconds, at most maxRetryAfter.
+func retryAfter(h string) float64 {
+	n, err := strconv.Atoi(strings.TrimSpace(h))
+	if err != nil || n <= 0 {
+		return 0
+	}
+	return float64(min(time.Duration(n)*time.Second, maxRetryAfter)) / float64(time.Millisecond)
+}
+
+// shedCodes are the error codes of a troupe head that refused a request
+// for its target or stopped it there (docs/api.md, Deadlines): shed, also
+// when they come as an error event after the stream began (a later
+// stage's admission, or first audio late after the text).
+var shedCodes = map[string]bool{"deadline_missed": true, "deadline_unmeetable": true}
+
+// errShedInStream: the stream ended with an error event of a shedCodes
+// code.
 var errShedInStream = errors.New("loadgen: shed after the stream began")
 
 // player models a client playing the audio as it comes, from the first
@@ -226,7 +247,7 @@ func (c *client) readStream(r io.Reader, rec *Record, since func() float64) erro
 			var e struct {
 				Code string `json:"code"`
 			}
-			if json.Unmarshal(ev.Error, &e) == nil && e.Code == codeDeadlineMissed {
+			if json.Unmarshal(ev.Error, &e) == nil && shedCodes[e.Code] {
 				return fmt.Errorf("%w: %s", errShedInStream, ev.Error)
 			}
 			return fmt.Errorf("loadgen: error event: %s", ev.Error)
