@@ -36,7 +36,10 @@ var (
 	ttfaLevels    = levels(envString("TROUPE_TTFA_LEVELS", "1,8,32"))
 	ttfaSlow      = envString("TROUPE_TTFA_SLOW", "talker") // the stage with the slow replica
 	ttfaReplicas  = map[string]int{"thinker": 2, "talker": 4, "vocoder": 2}
-	ttfaCases     = strings.Split(envString("TROUPE_TTFA_CASES", "least_loaded,deadline,deadline+admission"), ",")
+	// TROUPE_TTFA_SLOW_OF: how many replicas the slow one's stage has
+	// (default: ttfaReplicas'), e.g. 2 for a fleet half of which is slow.
+	ttfaSlowOf = int(envFloat("TROUPE_TTFA_SLOW_OF", 0))
+	ttfaCases  = strings.Split(envString("TROUPE_TTFA_CASES", "least_loaded,deadline,deadline+admission"), ",")
 )
 
 func envString(name, def string) string {
@@ -125,6 +128,9 @@ func ttfaPipeline(policy string) orchestrator.Pipeline {
 }
 
 func runTTFA(b *testing.B, policy string) ttfaResult {
+	if ttfaSlowOf > 0 {
+		ttfaReplicas[ttfaSlow] = ttfaSlowOf
+	}
 	quiet := slog.New(slog.DiscardHandler)
 	p := ttfaPipeline(policy)
 	fast := sim.Config{MaxNumSeqs: ttfaSeqs, DecodeTokenLatency: ttfaStep, PrefillTokensPerSec: ttfaPrefill, Logger: quiet}
