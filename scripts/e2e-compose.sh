@@ -867,9 +867,17 @@ done
 for r in $others; do wait_for 10 "head-b to see thinker/$r asleep" on "$api_b" is_state thinker "$r" sleeping; done
 slow_sse="$tmp/slow.sse"
 : >"$slow_sse"
-curl -sN --max-time 60 -o "$slow_sse" -D "$tmp/slow-headers.txt" -H 'X-Troupe-Head: head-b' -H 'Content-Type: application/json' \
-  "$lb/v1/chat/completions" \
-  -d "{\"model\":\"$model\",\"messages\":[{\"role\":\"user\",\"content\":\"a long answer\"}],\"max_tokens\":500,\"ignore_eos\":true,\"stream\":true}" &
+# The subshell notes when curl exits, so the stream's end is timed by
+# itself, not by the polls of the balancer's drop that come first.
+slow_end="$tmp/slow.end"
+(
+  rc=0
+  curl -sN --max-time 60 -o "$slow_sse" -D "$tmp/slow-headers.txt" -H 'X-Troupe-Head: head-b' -H 'Content-Type: application/json' \
+    "$lb/v1/chat/completions" \
+    -d "{\"model\":\"$model\",\"messages\":[{\"role\":\"user\",\"content\":\"a long answer\"}],\"max_tokens\":500,\"ignore_eos\":true,\"stream\":true}" || rc=$?
+  now >"$slow_end"
+  exit "$rc"
+) &
 slow_pid=$!
 ha_pids+=("$slow_pid")
 wait_for 10 "the stream's first words" grep -q '"content":"[^"]' "$slow_sse"
@@ -889,7 +897,7 @@ wait_for 15 "the balancer to drop head-b after kill -9" lb_dropped head-b
 t_down="$(since "$t0")"
 stream_ended() { ! kill -0 "$slow_pid" 2>/dev/null; }
 wait_for 20 "the stream in flight on head-b to end" stream_ended
-t_slow="$(since "$t0")"
+t_slow="$(awk -v a="$t0" -v b="$(cat "$slow_end")" 'BEGIN { printf "%.1f", b - a }')"
 slow_rc=0
 wait "$slow_pid" || slow_rc=$?
 grep -q '^data: \[DONE\]' "$slow_sse" && fail "the stream in flight on the killed head completed"
