@@ -43,17 +43,7 @@ func TestWorkerSeriesThroughSD(t *testing.T) {
 	metricsURL := w.wait(t, regexp.MustCompile(`metrics on (http://\S+)\n`))
 	w.wait(t, workRE)
 
-	hc := &http.Client{Transport: &http.Transport{}, Timeout: 5 * time.Second}
-	defer hc.CloseIdleConnections()
-	get := func(u string) (int, string) {
-		resp, err := hc.Get(u)
-		if err != nil {
-			return 0, err.Error()
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
-	}
+	get := httpGetter(t)
 	require.Eventually(t, func() bool { code, _ := get(base + "/readyz"); return code == http.StatusOK }, 60*time.Second, 20*time.Millisecond)
 	const chats = 3
 	for i := range chats {
@@ -176,17 +166,7 @@ func TestWorkerSeriesCountStreamedCalls(t *testing.T) {
 		w.wait(t, workRE)
 	}
 
-	hc := &http.Client{Transport: &http.Transport{}, Timeout: 5 * time.Second}
-	defer hc.CloseIdleConnections()
-	get := func(u string) (int, string) {
-		resp, err := hc.Get(u)
-		if err != nil {
-			return 0, err.Error()
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
-	}
+	get := httpGetter(t)
 	require.Eventually(t, func() bool { code, _ := get(base + "/readyz"); return code == http.StatusOK }, 60*time.Second, 20*time.Millisecond)
 	const chats = 2
 	for i := range chats {
@@ -201,5 +181,22 @@ func TestWorkerSeriesCountStreamedCalls(t *testing.T) {
 			"the %s worker's own e2e histogram counts its %d streamed calls", stage, chats)
 		assert.Regexp(t, fmt.Sprintf(`\ntroupe_time_to_first_token_seconds_count\{model_name="[^"]*",replica="0",stage="%s"\} %d\n`, stage, chats), body)
 		assert.Regexp(t, fmt.Sprintf(`\ntroupe_num_requests_running\{model_name="[^"]*",replica="0",stage="%s"\} 0\n`, stage), body)
+	}
+}
+
+// httpGetter returns a GET that answers the status and body (0 and the
+// error's text when the request failed); its connections close when the
+// test ends.
+func httpGetter(t *testing.T) func(url string) (int, string) {
+	hc := &http.Client{Transport: &http.Transport{}, Timeout: 5 * time.Second}
+	t.Cleanup(hc.CloseIdleConnections)
+	return func(u string) (int, string) {
+		resp, err := hc.Get(u)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
 	}
 }

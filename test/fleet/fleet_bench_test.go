@@ -356,50 +356,29 @@ func (f *fleet) headMemory(b *testing.B, ctx context.Context) []headMem {
 }
 
 // etcdLoad measures etcd at rest (the fleet joined, no requests) over
-// window: its request rates by kind, its CPU and memory, and the heads'
-// CPU.
+// window: its request rates by kind, its CPU and memory (etcdAtRest), and
+// the busiest head's CPU.
 func (f *fleet) etcdLoad(b *testing.B, ctx context.Context, window time.Duration) {
-	pids := []int{f.etcd.pid()}
-	for _, h := range f.heads {
-		pids = append(pids, h.pid())
-	}
-	read := func() (map[string]float64, []procStat) {
-		m, err := scrape(ctx, f.etcdURL+"/metrics")
-		if err != nil {
-			b.Fatal(err)
-		}
-		st := make([]procStat, len(pids))
-		for i, pid := range pids {
-			if st[i], err = readProc(pid); err != nil {
+	headCPU := func() []time.Duration {
+		out := make([]time.Duration, len(f.heads))
+		for i, h := range f.heads {
+			st, err := readProc(h.pid())
+			if err != nil {
 				b.Fatal(err)
 			}
+			out[i] = st.cpu
 		}
-		return m, st
+		return out
 	}
-	m0, s0 := read()
+	before := headCPU()
 	t0 := time.Now()
-	timer := time.NewTimer(window)
-	select {
-	case <-timer.C:
-	case <-ctx.Done():
-		b.Fatal(ctx.Err())
-	}
-	m1, s1 := read()
+	f.etcdAtRest(b, ctx, window, "")
 	secs := time.Since(t0).Seconds()
-	rate := func(name string, labels ...string) float64 {
-		return (sum(m1, name, labels...) - sum(m0, name, labels...)) / secs
+	var busiest time.Duration
+	for i, cpu := range headCPU() {
+		busiest = max(busiest, cpu-before[i])
 	}
-	report(b, rate("grpc_server_msg_received_total", `grpc_method="LeaseKeepAlive"`), "etcd-keepalives/s")
-	report(b, rate("grpc_server_handled_total", `grpc_method="Range"`), "etcd-ranges/s")
-	report(b, rate("grpc_server_handled_total", `grpc_method="Txn"`), "etcd-txns/s")
-	report(b, rate("grpc_server_msg_sent_total", `grpc_method="Watch"`), "etcd-watch-msgs/s")
-	report(b, 100*(s1[0].cpu-s0[0].cpu).Seconds()/secs, "etcd-cpu-%")
-	report(b, float64(s1[0].rss)/(1<<20), "etcd-rss-MiB")
-	var heads time.Duration
-	for i := 1; i < len(pids); i++ {
-		heads = max(heads, s1[i].cpu-s0[i].cpu)
-	}
-	report(b, 100*heads.Seconds()/secs, "head-idle-cpu-%")
+	report(b, 100*busiest.Seconds()/secs, "head-idle-cpu-%")
 }
 
 // headRestart stops head 0 and starts a new head process in its place.
