@@ -337,20 +337,7 @@ func (ord *order) topOf(k uint64, ms []member, c, exclude []*Replica) []*Replica
 	var ws [topScan]uint64
 	n := 0
 	for _, m := range ms {
-		w := mix64(k ^ m.key) // weight(k, m.rep.Key)
-		if n == topScan && w <= ws[n-1] {
-			continue
-		}
-		i := n
-		if n < topScan {
-			n++
-		} else {
-			i = n - 1
-		}
-		for ; i > 0 && ws[i-1] < w; i-- {
-			heads[i], ws[i] = heads[i-1], ws[i-1]
-		}
-		heads[i], ws[i] = m.rep, w
+		n = keepHeaviest(heads[:], ws[:], n, m.rep, mix64(k^m.key)) // weight(k, m.rep.Key)
 	}
 	found := 0
 	for _, rep := range heads[:n] {
@@ -379,20 +366,30 @@ func slowTopOf(k uint64, ms []member, c, exclude []*Replica) []*Replica {
 		if n == orderWidth && w <= ws[n-1] {
 			continue
 		}
-		rep := m.rep
-		if !eligible(rep, exclude) {
-			continue
+		if eligible(m.rep, exclude) {
+			n = keepHeaviest(tops[:], ws[:], n, m.rep, w)
 		}
-		i := n
-		if n < orderWidth {
-			n++
-		} else {
-			i = n - 1
-		}
-		for ; i > 0 && ws[i-1] < w; i-- {
-			tops[i], ws[i] = tops[i-1], ws[i-1]
-		}
-		tops[i], ws[i] = rep, w
 	}
 	return append(c, tops[:n]...)
+}
+
+// keepHeaviest inserts rep of weight w into the n replicas of reps (by
+// weight in ws, heaviest first), which hold at most len(reps): the
+// lightest falls out when they are full, and rep is dropped when it is
+// lighter than all of them. It returns the new count.
+func keepHeaviest(reps []*Replica, ws []uint64, n int, rep *Replica, w uint64) int {
+	if n == len(reps) && w <= ws[n-1] {
+		return n
+	}
+	i := n
+	if n < len(reps) {
+		n++
+	} else {
+		i = n - 1
+	}
+	for ; i > 0 && ws[i-1] < w; i-- {
+		reps[i], ws[i] = reps[i-1], ws[i-1]
+	}
+	reps[i], ws[i] = rep, w
+	return n
 }
