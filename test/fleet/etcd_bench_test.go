@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"os"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -46,21 +45,7 @@ import (
 //
 //	TROUPE_FLEET_N=1000,10000 TROUPE_FLEET_HEADS=1,5 go test -run '^$' -bench EtcdHeads -benchtime 1x -timeout 60m ./test/fleet/
 func BenchmarkEtcdHeads(b *testing.B) {
-	sizes, heads := envInts(b, "TROUPE_FLEET_N", "1000"), envInts(b, "TROUPE_FLEET_HEADS", "5")
-	ttl, err := time.ParseDuration(cmpOr(os.Getenv("TROUPE_FLEET_TTL"), "10s"))
-	if err != nil {
-		b.Fatalf("TROUPE_FLEET_TTL: %v", err)
-	}
-	bin := buildTroupe(b)
-	for _, h := range heads {
-		for _, n := range sizes {
-			b.Run(fmt.Sprintf("heads=%d/N=%d", h, n), func(b *testing.B) {
-				for range b.N {
-					runEtcdHeads(b, bin, h, n, ttl)
-				}
-			})
-		}
-	}
+	eachFleet(b, "1000", "5", runEtcdHeads)
 }
 
 func runEtcdHeads(b *testing.B, bin string, nHeads, n int, ttl time.Duration) {

@@ -80,7 +80,14 @@ const model = "fleet-sim"
 //
 //	TROUPE_FLEET_N=10,100,1000,10000 TROUPE_FLEET_HEADS=1,5 go test -run '^$' -bench FleetProcs -benchtime 1x -timeout 60m ./test/fleet/
 func BenchmarkFleetProcs(b *testing.B) {
-	sizes, heads := envInts(b, "TROUPE_FLEET_N", "10,100,1000"), envInts(b, "TROUPE_FLEET_HEADS", "1")
+	eachFleet(b, "10,100,1000", "1", runFleet)
+}
+
+// eachFleet runs run once per head count and size (TROUPE_FLEET_HEADS and
+// TROUPE_FLEET_N, else defHeads and defSizes) with the TTL of
+// TROUPE_FLEET_TTL (default 10s) and a troupe binary built for them.
+func eachFleet(b *testing.B, defSizes, defHeads string, run func(b *testing.B, bin string, heads, n int, ttl time.Duration)) {
+	sizes, heads := envInts(b, "TROUPE_FLEET_N", defSizes), envInts(b, "TROUPE_FLEET_HEADS", defHeads)
 	ttl, err := time.ParseDuration(cmpOr(os.Getenv("TROUPE_FLEET_TTL"), "10s"))
 	if err != nil {
 		b.Fatalf("TROUPE_FLEET_TTL: %v", err)
@@ -90,7 +97,7 @@ func BenchmarkFleetProcs(b *testing.B) {
 		for _, n := range sizes {
 			b.Run(fmt.Sprintf("heads=%d/N=%d", h, n), func(b *testing.B) {
 				for range b.N {
-					runFleet(b, bin, h, n, ttl)
+					run(b, bin, h, n, ttl)
 				}
 			})
 		}
