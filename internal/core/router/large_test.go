@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -312,7 +313,8 @@ func TestPickAllocsFlat(t *testing.T) {
 
 // TestOrderTopExact: the order's shortcuts (group logarithms pruned by a
 // bound, a group's head ranked from inline keys before any replica is
-// read, argmax leaving out the groups heaviest skipped) change no
+// read, argmax leaving out the groups heaviest skipped, a key's head
+// memoized by the order) change no
 // result: for stages of several sizes with a share of replicas out and
 // some excluded, top, argmax and weight equal a plain computation that
 // scores every group and reads every member.
@@ -386,8 +388,10 @@ func TestOrderTopExact(t *testing.T) {
 					chosen = j
 				}
 			}
+			// Again from the order's memo (headOf): the same head, and
+			// the same choice.
 			ord.reset(o)
-			ord.top(k, nil, exclude)
+			require.Equal(t, keysOf(want), keysOf(ord.top(k, nil, exclude)), "n=%d key %d, memoized", tc.n, i)
 			gotRep, gotFirst := Affinity{}.pickKey(k, c, &ord)
 			require.Same(t, c[chosen], gotRep, "n=%d key %d", tc.n, i)
 			require.Equal(t, chosen == heaviest, gotFirst, "n=%d key %d", tc.n, i)
@@ -430,4 +434,112 @@ func keysOf(c []*Replica) []Key {
 		out[i] = rep.Key
 	}
 	return out
+}
+
+// TestOrderHeadMemo: a key's order head, memoized by the stage's order on
+// the first pick, gives the plain computation's top on later picks while
+// replicas go out and come back (the memo holds no eligibility), and a
+// join or a leave (a new order) starts from an empty memo: a replica that
+// joins at the head of a key's order is read, one that leaves is not.
+func TestOrderHeadMemo(t *testing.T) {
+	const n = 10000
+	reps := orderReplicas(n, 5)
+	o := newStageOrder(sortedByID(reps))
+	rng := rand.New(rand.NewPCG(5, 6))
+	var ord order
+	topOn := func(o *stageOrder, k uint64) []*Replica {
+		ord.reset(o)
+		return ord.top(k, nil, nil)
+	}
+	memoOf := func(o *stageOrder, k uint64) *orderHead {
+		m := o.heads.Load()
+		if m == nil {
+			return nil
+		}
+		return m[mix64(k)%headSlots].Load()
+	}
+	for i := range 300 {
+		k := mix64(uint64(i) + 777)
+		if h := memoOf(o, k); h != nil {
+			require.NotEqual(t, k, h.key, "key %d memoized before its first pick", i) // another key's slot
+		}
+		require.Equal(t, keysOf(plainTop(o, k, nil)), keysOf(topOn(o, k)), "key %d, first pick", i)
+		h := memoOf(o, k)
+		require.NotNil(t, h, "key %d not memoized", i)
+		require.Equal(t, k, h.key)
+		require.Equal(t, keysOf(plainTop(o, k, nil)), keysOf(topOn(o, k)), "key %d, memoized", i)
+
+		// Out and back: the memo still serves, and the pick reads who is in.
+		var out []*Replica
+		for _, rep := range topOn(o, k) {
+			if rng.IntN(2) == 0 {
+				rep.healthy.Store(false)
+				out = append(out, rep)
+			}
+		}
+		got := topOn(o, k)
+		require.Same(t, h, memoOf(o, k))
+		require.Equal(t, keysOf(plainTop(o, k, nil)), keysOf(got), "key %d, %d of its head out", i, len(out))
+		for _, rep := range out {
+			require.NotContains(t, got, rep)
+			rep.healthy.Store(true)
+		}
+		require.Equal(t, keysOf(plainTop(o, k, nil)), keysOf(topOn(o, k)), "key %d, back in", i)
+
+		// A join that becomes the key's first choice: a replica in its
+		// heaviest group that weighs more than the group's heaviest.
+		g, first := h.best[0], h.heads[0][0]
+		id := uint32(n * 7)
+		for groupOf(key(id)) != g || weight(k, key(id)) <= weight(k, first.Key) {
+			id++
+		}
+		joined := &Replica{Key: key(id)}
+		joined.healthy.Store(true)
+		grown := o.with(joined)
+		require.Nil(t, grown.heads.Load(), "a new order starts with an empty memo")
+		got = topOn(grown, k)
+		require.Same(t, joined, got[0], "key %d: the joined replica heads its order", i)
+		require.Equal(t, keysOf(plainTop(grown, k, nil)), keysOf(got))
+		// A leave of the key's first choice.
+		shrunk := o.without(first.Key)
+		got = topOn(shrunk, k)
+		require.NotContains(t, got, first, "key %d: the replica that left", i)
+		require.Equal(t, keysOf(plainTop(shrunk, k, nil)), keysOf(got))
+		// The old order's memo is untouched by the new orders'.
+		require.Same(t, h, memoOf(o, k))
+	}
+}
+
+// TestOrderHeadMemoConcurrent: picks that fill and read one order's memo
+// at once (run with -race) each get the plain computation's top.
+func TestOrderHeadMemoConcurrent(t *testing.T) {
+	const n, nk, workers = 5000, 64, 4
+	reps := orderReplicas(n, 9)
+	o := newStageOrder(sortedByID(reps))
+	want := make([][]Key, nk)
+	for i := range want {
+		want[i] = keysOf(plainTop(o, mix64(uint64(i)), nil))
+	}
+	var wg sync.WaitGroup
+	errs := make(chan string, workers)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var ord order
+			for j := range 2000 {
+				i := (j*7 + w) % nk
+				ord.reset(o)
+				if got := keysOf(ord.top(mix64(uint64(i)), nil, nil)); !slices.Equal(got, want[i]) {
+					errs <- fmt.Sprintf("worker %d key %d: %v, want %v", w, i, got, want[i])
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Error(e)
+	}
 }

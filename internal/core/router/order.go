@@ -3,7 +3,9 @@ package router
 import (
 	"cmp"
 	"math"
+	"math/bits"
 	"slices"
+	"sync/atomic"
 )
 
 // LargeStage is the size of a stage (replicas in the snapshot, routable or
@@ -50,6 +52,48 @@ const (
 type stageOrder struct {
 	groups  [orderGroups][]member
 	maxSize int // the largest group's size
+	// heads memoizes keys' order heads (orderHead), filled by picks: a
+	// key seen since the last change of the stage's membership (a new
+	// stageOrder, whose memo starts empty) is not hashed against the
+	// groups again. Allocated on the first pick that reads the order.
+	heads atomic.Pointer[headMemo]
+}
+
+// headSlots is how many keys' order heads a stage's order memoizes: a
+// direct-mapped table, a key's slot taken by the latest key hashed to it.
+const headSlots = 1024
+
+// headMemo is a stage order's memo of order heads, one per slot.
+type headMemo [headSlots]atomic.Pointer[orderHead]
+
+// maxKnown bounds the group scores an orderHead keeps: heaviest computes
+// about 12 (a key that needed more is not memoized).
+const maxKnown = 32
+
+// orderHead is what a pick computes of a key's order before it reads any
+// replica: the key's orderDepth heaviest groups (heaviest), the group
+// scores that computed (so that a memoized pick's argmax and weight see
+// what a fresh one sees), and each top group's topScan heaviest members,
+// ranked from their inline keys. It depends on the membership alone, not
+// on loads or on which replicas are eligible (a pick checks those), so it
+// holds until the order changes. Immutable once built.
+type orderHead struct {
+	key    uint64
+	best   [orderDepth]int
+	floor  float64
+	known  [orderGroups / 64]uint64
+	scores [maxKnown]float64 // of the known groups, in group order
+	heads  [orderDepth][topScan]*Replica
+	nheads [orderDepth]int
+}
+
+// memo is o's head memo, allocated by the first caller.
+func (o *stageOrder) memo() *headMemo {
+	if m := o.heads.Load(); m != nil {
+		return m
+	}
+	o.heads.CompareAndSwap(nil, new(headMemo))
+	return o.heads.Load()
 }
 
 // member is one replica of a group, its key's hash inline so that a
@@ -76,7 +120,7 @@ func groupOf(k Key) int { return int(mix64(keyHash(k)^groupSalt) % orderGroups) 
 func (o *stageOrder) with(rep *Replica) *stageOrder {
 	next := &stageOrder{}
 	if o != nil {
-		*next = *o
+		next.groups, next.maxSize = o.groups, o.maxSize // not the memo
 	}
 	g := groupOf(rep.Key)
 	old := next.groups[g]
@@ -102,13 +146,12 @@ func (o *stageOrder) without(k Key) *stageOrder {
 	if !found {
 		return o
 	}
-	next := *o
+	next := &stageOrder{groups: o.groups} // not the memo
 	next.groups[g] = slices.Delete(slices.Clone(o.groups[g]), i, i+1)
-	next.maxSize = 0
 	for _, ms := range next.groups {
 		next.maxSize = max(next.maxSize, len(ms))
 	}
-	return &next
+	return next
 }
 
 // newStageOrder builds the order of a stage's replicas from scratch.
@@ -316,31 +359,75 @@ const topScan = orderWidth + orderWidth/2
 // top appends to c the first orderWidth eligible replicas of each of k's
 // orderDepth heaviest groups, in k's order: the head of the order, which
 // every head given the same membership computes alike. It ranks a
-// group's topScan heaviest members from their inline keys, then reads
-// replicas in that order until orderWidth are eligible (usually
-// orderWidth reads); only a group with fewer eligible among those is
-// scanned in full.
+// group's topScan heaviest members from their inline keys (or takes them
+// from the order's memo, headOf), then reads replicas in that order until
+// orderWidth are eligible (usually orderWidth reads); only a group with
+// fewer eligible among those is scanned in full.
 func (ord *order) top(k uint64, c, exclude []*Replica) []*Replica {
-	for _, g := range ord.heaviest(k) {
+	h := ord.headOf(k)
+	for d, g := range h.best {
 		if g < 0 {
 			break
 		}
-		c = ord.topOf(k, ord.o.groups[g], c, exclude)
+		c = topOf(k, ord.o.groups[g], h.heads[d][:h.nheads[d]], c, exclude)
 	}
 	return c
 }
 
-// topOf appends the first orderWidth eligible members of group ms in k's
-// order.
-func (ord *order) topOf(k uint64, ms []member, c, exclude []*Replica) []*Replica {
-	var heads [topScan]*Replica
+// headOf is k's orderHead: from the order's memo, its group scores then
+// restored into ord as heaviest would have left them, or computed
+// (heaviest, then each top group ranked) and memoized.
+func (ord *order) headOf(k uint64) *orderHead {
+	i := ord.slotOf(k)
+	slot := &ord.o.memo()[mix64(k)%headSlots]
+	if h := slot.Load(); h != nil && h.key == k {
+		j := 0
+		for w, known := range h.known {
+			ord.known[i][w] |= known
+			for b := known; b != 0; b &= b - 1 {
+				ord.scores[i][w*64+bits.TrailingZeros64(b)] = h.scores[j]
+				j++
+			}
+		}
+		ord.floor[i], ord.floorOK[i] = h.floor, true
+		return h
+	}
+	h := &orderHead{key: k, best: ord.heaviest(k), floor: ord.floor[i], known: ord.known[i]}
+	for d, g := range h.best {
+		if g >= 0 {
+			h.nheads[d] = rankHead(k, ord.o.groups[g], &h.heads[d])
+		}
+	}
+	if bits.OnesCount64(h.known[0])+bits.OnesCount64(h.known[1]) > maxKnown {
+		return h // rare: not memoized
+	}
+	j := 0
+	for w, known := range h.known {
+		for b := known; b != 0; b &= b - 1 {
+			h.scores[j] = ord.scores[i][w*64+bits.TrailingZeros64(b)]
+			j++
+		}
+	}
+	slot.Store(h)
+	return h
+}
+
+// rankHead puts the topScan heaviest members of group ms for k into
+// heads, heaviest first, and returns how many.
+func rankHead(k uint64, ms []member, heads *[topScan]*Replica) int {
 	var ws [topScan]uint64
 	n := 0
 	for _, m := range ms {
 		n = keepHeaviest(heads[:], ws[:], n, m.rep, mix64(k^m.key)) // weight(k, m.rep.Key)
 	}
+	return n
+}
+
+// topOf appends the first orderWidth eligible members of group ms in k's
+// order, given heads, its heaviest members (rankHead).
+func topOf(k uint64, ms []member, heads, c, exclude []*Replica) []*Replica {
 	found := 0
-	for _, rep := range heads[:n] {
+	for _, rep := range heads {
 		if found == orderWidth {
 			break
 		}
@@ -349,7 +436,7 @@ func (ord *order) topOf(k uint64, ms []member, c, exclude []*Replica) []*Replica
 			found++
 		}
 	}
-	if found == orderWidth || n == len(ms) {
+	if found == orderWidth || len(heads) == len(ms) {
 		return c // the whole group weighed, or enough eligible at its head
 	}
 	return slowTopOf(k, ms, c[:len(c)-found], exclude)

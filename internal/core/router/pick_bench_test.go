@@ -47,13 +47,20 @@ func BenchmarkPick(b *testing.B) {
 	for i := range texts {
 		texts[i] = systems[i%len(systems)] + fmt.Sprintf("user %d: question number %d?", i%512, i)
 	}
+	sessions := make([]string, 256)
+	for i := range sessions {
+		sessions[i] = fmt.Sprintf("session-%d", i)
+	}
 	toy := EngineInfo{Name: "toy", BlockSize: 16, KVEvents: true}
 	policies := []struct {
 		name    string
 		session bool
-		due     bool // the request carries a deadline
-		engine  EngineInfo
-		policy  func() Policy
+		// sessions: how many sessions the requests come from (0: a
+		// session per text, 4,096, none seen twice in 2,000 picks)
+		sessions int
+		due      bool // the request carries a deadline
+		engine   EngineInfo
+		policy   func() Policy
 	}{
 		{name: "round_robin", policy: func() Policy { return &RoundRobin{} }},
 		{name: "least_loaded", policy: func() Policy { return LeastLoaded{} }},
@@ -63,6 +70,7 @@ func BenchmarkPick(b *testing.B) {
 			return NewPrefixAware(PolicyOptions{Tokenizers: map[string]Tokenizer{"toy": byteTokens}})
 		}},
 		{name: "session_affinity", session: true, policy: func() Policy { return LeastLoaded{} }},
+		{name: "session_affinity_256", session: true, sessions: 256, policy: func() Policy { return LeastLoaded{} }},
 		{name: "deadline", due: true, policy: func() Policy { return &Deadline{} }},
 		// The same policies behind a wrapper that hides their sampled
 		// pick: every pick filters the whole stage first, as before
@@ -100,6 +108,9 @@ func BenchmarkPick(b *testing.B) {
 					}
 					if pc.session {
 						req.SessionKey = texts[i%len(texts)][len(texts[i%len(texts)])-24:]
+						if pc.sessions > 0 {
+							req.SessionKey = sessions[i%pc.sessions]
+						}
 					}
 					start := time.Now()
 					d, err := r.Pick(0, req, nil)
