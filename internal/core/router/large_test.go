@@ -437,7 +437,7 @@ func keysOf(c []*Replica) []Key {
 }
 
 // TestOrderHeadMemo: a key's order head, memoized by the stage's order on
-// the first pick, gives the plain computation's top on later picks while
+// its first pick (an empty slot) or its second (a slot another key held), gives the plain computation's top on later picks while
 // replicas go out and come back (the memo holds no eligibility), and a
 // join or a leave (a new order) starts from an empty memo: a replica that
 // joins at the head of a key's order is read, one that leaves is not.
@@ -456,7 +456,7 @@ func TestOrderHeadMemo(t *testing.T) {
 		if m == nil {
 			return nil
 		}
-		return m[mix64(k)%headSlots].Load()
+		return m[mix64(k)%headSlots].head.Load()
 	}
 	for i := range 300 {
 		k := mix64(uint64(i) + 777)
@@ -464,6 +464,10 @@ func TestOrderHeadMemo(t *testing.T) {
 			require.NotEqual(t, k, h.key, "key %d memoized before its first pick", i) // another key's slot
 		}
 		require.Equal(t, keysOf(plainTop(o, k, nil)), keysOf(topOn(o, k)), "key %d, first pick", i)
+		if h := memoOf(o, k); h == nil || h.key != k {
+			// Its slot held another key: memoized on its second miss.
+			require.Equal(t, keysOf(plainTop(o, k, nil)), keysOf(topOn(o, k)), "key %d, second pick", i)
+		}
 		h := memoOf(o, k)
 		require.NotNil(t, h, "key %d not memoized", i)
 		require.Equal(t, k, h.key)

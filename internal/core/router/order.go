@@ -64,7 +64,17 @@ type stageOrder struct {
 const headSlots = 1024
 
 // headMemo is a stage order's memo of order heads, one per slot.
-type headMemo [headSlots]atomic.Pointer[orderHead]
+type headMemo [headSlots]headSlot
+
+// headSlot is one slot of a headMemo: the memoized head, and the latest
+// key that missed it. A key is memoized in an empty slot, or when it
+// misses a second time in a row, so that keys picked once (most sessions
+// of a busy stage) cost a store, not a head's allocation, and do not
+// evict a key picked often.
+type headSlot struct {
+	head   atomic.Pointer[orderHead]
+	missed atomic.Uint64
+}
 
 // maxKnown bounds the group scores an orderHead keeps: heaviest computes
 // about 12 (a key that needed more is not memoized).
@@ -214,6 +224,7 @@ type order struct {
 	// heaviest ran for it (floorOK): every group not known scores less.
 	floor   [2]float64
 	floorOK [2]bool
+	head    orderHead // a head computed and not memoized (headOf)
 }
 
 // reset points ord at a stage's order and forgets the cached scores.
@@ -376,11 +387,12 @@ func (ord *order) top(k uint64, c, exclude []*Replica) []*Replica {
 
 // headOf is k's orderHead: from the order's memo, its group scores then
 // restored into ord as heaviest would have left them, or computed
-// (heaviest, then each top group ranked) and memoized.
+// (heaviest, then each top group ranked), and memoized on the key's
+// second miss in a row (headSlot).
 func (ord *order) headOf(k uint64) *orderHead {
 	i := ord.slotOf(k)
 	slot := &ord.o.memo()[mix64(k)%headSlots]
-	if h := slot.Load(); h != nil && h.key == k {
+	if h := slot.head.Load(); h != nil && h.key == k {
 		j := 0
 		for w, known := range h.known {
 			ord.known[i][w] |= known
@@ -392,14 +404,18 @@ func (ord *order) headOf(k uint64) *orderHead {
 		ord.floor[i], ord.floorOK[i] = h.floor, true
 		return h
 	}
-	h := &orderHead{key: k, best: ord.heaviest(k), floor: ord.floor[i], known: ord.known[i]}
+	h := &ord.head // this pick's, unless it is memoized below
+	if slot.missed.Swap(k) == k || slot.head.Load() == nil {
+		h = new(orderHead)
+	}
+	*h = orderHead{key: k, best: ord.heaviest(k), floor: ord.floor[i], known: ord.known[i]}
 	for d, g := range h.best {
 		if g >= 0 {
 			h.nheads[d] = rankHead(k, ord.o.groups[g], &h.heads[d])
 		}
 	}
-	if bits.OnesCount64(h.known[0])+bits.OnesCount64(h.known[1]) > maxKnown {
-		return h // rare: not memoized
+	if h == &ord.head || bits.OnesCount64(h.known[0])+bits.OnesCount64(h.known[1]) > maxKnown {
+		return h // not memoized: a first miss, or (rare) too many scores
 	}
 	j := 0
 	for w, known := range h.known {
@@ -408,7 +424,7 @@ func (ord *order) headOf(k uint64) *orderHead {
 			j++
 		}
 	}
-	slot.Store(h)
+	slot.head.Store(h)
 	return h
 }
 
