@@ -235,6 +235,11 @@ type Decision struct {
 	// or PrefixHead). PrefixSource is "" for other picks.
 	MatchBlocks, InputBlocks int
 	PrefixSource             string
+	// RoutedBlocks: a head-side prefix-aware pick's input blocks, which
+	// the head recorded as held by Replica; the head sends them with the
+	// request to a worker that publishes them to every head
+	// (EngineInfo.RoutedSubscription). Nil otherwise. Not to be modified.
+	RoutedBlocks []uint64
 	// Deadline picks only: the chosen replica's load score at the pick and
 	// its predicted time to first output (0: nothing known).
 	Score     int64

@@ -223,6 +223,10 @@ type EngineInfo struct {
 	BlockSize int    // KV block size in tokens; 0: unknown
 	KVEvents  bool   // the engine reports stagepb.KvEvents on its chunks
 	Multiplex bool   // the worker serves StageService.Multiplex
+	// RoutedSubscription: the worker publishes the head-side blocks heads
+	// route to it (GenerateRequest.routed_blocks) to every head
+	// (HealthResponse.routed_subscription).
+	RoutedSubscription bool
 	// ContinuesChat: the engine continues a chat answer another replica
 	// began (HealthResponse.continues_chat), so a migration may go to it.
 	ContinuesChat bool
@@ -527,6 +531,35 @@ type cacheSink interface {
 func (r *Router) UsesKVEvents(rep *Replica) bool {
 	sink, ok := r.stages[rep.Key.Stage].Policy.(cacheSink)
 	return ok && sink.UsesKVEvents(rep)
+}
+
+// routedSink is a policy that keeps a head-side index that other heads'
+// picks can feed (routed-block reports).
+type routedSink interface {
+	UsesRoutedBlocks(*Replica) bool
+	ApplyRoutedBlocks(*Replica, *stagepb.KvEvents)
+}
+
+// UsesRoutedBlocks reports whether rep's stage policy records head-side
+// picks for rep that other heads should learn (so a routed SubscribeCache
+// subscription is worth its cost).
+func (r *Router) UsesRoutedBlocks(rep *Replica) bool {
+	sink, ok := r.stages[rep.Key.Stage].Policy.(routedSink)
+	return ok && sink.UsesRoutedBlocks(rep)
+}
+
+// ApplyRoutedBlocks hands a routed-block report (the blocks some head
+// routed to rep, or a snapshot of the recent ones) to rep's stage policy,
+// under the rules of ApplyKVEvents. Safe for concurrent use.
+func (r *Router) ApplyRoutedBlocks(rep *Replica, ev *stagepb.KvEvents) {
+	sink, ok := r.stages[rep.Key.Stage].Policy.(routedSink)
+	if !ok {
+		return
+	}
+	if cur, ok := r.snap.Load().Lookup(rep.Key); !ok || cur != rep {
+		return
+	}
+	sink.ApplyRoutedBlocks(rep, ev)
 }
 
 // ReadsLoad reports whether rep's stage routes by load (every policy but
