@@ -838,13 +838,14 @@ type GenerateRequest struct {
 	// a speech recognition stage; "" lets the engine detect it.
 	Language string `protobuf:"bytes,13,opt,name=language,proto3" json:"language,omitempty"`
 	// routed_blocks: the head-side block hashes (prefix_aware's head-side
-	// mode: chained 64-byte text or 16-id blocks) the sending head recorded
+	// mode: chained 64-byte text or 16-id blocks; fixed64: 8 bytes each, a
+	// hash needs 9 or 10 as a varint) the sending head recorded
 	// as held by this replica when it routed the request here. The worker
 	// does not read them; it publishes them to its routed SubscribeCache
 	// subscribers (every head), so every head's head-side index learns what
 	// every head routed. Empty: the pick recorded nothing (other policies,
 	// the engine-reported mode, a worker without routed_subscription).
-	RoutedBlocks  []uint64 `protobuf:"varint,14,rep,packed,name=routed_blocks,json=routedBlocks,proto3" json:"routed_blocks,omitempty"`
+	RoutedBlocks  []uint64 `protobuf:"fixed64,14,rep,packed,name=routed_blocks,json=routedBlocks,proto3" json:"routed_blocks,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2348,7 +2349,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x16output_codes_per_chunk\x18\v \x01(\rR\x13outputCodesPerChunk\x123\n" +
 	"\x16output_words_per_chunk\x18\f \x01(\rR\x13outputWordsPerChunk\x12\x1a\n" +
 	"\blanguage\x18\r \x01(\tR\blanguage\x12#\n" +
-	"\rrouted_blocks\x18\x0e \x03(\x04R\froutedBlocksB\a\n" +
+	"\rrouted_blocks\x18\x0e \x03(\x06R\froutedBlocksB\a\n" +
 	"\x05input\"\x98\x01\n" +
 	"\vStreamInput\x12:\n" +
 	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +
