@@ -282,7 +282,7 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	schemes := sp.schemes[:0]
 	memo := schemeMemo{p: p}
 	for i, r := range c {
-		cs[i] = cand{r: r, s: memo.of(r), score: sc.score(r)}
+		cs[i] = cand{r: r, s: memo.of(r), score: sc.scoreSinceReport(r)}
 		if !slices.Contains(schemes, cs[i].s) {
 			schemes = append(schemes, cs[i].s)
 		}

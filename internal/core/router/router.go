@@ -75,6 +75,8 @@ type Replica struct {
 	inFlight     atomic.Int64
 	load         atomic.Int64 // running + waiting, from the replica's latest stats
 	loadAt       atomic.Int64 // when load was reported (unix nanoseconds; 0: never)
+	sent         atomic.Int64 // requests this head started on it, ever
+	sentAtLoad   atomic.Int64 // sent when load was reported
 	ejectedUntil atomic.Int64 // the circuit breaker's: until when (unix nanoseconds, 0: not ejected) it is out of rotation
 	sleep        atomic.Int32 // stagepb.SleepState
 	healthy      atomic.Bool  // connection not in TRANSIENT_FAILURE/SHUTDOWN
@@ -150,6 +152,7 @@ func (r *Replica) SetLoad(n int64) { r.SetLoadAt(n, time.Now()) }
 // SetLoadAt records running+waiting as reported at t.
 func (r *Replica) SetLoadAt(n int64, t time.Time) {
 	r.load.Store(n)
+	r.sentAtLoad.Store(r.sent.Load())
 	r.loadAt.Store(t.UnixNano())
 }
 
@@ -199,7 +202,10 @@ func (r *Replica) EjectedUntil() time.Time {
 }
 
 // Acquire counts a request on the replica; the caller must call Release.
-func (r *Replica) Acquire() { r.inFlight.Add(1) }
+func (r *Replica) Acquire() {
+	r.inFlight.Add(1)
+	r.sent.Add(1)
+}
 
 // Release ends a request. The last release of a removed replica closes its
 // connection, so a drain's in-flight requests are never cut off by a leave.
