@@ -639,6 +639,11 @@ func (h *Head) open(ctx context.Context, a *attemptRun, stall *stallWatch) (stre
 	if a.tr.moved.count > 0 {
 		a.span.SetAttributes(attribute.Bool("troupe.migration", true), attribute.Int("troupe.migration.delivered_chars", len(a.tr.moved.text)))
 	}
+	// The pick's head-side blocks go with the request, for its worker to
+	// tell every head (routed-block reports); an earlier attempt's go.
+	// Attempts of a stage run one after another, and a call has sent its
+	// request before openGenerate returns, so no send reads the field.
+	a.in.RoutedBlocks = a.d.RoutedBlocks
 	return h.openGenerate(ctx, a.rep, a.in)
 }
 

@@ -44,14 +44,17 @@ func cacheResubscribe() *backoff.ExponentialBackOff {
 }
 
 // startCacheSub subscribes to rep's cache reports when its Health declares
-// the subscription and its stage policy reads them, and to its load
+// the subscription and its stage policy reads them, to the blocks heads
+// route to it when its Health declares that and its stage policy keeps a
+// head-side index of it, and to its load
 // reports when Health declares those and its stage routes by load; any
 // older subscription of the key is stopped first. Loop goroutine only.
 func (h *Head) startCacheSub(rep *router.Replica, health *stagepb.HealthResponse) {
 	h.stopCacheSub(rep.Key)
 	cache := health.GetCacheSubscription() && h.router.UsesKVEvents(rep)
+	routed := health.GetRoutedSubscription() && h.router.UsesRoutedBlocks(rep)
 	load := health.GetLoadSubscription() && h.router.ReadsLoad(rep) && h.loadSubs[rep.Key.Stage] < maxLoadSubs
-	if !cache && !load {
+	if !cache && !routed && !load {
 		return
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -65,6 +68,9 @@ func (h *Head) startCacheSub(rep *router.Replica, health *stagepb.HealthResponse
 		var wg sync.WaitGroup
 		if cache {
 			wg.Go(func() { h.follow(ctx, rep, "cache", h.subscribeCache) })
+		}
+		if routed {
+			wg.Go(func() { h.follow(ctx, rep, "routed", h.subscribeRouted) })
 		}
 		if load {
 			wg.Go(func() { h.follow(ctx, rep, "load", h.subscribeLoad) })
@@ -120,12 +126,25 @@ func (h *Head) follow(ctx context.Context, rep *router.Replica, what string, sub
 // one starts from a fresh snapshot.
 var errCacheGap = errors.New("orchestrator: cache reports skipped a seq")
 
-// subscribeCache runs one subscription: it applies the snapshot (live
-// from then on), then every report while their seq follows on.
-func (h *Head) subscribeCache(ctx context.Context, rep *router.Replica) (live bool, _ error) {
+// subscribeCache runs one subscription to rep's engine reports (see
+// subscribeTo).
+func (h *Head) subscribeCache(ctx context.Context, rep *router.Replica) (bool, error) {
+	return h.subscribeTo(ctx, rep, false)
+}
+
+// subscribeRouted runs one subscription to the head-side blocks heads
+// route to rep (routed-block reports, see subscribeTo), which feed the
+// stage's head-side index as this head's own picks do.
+func (h *Head) subscribeRouted(ctx context.Context, rep *router.Replica) (bool, error) {
+	return h.subscribeTo(ctx, rep, true)
+}
+
+// subscribeTo runs one subscription: it applies the snapshot (live from
+// then on), then every report while their seq follows on.
+func (h *Head) subscribeTo(ctx context.Context, rep *router.Replica, routed bool) (live bool, _ error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	stream, err := rep.Client.SubscribeCache(ctx, &stagepb.SubscribeCacheRequest{}, h.calls...)
+	stream, err := rep.Client.SubscribeCache(ctx, &stagepb.SubscribeCacheRequest{Routed: routed}, h.calls...)
 	if err != nil {
 		return false, fmt.Errorf("orchestrator: subscribe to cache: %w", err)
 	}
@@ -133,10 +152,16 @@ func (h *Head) subscribeCache(ctx context.Context, rep *router.Replica) (live bo
 	if err != nil {
 		return false, fmt.Errorf("orchestrator: cache snapshot: %w", err)
 	}
-	if !snap.GetSnapshot() {
-		return false, errors.New("orchestrator: cache subscription did not start with a snapshot")
+	if !snap.GetSnapshot() || snap.GetRouted() != routed {
+		return false, errors.New("orchestrator: cache subscription did not start with a snapshot of its kind")
 	}
-	h.router.ApplyCacheSnapshot(rep, snap)
+	apply := h.router.ApplyKVEvents
+	if routed {
+		apply = h.router.ApplyRoutedBlocks
+		apply(rep, snap)
+	} else {
+		h.router.ApplyCacheSnapshot(rep, snap)
+	}
 	h.cacheSnapshots.Inc()
 	for seq := snap.GetSeq(); ; seq++ {
 		ev, err := stream.Recv()
@@ -146,6 +171,6 @@ func (h *Head) subscribeCache(ctx context.Context, rep *router.Replica) (live bo
 		if ev.GetSeq() != seq+1 {
 			return true, fmt.Errorf("%w: %d after %d", errCacheGap, ev.GetSeq(), seq)
 		}
-		h.router.ApplyKVEvents(rep, ev)
+		apply(rep, ev)
 	}
 }

@@ -863,8 +863,8 @@ func (h *Head) attach(pr probeResult) {
 	}
 	cache := pr.health.GetCacheConfig()
 	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents(), Multiplex: pr.health.GetMultiplex(),
-		ContinuesChat: pr.health.GetContinuesChat(),
-		InputParts:    pr.health.GetInputParts(), InputPartURLs: pr.health.GetInputPartUrls(), InputRole: pr.health.EffectiveInputRole()}
+		ContinuesChat: pr.health.GetContinuesChat(), RoutedSubscription: pr.health.GetRoutedSubscription(),
+		InputParts: pr.health.GetInputParts(), InputPartURLs: pr.health.GetInputPartUrls(), InputRole: pr.health.EffectiveInputRole()}
 	if err := h.router.Add(pr.rep); err != nil {
 		h.errors.WithLabelValues("router").Inc()
 		h.log.Error("orchestrator: cannot route", "err", err)

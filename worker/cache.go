@@ -57,22 +57,27 @@ func (c *cacheSub) push(ev *stagepb.KvEvents) {
 }
 
 // SubscribeCache implements StageService: the engine's snapshot, then its
-// reports, until the subscriber leaves, falls behind (ResourceExhausted) or
-// the worker stops (Unavailable, once nothing else is in flight, so a
-// graceful stop does not wait for subscribers).
-func (svc *service) SubscribeCache(_ *stagepb.SubscribeCacheRequest, stream grpc.ServerStreamingServer[stagepb.KvEvents]) error {
+// reports (or, with req.routed, the blocks heads routed here: routed.go),
+// until the subscriber leaves, falls behind (ResourceExhausted) or the
+// worker stops (Unavailable, once nothing else is in flight, so a graceful
+// stop does not wait for subscribers).
+func (svc *service) SubscribeCache(req *stagepb.SubscribeCacheRequest, stream grpc.ServerStreamingServer[stagepb.KvEvents]) error {
 	s := svc.s
-	rep, ok := s.cacheReporter(s.cfg.Engine.Health())
-	if !ok {
-		return status.Error(codes.Unimplemented, "worker: the engine does not report its cache")
-	}
 	ctx := stream.Context()
 	sub := newCacheSub(CacheSubscriberBuffer)
-	stop, err := rep.WatchCache(ctx, sub.push)
-	if err != nil {
-		return toStatus(err)
+	if req.GetRouted() {
+		defer s.routed.watch(sub)()
+	} else {
+		rep, ok := s.cacheReporter(s.cfg.Engine.Health())
+		if !ok {
+			return status.Error(codes.Unimplemented, "worker: the engine does not report its cache")
+		}
+		stop, err := rep.WatchCache(ctx, sub.push)
+		if err != nil {
+			return toStatus(err)
+		}
+		defer stop()
 	}
-	defer stop()
 	for {
 		select {
 		case ev := <-sub.ch:

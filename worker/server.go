@@ -170,6 +170,9 @@ type Server struct {
 	reg        atomic.Pointer[membership.Registration] // nil without etcd or before registering
 	etcdUp     prometheus.Gauge                        // nil without Config.Metrics; set by Run's etcd monitor
 
+	// routed publishes the blocks heads routed here (routed.go).
+	routed *routedHub
+
 	// sleepMu serializes sleep state changes with their record updates, so
 	// the record always ends with the engine's latest state.
 	sleepMu sync.Mutex
@@ -215,6 +218,7 @@ func New(cfg Config) (*Server, error) {
 		role:       h.GetRole(),
 		inputRole:  h.EffectiveInputRole(),
 		health:     health.NewServer(),
+		routed:     newRoutedHub(),
 		instance:   newInstanceID(),
 		idle:       make(chan struct{}),
 		registered: make(chan struct{}),
@@ -698,6 +702,7 @@ func (svc *service) Generate(req *stagepb.GenerateRequest, stream grpc.ServerStr
 		return stagepb.DrainingError("worker: replica is draining and takes no new requests")
 	}
 	defer s.release()
+	s.routed.publish(req.GetRoutedBlocks())
 	ctx := stream.Context()
 	start := time.Now()
 	var timings *stagepb.Timings
@@ -804,6 +809,7 @@ func (svc *service) Health(context.Context, *stagepb.HealthRequest) (*stagepb.He
 	h.Multiplex = true
 	_, h.CacheSubscription = s.cacheReporter(h)
 	h.LoadSubscription = true
+	h.RoutedSubscription = true
 	// Who it is, once it knows its id: with AutoID, the record is in etcd
 	// (and a head may probe) a moment before Register returns the id.
 	// Without an instance id the head checks nothing, as for older workers.
@@ -839,6 +845,9 @@ func (svc *service) Sleep(ctx context.Context, req *stagepb.SleepRequest) (*stag
 	})
 	if err != nil {
 		return nil, toStatus(err)
+	}
+	if st == stagepb.SleepState_SLEEP_STATE_DISCARD_ALL {
+		s.routed.clear() // the cache is gone: so are the blocks routed here
 	}
 	s.log.Info("worker: asleep", "level", level)
 	return &stagepb.SleepResponse{SleepState: st}, nil

@@ -185,7 +185,10 @@ func (ServingStatus) EnumDescriptor() ([]byte, []int) {
 }
 
 type SubscribeCacheRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// routed: stream the blocks heads routed to this replica (see
+	// SubscribeCache) rather than the engine's reports.
+	Routed        bool `protobuf:"varint,1,opt,name=routed,proto3" json:"routed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -218,6 +221,13 @@ func (x *SubscribeCacheRequest) ProtoReflect() protoreflect.Message {
 // Deprecated: Use SubscribeCacheRequest.ProtoReflect.Descriptor instead.
 func (*SubscribeCacheRequest) Descriptor() ([]byte, []int) {
 	return file_stage_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *SubscribeCacheRequest) GetRouted() bool {
+	if x != nil {
+		return x.Routed
+	}
+	return false
 }
 
 type SubscribeLoadRequest struct {
@@ -826,7 +836,16 @@ type GenerateRequest struct {
 	OutputWordsPerChunk uint32 `protobuf:"varint,12,opt,name=output_words_per_chunk,json=outputWordsPerChunk,proto3" json:"output_words_per_chunk,omitempty"`
 	// language is the language of the input audio (ISO-639-1, e.g. en), for
 	// a speech recognition stage; "" lets the engine detect it.
-	Language      string `protobuf:"bytes,13,opt,name=language,proto3" json:"language,omitempty"`
+	Language string `protobuf:"bytes,13,opt,name=language,proto3" json:"language,omitempty"`
+	// routed_blocks: the head-side block hashes (prefix_aware's head-side
+	// mode: chained 64-byte text or 16-id blocks; fixed64: 8 bytes each, a
+	// hash needs 9 or 10 as a varint) the sending head recorded
+	// as held by this replica when it routed the request here. The worker
+	// does not read them; it publishes them to its routed SubscribeCache
+	// subscribers (every head), so every head's head-side index learns what
+	// every head routed. Empty: the pick recorded nothing (other policies,
+	// the engine-reported mode, a worker without routed_subscription).
+	RoutedBlocks  []uint64 `protobuf:"fixed64,14,rep,packed,name=routed_blocks,json=routedBlocks,proto3" json:"routed_blocks,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -965,6 +984,13 @@ func (x *GenerateRequest) GetLanguage() string {
 		return x.Language
 	}
 	return ""
+}
+
+func (x *GenerateRequest) GetRoutedBlocks() []uint64 {
+	if x != nil {
+		return x.RoutedBlocks
+	}
+	return nil
 }
 
 type isGenerateRequest_Input interface {
@@ -1303,7 +1329,13 @@ type KvEvents struct {
 	Removed []uint64               `protobuf:"varint,4,rep,packed,name=removed,proto3" json:"removed,omitempty"` // blocks evicted
 	// snapshot: stored lists every block the engine holds at seq (sent
 	// first on a SubscribeCache stream; cleared is set too).
-	Snapshot      bool `protobuf:"varint,5,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
+	Snapshot bool `protobuf:"varint,5,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
+	// routed: a routed-block report (SubscribeCacheRequest.routed): stored
+	// lists head-side blocks heads routed to the replica (approximate, the
+	// head-side mode's guesses, never evictions); a snapshot lists the
+	// worker's recent history of them and does not set cleared; cleared
+	// alone says the engine's cache was discarded (sleep level 2).
+	Routed        bool `protobuf:"varint,6,opt,name=routed,proto3" json:"routed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1369,6 +1401,13 @@ func (x *KvEvents) GetRemoved() []uint64 {
 func (x *KvEvents) GetSnapshot() bool {
 	if x != nil {
 		return x.Snapshot
+	}
+	return false
+}
+
+func (x *KvEvents) GetRouted() bool {
+	if x != nil {
+		return x.Routed
 	}
 	return false
 }
@@ -1720,8 +1759,14 @@ type HealthResponse struct {
 	// workers): a head learns the engine's load only from its own chunks
 	// and from Health at join.
 	LoadSubscription bool `protobuf:"varint,18,opt,name=load_subscription,json=loadSubscription,proto3" json:"load_subscription,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// routed_subscription: the worker serves SubscribeCache with routed set
+	// (the blocks heads routed to it, GenerateRequest.routed_blocks), so
+	// heads in the head-side mode share what each routed there. False
+	// (older workers): a head sends no routed_blocks and each head's
+	// head-side index holds only its own picks.
+	RoutedSubscription bool `protobuf:"varint,19,opt,name=routed_subscription,json=routedSubscription,proto3" json:"routed_subscription,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *HealthResponse) Reset() {
@@ -1876,6 +1921,13 @@ func (x *HealthResponse) GetCacheSubscription() bool {
 func (x *HealthResponse) GetLoadSubscription() bool {
 	if x != nil {
 		return x.LoadSubscription
+	}
+	return false
+}
+
+func (x *HealthResponse) GetRoutedSubscription() bool {
+	if x != nil {
+		return x.RoutedSubscription
 	}
 	return false
 }
@@ -2220,8 +2272,9 @@ var File_stage_proto protoreflect.FileDescriptor
 
 const file_stage_proto_rawDesc = "" +
 	"\n" +
-	"\vstage.proto\x12\x0ftroupe.stage.v1\"\x17\n" +
-	"\x15SubscribeCacheRequest\"\x16\n" +
+	"\vstage.proto\x12\x0ftroupe.stage.v1\"/\n" +
+	"\x15SubscribeCacheRequest\x12\x16\n" +
+	"\x06routed\x18\x01 \x01(\bR\x06routed\"\x16\n" +
 	"\x14SubscribeLoadRequest\"\xf0\x02\n" +
 	"\bMuxFrame\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12:\n" +
@@ -2279,7 +2332,7 @@ const file_stage_proto_rawDesc = "" +
 	"\acontent\x18\x02 \x01(\tR\acontent\x122\n" +
 	"\x05parts\x18\x03 \x03(\v2\x1c.troupe.stage.v1.ContentPartR\x05parts\"@\n" +
 	"\x04Chat\x128\n" +
-	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xa3\x04\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xc8\x04\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -2295,7 +2348,8 @@ const file_stage_proto_rawDesc = "" +
 	" \x01(\rR\fholdOutputMs\x123\n" +
 	"\x16output_codes_per_chunk\x18\v \x01(\rR\x13outputCodesPerChunk\x123\n" +
 	"\x16output_words_per_chunk\x18\f \x01(\rR\x13outputWordsPerChunk\x12\x1a\n" +
-	"\blanguage\x18\r \x01(\tR\blanguageB\a\n" +
+	"\blanguage\x18\r \x01(\tR\blanguage\x12#\n" +
+	"\rrouted_blocks\x18\x0e \x03(\x06R\froutedBlocksB\a\n" +
 	"\x05input\"\x98\x01\n" +
 	"\vStreamInput\x12:\n" +
 	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +
@@ -2325,13 +2379,14 @@ const file_stage_proto_rawDesc = "" +
 	"\x13prompt_image_tokens\x18\x19 \x01(\x04R\x11promptImageTokens\x12.\n" +
 	"\x13prompt_video_tokens\x18\x1a \x01(\x04R\x11promptVideoTokens\x12(\n" +
 	"\x10mm_cache_queries\x18\x1b \x01(\x04R\x0emmCacheQueries\x12\"\n" +
-	"\rmm_cache_hits\x18\x1c \x01(\x04R\vmmCacheHits\"\x84\x01\n" +
+	"\rmm_cache_hits\x18\x1c \x01(\x04R\vmmCacheHits\"\x9c\x01\n" +
 	"\bKvEvents\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x18\n" +
 	"\acleared\x18\x02 \x01(\bR\acleared\x12\x16\n" +
 	"\x06stored\x18\x03 \x03(\x04R\x06stored\x12\x18\n" +
 	"\aremoved\x18\x04 \x03(\x04R\aremoved\x12\x1a\n" +
-	"\bsnapshot\x18\x05 \x01(\bR\bsnapshot\"~\n" +
+	"\bsnapshot\x18\x05 \x01(\bR\bsnapshot\x12\x16\n" +
+	"\x06routed\x18\x06 \x01(\bR\x06routed\"~\n" +
 	"\aTimings\x12#\n" +
 	"\rqueue_seconds\x18\x01 \x01(\x01R\fqueueSeconds\x12'\n" +
 	"\x0fprefill_seconds\x18\x02 \x01(\x01R\x0eprefillSeconds\x12%\n" +
@@ -2358,7 +2413,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x15enable_prefix_caching\x18\x03 \x01(\bR\x13enablePrefixCaching\x12 \n" +
 	"\fmax_num_seqs\x18\x04 \x01(\rR\n" +
 	"maxNumSeqs\x12\x1b\n" +
-	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xe5\x05\n" +
+	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\x96\x06\n" +
 	"\x0eHealthResponse\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.troupe.stage.v1.ServingStatusR\x06status\x12<\n" +
 	"\vsleep_state\x18\x02 \x01(\x0e2\x1b.troupe.stage.v1.SleepStateR\n" +
@@ -2383,7 +2438,8 @@ const file_stage_proto_rawDesc = "" +
 	"inputParts\x12&\n" +
 	"\x0finput_part_urls\x18\x10 \x01(\bR\rinputPartUrls\x12-\n" +
 	"\x12cache_subscription\x18\x11 \x01(\bR\x11cacheSubscription\x12+\n" +
-	"\x11load_subscription\x18\x12 \x01(\bR\x10loadSubscription\"$\n" +
+	"\x11load_subscription\x18\x12 \x01(\bR\x10loadSubscription\x12/\n" +
+	"\x13routed_subscription\x18\x13 \x01(\bR\x12routedSubscription\"$\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\"M\n" +
 	"\rSleepResponse\x12<\n" +

@@ -82,6 +82,14 @@ type StageServiceClient interface {
 	// subscriber that cannot keep up is dropped (the stream ends with
 	// ResourceExhausted) and subscribes again for a fresh snapshot; so does
 	// one that sees a gap in seq. The worker never waits for a subscriber.
+	// With SubscribeCacheRequest.routed the stream brings, instead, the
+	// head-side blocks that heads routed to the replica (GenerateRequest.
+	// routed_blocks; served by a worker whose Health says
+	// routed_subscription, whatever its engine): a snapshot of the recent
+	// ones, then one report per routed request, in the same framing (seq
+	// without a gap, snapshot first, a slow subscriber dropped). Each such
+	// report has routed set: it is what heads sent there, not what the
+	// engine holds.
 	SubscribeCache(ctx context.Context, in *SubscribeCacheRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[KvEvents], error)
 	// SubscribeLoad streams the engine's load (served by a worker whose
 	// Health says load_subscription): the snapshot fields of EngineStats
@@ -269,6 +277,14 @@ type StageServiceServer interface {
 	// subscriber that cannot keep up is dropped (the stream ends with
 	// ResourceExhausted) and subscribes again for a fresh snapshot; so does
 	// one that sees a gap in seq. The worker never waits for a subscriber.
+	// With SubscribeCacheRequest.routed the stream brings, instead, the
+	// head-side blocks that heads routed to the replica (GenerateRequest.
+	// routed_blocks; served by a worker whose Health says
+	// routed_subscription, whatever its engine): a snapshot of the recent
+	// ones, then one report per routed request, in the same framing (seq
+	// without a gap, snapshot first, a slow subscriber dropped). Each such
+	// report has routed set: it is what heads sent there, not what the
+	// engine holds.
 	SubscribeCache(*SubscribeCacheRequest, grpc.ServerStreamingServer[KvEvents]) error
 	// SubscribeLoad streams the engine's load (served by a worker whose
 	// Health says load_subscription): the snapshot fields of EngineStats

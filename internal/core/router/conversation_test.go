@@ -9,6 +9,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
 // chatText renders a conversation as tokenizers.ChatText does.
@@ -60,6 +62,14 @@ func TestConversationKey(t *testing.T) {
 // where the conversation's previous turn went, and the requests each
 // replica served.
 func headsSim(t *testing.T, heads, conversations, turns int, window time.Duration, render func(string, ...string) string) (picks []uint32, stayed int, served map[uint32]int) {
+	return headsSimRouted(t, heads, conversations, turns, window, render, false)
+}
+
+// headsSimRouted is headsSim; with routed, every replica's worker shares
+// the blocks heads route to it (EngineInfo.RoutedSubscription): each
+// pick's RoutedBlocks reach every head's index (ApplyRoutedBlocks), as the
+// worker's routed-block reports bring them.
+func headsSimRouted(t *testing.T, heads, conversations, turns int, window time.Duration, render func(string, ...string) string, routed bool) (picks []uint32, stayed int, served map[uint32]int) {
 	t.Helper()
 	const n = 4
 	ps := make([]*PrefixAware, heads)
@@ -70,6 +80,9 @@ func headsSim(t *testing.T, heads, conversations, turns int, window time.Duratio
 		ps[h].HomeLoadWindow = window
 		ps[h].clock = func() int64 { return now }
 		cs[h] = replicas(n)
+		for _, r := range cs[h] {
+			r.Engine.RoutedSubscription = routed
+		}
 	}
 	systems := []string{
 		strings.Repeat("system prompt zero, the popular one. ", 30),
@@ -93,6 +106,14 @@ func headsSim(t *testing.T, heads, conversations, turns int, window time.Duratio
 		now += int64(25 * time.Millisecond)
 		d := ps[h].Pick(&Request{Text: render(sys, history[c]...)}, cs[h])
 		id := d.Replica.Key.Replica
+		if routed {
+			require.NotEmpty(t, d.RoutedBlocks, "a head-side pick's blocks go with the request")
+			for g := range heads {
+				ps[g].ApplyRoutedBlocks(cs[g][id], &stagepb.KvEvents{Stored: d.RoutedBlocks, Routed: true})
+			}
+		} else {
+			require.Empty(t, d.RoutedBlocks, "a worker that does not share them gets none")
+		}
 		history[c] = append(history[c], fmt.Sprintf("answer %d", len(history[c])))
 		picks = append(picks, id)
 		if prev, ok := last[c]; ok && prev == id {
@@ -143,6 +164,33 @@ func TestPrefixAwareHeadsAgreeOnConversations(t *testing.T) {
 	_, stayed, _ := headsSim(t, 3, conversations, turns, DefaultHomeLoadWindow, flat)
 	t.Logf("3 heads, each on its own index: %.1f%%", 100*float64(stayed)/later)
 	assert.Less(t, float64(stayed), 0.75*later)
+}
+
+// With routed-block reports every head's index holds every head's picks:
+// 3 heads keep a conversation where its previous turn went about as often
+// as one head does, chats and flat prompts alike (no conversation home),
+// far more often than flat prompts on each head's own index, and every
+// replica takes a share.
+func TestPrefixAwareHeadsShareRoutedBlocks(t *testing.T) {
+	const conversations, turns = 40, 12
+	later := float64(conversations*turns - conversations)
+	flat := func(system string, turns ...string) string {
+		return strings.ReplaceAll(chatText(system, turns...), "\n", " ")
+	}
+	for _, render := range []func(string, ...string) string{chatText, flat} {
+		_, one, _ := headsSimRouted(t, 1, conversations, turns, DefaultHomeLoadWindow, render, true)
+		_, three, served := headsSimRouted(t, 3, conversations, turns, DefaultHomeLoadWindow, render, true)
+		t.Logf("later turns where the previous went: 1 head %.1f%%, 3 heads %.1f%%; served %v", 100*float64(one)/later, 100*float64(three)/later, served)
+		assert.Greater(t, float64(three), float64(one)-0.1*later, "3 heads about as one")
+		if strings.Contains(render("s", "q"), "\n") {
+			continue // a chat without reports goes home (step 6): compared above
+		}
+		_, apart, _ := headsSim(t, 3, conversations, turns, DefaultHomeLoadWindow, render)
+		assert.Greater(t, float64(three), float64(apart)+0.05*later, "3 heads sharing their picks against each on its own index (%d)", apart)
+		for id := range uint32(4) {
+			assert.GreaterOrEqual(t, float64(served[id]), 0.6*float64(conversations*turns)/4, "served: %v", served)
+		}
+	}
 }
 
 // A conversation's home follows the smoothed load: a momentary spike on it

@@ -235,6 +235,11 @@ type Decision struct {
 	// or PrefixHead). PrefixSource is "" for other picks.
 	MatchBlocks, InputBlocks int
 	PrefixSource             string
+	// RoutedBlocks: a head-side prefix-aware pick's input blocks, which
+	// the head recorded as held by Replica; the head sends them with the
+	// request to a worker that publishes them to every head
+	// (EngineInfo.RoutedSubscription). Nil otherwise. Not to be modified.
+	RoutedBlocks []uint64
 	// Deadline picks only: the chosen replica's load score at the pick and
 	// its predicted time to first output (0: nothing known).
 	Score     int64
@@ -363,6 +368,21 @@ func (s scorer) score(r *Replica) int64 {
 		return r.Load() + r.InFlight()
 	}
 	return s.maxFresh + 1 + r.InFlight()
+}
+
+// scoreSinceReport is score counting, on top of a fresh report, only this
+// head's requests started since that report (at most those still in
+// flight): the report already holds the earlier ones. prefix_aware's
+// balance checks compare loads against thresholds (overloaded, bound), so
+// a head that counted its own running requests twice (report and in
+// flight) would see one head's imbalances twice as large as several
+// heads' (each holding a share of the requests in flight) and leave the
+// cache for load about twice as often.
+func (s scorer) scoreSinceReport(r *Replica) int64 {
+	if at := r.loadAt.Load(); at != 0 && s.now-at <= s.maxAge {
+		return r.Load() + max(0, min(r.InFlight(), r.sent.Load()-r.sentAtLoad.Load()))
+	}
+	return s.score(r)
 }
 
 // LeastLoaded takes the replica with the least running+waiting work; ties go

@@ -54,14 +54,18 @@ const DefaultHomeLoadWindow = 5 * time.Second
 //     records the input's 64-byte text blocks as held by the chosen
 //     replica, a guess that needs nothing from the engine.
 //
-// In the head-side mode each head's index holds only what that head
-// routed, so several heads would each follow their own partial view. A
-// chat's later turn there (every candidate head-side, the input rendered
-// as tokenizers.ChatText renders it, with an assistant message) is
-// therefore placed by a rule every head computes alike from the request
-// and signals every head shares: its conversation's home (see
-// conversationKey and homeOf), not the index's longest match. The index
-// still decides a first turn, and when the home is overloaded.
+// In the head-side mode a worker that publishes the blocks heads route to
+// it (EngineInfo.RoutedSubscription) tells every head each pick's blocks
+// (Decision.RoutedBlocks, ApplyRoutedBlocks), so every head's index
+// holds every head's picks. Where a candidate's worker does not, each
+// head's index holds only what that head routed, so several heads would
+// each follow their own partial view: a chat's later turn there (every
+// candidate head-side, the input rendered as tokenizers.ChatText renders
+// it, with an assistant message) is placed by a rule every head computes
+// alike from the request and signals every head shares: its
+// conversation's home (see conversationKey and homeOf), not the index's
+// longest match. The index still decides a first turn, and when the home
+// is overloaded.
 //
 // The index is bounded (LRU) and a replica's entries are dropped when it
 // leaves (Forget). Pick is safe for concurrent use.
@@ -278,7 +282,7 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 	schemes := sp.schemes[:0]
 	memo := schemeMemo{p: p}
 	for i, r := range c {
-		cs[i] = cand{r: r, s: memo.of(r), score: sc.score(r)}
+		cs[i] = cand{r: r, s: memo.of(r), score: sc.scoreSinceReport(r)}
 		if !slices.Contains(schemes, cs[i].s) {
 			schemes = append(schemes, cs[i].s)
 		}
@@ -433,20 +437,34 @@ func (p *PrefixAware) Pick(req *Request, c []*Replica) Decision {
 		d.PrefixSource = PrefixEngine
 	} else if x.blocks > 0 {
 		// The head's guess: the chosen replica computes, and so caches,
-		// this input.
-		p.index.Insert(x.r.Key, p.hashesOf(req, x.s))
+		// this input. Its worker tells every head (RoutedBlocks).
+		hs := p.hashesOf(req, x.s)
+		p.index.Insert(x.r.Key, hs)
+		if x.r.Engine.RoutedSubscription {
+			d.RoutedBlocks = hs
+		}
 	}
 	return d
 }
 
 // conversationOf is req's conversation key (see conversationKey) when
-// every candidate is in the head-side mode; ok is false otherwise, and for
-// an input that is not a rendered chat.
+// every candidate is in the head-side mode and some candidate's worker
+// does not share the blocks heads route to it (EngineInfo.
+// RoutedSubscription: an older worker); ok is false otherwise, and for an
+// input that is not a rendered chat.
 func (p *PrefixAware) conversationOf(req *Request, cs []cand) (uint64, bool) {
+	shared := true
 	for _, x := range cs {
 		if x.s.engine != "" {
 			return 0, false // engine reports: the index is every head's
 		}
+		shared = shared && x.r.Engine.RoutedSubscription
+	}
+	if shared {
+		// Every candidate's worker tells every head what each head
+		// routed there (routed-block reports): the index is every
+		// head's, and its longest match decides, as with one head.
+		return 0, false
 	}
 	return conversationKey(req.Text)
 }
@@ -615,6 +633,27 @@ func (p *PrefixAware) ApplyCacheSnapshot(r *Replica, snap *stagepb.KvEvents) {
 	if p.schemeOf(r).engine != "" {
 		r.cacheAt.Store(time.Now().UnixNano())
 		p.index.Reset(r.Key, snap)
+	}
+}
+
+// UsesRoutedBlocks reports whether r is in the head-side mode, whose
+// index other heads' picks feed (routed-block reports).
+func (p *PrefixAware) UsesRoutedBlocks(r *Replica) bool { return p.schemeOf(r).engine == "" }
+
+// ApplyRoutedBlocks records a routed-block report for r (the head-side
+// blocks a head routed there: as if this head had routed them; a snapshot
+// adds the recent ones to what this head guessed), or forgets r's blocks
+// when the report says its cache was cleared. Replicas in the
+// engine-reported mode ignore it.
+func (p *PrefixAware) ApplyRoutedBlocks(r *Replica, ev *stagepb.KvEvents) {
+	if p.schemeOf(r).engine != "" {
+		return
+	}
+	if ev.GetCleared() && !ev.GetSnapshot() {
+		p.index.Forget(r.Key)
+	}
+	if len(ev.GetStored()) > 0 {
+		p.index.Insert(r.Key, ev.GetStored())
 	}
 }
 

@@ -75,6 +75,8 @@ type Replica struct {
 	inFlight     atomic.Int64
 	load         atomic.Int64 // running + waiting, from the replica's latest stats
 	loadAt       atomic.Int64 // when load was reported (unix nanoseconds; 0: never)
+	sent         atomic.Int64 // requests this head started on it, ever
+	sentAtLoad   atomic.Int64 // sent when load was reported
 	ejectedUntil atomic.Int64 // the circuit breaker's: until when (unix nanoseconds, 0: not ejected) it is out of rotation
 	sleep        atomic.Int32 // stagepb.SleepState
 	healthy      atomic.Bool  // connection not in TRANSIENT_FAILURE/SHUTDOWN
@@ -150,6 +152,7 @@ func (r *Replica) SetLoad(n int64) { r.SetLoadAt(n, time.Now()) }
 // SetLoadAt records running+waiting as reported at t.
 func (r *Replica) SetLoadAt(n int64, t time.Time) {
 	r.load.Store(n)
+	r.sentAtLoad.Store(r.sent.Load())
 	r.loadAt.Store(t.UnixNano())
 }
 
@@ -199,7 +202,10 @@ func (r *Replica) EjectedUntil() time.Time {
 }
 
 // Acquire counts a request on the replica; the caller must call Release.
-func (r *Replica) Acquire() { r.inFlight.Add(1) }
+func (r *Replica) Acquire() {
+	r.inFlight.Add(1)
+	r.sent.Add(1)
+}
 
 // Release ends a request. The last release of a removed replica closes its
 // connection, so a drain's in-flight requests are never cut off by a leave.
@@ -223,6 +229,10 @@ type EngineInfo struct {
 	BlockSize int    // KV block size in tokens; 0: unknown
 	KVEvents  bool   // the engine reports stagepb.KvEvents on its chunks
 	Multiplex bool   // the worker serves StageService.Multiplex
+	// RoutedSubscription: the worker publishes the head-side blocks heads
+	// route to it (GenerateRequest.routed_blocks) to every head
+	// (HealthResponse.routed_subscription).
+	RoutedSubscription bool
 	// ContinuesChat: the engine continues a chat answer another replica
 	// began (HealthResponse.continues_chat), so a migration may go to it.
 	ContinuesChat bool
@@ -527,6 +537,35 @@ type cacheSink interface {
 func (r *Router) UsesKVEvents(rep *Replica) bool {
 	sink, ok := r.stages[rep.Key.Stage].Policy.(cacheSink)
 	return ok && sink.UsesKVEvents(rep)
+}
+
+// routedSink is a policy that keeps a head-side index that other heads'
+// picks can feed (routed-block reports).
+type routedSink interface {
+	UsesRoutedBlocks(*Replica) bool
+	ApplyRoutedBlocks(*Replica, *stagepb.KvEvents)
+}
+
+// UsesRoutedBlocks reports whether rep's stage policy records head-side
+// picks for rep that other heads should learn (so a routed SubscribeCache
+// subscription is worth its cost).
+func (r *Router) UsesRoutedBlocks(rep *Replica) bool {
+	sink, ok := r.stages[rep.Key.Stage].Policy.(routedSink)
+	return ok && sink.UsesRoutedBlocks(rep)
+}
+
+// ApplyRoutedBlocks hands a routed-block report (the blocks some head
+// routed to rep, or a snapshot of the recent ones) to rep's stage policy,
+// under the rules of ApplyKVEvents. Safe for concurrent use.
+func (r *Router) ApplyRoutedBlocks(rep *Replica, ev *stagepb.KvEvents) {
+	sink, ok := r.stages[rep.Key.Stage].Policy.(routedSink)
+	if !ok {
+		return
+	}
+	if cur, ok := r.snap.Load().Lookup(rep.Key); !ok || cur != rep {
+		return
+	}
+	sink.ApplyRoutedBlocks(rep, ev)
 }
 
 // ReadsLoad reports whether rep's stage routes by load (every policy but

@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
 )
 
@@ -62,6 +63,12 @@ type api struct {
 // cluster's head. tweak, when not nil, may adjust the http.Server.
 func startAPI(t testing.TB, c *orchestratortest.Cluster, cfg Config, handler func(*Server) http.Handler, tweak func(*http.Server)) *api {
 	t.Helper()
+	return startAPIOn(t, c, c.Head, cfg, handler, tweak)
+}
+
+// startAPIOn is startAPI for head, one of c's heads (Cluster.AddHead).
+func startAPIOn(t testing.TB, c *orchestratortest.Cluster, head *orchestrator.Head, cfg Config, handler func(*Server) http.Handler, tweak func(*http.Server)) *api {
+	t.Helper()
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -72,7 +79,7 @@ func startAPI(t testing.TB, c *orchestratortest.Cluster, cfg Config, handler fun
 		require.NoError(t, err)
 		cfg.Metrics = m
 	}
-	s := New(c.Head, cfg)
+	s := New(head, cfg)
 	h := s.Handler()
 	if handler != nil {
 		h = handler(s)
