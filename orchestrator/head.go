@@ -191,9 +191,6 @@ type Head struct {
 	attached []*tracked
 	outs     *[]string
 	wake     bool
-	// When the last flush ended and how long it took (lingerUntil).
-	flushEnd  time.Time
-	flushTook time.Duration
 
 	cacheSnapshots prometheus.Counter // troupe_router_cache_snapshots_total
 
@@ -581,100 +578,28 @@ const (
 	maxBatchAge = 5 * time.Millisecond
 )
 
-// lingerFactor bounds the share of the loop's time spent publishing
-// during a burst: a batch that starts within lingerFactor times the last
-// flush's duration after that flush waits for more inputs until then
-// (never past maxBatchAge), instead of publishing as soon as its queue is
-// empty. A flush copies the stage and the view, O(N): at 10,000 replicas
-// a restart's probe answers, arriving one at a time, published one copy
-// each (gigabytes of garbage for a head near its memory limit). A join
-// after a quiet spell (no flush within that window) does not wait.
-const lingerFactor = 20
-
 // drain applies, after a batch's first input, the inputs already waiting
 // (membership events, probe answers, leave verdicts), up to maxBatch and
 // maxBatchAge, so that a storm of N joins publishes a snapshot per batch,
-// not per replica; within a burst (lingerUntil) it also waits for inputs
-// still to come. A batch changes a key once: an input for a key it
+// not per replica. A batch changes a key once: an input for a key it
 // already changed publishes the batch first (before), so every input
 // sees its own key's previous changes published.
 func (h *Head) drain(ctx context.Context, events <-chan membership.Event, probes chan probeResult, departures chan departure, probing *sync.WaitGroup) {
 	end := time.Now().Add(maxBatchAge)
-	linger := h.lingerUntil()
-	if linger.After(end) {
-		linger = end
-	}
-	var timer *time.Timer
-	defer func() {
-		if timer != nil {
-			timer.Stop()
-		}
-	}()
-	for n := 1; n < maxBatch; n++ {
-		now := time.Now()
-		if !now.Before(end) {
-			return
-		}
-		var wait <-chan time.Time
-		if now.Before(linger) {
-			if timer == nil {
-				timer = time.NewTimer(linger.Sub(now))
-			}
-			wait = timer.C
-		}
-		if !h.take(ctx, events, probes, departures, probing, wait) {
-			return
-		}
-	}
-}
-
-// take applies one waiting input; with wait set it waits for one until
-// wait fires. It reports whether it applied one.
-func (h *Head) take(ctx context.Context, events <-chan membership.Event, probes chan probeResult, departures chan departure, probing *sync.WaitGroup, wait <-chan time.Time) bool {
-	if wait == nil {
+	for n := 1; n < maxBatch && time.Now().Before(end); n++ {
 		select {
 		case ev := <-events:
 			h.applyEvent(ctx, ev, probes, departures, probing)
 		case pr := <-probes:
-			h.applyProbe(pr)
+			h.before(pr.key)
+			h.attach(pr)
 		case d := <-departures:
-			h.applyDeparture(d)
+			h.before(d.key)
+			h.departed(d)
 		default:
-			return false
+			return
 		}
-		return true
 	}
-	select {
-	case ev := <-events:
-		h.applyEvent(ctx, ev, probes, departures, probing)
-	case pr := <-probes:
-		h.applyProbe(pr)
-	case d := <-departures:
-		h.applyDeparture(d)
-	case <-wait:
-		return false
-	case <-ctx.Done():
-		return false
-	}
-	return true
-}
-
-// lingerUntil is when the burst the last flush belongs to ends: its end
-// plus lingerFactor times its duration.
-func (h *Head) lingerUntil() time.Time {
-	return h.flushEnd.Add(lingerFactor * h.flushTook)
-}
-
-// applyProbe applies a probe answer within the current batch.
-func (h *Head) applyProbe(pr probeResult) {
-	h.before(pr.key)
-	h.attach(pr)
-}
-
-// applyDeparture applies a leave verdict within the current batch.
-func (h *Head) applyDeparture(d departure) {
-	h.before(d.key)
-	h.departed(d)
 }
 
 // applyEvent applies a membership event within the current batch.
@@ -1150,11 +1075,6 @@ func (h *Head) publish(key router.Key) {
 // joins costs O(N) per batch, not per join), the stage outputs, and a
 // wake-up of the waiters on changed.
 func (h *Head) flush() {
-	start := time.Now()
-	defer func() {
-		h.flushEnd = time.Now()
-		h.flushTook = h.flushEnd.Sub(start)
-	}()
 	h.batching = false
 	h.router.Commit()
 	now := time.Now()
