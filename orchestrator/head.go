@@ -1263,6 +1263,10 @@ func signalAges(rep *router.Replica, now time.Time) (load *int64, loadAge, cache
 	return load, age(rep.LoadAt()), age(rep.CacheReportAt())
 }
 
+// Known is how many replica records the head knows (routed, joining,
+// refused or detached): the size of its view, O(1).
+func (h *Head) Known() int { return len(*h.view.Load()) }
+
 // Ready reports whether every stage has a routable replica; otherwise it
 // names the first stage that has none.
 func (h *Head) Ready() (bool, string) {

@@ -67,6 +67,7 @@ func TestPublishCopiesOnlyTheChangedRecord(t *testing.T) {
 	require.True(t, ok)
 	assert.Equal(t, 1000, got.index)
 	assert.Len(t, *h.view.Load(), len(keys), "republishing a key replaces its record")
+	assert.Equal(t, len(keys), h.Known(), "Known counts the published records")
 
 	before := h.view.Load()
 	changed := *h.changed.Load()

@@ -44,7 +44,10 @@ type headFlags struct {
 	apiKeyFile, adminAPIKeyFile                        string
 	// apiKeyOnArgv: --api-key came from the command line (see
 	// noteArgvSecrets), where ps shows it.
-	apiKeyOnArgv                               bool
+	apiKeyOnArgv bool
+	// followFleetLimit: the soft memory limit is the default one, so it
+	// follows the fleet's size (see setHeadGC).
+	followFleetLimit                           bool
 	sessionHeader, headID, advertise           string
 	logStats, untrustedParent, sessionUser     bool
 	maxBody                                    byteSize
@@ -250,7 +253,7 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	log, flushLog := hf.log.logger()
 	defer flushLog()
-	setHeadGC(log)
+	hf.followFleetLimit = setHeadGC(log)
 	// Grow the descriptor table now, not at the join or request that
 	// crosses 256, 512, 1024... descriptors (see internal/core/fdtable).
 	if err := fdtable.Reserve(fdtable.DefaultReserve); err != nil {
@@ -448,6 +451,12 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	defer stopRun()
 	g, gctx := errgroup.WithContext(runCtx)
 	g.Go(func() error { return head.Run(gctx) })
+	if hf.followFleetLimit {
+		g.Go(func() error {
+			followFleetLimit(gctx, head.Known, log)
+			return nil
+		})
+	}
 	for i, srv := range servers {
 		g.Go(func() error {
 			if err := srv.Serve(httpapi.NewListener(listeners[i])); !errors.Is(err, http.ErrServerClosed) {

@@ -2,10 +2,12 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"log/slog"
 	"os"
 	"runtime/debug"
 	"strconv"
+	"time"
 )
 
 // headGCPercent is the head's GOGC unless the environment sets one. The
@@ -41,10 +43,30 @@ var cgroupMemoryFiles = []string{
 	"/sys/fs/cgroup/memory/memory.limit_in_bytes",
 }
 
+// headLimitPerReplica is what the default soft limit grows by for each
+// replica record the head knows (fleetLimit): about twice a replica's
+// share of the head's RSS (51–55 KiB at 10,000: its connection, gRPC's
+// goroutines and buffers, its record). A head whose live heap reaches a
+// fixed limit collects without pause, at up to half its CPU: a head
+// restarted against 10,000 replicas, its live heap past 512 MiB, spent a
+// third of its CPU in the collector (docs/benchmarks.md).
+const headLimitPerReplica = 128 << 10
+
+// fleetLimit is the default soft limit of a head that knows n replicas.
+func fleetLimit(n int) int64 {
+	return headMemoryLimit + int64(n)*headLimitPerReplica
+}
+
+// fleetLimitInterval is how often a head on the default soft limit reads
+// its fleet's size (followFleetLimit).
+const fleetLimitInterval = time.Second
+
 // setHeadGC applies headGCPercent when GOGC is not set and the soft memory
 // limit (headSoftLimit) when GOMEMLIMIT is not: the operator's GOGC and
-// GOMEMLIMIT (which the runtime reads itself) win.
-func setHeadGC(log *slog.Logger) {
+// GOMEMLIMIT (which the runtime reads itself) win. It reports whether the
+// limit is the default one, which then follows the fleet's size
+// (followFleetLimit).
+func setHeadGC(log *slog.Logger) (followFleet bool) {
 	if _, ok := os.LookupEnv("GOGC"); !ok {
 		debug.SetGCPercent(headGCPercent)
 	}
@@ -52,6 +74,32 @@ func setHeadGC(log *slog.Logger) {
 		limit, source := headSoftLimit(cgroupMemoryLimit(cgroupMemoryFiles))
 		debug.SetMemoryLimit(limit)
 		log.Info("troupe head: soft memory limit", "bytes", limit, "from", source)
+		return source == "default"
+	}
+	return false
+}
+
+// followFleetLimit sets the default soft limit to fleetLimit of the
+// records the head knows (known), read every fleetLimitInterval, until
+// ctx ends: a container's limit or GOMEMLIMIT is the operator's, but
+// without either, a fixed 512 MiB would hold a head of thousands of
+// replicas at its live heap.
+func followFleetLimit(ctx context.Context, known func() int, log *slog.Logger) {
+	tick := time.NewTicker(fleetLimitInterval)
+	defer tick.Stop()
+	last := 0
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		if n := known(); n != last {
+			last = n
+			limit := fleetLimit(n)
+			debug.SetMemoryLimit(limit)
+			log.Debug("troupe head: soft memory limit follows the fleet", "replicas", n, "bytes", limit)
+		}
 	}
 }
 

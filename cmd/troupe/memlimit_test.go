@@ -1,9 +1,14 @@
 package main
 
 import (
+	"context"
+	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime/debug"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -38,4 +43,42 @@ func TestHeadSoftLimit(t *testing.T) {
 
 	limit, _ = headSoftLimit(256 << 20)
 	require.Equal(t, int64(192<<20), limit, "below the default in a small container")
+}
+
+// TestFollowFleetLimit: on the default soft limit, the head's limit follows
+// the records it knows, up and down, so a head of 10,000 replicas (a live
+// heap of ~300 MiB, an RSS of ~550 MiB) is not held to 512 MiB.
+func TestFollowFleetLimit(t *testing.T) {
+	prev := debug.SetMemoryLimit(-1)
+	defer debug.SetMemoryLimit(prev)
+	require.Greater(t, fleetLimit(10_000), int64(1500<<20), "room for 10,000 replicas' ~550 MiB of RSS, and garbage")
+	require.Equal(t, int64(headMemoryLimit), fleetLimit(0))
+
+	var known atomic.Int64
+	known.Store(10_000)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		followFleetLimit(ctx, func() int { return int(known.Load()) }, slog.New(slog.DiscardHandler))
+	}()
+	defer func() { cancel(); <-done }()
+
+	waitLimit := func(want int64) {
+		t.Helper()
+		wctx, wcancel := context.WithTimeout(ctx, 10*fleetLimitInterval)
+		defer wcancel()
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+		for debug.SetMemoryLimit(-1) != want {
+			select {
+			case <-wctx.Done():
+				t.Fatalf("soft limit %d, want %d", debug.SetMemoryLimit(-1), want)
+			case <-tick.C:
+			}
+		}
+	}
+	waitLimit(fleetLimit(10_000))
+	known.Store(100)
+	waitLimit(fleetLimit(100))
 }

@@ -75,8 +75,10 @@ const model = "fleet-sim"
 //
 // TROUPE_FLEET_N (default "10,100,1000") and TROUPE_FLEET_HEADS (default
 // "1") list the sizes and head counts, TROUPE_FLEET_TTL the replicas' lease
-// TTL (default 10s, as a worker's); TROUPE_FLEET_SKIP_LEAVE=1 stops after
-// the head restart (no leave storm, no freeze):
+// TTL (default 10s, as a worker's), TROUPE_FLEET_HEAD_GOMEMLIMIT the heads'
+// GOMEMLIMIT (default: none, the head's own soft limit of 512 MiB, which a
+// head at 10,000 replicas exceeds: docs/deploy.md); TROUPE_FLEET_SKIP_LEAVE=1
+// stops after the head restart (no leave storm, no freeze):
 //
 //	TROUPE_FLEET_N=10,100,1000,10000 TROUPE_FLEET_HEADS=1,5 go test -run '^$' -bench FleetProcs -benchtime 1x -timeout 60m ./test/fleet/
 func BenchmarkFleetProcs(b *testing.B) {
@@ -211,7 +213,11 @@ func (f *fleet) startEtcd(b *testing.B, ctx context.Context) {
 }
 
 func (f *fleet) startHead(b *testing.B, ctx context.Context, id string) *head {
-	p := startProc(b, "head "+id, nil, f.bin, "head", "--etcd-endpoints", f.etcdURL, "--http", "127.0.0.1:0",
+	var env []string
+	if lim := os.Getenv("TROUPE_FLEET_HEAD_GOMEMLIMIT"); lim != "" {
+		env = []string{"GOMEMLIMIT=" + lim}
+	}
+	p := startProc(b, "head "+id, env, f.bin, "head", "--etcd-endpoints", f.etcdURL, "--http", "127.0.0.1:0",
 		"--pipeline", f.pipeline, "--log-stats=false", "--head-id", id, "--log-level", "warn")
 	line, _, err := p.out.wait(ctx, 0, "troupe head: id")
 	if err != nil {
