@@ -379,10 +379,10 @@ func (s scorer) score(r *Replica) int64 {
 // heads' (each holding a share of the requests in flight) and leave the
 // cache for load about twice as often.
 func (s scorer) scoreSinceReport(r *Replica) int64 {
-	if at := r.loadAt.Load(); at != 0 && s.now-at <= s.maxAge {
-		return r.Load() + max(0, min(r.InFlight(), r.sent.Load()-r.sentAtLoad.Load()))
+	if r.loadAt.Load() == 0 || !s.fresh(r) {
+		return s.score(r) // no report to hold this head's requests
 	}
-	return s.score(r)
+	return r.Load() + max(0, min(r.InFlight(), r.sent.Load()-r.sentAtLoad.Load()))
 }
 
 // LeastLoaded takes the replica with the least running+waiting work; ties go
