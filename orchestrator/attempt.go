@@ -741,7 +741,7 @@ func (h *Head) account(a *attemptRun, chunk *stagepb.GenerateChunk) {
 	if err := h.stats.Record(a.rep.EngineIndex, s); err != nil {
 		h.log.Debug("orchestrator: record stats", "err", err)
 	}
-	a.rep.SetLoad(int64(s.GetNumRequestsRunning()) + int64(s.GetNumRequestsWaitingCapacity()) + int64(s.GetNumRequestsWaitingDeferred()))
+	setLoad(a.rep, s)
 	a.out.promptTokens += int(s.GetPromptTokens())
 	a.out.generationTokens += int(s.GetGenerationTokens())
 	a.out.computedTokens += int(s.GetPromptTokensLocalCompute())

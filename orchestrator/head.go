@@ -859,7 +859,7 @@ func (h *Head) attach(pr probeResult) {
 	t.times.bound = time.Now()
 	pr.rep.SetSleepState(sleep)
 	if g := pr.health.GetGauges(); g != nil {
-		pr.rep.SetLoad(int64(g.GetNumRequestsRunning()) + int64(g.GetNumRequestsWaitingCapacity()) + int64(g.GetNumRequestsWaitingDeferred()))
+		setLoad(pr.rep, g)
 	}
 	cache := pr.health.GetCacheConfig()
 	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents(), Multiplex: pr.health.GetMultiplex(),

@@ -3,6 +3,7 @@ package orchestrator
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
@@ -26,9 +27,18 @@ func (h *Head) subscribeLoad(ctx context.Context, rep *router.Replica) (live boo
 			return live, fmt.Errorf("orchestrator: load reports: %w", err)
 		}
 		live = true
-		rep.SetLoad(int64(s.GetNumRequestsRunning()) + int64(s.GetNumRequestsWaitingCapacity()) + int64(s.GetNumRequestsWaitingDeferred()))
+		setLoad(rep, s)
 		if err := h.stats.Record(rep.EngineIndex, s); err != nil {
 			h.log.Debug("orchestrator: record load", "err", err)
 		}
 	}
+}
+
+// setLoad sets rep's load signal from an engine's snapshot (running plus
+// waiting), dated when the engine measured it: gauges_age_ms before now.
+// A worker relays a scraped engine's last good load, so the relay's time
+// alone would keep a load fresh whose source stopped answering.
+func setLoad(rep *router.Replica, s *stagepb.EngineStats) {
+	at := time.Now().Add(-time.Duration(s.GetGaugesAgeMs()) * time.Millisecond)
+	rep.SetLoadAt(int64(s.GetNumRequestsRunning())+int64(s.GetNumRequestsWaitingCapacity())+int64(s.GetNumRequestsWaitingDeferred()), at)
 }

@@ -6,7 +6,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -20,18 +19,30 @@ const DefaultLoadInterval = 20 * time.Millisecond
 // LoadHeartbeat is how long a SubscribeLoad stream stays silent when the
 // load does not change: the current load is sent again then, so a head's
 // report of an idle replica never ages past its signal bound
-// (--signal-max-age, 10 s by default).
+// (--signal-max-age, 10 s by default) unless the engine's own measurement
+// does (gauges_age_ms: an engine whose metrics stopped answering).
 const LoadHeartbeat = time.Second
 
 // loadOf is the load part of the engine's gauges (Health): running,
-// waiting and KV cache usage, as the chunks' stats carry them.
+// waiting and KV cache usage, as the chunks' stats carry them, and how old
+// the engine's measurement of them is.
 func loadOf(g *stagepb.EngineStats) *stagepb.EngineStats {
 	return &stagepb.EngineStats{
 		NumRequestsRunning:         g.GetNumRequestsRunning(),
 		NumRequestsWaitingCapacity: g.GetNumRequestsWaitingCapacity(),
 		NumRequestsWaitingDeferred: g.GetNumRequestsWaitingDeferred(),
 		KvCacheUsagePerc:           g.GetKvCacheUsagePerc(),
+		GaugesAgeMs:                g.GetGaugesAgeMs(),
 	}
+}
+
+// sameLoad reports whether two loads are equal but for their age: an
+// aging load is sent again only with the heartbeat.
+func sameLoad(a, b *stagepb.EngineStats) bool {
+	return a.GetNumRequestsRunning() == b.GetNumRequestsRunning() &&
+		a.GetNumRequestsWaitingCapacity() == b.GetNumRequestsWaitingCapacity() &&
+		a.GetNumRequestsWaitingDeferred() == b.GetNumRequestsWaitingDeferred() &&
+		a.GetKvCacheUsagePerc() == b.GetKvCacheUsagePerc()
 }
 
 // SubscribeLoad implements StageService: the engine's load now, then each
@@ -57,7 +68,7 @@ func (svc *service) SubscribeLoad(_ *stagepb.SubscribeLoadRequest, stream grpc.S
 		select {
 		case now := <-tick.C:
 			cur := loadOf(s.cfg.Engine.Health().GetGauges())
-			if proto.Equal(cur, last) && now.Sub(sent) < LoadHeartbeat {
+			if sameLoad(cur, last) && now.Sub(sent) < LoadHeartbeat {
 				continue
 			}
 			if err := stream.Send(cur); err != nil {

@@ -58,6 +58,8 @@ type Options struct {
 	SeparateStats bool
 	// Autoscale is orchestrator.Config.Autoscale (zero: the defaults).
 	Autoscale orchestrator.AutoscaleConfig
+	// SignalMaxAge is orchestrator.Config.SignalMaxAge (zero: the default).
+	SignalMaxAge time.Duration
 }
 
 // Cluster is a running troupe. Its goroutines are stopped by t.Cleanup.
@@ -177,6 +179,7 @@ func (c *Cluster) startHead(t testing.TB, metrics, statsMetrics *prometheus.Regi
 		Breaker:           c.opts.Breaker,
 		StallTimeout:      c.opts.StallTimeout,
 		Autoscale:         c.opts.Autoscale,
+		SignalMaxAge:      c.opts.SignalMaxAge,
 	}
 	if statsMetrics != nil { // a nil *Registry is not a nil Registerer
 		cfg.StatsMetrics = statsMetrics

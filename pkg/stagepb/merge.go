@@ -87,6 +87,7 @@ func mergeStats(d, s *EngineStats) {
 	d.NumRequestsWaitingCapacity = s.NumRequestsWaitingCapacity
 	d.NumRequestsWaitingDeferred = s.NumRequestsWaitingDeferred
 	d.KvCacheUsagePerc = s.KvCacheUsagePerc
+	d.GaugesAgeMs = s.GaugesAgeMs
 }
 
 func mergeKVEvents(d, s *KvEvents) {

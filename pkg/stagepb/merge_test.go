@@ -21,7 +21,7 @@ func TestMergeChunkSaysWhatBothSaid(t *testing.T) {
 			SpecDecodeNumAcceptedTokensPerPos: []uint64{1},
 			PromptAudioTokens:                 2, PromptImageTokens: 1, PromptVideoTokens: 4,
 			IterationTokens:    []uint32{5},
-			NumRequestsRunning: 3, NumRequestsWaitingCapacity: 1, KvCacheUsagePerc: 0.5,
+			NumRequestsRunning: 3, NumRequestsWaitingCapacity: 1, KvCacheUsagePerc: 0.5, GaugesAgeMs: 900,
 		},
 		KvEvents: &stagepb.KvEvents{Seq: 4, Stored: []uint64{10, 11}, Removed: []uint64{9}},
 	}
@@ -31,7 +31,7 @@ func TestMergeChunkSaysWhatBothSaid(t *testing.T) {
 		Timings:      &stagepb.Timings{QueueSeconds: 1, PrefillSeconds: 2, DecodeSeconds: 3},
 		Stats: &stagepb.EngineStats{
 			GenerationTokens: 1, SpecDecodeNumAcceptedTokensPerPos: []uint64{2, 1}, PromptAudioTokens: 1,
-			IterationTokens: []uint32{1}, NumRequestsRunning: 1, KvCacheUsagePerc: 0.25,
+			IterationTokens: []uint32{1}, NumRequestsRunning: 1, KvCacheUsagePerc: 0.25, GaugesAgeMs: 7,
 		},
 		KvEvents: &stagepb.KvEvents{Seq: 5, Stored: []uint64{9, 12}, Removed: []uint64{10}},
 	}
@@ -52,7 +52,7 @@ func TestMergeChunkSaysWhatBothSaid(t *testing.T) {
 			IterationTokens:                   []uint32{5, 1},
 			PromptAudioTokens:                 3, PromptImageTokens: 1, PromptVideoTokens: 4,
 			// the engine's snapshot is the later one, whole
-			NumRequestsRunning: 1, KvCacheUsagePerc: 0.25,
+			NumRequestsRunning: 1, KvCacheUsagePerc: 0.25, GaugesAgeMs: 7,
 		},
 		// 10 was stored, then evicted; 9 was evicted, then stored again
 		KvEvents: &stagepb.KvEvents{Seq: 5, Stored: []uint64{11, 9, 12}, Removed: []uint64{10}},

@@ -1123,8 +1123,15 @@ type EngineStats struct {
 	// and found (not encoded again).
 	MmCacheQueries uint64 `protobuf:"varint,27,opt,name=mm_cache_queries,json=mmCacheQueries,proto3" json:"mm_cache_queries,omitempty"`
 	MmCacheHits    uint64 `protobuf:"varint,28,opt,name=mm_cache_hits,json=mmCacheHits,proto3" json:"mm_cache_hits,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// How long before this message was sent the engine measured the
+	// snapshot fields, in milliseconds (0: now). A worker that learns its
+	// engine's load by scraping it (the openai engine) sets it, so a head
+	// dates the load by its measurement, not by the chunk or heartbeat that
+	// relayed it: a scrape that keeps failing ages the load until the head
+	// counts it unknown (--signal-max-age).
+	GaugesAgeMs   uint32 `protobuf:"varint,29,opt,name=gauges_age_ms,json=gaugesAgeMs,proto3" json:"gauges_age_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *EngineStats) Reset() {
@@ -1307,6 +1314,13 @@ func (x *EngineStats) GetMmCacheQueries() uint64 {
 func (x *EngineStats) GetMmCacheHits() uint64 {
 	if x != nil {
 		return x.MmCacheHits
+	}
+	return 0
+}
+
+func (x *EngineStats) GetGaugesAgeMs() uint32 {
+	if x != nil {
+		return x.GaugesAgeMs
 	}
 	return 0
 }
@@ -2355,7 +2369,7 @@ const file_stage_proto_rawDesc = "" +
 	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +
 	"\rsegment_units\x18\x02 \x01(\rR\fsegmentUnits\x12\x12\n" +
 	"\x04text\x18\x03 \x01(\tR\x04text\x12\x14\n" +
-	"\x05codes\x18\x04 \x03(\rR\x05codes\"\xb2\t\n" +
+	"\x05codes\x18\x04 \x03(\rR\x05codes\"\xd6\t\n" +
 	"\vEngineStats\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\x04R\fpromptTokens\x12+\n" +
 	"\x11generation_tokens\x18\x02 \x01(\x04R\x10generationTokens\x120\n" +
@@ -2379,7 +2393,8 @@ const file_stage_proto_rawDesc = "" +
 	"\x13prompt_image_tokens\x18\x19 \x01(\x04R\x11promptImageTokens\x12.\n" +
 	"\x13prompt_video_tokens\x18\x1a \x01(\x04R\x11promptVideoTokens\x12(\n" +
 	"\x10mm_cache_queries\x18\x1b \x01(\x04R\x0emmCacheQueries\x12\"\n" +
-	"\rmm_cache_hits\x18\x1c \x01(\x04R\vmmCacheHits\"\x9c\x01\n" +
+	"\rmm_cache_hits\x18\x1c \x01(\x04R\vmmCacheHits\x12\"\n" +
+	"\rgauges_age_ms\x18\x1d \x01(\rR\vgaugesAgeMs\"\x9c\x01\n" +
 	"\bKvEvents\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x18\n" +
 	"\acleared\x18\x02 \x01(\bR\acleared\x12\x16\n" +

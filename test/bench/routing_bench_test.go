@@ -42,11 +42,18 @@ var routingCases = []routingCase{
 	{name: "session_affinity", stage: orchestrator.Stage{Policy: "power_of_two"}, sessions: true},
 	// One system prompt carries half the conversations (a hot prefix).
 	{name: "hot-round_robin", stage: orchestrator.Stage{Policy: "round_robin"}, chat: &routingHotChat},
+	{name: "hot-least_loaded", stage: orchestrator.Stage{Policy: "least_loaded"}, chat: &routingHotChat},
 	{name: "hot-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto"}, chat: &routingHotChat},
 	{name: "hot-prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head"}, chat: &routingHotChat},
 	// Three heads behind a round-robin balancer.
 	{name: "3heads-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto"}, heads: 3},
 	{name: "3heads-prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head"}, heads: 3},
+	{name: "3heads-round_robin", stage: orchestrator.Stage{Policy: "round_robin"}, heads: 3},
+	{name: "3heads-least_loaded", stage: orchestrator.Stage{Policy: "least_loaded"}, heads: 3},
+	{name: "3heads-power_of_two", stage: orchestrator.Stage{Policy: "power_of_two"}, heads: 3},
+	{name: "3heads-session_affinity", stage: orchestrator.Stage{Policy: "power_of_two"}, sessions: true, heads: 3},
+	{name: "3heads-hot-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto"}, chat: &routingHotChat, heads: 3},
+	{name: "3heads-hot-prefix_aware-head", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "head"}, chat: &routingHotChat, heads: 3},
 	// A root past the shared system prompts (32 head blocks, 2 KB): each
 	// conversation gets its own rendezvous home, which every head agrees on.
 	{name: "root32-prefix_aware-engine", stage: orchestrator.Stage{Policy: "prefix_aware", PrefixSource: "auto", Balance: &orchestrator.Balance{RootBlocks: 32}}},

@@ -204,10 +204,16 @@ func (u *upstream) scrape(ctx context.Context) {
 		return
 	}
 	req.Header.Set("Accept", "text/plain;version=0.0.4")
+	start := time.Now()
 	resp, err := u.do(req)
 	if err != nil {
-		u.log.Debug("openai: metrics scrape failed", "url", u.root, "err", err)
+		if !u.scrapeFailing.Swap(true) && u.load.Load() != nil {
+			u.log.Warn("openai: metrics scrape failed; the load reported to heads ages until one succeeds", "url", u.root+"/metrics", "err", err)
+		}
 		return
+	}
+	if u.scrapeFailing.Swap(false) {
+		u.log.Info("openai: metrics scrape answers again", "url", u.root+"/metrics")
 	}
 	defer closeBody(resp)
 	if resp.StatusCode != http.StatusOK {
@@ -232,7 +238,7 @@ func (u *upstream) scrape(ctx context.Context) {
 		u.pendingMMQueries.Add(counterDelta(prev.MMCacheQueries, l.MMCacheQueries))
 		u.pendingMMHits.Add(counterDelta(prev.MMCacheHits, l.MMCacheHits))
 	}
-	u.load.Store(&l)
+	u.load.Store(&scraped{Load: l, at: start})
 }
 
 // counterDelta is a counter's increase between two scrapes; after a reset

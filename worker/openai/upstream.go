@@ -27,6 +27,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"net/url"
@@ -199,10 +200,12 @@ type upstream struct {
 	message   string        // why not available
 	changed   chan struct{} // closed and replaced at every availability change
 
-	load      atomic.Pointer[Load] // latest scrape; nil before the first
-	sleep     atomic.Int32         // stagepb.SleepState
-	noHealth  atomic.Bool          // the upstream has no /health: models only
-	noMetrics atomic.Bool          // the latest scrape found no /metrics
+	load      atomic.Pointer[scraped] // latest good scrape; nil before the first
+	sleep     atomic.Int32            // stagepb.SleepState
+	noHealth  atomic.Bool             // the upstream has no /health: models only
+	noMetrics atomic.Bool             // the latest scrape found no /metrics
+	// scrapeFailing: the latest scrape got no answer (logged once).
+	scrapeFailing atomic.Bool
 
 	// Prefix-cache counter increases the upstream reported since the last
 	// chunk that carried them (see takeCounters).
@@ -306,9 +309,17 @@ func (u *upstream) health(engine, role string) *stagepb.HealthResponse {
 	}
 }
 
-// gauges is the latest scraped load as EngineStats snapshot fields. When
-// the upstream exposes no metrics, it is the load this worker put on it:
-// its requests in flight as running (the worker queues none).
+// scraped is one good scrape of the upstream's metrics and when it was read.
+type scraped struct {
+	Load
+	at time.Time
+}
+
+// gauges is the latest scraped load as EngineStats snapshot fields, with
+// its age: a scrape that fails keeps the previous load, which grows older
+// until the head counts it unknown. When the upstream exposes no metrics,
+// it is the load this worker put on it, measured now: its requests in
+// flight as running (the worker queues none).
 func (u *upstream) gauges() *stagepb.EngineStats {
 	l := u.load.Load()
 	if l == nil || u.noMetrics.Load() {
@@ -318,6 +329,7 @@ func (u *upstream) gauges() *stagepb.EngineStats {
 		NumRequestsRunning:         uint32(max(l.Running, 0)),
 		NumRequestsWaitingCapacity: uint32(max(l.Waiting, 0)),
 		KvCacheUsagePerc:           l.KVCacheUsage,
+		GaugesAgeMs:                uint32(min(max(time.Since(l.at).Milliseconds(), 0), math.MaxUint32)),
 	}
 }
 
