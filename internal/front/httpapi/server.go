@@ -19,6 +19,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/http/pprof"
 	"net/url"
 	"path"
 	"runtime"
@@ -222,6 +223,12 @@ func New(b Backend, cfg Config) *Server {
 	handle(adminMuxes, "GET /v1/replicas/sd", http.HandlerFunc(s.replicasSD))
 	handle(adminMuxes, "POST /v1/replicas/{stage}/{replica}/sleep", http.HandlerFunc(s.sleep))
 	handle(adminMuxes, "POST /v1/replicas/{stage}/{replica}/wake_up", http.HandlerFunc(s.wakeUp))
+	// Go's profiles of the head, for operators: admin routes (see
+	// authorize). Not cmdline, which would show an API key given as a flag.
+	handle(adminMuxes, "GET /debug/pprof/", http.HandlerFunc(pprof.Index))
+	handle(adminMuxes, "GET /debug/pprof/profile", http.HandlerFunc(pprof.Profile))
+	handle(adminMuxes, "GET /debug/pprof/symbol", http.HandlerFunc(pprof.Symbol))
+	handle(adminMuxes, "GET /debug/pprof/trace", http.HandlerFunc(pprof.Trace))
 	if cfg.Gatherer != nil || cfg.Exposer != nil {
 		handle(adminMuxes, "GET /metrics", metricsHandler(cfg.Gatherer, cfg.Exposer, cfg.ExposerGatherer, s.log))
 	}
@@ -562,8 +569,9 @@ const (
 )
 
 // authorize decides whether r may pass (see Config.APIKey and
-// AdminAPIKey): the probes and /metrics always; the admin routes with the
-// admin key, or, while none is set, reading /v1/replicas with the API
+// AdminAPIKey): the probes and /metrics always; the admin routes
+// (replicas, sleep, wake_up, profiles) with the admin key, or, while none
+// is set, reading them (GET) with the API
 // key; every other route with either key. A route with no key configured
 // for it is open.
 func (s *Server) authorize(r *http.Request) access {
@@ -571,7 +579,7 @@ func (s *Server) authorize(r *http.Request) access {
 	case "/metrics", "/healthz", "/readyz":
 		return allowed
 	}
-	isAdmin := r.URL.Path == "/v1/replicas" || strings.HasPrefix(r.URL.Path, "/v1/replicas/")
+	isAdmin := r.URL.Path == "/v1/replicas" || strings.HasPrefix(r.URL.Path, "/v1/replicas/") || strings.HasPrefix(r.URL.Path, "/debug/pprof/")
 	readOnly := r.Method == http.MethodGet || r.Method == http.MethodHead
 	hasAPI, hasAdmin := s.cfg.APIKey != "", s.cfg.AdminAPIKey != ""
 	if !hasAPI && !hasAdmin {
