@@ -440,9 +440,9 @@ func (h *Head) startAttemptSpan(ctx context.Context, a *attemptRun) context.Cont
 // it works, on any of its requests: the latest frame its Multiplex stream
 // brought (read by the head at once, whoever reads the call), or the
 // latest load report in a chunk an attempt took (every chunk carries
-// one).
+// one), by when it arrived, not by its measurement's age.
 func (a *attemptRun) replicaAlive() time.Time {
-	at := a.rep.LoadAt()
+	at := a.rep.HeardAt()
 	if m := a.rep.Mux; m != nil {
 		if f := m.LastFrame(); f.After(at) {
 			at = f

@@ -74,7 +74,7 @@ type Replica struct {
 	Key          Key
 	inFlight     atomic.Int64
 	load         atomic.Int64 // running + waiting, from the replica's latest stats
-	loadAt       atomic.Int64 // when load was reported (unix nanoseconds; 0: never)
+	loadAt       atomic.Int64 // when the engine measured load (unix nanoseconds; 0: never)
 	sent         atomic.Int64 // requests this head started on it, ever
 	sentAtLoad   atomic.Int64 // sent when load was reported
 	ejectedUntil atomic.Int64 // the circuit breaker's: until when (unix nanoseconds, 0: not ejected) it is out of rotation
@@ -97,6 +97,7 @@ type Replica struct {
 
 	conn    *grpc.ClientConn
 	cacheAt atomic.Int64 // when the engine last reported its cache (KvEvents)
+	heardAt atomic.Int64 // when the latest load report arrived (unix nanoseconds; 0: never)
 	// deadline is what the deadline policy learned of its timing.
 	deadline deadlineStats
 	// The circuit breaker (see Breaker, and ejectedUntil above):
@@ -149,15 +150,22 @@ func (r *Replica) Load() int64 { return r.load.Load() }
 // SetLoad records running+waiting from a stats snapshot taken now.
 func (r *Replica) SetLoad(n int64) { r.SetLoadAt(n, time.Now()) }
 
-// SetLoadAt records running+waiting as reported at t.
+// SetLoadAt records running+waiting as the engine measured it at t, in a
+// report that arrived now.
 func (r *Replica) SetLoadAt(n int64, t time.Time) {
 	r.load.Store(n)
 	r.sentAtLoad.Store(r.sent.Load())
 	r.loadAt.Store(t.UnixNano())
+	r.heardAt.Store(time.Now().UnixNano())
 }
 
-// LoadAt is when Load was reported; zero when never.
+// LoadAt is when the engine measured Load; zero when never reported.
 func (r *Replica) LoadAt() time.Time { return unixOrZero(r.loadAt.Load()) }
+
+// HeardAt is when the latest load report arrived, however old its
+// measurement (LoadAt): the replica's worker was alive then. Zero when
+// never.
+func (r *Replica) HeardAt() time.Time { return unixOrZero(r.heardAt.Load()) }
 
 // CacheReportAt is when the engine last reported its cache; zero when never.
 func (r *Replica) CacheReportAt() time.Time { return unixOrZero(r.cacheAt.Load()) }

@@ -100,3 +100,15 @@ func TestScoreSinceReport(t *testing.T) {
 	r.Release()
 	assert.Equal(t, int64(2), sc.scoreSinceReport(r), "never more than in flight")
 }
+
+// A report dates the load by the engine's measurement (LoadAt) and the
+// replica's sign of life by the report's arrival (HeardAt): an old
+// measurement relayed now is stale for routing, but its worker answered.
+func TestLoadAgeAndArrival(t *testing.T) {
+	r := replicas(1)[0]
+	measured := time.Now().Add(-time.Minute)
+	r.SetLoadAt(3, measured)
+	assert.Equal(t, measured.UnixNano(), r.LoadAt().UnixNano())
+	assert.WithinDuration(t, time.Now(), r.HeardAt(), 5*time.Second)
+	assert.False(t, newScorer([]*Replica{r}, time.Second).fresh(r))
+}
