@@ -378,11 +378,16 @@ func (s scorer) score(r *Replica) int64 {
 // flight) would see one head's imbalances twice as large as several
 // heads' (each holding a share of the requests in flight) and leave the
 // cache for load about twice as often.
+//
+// A report that was already old when it arrived (a scraped engine's,
+// gauges_age_ms) may miss any of the requests this head has in flight, so
+// it counts them all, as score does: better twice than not at all.
 func (s scorer) scoreSinceReport(r *Replica) int64 {
-	if r.loadAt.Load() == 0 || !s.fresh(r) {
-		return s.score(r) // no report to hold this head's requests
+	at := r.sentAtLoad.Load()
+	if r.loadAt.Load() == 0 || at < 0 || !s.fresh(r) {
+		return s.score(r) // no report known to hold this head's requests
 	}
-	return r.Load() + max(0, min(r.InFlight(), r.sent.Load()-r.sentAtLoad.Load()))
+	return r.Load() + max(0, min(r.InFlight(), r.sent.Load()-at))
 }
 
 // LeastLoaded takes the replica with the least running+waiting work; ties go

@@ -76,7 +76,7 @@ type Replica struct {
 	load         atomic.Int64 // running + waiting, from the replica's latest stats
 	loadAt       atomic.Int64 // when the engine measured load (unix nanoseconds; 0: never)
 	sent         atomic.Int64 // requests this head started on it, ever
-	sentAtLoad   atomic.Int64 // sent when load was reported
+	sentAtLoad   atomic.Int64 // sent when load was measured; -1: unknown (the report was old when it arrived)
 	ejectedUntil atomic.Int64 // the circuit breaker's: until when (unix nanoseconds, 0: not ejected) it is out of rotation
 	sleep        atomic.Int32 // stagepb.SleepState
 	healthy      atomic.Bool  // connection not in TRANSIENT_FAILURE/SHUTDOWN
@@ -153,10 +153,17 @@ func (r *Replica) SetLoad(n int64) { r.SetLoadAt(n, time.Now()) }
 // SetLoadAt records running+waiting as the engine measured it at t, in a
 // report that arrived now.
 func (r *Replica) SetLoadAt(n int64, t time.Time) {
+	now := time.Now()
 	r.load.Store(n)
-	r.sentAtLoad.Store(r.sent.Load())
+	if now.Sub(t) < time.Millisecond {
+		r.sentAtLoad.Store(r.sent.Load())
+	} else {
+		// Which of this head's requests an old measurement holds is not
+		// known (scoreSinceReport counts them all).
+		r.sentAtLoad.Store(-1)
+	}
 	r.loadAt.Store(t.UnixNano())
-	r.heardAt.Store(time.Now().UnixNano())
+	r.heardAt.Store(now.UnixNano())
 }
 
 // LoadAt is when the engine measured Load; zero when never reported.

@@ -99,6 +99,13 @@ func TestScoreSinceReport(t *testing.T) {
 	r.Release()
 	r.Release()
 	assert.Equal(t, int64(2), sc.scoreSinceReport(r), "never more than in flight")
+
+	// A report measured 2 s before it arrived (a scraped engine's) may
+	// miss requests this head sent meanwhile: all in flight count.
+	r.Acquire()
+	r.SetLoadAt(2, time.Now().Add(-2*time.Second))
+	sc = newScorer(c, 10*time.Second)
+	assert.Equal(t, int64(3), sc.scoreSinceReport(r), "report plus everything in flight")
 }
 
 // A report dates the load by the engine's measurement (LoadAt) and the
