@@ -45,9 +45,9 @@ type headFlags struct {
 	// apiKeyOnArgv: --api-key came from the command line (see
 	// noteArgvSecrets), where ps shows it.
 	apiKeyOnArgv bool
-	// followFleetLimit: the soft memory limit is the default one, so it
-	// follows the fleet's size (see setHeadGC).
-	followFleetLimit                           bool
+	// followLimit: the soft memory limit is the default one, so it
+	// follows the fleet (see setHeadGC).
+	followLimit                                bool
 	sessionHeader, headID, advertise           string
 	logStats, untrustedParent, sessionUser     bool
 	maxBody                                    byteSize
@@ -253,7 +253,7 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	log, flushLog := hf.log.logger()
 	defer flushLog()
-	hf.followFleetLimit = setHeadGC(log)
+	hf.followLimit = setHeadGC(log)
 	// Grow the descriptor table now, not at the join or request that
 	// crosses 256, 512, 1024... descriptors (see internal/core/fdtable).
 	if err := fdtable.Reserve(fdtable.DefaultReserve); err != nil {
@@ -451,9 +451,9 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	defer stopRun()
 	g, gctx := errgroup.WithContext(runCtx)
 	g.Go(func() error { return head.Run(gctx) })
-	if hf.followFleetLimit {
+	if hf.followLimit {
 		g.Go(func() error {
-			followFleetLimit(gctx, head.Known, log)
+			followLimit(gctx, head.Known, liveMemory, log)
 			return nil
 		})
 	}

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"runtime/debug"
+	"runtime/metrics"
 	"strconv"
 	"time"
 )
@@ -44,29 +45,52 @@ var cgroupMemoryFiles = []string{
 }
 
 // headLimitPerReplica is what the default soft limit grows by for each
-// replica record the head knows (fleetLimit): about twice a replica's
-// share of the head's RSS (51–55 KiB at 10,000: its connection, gRPC's
-// goroutines and buffers, its record). A head whose live heap reaches a
-// fixed limit collects without pause, at up to half its CPU: a head
-// restarted against 10,000 replicas, its live heap past 512 MiB, spent a
-// third of its CPU in the collector (docs/benchmarks.md).
-const headLimitPerReplica = 128 << 10
+// replica record the head knows: about 60% of a replica's live memory on
+// the head (~54 KiB at 10,000: its connection, gRPC's goroutines and
+// stacks, its record), so with the 512 MiB base a head of 10,000 has
+// ~1.5× its live memory (824 MiB) from the moment it lists them, and the
+// collector runs when the garbage reaches half of it. It was 128 KiB: a
+// restart ~20 % cheaper in CPU, but 107–120 KiB of RSS a replica at
+// 10,000 against 63–80 KiB (docs/benchmarks.md).
+const headLimitPerReplica = 32 << 10
 
-// fleetLimit is the default soft limit of a head that knows n replicas.
-func fleetLimit(n int) int64 {
-	return headMemoryLimit + int64(n)*headLimitPerReplica
+// liveHeadroom is the least the default soft limit lies above the head's
+// live memory (live heap and goroutine stacks as of the last collection):
+// past ~20,000 replicas the per-replica allowance falls behind the live
+// memory, and a limit at the live memory collects without pause (a head
+// restarted against 10,000 replicas at a fixed 512 MiB spent a third of
+// its CPU in the collector).
+const liveHeadroom = 1.25
+
+// softLimit is the default soft limit of a head that knows n replica
+// records and has live bytes of live memory.
+func softLimit(n int, live uint64) int64 {
+	return max(headMemoryLimit+int64(n)*headLimitPerReplica, int64(float64(live)*liveHeadroom))
 }
 
-// fleetLimitInterval is how often a head on the default soft limit reads
-// its fleet's size (followFleetLimit).
-const fleetLimitInterval = time.Second
+// limitInterval is how often a head on the default soft limit reads its
+// fleet's size and its live memory (followLimit).
+const limitInterval = time.Second
+
+// liveMemory is the live heap as of the last collection plus the stacks
+// in use: what the collector cannot free.
+func liveMemory() uint64 {
+	samples := []metrics.Sample{{Name: "/gc/heap/live:bytes"}, {Name: "/memory/classes/heap/stacks:bytes"}}
+	metrics.Read(samples)
+	var sum uint64
+	for _, s := range samples {
+		if s.Value.Kind() == metrics.KindUint64 {
+			sum += s.Value.Uint64()
+		}
+	}
+	return sum
+}
 
 // setHeadGC applies headGCPercent when GOGC is not set and the soft memory
 // limit (headSoftLimit) when GOMEMLIMIT is not: the operator's GOGC and
 // GOMEMLIMIT (which the runtime reads itself) win. It reports whether the
-// limit is the default one, which then follows the fleet's size
-// (followFleetLimit).
-func setHeadGC(log *slog.Logger) (followFleet bool) {
+// limit is the default one, which then follows the fleet (followLimit).
+func setHeadGC(log *slog.Logger) (followLive bool) {
 	if _, ok := os.LookupEnv("GOGC"); !ok {
 		debug.SetGCPercent(headGCPercent)
 	}
@@ -79,26 +103,27 @@ func setHeadGC(log *slog.Logger) (followFleet bool) {
 	return false
 }
 
-// followFleetLimit sets the default soft limit to fleetLimit of the
-// records the head knows (known), read every fleetLimitInterval, until
-// ctx ends: a container's limit or GOMEMLIMIT is the operator's, but
+// followLimit sets the default soft limit to softLimit of the records
+// the head knows (known) and its live memory (live), every limitInterval,
+// until ctx ends: a container's limit or GOMEMLIMIT is the operator's, but
 // without either, a fixed 512 MiB would hold a head of thousands of
-// replicas at its live heap.
-func followFleetLimit(ctx context.Context, known func() int, log *slog.Logger) {
-	tick := time.NewTicker(fleetLimitInterval)
+// replicas at its live memory, and no limit would let it grow to 5× it
+// (GOGC=400). Changes under 1/16 are not applied.
+func followLimit(ctx context.Context, known func() int, live func() uint64, log *slog.Logger) {
+	tick := time.NewTicker(limitInterval)
 	defer tick.Stop()
-	last := 0
+	last := int64(headMemoryLimit)
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
 		}
-		if n := known(); n != last {
-			last = n
-			limit := fleetLimit(n)
+		limit := softLimit(known(), live())
+		if d := limit - last; d > last/16 || -d > last/16 {
+			last = limit
 			debug.SetMemoryLimit(limit)
-			log.Debug("troupe head: soft memory limit follows the fleet", "replicas", n, "bytes", limit)
+			log.Debug("troupe head: soft memory limit follows the fleet", "bytes", limit)
 		}
 	}
 }

@@ -45,28 +45,33 @@ func TestHeadSoftLimit(t *testing.T) {
 	require.Equal(t, int64(192<<20), limit, "below the default in a small container")
 }
 
-// TestFollowFleetLimit: on the default soft limit, the head's limit follows
-// the records it knows, up and down, so a head of 10,000 replicas (a live
-// heap of ~300 MiB, an RSS of ~550 MiB) is not held to 512 MiB.
-func TestFollowFleetLimit(t *testing.T) {
+// TestFollowLimit: on the default soft limit, the head's limit grows with
+// the records it knows, and stays at least a quarter above its live
+// memory, up and down; small changes are not applied.
+func TestFollowLimit(t *testing.T) {
 	prev := debug.SetMemoryLimit(-1)
 	defer debug.SetMemoryLimit(prev)
-	require.Greater(t, fleetLimit(10_000), int64(1500<<20), "room for 10,000 replicas' ~550 MiB of RSS, and garbage")
-	require.Equal(t, int64(headMemoryLimit), fleetLimit(0))
+	require.Equal(t, int64(headMemoryLimit), softLimit(0, 0))
+	atTenThousand := int64(512<<20 + 10_000*32<<10) // 824.5 MiB
+	require.Equal(t, atTenThousand, softLimit(10_000, 560<<20), "10,000 replicas: ~1.5× their live memory")
+	require.Equal(t, int64(1500<<20), softLimit(20_000, 1200<<20), "past the allowance, a quarter above the live memory")
+	require.Positive(t, liveMemory(), "this process has a live heap and stacks")
 
 	var known atomic.Int64
+	var live atomic.Uint64
 	known.Store(10_000)
+	live.Store(560 << 20)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		followFleetLimit(ctx, func() int { return int(known.Load()) }, slog.New(slog.DiscardHandler))
+		followLimit(ctx, func() int { return int(known.Load()) }, live.Load, slog.New(slog.DiscardHandler))
 	}()
 	defer func() { cancel(); <-done }()
 
 	waitLimit := func(want int64) {
 		t.Helper()
-		wctx, wcancel := context.WithTimeout(ctx, 10*fleetLimitInterval)
+		wctx, wcancel := context.WithTimeout(ctx, 10*limitInterval)
 		defer wcancel()
 		tick := time.NewTicker(10 * time.Millisecond)
 		defer tick.Stop()
@@ -78,7 +83,10 @@ func TestFollowFleetLimit(t *testing.T) {
 			}
 		}
 	}
-	waitLimit(fleetLimit(10_000))
+	waitLimit(atTenThousand)
+	live.Store(2 << 30)
+	waitLimit(2560 << 20)
 	known.Store(100)
-	waitLimit(fleetLimit(100))
+	live.Store(100 << 20)
+	waitLimit(softLimit(100, 0))
 }

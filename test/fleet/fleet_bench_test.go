@@ -3,6 +3,8 @@ package fleet
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -76,8 +78,8 @@ const model = "fleet-sim"
 // TROUPE_FLEET_N (default "10,100,1000") and TROUPE_FLEET_HEADS (default
 // "1") list the sizes and head counts, TROUPE_FLEET_TTL the replicas' lease
 // TTL (default 10s, as a worker's), TROUPE_FLEET_HEAD_GOMEMLIMIT the heads'
-// GOMEMLIMIT (default: none, the head's own soft limit of 512 MiB, which a
-// head at 10,000 replicas exceeds: docs/deploy.md); TROUPE_FLEET_SKIP_LEAVE=1
+// GOMEMLIMIT (default: none, the head's own soft limit, which follows the
+// fleet's size: docs/deploy.md); TROUPE_FLEET_SKIP_LEAVE=1
 // stops after the head restart (no leave storm, no freeze):
 //
 //	TROUPE_FLEET_N=10,100,1000,10000 TROUPE_FLEET_HEADS=1,5 go test -run '^$' -bench FleetProcs -benchtime 1x -timeout 60m ./test/fleet/
@@ -185,13 +187,15 @@ func runFleet(b *testing.B, bin string, nHeads, n int, ttl time.Duration) {
 	before := f.headMemory(b, ctx)
 	f.joinStorm(b, ctx, limit)
 	after := f.headMemory(b, ctx)
-	var rss, heap float64
+	var rss, heap, live float64
 	for i := range after {
 		rss = max(rss, float64(after[i].rss-before[i].rss)/float64(n)/1024)
 		heap = max(heap, float64(after[i].heap-before[i].heap)/float64(n)/1024)
+		live = max(live, float64(after[i].live-before[i].live)/float64(n)/1024)
 	}
 	report(b, rss, "head-rss-KiB-per-replica")
 	report(b, heap, "head-heap-KiB-per-replica")
+	report(b, live, "head-live-KiB-per-replica")
 	report(b, float64(after[0].rss)/(1<<20), "head-rss-MiB")
 	f.etcdLoad(b, ctx, max(10*time.Second, ttl))
 	f.headRestart(b, ctx, limit)
@@ -350,7 +354,10 @@ func pct(d []time.Duration, q float64) float64 {
 	return s[i].Seconds() * 1000
 }
 
-type headMem struct{ rss, heap int64 }
+// headMem is a head's memory: its RSS and Go heap in use as they are,
+// then what is live after a collection (heap and goroutine stacks in use,
+// what a soft memory limit must leave room for).
+type headMem struct{ rss, heap, live int64 }
 
 func (f *fleet) headMemory(b *testing.B, ctx context.Context) []headMem {
 	out := make([]headMem, len(f.heads))
@@ -364,8 +371,36 @@ func (f *fleet) headMemory(b *testing.B, ctx context.Context) []headMem {
 			b.Fatal(err)
 		}
 		out[i] = headMem{rss: st.rss, heap: int64(sum(m, "go_memstats_heap_inuse_bytes"))}
+		if err := collect(ctx, h.base); err != nil {
+			b.Fatal(err)
+		}
+		if m, err = scrape(ctx, h.base+"/metrics"); err != nil {
+			b.Fatal(err)
+		}
+		out[i].live = int64(sum(m, "go_memstats_heap_inuse_bytes") + sum(m, "go_memstats_stack_inuse_bytes"))
 	}
 	return out
+}
+
+// collect makes the head at base run a garbage collection: its heap
+// profile with gc=1 collects first.
+func collect(ctx context.Context, base string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/debug/pprof/heap?gc=1", nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("fleet: collect: %w", err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+		return fmt.Errorf("fleet: collect: %w", err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("fleet: collect: %s", resp.Status)
+	}
+	return nil
 }
 
 // etcdLoad measures etcd at rest (the fleet joined, no requests) over
@@ -407,6 +442,7 @@ func (f *fleet) headRestart(b *testing.B, ctx context.Context, limit time.Durati
 	}
 	wctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
+	children := f.childrenCPU(b)
 	start := time.Now()
 	h := f.startHead(b, wctx, "h0-restarted")
 	f.heads[0] = h
@@ -420,6 +456,31 @@ func (f *fleet) headRestart(b *testing.B, ctx context.Context, limit time.Durati
 	}
 	report(b, ready.Seconds()*1000, "restart-ready-ms")
 	report(b, all.Seconds()*1000, "restart-all-routable-ms")
+	// What the restart cost in CPU, per replica: the new head's (its
+	// whole life so far, the benchmark's polls of /v1/replicas included)
+	// and the replica children's (accepting the connection, answering
+	// Health, and the other heads' keepalives meanwhile). With the
+	// machine's cores shared by all of them, these say what a head on
+	// cores of its own would take.
+	st, err := readProc(h.pid())
+	if err != nil {
+		b.Fatal(err)
+	}
+	report(b, float64(st.cpu.Microseconds())/1000/float64(f.n), "restart-head-cpu-ms-per-replica")
+	report(b, float64((f.childrenCPU(b)-children).Microseconds())/1000/float64(f.n), "restart-replicas-cpu-ms-per-replica")
+}
+
+// childrenCPU is the CPU time the replica children have used so far.
+func (f *fleet) childrenCPU(b *testing.B) time.Duration {
+	var sum time.Duration
+	for _, r := range append(slices.Clone(f.stay), f.leave...) {
+		st, err := readProc(r.pid())
+		if err != nil {
+			b.Fatal(err)
+		}
+		sum += st.cpu
+	}
+	return sum
 }
 
 // noneOf holds when none of ids is attached.
