@@ -50,8 +50,8 @@ var cgroupMemoryFiles = []string{
 // stacks, its record), so with the 512 MiB base a head of 10,000 has
 // ~1.5× its live memory (824 MiB) from the moment it lists them, and the
 // collector runs when the garbage reaches half of it. It was 128 KiB: a
-// restart ~20 % cheaper in CPU, but 107–120 KiB of RSS a replica at
-// 10,000 against 63–80 KiB (docs/benchmarks.md).
+// restart about a sixth cheaper in CPU, but 104–121 KiB of RSS a replica
+// at 10,000 against 80 KiB (docs/benchmarks.md).
 const headLimitPerReplica = 32 << 10
 
 // liveHeadroom is the least the default soft limit lies above the head's
@@ -90,7 +90,7 @@ func liveMemory() uint64 {
 // limit (headSoftLimit) when GOMEMLIMIT is not: the operator's GOGC and
 // GOMEMLIMIT (which the runtime reads itself) win. It reports whether the
 // limit is the default one, which then follows the fleet (followLimit).
-func setHeadGC(log *slog.Logger) (followLive bool) {
+func setHeadGC(log *slog.Logger) (follow bool) {
 	if _, ok := os.LookupEnv("GOGC"); !ok {
 		debug.SetGCPercent(headGCPercent)
 	}
