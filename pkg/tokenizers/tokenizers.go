@@ -121,22 +121,33 @@ const (
 // Sim is the sim's tokenizer: SimBOS, then one token per
 // whitespace-separated word (SimWordID). The empty text is [SimBOS].
 func Sim(text string) []uint32 {
-	words := strings.Fields(text)
-	ids := make([]uint32, 0, len(words)+1)
+	// A word is about six bytes: one allocation for most texts, and no
+	// slice of words (the head tokenizes on every prefix_aware pick).
+	ids := make([]uint32, 0, len(text)/6+2)
 	ids = append(ids, SimBOS)
-	for _, w := range words {
+	for w := range strings.FieldsSeq(text) {
 		ids = append(ids, SimWordID(w))
 	}
 	return ids
 }
 
-// SimWordID is the sim's token id of one word: a hash of its bytes, in
-// (SimBOS, SimVocabSize).
+// SimWordID is the sim's token id of one word: a hash of its bytes (FNV-1a,
+// 32 bits), in (SimBOS, SimVocabSize).
 func SimWordID(word string) uint32 {
-	h := fnv.New32a()
-	h.Write([]byte(word))
-	return 2 + h.Sum32()%(SimVocabSize-2)
+	h := uint32(fnvOffset32)
+	for i := range len(word) {
+		h ^= uint32(word[i])
+		h *= fnvPrime32
+	}
+	return 2 + h%(SimVocabSize-2)
 }
+
+// FNV-1a's 32-bit constants (hash/fnv), inline so that a word is hashed
+// without a hash.Hash32 and a copy of its bytes.
+const (
+	fnvOffset32 = 2166136261
+	fnvPrime32  = 16777619
+)
 
 // byEngine is every tokenizer by engine name. It is fixed: nothing
 // registers at run time, so what the head runs is known from the code.

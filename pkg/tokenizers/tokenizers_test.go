@@ -3,6 +3,7 @@ package tokenizers_test
 import (
 	"bytes"
 	"fmt"
+	"hash/fnv"
 	"slices"
 	"strings"
 	"testing"
@@ -20,6 +21,32 @@ func TestSim(t *testing.T) {
 	assert.NotEqual(t, tokenizers.SimWordID("hello"), tokenizers.SimWordID("world"))
 	// Pinned: the head and every sim worker must agree on these ids.
 	assert.Equal(t, []uint32{1, 0x2bd3, 0x2b7f}, tokenizers.Sim("hello world"))
+}
+
+// simReference is Sim as first written, over strings.Fields and
+// hash/fnv: the tokenizer every sim worker and head must keep agreeing
+// with.
+func simReference(text string) []uint32 {
+	ids := []uint32{tokenizers.SimBOS}
+	for _, w := range strings.Fields(text) {
+		h := fnv.New32a()
+		h.Write([]byte(w))
+		ids = append(ids, 2+h.Sum32()%(tokenizers.SimVocabSize-2))
+	}
+	return ids
+}
+
+// FuzzSimMatchesReference checks the allocation-light Sim against the
+// reference on any text: Unicode spaces, invalid UTF-8, empty words.
+func FuzzSimMatchesReference(f *testing.F) {
+	for _, s := range []string{"", " ", "hello world", "a\u00a0b\u2003c", "\xff\xfe x", "tab\tnew\nline\r\v\f", "  lead and trail  "} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, text string) {
+		if got, want := tokenizers.Sim(text), simReference(text); !slices.Equal(got, want) {
+			t.Fatalf("Sim(%q) = %v, reference %v", text, got, want)
+		}
+	})
 }
 
 func TestByEngine(t *testing.T) {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
 // benchRouter is a one-stage router over n routable replicas that are
@@ -52,6 +53,7 @@ func BenchmarkPick(b *testing.B) {
 		sessions[i] = fmt.Sprintf("session-%d", i)
 	}
 	toy := EngineInfo{Name: "toy", BlockSize: 16, KVEvents: true}
+	sim := EngineInfo{Name: tokenizers.SimEngine, BlockSize: 16, KVEvents: true}
 	policies := []struct {
 		name    string
 		session bool
@@ -68,6 +70,11 @@ func BenchmarkPick(b *testing.B) {
 		{name: "prefix_aware_head", policy: func() Policy { return NewPrefixAware(PolicyOptions{PrefixSource: PrefixSourceHead}) }},
 		{name: "prefix_aware_engine", engine: toy, policy: func() Policy {
 			return NewPrefixAware(PolicyOptions{Tokenizers: map[string]Tokenizer{"toy": byteTokens}})
+		}},
+		// The tokenizer the head ships (a token a word) rather than
+		// the toy's token a byte: the same pick over 5× fewer tokens.
+		{name: "prefix_aware_engine_sim", engine: sim, policy: func() Policy {
+			return NewPrefixAware(PolicyOptions{Tokenizers: map[string]Tokenizer{tokenizers.SimEngine: tokenizers.Sim}})
 		}},
 		{name: "session_affinity", session: true, policy: func() Policy { return LeastLoaded{} }},
 		{name: "session_affinity_256", session: true, sessions: 256, policy: func() Policy { return LeastLoaded{} }},
@@ -88,7 +95,7 @@ func BenchmarkPick(b *testing.B) {
 					for i, s := range systems {
 						for k := range 3 {
 							rep := reps[(i*7+k*131)%n]
-							pa.ApplyKVEvents(rep, &stagepb.KvEvents{Seq: uint64(i + 1), Stored: stagepb.BlockHashes(byteTokens(s), toy.BlockSize)})
+							pa.ApplyKVEvents(rep, &stagepb.KvEvents{Seq: uint64(i + 1), Stored: stagepb.BlockHashes(pa.tokenizers[pc.engine.Name](s), pc.engine.BlockSize)})
 						}
 					}
 				}
