@@ -283,8 +283,8 @@ func (r *leased) run(ctx context.Context, lease clientv3.LeaseID) {
 // Meanwhile it writes updated values, and guards the record: one deleted
 // or overwritten by someone else (an operator's etcdctl, a stray script) is
 // written back, since the head stops routing to a replica whose record is
-// gone. The guard is a watch on the key itself, from the revision of one
-// read of it (and again after the watch breaks), so that it costs etcd
+// gone. The guard is a watch on the key itself and one read of it once
+// the watch is created (and again after the watch breaks), so that it costs etcd
 // nothing while nothing happens: the read every third of the TTL it
 // replaces doubled etcd's requests at rest (docs/benchmarks.md). The
 // keepalive does not depend on the watch: a watch that holds back or
@@ -309,6 +309,7 @@ func (r *leased) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 	defer stopWatch()
 	opened := make(chan clientv3.WatchChan, 1)
 	var guarded clientv3.WatchChan // nil until watching, and while a re-watch waits
+	stopGuard := context.CancelFunc(func() {})
 	rewatch := time.NewTimer(0)
 	defer rewatch.Stop()
 	rewatchWait := newBackoff(500*time.Millisecond, max(time.Duration(r.ttlSecs)*time.Second/3, 500*time.Millisecond))
@@ -360,19 +361,33 @@ func (r *leased) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 		case <-retry.C:
 			write()
 		case <-rewatch.C:
-			// Read, guard what it shows, and watch from just after it.
-			if rev := r.checkRecord(ctx, lease); rev > 0 {
-				opening.Go(func() { opened <- r.cli.Watch(wctx, r.key, clientv3.WithRev(rev+1)) })
-			} else if ctx.Err() == nil {
-				rewatch.Reset(rewatchWait.NextBackOff())
-			}
+			// Watch from now, then (once created) read and guard what the
+			// read shows: a change before the watch is in the read, a
+			// change after it comes through the watch. A watch from a
+			// past revision would wait for etcd's next resync of slow
+			// watchers, and a storm of registrations made thousands of
+			// them for etcd to catch up.
+			gctx, cancel := context.WithCancel(wctx)
+			stopGuard = cancel
+			opening.Go(func() { opened <- r.cli.Watch(gctx, r.key, clientv3.WithCreatedNotify()) })
 		case guarded = <-opened:
 		case wresp, ok := <-guarded:
 			if !ok || wresp.Err() != nil {
 				// Compacted, cancelled by etcd, or the client's watch
-				// ended: read again and watch anew, backed off.
+				// ended: watch and read anew, backed off.
+				stopGuard()
 				guarded = nil
 				rewatch.Reset(rewatchWait.NextBackOff())
+				continue
+			}
+			if wresp.Created {
+				if r.checkRecord(ctx, lease) == 0 && ctx.Err() == nil {
+					// etcd unreachable: the keepalive tells; watch
+					// and read anew, backed off.
+					stopGuard()
+					guarded = nil
+					rewatch.Reset(rewatchWait.NextBackOff())
+				}
 				continue
 			}
 			rewatchWait.Reset()

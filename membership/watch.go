@@ -34,12 +34,16 @@ type WatchConfig struct {
 
 // Watcher turns the member keys of one cluster into ordered Events.
 //
-// Run lists the members (a linearizable read at revision R), sends the
-// difference to what it knew, then watches from R (the events at R are the
-// list's, dropped as already known), so no change is missed and none is
-// applied twice. When the watch is compacted or breaks it lists
-// again and sends the difference; every ReconcileInterval it does so anyway,
-// to repair any silent drift. While etcd is unreachable it keeps the last
+// Run opens a watch from etcd's current revision, lists the members at
+// the revision C the watch was created at, sends the difference to what it
+// knew, then sends the watch's events after C (those at or before C are
+// the list's), so no change is missed and none is applied twice. The watch
+// opens first so that etcd counts it in sync at once: a watch that starts
+// at a past revision waits for etcd's next resync (every 100 ms) before it
+// delivers anything, which delayed every join around a head's start and
+// each re-list by up to 100 ms. When the watch is compacted or breaks it
+// watches and lists again and sends the difference; every
+// ReconcileInterval it does so anyway, to repair any silent drift. While etcd is unreachable it keeps the last
 // known membership (no Leave is invented) and retries with backoff.
 //
 // Per key, events come in revision order: a Join, possibly more Joins when
@@ -136,14 +140,20 @@ func (w *Watcher) Run(ctx context.Context, out chan<- Event) error {
 	watchWait := newBackoff(100*time.Millisecond, 5*time.Second)
 	var lastListWarn time.Time
 	for {
-		rev, err := w.resync(ctx, out)
+		end, watched, err := w.session(ctx, out, func(rev int64, err error) {
+			if w.onResync != nil {
+				w.onResync(rev, err)
+			}
+			if err == nil && !lastListWarn.IsZero() {
+				w.lg.Info("membership: listing members again", "prefix", w.prefix, "revision", rev)
+				lastListWarn = time.Time{}
+			}
+		})
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if w.onResync != nil {
-			w.onResync(rev, err)
-		}
-		if err != nil {
+		switch end {
+		case watchNotListed:
 			if time.Since(lastListWarn) >= 30*time.Second {
 				lastListWarn = time.Now()
 				w.lg.Warn("membership: cannot list members; keeping the last known membership and retrying",
@@ -153,25 +163,8 @@ func (w *Watcher) Run(ctx context.Context, out chan<- Event) error {
 				return ctx.Err()
 			}
 			continue
-		}
-		if !lastListWarn.IsZero() {
-			w.lg.Info("membership: listing members again", "prefix", w.prefix, "revision", rev)
-			lastListWarn = time.Time{}
-		}
-		listWait.Reset()
-
-		started := time.Now()
-		// From rev, not rev+1: etcd answers a progress request only for
-		// watches that start at or before its revision, and a quiet
-		// cluster's revision stays at rev. The events at rev itself are
-		// the list's and are dropped by apply (known mod revision, a
-		// delete of an unknown key, an invalid record already reported).
-		end, err := w.watch(ctx, out, rev)
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		switch end {
 		case watchReconcile:
+			listWait.Reset()
 			w.lg.Debug("membership: periodic reconcile", "prefix", w.prefix)
 			continue
 		case watchCompacted:
@@ -179,8 +172,9 @@ func (w *Watcher) Run(ctx context.Context, out chan<- Event) error {
 		case watchBroken:
 			w.lg.Warn("membership: watch broken; re-listing", "prefix", w.prefix, "err", err)
 		}
+		listWait.Reset()
 		// A watch that breaks at once (no leader, denied) must not spin.
-		if time.Since(started) > 10*time.Second {
+		if watched > 10*time.Second {
 			watchWait.Reset()
 		}
 		if !sleep(ctx, watchWait) {
@@ -207,12 +201,12 @@ func (w *Watcher) LastContact() time.Time {
 
 func (w *Watcher) heard() { w.lastContact.Store(time.Now().UnixNano()) }
 
-// resync lists the members, sends the difference to the known state, and
-// returns the revision of the list.
-func (w *Watcher) resync(ctx context.Context, out chan<- Event) (int64, error) {
-	kvs, rev, err := w.list(ctx)
+// resync lists the members at revision rev and sends the difference to
+// the known state.
+func (w *Watcher) resync(ctx context.Context, out chan<- Event, rev int64) error {
+	kvs, err := w.list(ctx, rev)
 	if err != nil {
-		return 0, err
+		return err
 	}
 	seen := make(map[string]bool, len(kvs))
 	var leaves, joins []Event
@@ -251,46 +245,38 @@ func (w *Watcher) resync(ctx context.Context, out chan<- Event) (int64, error) {
 	})
 	for _, ev := range append(leaves, joins...) {
 		if !w.send(ctx, out, ev) {
-			return 0, ctx.Err()
+			return ctx.Err()
 		}
 	}
-	return rev, nil
+	return nil
 }
 
 // listPage is how many records one request of a list reads.
 const listPage = 1000
 
-// list reads every record under the prefix, listPage at a time, all at the
-// revision of the first page (linearizable), so that the pages make one
-// consistent list. Each page has its own listTimeout: a large membership
-// is a series of bounded requests that a busy etcd answers one by one,
-// not one answer of every record that it may never give in time (five
-// heads re-listing 10,000 records did not, and retried, and kept etcd
-// saturated). A page that fails fails the list, which Run retries with
-// backoff; a revision compacted meanwhile fails it too.
-func (w *Watcher) list(ctx context.Context) ([]*mvccpb.KeyValue, int64, error) {
+// list reads every record under the prefix at revision rev, listPage at a
+// time, so that the pages make one consistent list. Each page has its own
+// listTimeout: a large membership is a series of bounded requests that a
+// busy etcd answers one by one, not one answer of every record that it may
+// never give in time (five heads re-listing 10,000 records did not, and
+// retried, and kept etcd saturated). A page that fails fails the list,
+// which Run retries with backoff; a revision compacted meanwhile fails it
+// too.
+func (w *Watcher) list(ctx context.Context, rev int64) ([]*mvccpb.KeyValue, error) {
 	end := clientv3.GetPrefixRangeEnd(w.prefix)
 	from := w.prefix
-	var rev int64
 	var kvs []*mvccpb.KeyValue
 	for {
-		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(w.listPage)}
-		if rev != 0 {
-			opts = append(opts, clientv3.WithRev(rev))
-		}
 		lctx, cancel := context.WithTimeout(ctx, w.listTimeout)
-		resp, err := w.cli.Get(lctx, from, opts...)
+		resp, err := w.cli.Get(lctx, from, clientv3.WithRange(end), clientv3.WithLimit(w.listPage), clientv3.WithRev(rev))
 		cancel()
 		if err != nil {
-			return nil, 0, err
+			return nil, err
 		}
 		w.heard()
-		if rev == 0 {
-			rev = resp.Header.Revision
-		}
 		kvs = append(kvs, resp.Kvs...)
 		if !resp.More || len(resp.Kvs) == 0 {
-			return kvs, rev, nil
+			return kvs, nil
 		}
 		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
 	}
@@ -299,21 +285,73 @@ func (w *Watcher) list(ctx context.Context) ([]*mvccpb.KeyValue, int64, error) {
 type watchEnd uint8
 
 const (
-	watchReconcile watchEnd = iota + 1
+	watchNotListed watchEnd = iota + 1 // the watch did not open or the list failed
+	watchReconcile
 	watchCompacted
 	watchBroken
 )
 
-// watch applies changes from revision from on until the watch ends, ctx
-// ends, or it is time to reconcile.
-func (w *Watcher) watch(ctx context.Context, out chan<- Event, from int64) (watchEnd, error) {
+// session opens a watch, lists at the revision it was created at (listed
+// is called with that revision and the list's error), then applies the
+// watch's later changes until the watch ends, ctx ends, or it is time to
+// reconcile. watched is how long the watch ran after the list.
+func (w *Watcher) session(ctx context.Context, out chan<- Event, listed func(rev int64, err error)) (end watchEnd, watched time.Duration, err error) {
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	// RequireLeader: a member cut off from the leader ends the watch
 	// instead of serving silence; the list that follows then fails and
 	// is retried while the last membership is kept.
 	wctx = clientv3.WithRequireLeader(wctx)
-	wch := w.cli.Watch(wctx, w.prefix, clientv3.WithPrefix(), clientv3.WithRev(from))
+	// From etcd's current revision (no WithRev): such a watch is in sync
+	// when it is created, and etcd answers its progress requests. Until
+	// it is created, listTimeout bounds it: while etcd is away the client
+	// does not even take the request, so Watch itself blocks.
+	timeout := time.AfterFunc(w.listTimeout, cancel)
+	wch := w.cli.Watch(wctx, w.prefix, clientv3.WithPrefix(), clientv3.WithCreatedNotify())
+	rev, err := w.created(ctx, wch)
+	if !timeout.Stop() {
+		err = fmt.Errorf("membership: watch not created within %v", w.listTimeout)
+	}
+	if err == nil {
+		err = w.resync(ctx, out, rev)
+	}
+	if ctx.Err() != nil {
+		return 0, 0, ctx.Err()
+	}
+	listed(rev, err)
+	if err != nil {
+		return watchNotListed, 0, err
+	}
+	started := time.Now()
+	end, err = w.follow(ctx, wctx, out, wch, rev)
+	return end, time.Since(started), err
+}
+
+// created waits for the watch's created notification and returns the
+// revision it was created at: every change after it comes through the
+// watch.
+func (w *Watcher) created(ctx context.Context, wch clientv3.WatchChan) (int64, error) {
+	select {
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	case wr, ok := <-wch:
+		switch {
+		case !ok:
+			return 0, errors.New("membership: watch channel closed")
+		case wr.Err() != nil:
+			return 0, fmt.Errorf("membership: watch: %w", wr.Err())
+		case !wr.Created:
+			return 0, errors.New("membership: watch sent events before its created notification")
+		}
+		w.heard()
+		return wr.Header.Revision, nil
+	}
+}
+
+// follow applies the watch's changes after revision listed (the list's:
+// the changes at or before it are in the list) until the watch ends, ctx
+// ends, or it is time to reconcile. wctx is the watch's context.
+func (w *Watcher) follow(ctx, wctx context.Context, out chan<- Event, wch clientv3.WatchChan, listed int64) (watchEnd, error) {
 	reconcile := time.NewTimer(w.reconcile)
 	defer reconcile.Stop()
 	progress := time.NewTicker(progressInterval)
@@ -336,20 +374,19 @@ func (w *Watcher) watch(ctx context.Context, out chan<- Event, from int64) (watc
 				return watchBroken, errors.New("watch channel closed")
 			}
 			if wr.CompactRevision != 0 {
-				return watchCompacted, fmt.Errorf("revision %d compacted (now %d): %w", from, wr.CompactRevision, wr.Err())
+				return watchCompacted, fmt.Errorf("revision %d compacted (now %d): %w", listed, wr.CompactRevision, wr.Err())
 			}
 			if err := wr.Err(); err != nil {
 				return watchBroken, err
 			}
 			w.heard() // events, or a progress notification
 			for _, ev := range wr.Events {
-				if w.dropEvent != nil && w.dropEvent(ev) {
+				if ev.Kv.ModRevision <= listed || (w.dropEvent != nil && w.dropEvent(ev)) {
 					continue
 				}
 				if !w.apply(ctx, out, ev) {
 					return 0, ctx.Err()
 				}
-				from = ev.Kv.ModRevision + 1
 			}
 		}
 	}
@@ -377,7 +414,7 @@ func (w *Watcher) apply(ctx context.Context, out chan<- Event, ev *clientv3.Even
 	}
 	delete(w.invalid, key)
 	if known && old.modRev >= rev {
-		return true // already sent (by the list this watch started after)
+		return true // already sent
 	}
 	return w.send(ctx, out, Event{Type: Join, Key: key, Member: m, Revision: rev})
 }

@@ -32,7 +32,9 @@ const fleetListeners = 4
 // storms of issue #30:
 //
 //   - join storm: N replicas register real leases (membership.Register,
-//     64 at a time) as fast as etcd takes them; the time from the first
+//     64 at a time) as fast as etcd takes them, or spread evenly over
+//     TROUPE_FLEET_STORM (a duration: "1s" is the issue's storm, N
+//     registrations within one second); the time from the first
 //     registration until the head routes to all N, and each replica's
 //     txn→routable (its Register return to the head's own routed stamp).
 //   - head restart: a second head starts against the N live replicas; the
@@ -60,6 +62,14 @@ func BenchmarkFleet(b *testing.B) {
 	if sizes == "" {
 		sizes = "10,100,1000"
 	}
+	var storm time.Duration
+	if v := os.Getenv("TROUPE_FLEET_STORM"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d < 0 {
+			b.Fatalf("TROUPE_FLEET_STORM: bad duration %q", v)
+		}
+		storm = d
+	}
 	for _, s := range strings.Split(sizes, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(s))
 		if err != nil || n < 2 {
@@ -67,7 +77,7 @@ func BenchmarkFleet(b *testing.B) {
 		}
 		b.Run(fmt.Sprintf("N=%d", n), func(b *testing.B) {
 			for range b.N {
-				runFleet(b, n)
+				runFleet(b, n, storm)
 			}
 		})
 	}
@@ -108,7 +118,10 @@ func anonymousHealth(ctx context.Context, req any, info *grpc.UnaryServerInfo, h
 	return resp, err
 }
 
-func runFleet(b *testing.B, n int) {
+// runFleet runs the three storms over n replicas; storm > 0 spreads the
+// join storm's registrations evenly over it (the i-th starts at
+// i·storm/n), 0 registers as fast as etcd takes them.
+func runFleet(b *testing.B, n int, storm time.Duration) {
 	c := orchestratortest.Start(b, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1, DisableStats: true})
 	stay, leave := fleetServers(b, fleetListeners), fleetServers(b, fleetListeners)
 	addr := func(id uint32) string {
@@ -126,7 +139,13 @@ func runFleet(b *testing.B, n int) {
 	start := time.Now()
 	var g errgroup.Group
 	g.SetLimit(64)
+	pace := time.NewTimer(0)
+	defer pace.Stop()
 	for id := uint32(1); id <= uint32(n); id++ {
+		if storm > 0 {
+			pace.Reset(time.Until(start.Add(storm * time.Duration(id-1) / time.Duration(n))))
+			<-pace.C
+		}
 		g.Go(func() error {
 			reg, err := membership.Register(ctx, c.Client, membership.RegisterConfig{
 				Member: membership.Member{Stage: "thinker", ReplicaID: id, Addr: addr(id), Engine: "sim", Version: "fleet"},
@@ -153,13 +172,17 @@ func runFleet(b *testing.B, n int) {
 		wg.Wait()
 	})
 	allRouted := waitFleet(b, c.Head, 20*time.Second, func(reps []*orchestrator.ReplicaRef) bool { return len(reps) == n }, start)
-	lat := make([]time.Duration, 0, n)
+	lat, toEvent := make([]time.Duration, 0, n), make([]time.Duration, 0, n)
 	for id := uint32(1); id <= uint32(n); id++ {
 		jt, ok := orchestrator.JoinTimes(c.Head, 0, id)
 		if !ok || jt.Routed.IsZero() {
 			b.Fatalf("replica %d: no routed stamp", id)
 		}
 		lat = append(lat, jt.Routed.Sub(committed[id]))
+		toEvent = append(toEvent, jt.Event.Sub(committed[id]))
+		if os.Getenv("ZZ") != "" && jt.Event.Sub(committed[id]) > 20*time.Millisecond {
+			fmt.Printf("slow event id=%d at=%v delay=%v\n", id, committed[id].Sub(start), jt.Event.Sub(committed[id]))
+		}
 	}
 	heapPer := float64(heapInUse()-heapBefore) / float64(n) / 1024
 	b.ReportMetric(registered.Seconds()*1000, "join-register-all-ms")
@@ -167,6 +190,7 @@ func runFleet(b *testing.B, n int) {
 	b.ReportMetric(pct(lat, 0.5), "join-txn-to-routed-p50-ms")
 	b.ReportMetric(pct(lat, 0.99), "join-txn-to-routed-p99-ms")
 	b.ReportMetric(pct(lat, 1), "join-txn-to-routed-max-ms")
+	b.ReportMetric(pct(toEvent, 0.99), "join-txn-to-event-p99-ms")
 	b.ReportMetric(heapPer, "heap-KiB-per-replica")
 	reportJoinSteps(b, c.Head, n, start, "join")
 
