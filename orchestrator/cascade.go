@@ -11,16 +11,9 @@ import (
 
 // recognizesSpeech reports whether stage 0 is a speech recognizer: every
 // routable replica of it takes audio. A chat request then runs as a
-// cascade (executeCascade).
-func recognizesSpeech(snap *router.Snapshot) bool {
-	reps := snap.Stage(0)
-	for _, rep := range reps {
-		if rep.Engine.InputRole != stagepb.RoleAudio {
-			return false
-		}
-	}
-	return len(reps) > 0
-}
+// cascade (executeCascade). It reads the snapshot's counts, not the
+// stage's replicas: it runs on every chat request.
+func recognizesSpeech(snap *router.Snapshot) bool { return snap.EveryReplicaTakesAudio(0) }
 
 // executeCascade runs a chat request through a pipeline whose stage 0
 // recognizes speech (asr → thinker → …): stage 0 transcribes the

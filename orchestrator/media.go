@@ -44,14 +44,16 @@ func (e *PartError) Error() string {
 // picks can run the request. A part given by URL also needs engines that
 // fetch URLs themselves.
 func checkParts(snap *router.Snapshot, msgs []*stagepb.ChatMessage, stage string) error {
-	reps := snap.Stage(0)
 	for i, m := range msgs {
 		for k, p := range m.GetParts() {
 			if p.GetKind() == stagepb.PartText {
 				continue
 			}
 			byURL := p.GetUrl() != ""
-			for _, rep := range reps {
+			if snap.EveryReplicaTakesPart(0, p.GetKind(), byURL) {
+				continue // the snapshot's counts: no replica read
+			}
+			for _, rep := range snap.Stage(0) {
 				if takesPart(rep.Engine, p.GetKind(), byURL) {
 					continue
 				}

@@ -62,6 +62,9 @@ func (h *Head) executeFrom(ctx context.Context, req Request, first, n int, in *s
 // checkTranscriber refuses a transcription unless every routable replica
 // of stage 0 takes audio (a speech recognizer).
 func checkTranscriber(snap *router.Snapshot, stage string) error {
+	if snap.EveryReplicaTakesAudio(0) {
+		return nil // the snapshot's counts: no replica read
+	}
 	for _, rep := range snap.Stage(0) {
 		if rep.Engine.InputRole != stagepb.RoleAudio {
 			return newError(ErrBadRequest, nil, "the pipeline has no speech recognition: its first stage %q takes %s, not audio (engine %s)", stage, rep.Engine.InputRole, rep.Engine.Name)

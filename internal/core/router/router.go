@@ -267,6 +267,9 @@ type EngineInfo struct {
 // BenchmarkSnapshotJoin).
 type Snapshot struct {
 	stages [][]*Replica // by stage index, sorted by replica id
+	// inputs count what each stage's replicas take (stageInputs), kept
+	// with every change so that a request's checks read no replica.
+	inputs []stageInputs
 	// orders are the stages' rendezvous orders for large stages (see
 	// stageOrder); nil for a stage built without one (Pick then reads
 	// every replica, whatever the size).
@@ -275,11 +278,79 @@ type Snapshot struct {
 
 // newSnapshot is a snapshot of stages with their orders built.
 func newSnapshot(stages [][]*Replica) *Snapshot {
-	s := &Snapshot{stages: stages, orders: make([]*stageOrder, len(stages))}
+	s := &Snapshot{stages: stages, orders: make([]*stageOrder, len(stages)), inputs: make([]stageInputs, len(stages))}
 	for i, st := range stages {
 		s.orders[i] = newStageOrder(st)
+		in := s.inputs[i].edit()
+		for _, rep := range st {
+			in.count(rep, 1)
+		}
+		s.inputs[i] = in
 	}
 	return s
+}
+
+// stageInputs counts what a stage's replicas take as input: how many
+// take audio (EngineInfo.InputRole) and, by media part kind, how many
+// take it (InputParts) and how many take it by URL as well. Immutable
+// once in a snapshot; a change edits a copy (edit).
+type stageInputs struct {
+	audio int
+	parts map[string]int
+	urls  map[string]int
+}
+
+// edit is a copy of in that count may change.
+func (in stageInputs) edit() stageInputs {
+	return stageInputs{audio: in.audio, parts: maps.Clone(in.parts), urls: maps.Clone(in.urls)}
+}
+
+// count adds rep's inputs to in (sign 1) or takes them away (sign -1). in
+// must be an edit's.
+func (in *stageInputs) count(rep *Replica, sign int) {
+	e := &rep.Engine
+	if e.InputRole == stagepb.RoleAudio {
+		in.audio += sign
+	}
+	for i, kind := range e.InputParts {
+		if slices.Contains(e.InputParts[:i], kind) {
+			continue // a kind listed twice is taken once
+		}
+		if in.parts == nil {
+			in.parts, in.urls = map[string]int{}, map[string]int{}
+		}
+		in.parts[kind] += sign
+		if e.InputPartURLs {
+			in.urls[kind] += sign
+		}
+	}
+}
+
+// EveryReplicaTakesAudio reports whether stage has replicas and every one
+// of them takes audio (EngineInfo.InputRole): a speech recognizer. It
+// reads counts kept with the snapshot, not the replicas.
+func (s *Snapshot) EveryReplicaTakesAudio(stage int) bool {
+	if stage < 0 || stage >= len(s.stages) {
+		return false
+	}
+	n := len(s.stages[stage])
+	return n > 0 && s.inputs[stage].audio == n
+}
+
+// EveryReplicaTakesPart reports whether every replica of stage takes a
+// media part of kind in a chat input (EngineInfo.InputParts) and, when
+// byURL, takes it by URL too (InputPartURLs); true for a stage without
+// replicas. It reads counts kept with the snapshot, not the replicas.
+func (s *Snapshot) EveryReplicaTakesPart(stage int, kind string, byURL bool) bool {
+	if stage < 0 || stage >= len(s.stages) {
+		return true
+	}
+	in := s.inputs[stage]
+	taking := in.parts[kind]
+	if byURL {
+		taking = in.urls[kind]
+	}
+	return taking == len(s.stages[stage])
 }
 
 // order is a stage's rendezvous order; nil when it has none.
@@ -842,8 +913,10 @@ func (s *Snapshot) with(rep *Replica) *Snapshot {
 	old := s.stages[rep.Key.Stage]
 	i, found := search(old, rep.Key.Replica)
 	var st []*Replica
+	in := s.inputs[rep.Key.Stage].edit()
 	if found {
 		st = slices.Clone(old)
+		in.count(old[i], -1)
 		st[i] = rep
 	} else {
 		st = make([]*Replica, len(old)+1)
@@ -851,8 +924,10 @@ func (s *Snapshot) with(rep *Replica) *Snapshot {
 		st[i] = rep
 		copy(st[i+1:], old[i:])
 	}
-	next := &Snapshot{stages: slices.Clone(s.stages), orders: slices.Clone(s.orders)}
+	in.count(rep, 1)
+	next := &Snapshot{stages: slices.Clone(s.stages), orders: slices.Clone(s.orders), inputs: slices.Clone(s.inputs)}
 	next.stages[rep.Key.Stage] = st
+	next.inputs[rep.Key.Stage] = in
 	if next.orders != nil {
 		next.orders[rep.Key.Stage] = next.orders[rep.Key.Stage].with(rep)
 	}
@@ -866,7 +941,7 @@ func (s *Snapshot) withAll(changes map[Key]*Replica) *Snapshot {
 	keys := slices.SortedFunc(maps.Keys(changes), func(a, b Key) int {
 		return cmp.Or(cmp.Compare(a.Stage, b.Stage), cmp.Compare(a.Replica, b.Replica))
 	})
-	next := &Snapshot{stages: slices.Clone(s.stages), orders: slices.Clone(s.orders)}
+	next := &Snapshot{stages: slices.Clone(s.stages), orders: slices.Clone(s.orders), inputs: slices.Clone(s.inputs)}
 	for len(keys) > 0 {
 		stage, n := keys[0].Stage, 1
 		for n < len(keys) && keys[n].Stage == stage {
@@ -876,6 +951,7 @@ func (s *Snapshot) withAll(changes map[Key]*Replica) *Snapshot {
 		keys = keys[n:]
 		old := s.stages[stage]
 		st := make([]*Replica, 0, len(old)+len(ks))
+		in := s.inputs[stage].edit()
 		i := 0
 		for _, k := range ks {
 			// Copy the run of unchanged replicas before k in one memmove.
@@ -883,14 +959,17 @@ func (s *Snapshot) withAll(changes map[Key]*Replica) *Snapshot {
 			st = append(st, old[i:i+j]...)
 			i += j
 			if found {
-				i++ // replaced or removed
+				in.count(old[i], -1) // replaced or removed
+				i++
 			}
 			if rep := changes[k]; rep != nil {
 				st = append(st, rep)
+				in.count(rep, 1)
 			}
 		}
 		st = append(st, old[i:]...)
 		next.stages[stage] = st
+		next.inputs[stage] = in
 		if next.orders == nil {
 			continue
 		}
@@ -924,8 +1003,11 @@ func (s *Snapshot) without(k Key) *Snapshot {
 	st := make([]*Replica, len(old)-1)
 	copy(st, old[:i])
 	copy(st[i:], old[i+1:])
-	next := &Snapshot{stages: slices.Clone(s.stages), orders: slices.Clone(s.orders)}
+	in := s.inputs[k.Stage].edit()
+	in.count(old[i], -1)
+	next := &Snapshot{stages: slices.Clone(s.stages), orders: slices.Clone(s.orders), inputs: slices.Clone(s.inputs)}
 	next.stages[k.Stage] = st
+	next.inputs[k.Stage] = in
 	if next.orders != nil {
 		next.orders[k.Stage] = next.orders[k.Stage].without(k)
 	}

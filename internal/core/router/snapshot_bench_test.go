@@ -53,7 +53,7 @@ func BenchmarkSnapshotJoin(b *testing.B) {
 		})
 		b.Run(fmt.Sprintf("sorted/N=%d", n), func(b *testing.B) {
 			for b.Loop() {
-				s := &Snapshot{stages: make([][]*Replica, 1)}
+				s := &Snapshot{stages: make([][]*Replica, 1), inputs: make([]stageInputs, 1)}
 				for _, rep := range reps {
 					s = s.with(rep)
 				}
