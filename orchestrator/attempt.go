@@ -178,7 +178,7 @@ func (h *Head) excluded(sr *stageRun, tr *stageTrail, failed []*router.Replica) 
 		return failed
 	}
 	out := slices.Clone(failed)
-	for _, r := range h.router.Snapshot().Stage(sr.stage) {
+	for r := range h.router.Snapshot().Stage(sr.stage).All() {
 		if !r.Engine.ContinuesChat {
 			out = append(out, r)
 		}
@@ -247,7 +247,7 @@ func (h *Head) migrate(ctx context.Context, sr *stageRun, tr *stageTrail, a *att
 	if sr.stage != 0 || !a.produced || tr.moved.count >= h.cfg.MaxMigrations || ctx.Err() != nil || !errors.Is(err, ErrStageFailed) {
 		return nil, false, err
 	}
-	if !slices.ContainsFunc(h.router.Snapshot().Stage(sr.stage), func(r *router.Replica) bool {
+	if !anyReplica(h.router.Snapshot().Stage(sr.stage), func(r *router.Replica) bool {
 		return !slices.Contains(failed, r) && (sr.in.GetChat() == nil || r.Engine.ContinuesChat)
 	}) {
 		msg := "stage failed"
@@ -1018,4 +1018,14 @@ func (ra *readAhead) next(ctx context.Context, flush func() error) (*stagepb.Gen
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}
+}
+
+// anyReplica reports whether f holds for a replica of reps.
+func anyReplica(reps *router.Replicas, f func(*router.Replica) bool) bool {
+	for r := range reps.All() {
+		if f(r) {
+			return true
+		}
+	}
+	return false
 }

@@ -115,9 +115,9 @@ func (h *hysteresis) observe(now time.Time, n int) int {
 // waiting for input: every stage of a pipeline has the same attempts in
 // flight, and only the engine knows which of them it is working on or
 // queueing. A report from before the replica went idle is not counted.
-func measureDemand(stages int, snap *router.Snapshot, view []*tracked, now time.Time, maxAge time.Duration, defaultCapacity int) []stageDemand {
+func measureDemand(stages int, snap *router.Snapshot, view *recordView, now time.Time, maxAge time.Duration, defaultCapacity int) []stageDemand {
 	out := make([]stageDemand, stages)
-	for _, t := range view {
+	for t := range view.All() {
 		if t.detached || !t.routed || t.key.Stage < 0 || t.key.Stage >= stages {
 			continue
 		}
@@ -177,7 +177,7 @@ func (h *Head) runAutoscale(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case now := <-tick.C:
-			demand := measureDemand(len(h.desired), h.router.Snapshot(), *h.view.Load(), now, maxAge, cfg.DefaultCapacity)
+			demand := measureDemand(len(h.desired), h.router.Snapshot(), h.view.Load(), now, maxAge, cfg.DefaultCapacity)
 			for i, d := range demand {
 				n := hyst[i].observe(now, rawDesired(d, cfg.TargetUtilization, cfg.DefaultCapacity))
 				h.desired[i].Set(float64(n))

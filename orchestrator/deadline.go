@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -288,7 +287,7 @@ func (h *Head) behind(a *attemptRun) bool {
 	if rate >= min {
 		return false
 	}
-	if !slices.ContainsFunc(h.router.Snapshot().Stage(st), func(r *router.Replica) bool {
+	if !anyReplica(h.router.Snapshot().Stage(st), func(r *router.Replica) bool {
 		v := h.router.ObservedRate(r)
 		return r != a.rep && (v == 0 || v >= min)
 	}) {

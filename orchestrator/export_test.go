@@ -88,7 +88,7 @@ func PrefixHeld(h *Head, stage int, prompt string) map[uint32]int {
 	p := h.router.Policy(stage).(*router.PrefixAware)
 	hashes := stagepb.BlockHashes(tokenizers.Sim(prompt), 16)
 	var keys []router.Key
-	for _, rep := range h.router.Snapshot().Stage(stage) {
+	for rep := range h.router.Snapshot().Stage(stage).All() {
 		keys = append(keys, rep.Key)
 	}
 	out := map[uint32]int{}

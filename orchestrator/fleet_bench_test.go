@@ -171,7 +171,7 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 		}
 		wg.Wait()
 	})
-	allRouted := waitFleet(b, c.Head, 20*time.Second, func(reps []*orchestrator.ReplicaRef) bool { return len(reps) == n }, start)
+	allRouted := waitFleet(b, c.Head, 20*time.Second, func(reps *orchestrator.ReplicasRef) bool { return reps.Len() == n }, start)
 	lat, toEvent := make([]time.Duration, 0, n), make([]time.Duration, 0, n)
 	for id := uint32(1); id <= uint32(n); id++ {
 		jt, ok := orchestrator.JoinTimes(c.Head, 0, id)
@@ -197,8 +197,8 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 	// Head restart: a new head against the live fleet.
 	start = time.Now()
 	h2, _ := c.AddHead(b)
-	ready := waitFleet(b, h2, time.Minute, func([]*orchestrator.ReplicaRef) bool { ok, _ := h2.Ready(); return ok }, start)
-	restartAll := waitFleet(b, h2, 20*time.Second, func(reps []*orchestrator.ReplicaRef) bool { return len(reps) == n }, start)
+	ready := waitFleet(b, h2, time.Minute, func(*orchestrator.ReplicasRef) bool { ok, _ := h2.Ready(); return ok }, start)
+	restartAll := waitFleet(b, h2, 20*time.Second, func(reps *orchestrator.ReplicasRef) bool { return reps.Len() == n }, start)
 	b.ReportMetric(ready.Seconds()*1000, "restart-ready-ms")
 	b.ReportMetric(restartAll.Seconds()*1000, "restart-all-routed-ms")
 	reportJoinSteps(b, h2, n, start, "restart")
@@ -222,15 +222,15 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 		_ = revoke.Wait()
 		revoked <- time.Since(start)
 	}()
-	noneLeaving := func(reps []*orchestrator.ReplicaRef) bool {
-		for _, r := range reps {
+	noneLeaving := func(reps *orchestrator.ReplicasRef) bool {
+		for r := range reps.All() {
 			if int(r.Key.Replica) > n/2 && r.Routable() {
 				return false
 			}
 		}
 		return true
 	}
-	gone := func(reps []*orchestrator.ReplicaRef) bool { return len(reps) == n/2 }
+	gone := func(reps *orchestrator.ReplicasRef) bool { return reps.Len() == n/2 }
 	var unpicked, removed [2]time.Duration
 	for i, h := range []*orchestrator.Head{c.Head, h2} {
 		unpicked[i] = waitFleet(b, h, time.Minute, noneLeaving, start)
@@ -246,7 +246,7 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 // waitFleet waits until cond holds for the replicas h routes to, waking on
 // the head's publishes and every 5 ms (a connection's state changes
 // without a publish), and returns the time since start.
-func waitFleet(b *testing.B, h *orchestrator.Head, limit time.Duration, cond func([]*orchestrator.ReplicaRef) bool, start time.Time) time.Duration {
+func waitFleet(b *testing.B, h *orchestrator.Head, limit time.Duration, cond func(*orchestrator.ReplicasRef) bool, start time.Time) time.Duration {
 	b.Helper()
 	deadline := time.NewTimer(limit)
 	defer deadline.Stop()
@@ -262,7 +262,7 @@ func waitFleet(b *testing.B, h *orchestrator.Head, limit time.Duration, cond fun
 		case <-tick.C:
 		case <-deadline.C:
 			reps := h.Replicas()
-			b.Fatalf("fleet: condition not reached within %v (%d routed; %d known, first: %+v)", limit, len(orchestrator.RoutedReplicas(h, 0)), len(reps), reps[:min(1, len(reps))])
+			b.Fatalf("fleet: condition not reached within %v (%d routed; %d known, first: %+v)", limit, orchestrator.RoutedReplicas(h, 0).Len(), len(reps), reps[:min(1, len(reps))])
 		}
 	}
 }

@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/troupe-serving/troupe/internal/core/router"
+	"github.com/troupe-serving/troupe/internal/core/sortedseq"
 	"github.com/troupe-serving/troupe/internal/core/stats"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
@@ -158,7 +159,7 @@ type Head struct {
 
 	// view is every replica the head knows, for the API: immutable copies
 	// of the loop's records, sorted by key (see publish).
-	view    atomic.Pointer[[]*tracked]
+	view    atomic.Pointer[recordView]
 	outputs atomic.Pointer[[]string] // by stage: the role its routed replicas give (see noteRouted)
 	// changed is closed and replaced by every publish, so admin calls can
 	// wait for the loop to apply a record.
@@ -276,8 +277,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		OnInvalid:         func(string, error) { h.invalid.Inc() },
 		Logger:            cfg.Logger,
 	})
-	empty := []*tracked{}
-	h.view.Store(&empty)
+	h.view.Store(sortedseq.New(func(t *tracked) router.Key { return t.key }, compareKeys))
 	outputs := make([]string, len(cfg.Pipeline.Stages))
 	h.outputs.Store(&outputs)
 	h.routedCount = make([]int, len(cfg.Pipeline.Stages))
@@ -461,7 +461,7 @@ func (c leaseLostCollector) Collect(ch chan<- prometheus.Metric) {
 	if view == nil {
 		return
 	}
-	for _, t := range *view {
+	for t := range view.All() {
 		if t.detached {
 			continue
 		}
@@ -1089,7 +1089,7 @@ func (h *Head) flush() {
 	clear(h.attached)
 	h.attached = h.attached[:0]
 	if len(h.dirty) > 0 {
-		h.view.Store(h.mergeView(*h.view.Load()))
+		h.view.Store(h.mergeView(h.view.Load()))
 		clear(h.dirty)
 	}
 	if h.outs != nil {
@@ -1103,25 +1103,21 @@ func (h *Head) flush() {
 	}
 }
 
-// mergeView is old with the dirty keys' records copied from the loop's.
-func (h *Head) mergeView(old []*tracked) *[]*tracked {
+// recordView is the API's view of the records: copies, by key, that
+// the loop publishes and readers share (see Head.view).
+type recordView = sortedseq.Seq[router.Key, *tracked]
+
+// mergeView is old with the dirty keys' records copied from the loop's:
+// the chunks of the view that hold them are copied, not the view.
+func (h *Head) mergeView(old *recordView) *recordView {
 	keys := slices.SortedFunc(maps.Keys(h.dirty), compareKeys)
-	out := make([]*tracked, 0, len(old)+len(keys))
-	i := 0
-	for _, k := range keys {
-		// Copy the run of unchanged records before k in one memmove.
-		j, found := slices.BinarySearchFunc(old[i:], k, func(e *tracked, k router.Key) int { return compareKeys(e.key, k) })
-		out = append(out, old[i:i+j]...)
-		i += j
-		if found {
-			i++
-		}
+	changes := make([]sortedseq.Change[router.Key, *tracked], len(keys))
+	for i, k := range keys {
 		c := *h.known[k]
 		c.cancel = nil
-		out = append(out, &c)
+		changes[i] = sortedseq.Change[router.Key, *tracked]{Key: k, Value: &c}
 	}
-	out = append(out, old[i:]...)
-	return &out
+	return old.With(changes, nil)
 }
 
 // compareKeys orders keys by stage, then replica id: the view's order.
@@ -1131,9 +1127,8 @@ func compareKeys(a, b router.Key) int {
 
 // lookup returns the published record of a replica.
 func (h *Head) lookup(key router.Key) (tracked, bool) {
-	view := *h.view.Load()
-	if i, ok := slices.BinarySearchFunc(view, key, func(e *tracked, k router.Key) int { return compareKeys(e.key, k) }); ok {
-		return *view[i], true
+	if t, ok := h.view.Load().Find(key); ok {
+		return *t, true
 	}
 	return tracked{}, false
 }
@@ -1203,9 +1198,9 @@ func (h *Head) WriteMetrics(w io.Writer, f expfmt.Format) error { return h.stats
 // Replicas lists every replica the head knows, detached ones included.
 func (h *Head) Replicas() []ReplicaStatus {
 	snap := h.router.Snapshot()
-	view := *h.view.Load()
-	out := make([]ReplicaStatus, 0, len(view))
-	for _, t := range view {
+	view := h.view.Load()
+	out := make([]ReplicaStatus, 0, view.Len())
+	for t := range view.All() {
 		s := ReplicaStatus{
 			Stage: t.key.Stage, StageName: t.member.Stage, Replica: t.key.Replica,
 			EngineIndex: t.index, Addr: t.member.Addr, MetricsAddr: t.member.MetricsAddr, JoinedAt: t.joinedAt.UTC().Truncate(time.Second),
@@ -1265,7 +1260,7 @@ func signalAges(rep *router.Replica, now time.Time) (load *int64, loadAge, cache
 
 // Known is how many replica records the head knows (routed, joining,
 // refused or detached): the size of its view, O(1).
-func (h *Head) Known() int { return len(*h.view.Load()) }
+func (h *Head) Known() int { return h.view.Load().Len() }
 
 // Ready reports whether every stage has a routable replica; otherwise it
 // names the first stage that has none.

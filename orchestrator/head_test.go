@@ -175,8 +175,8 @@ func TestSlowProbeDoesNotRouteOrBlock(t *testing.T) {
 	slow := &probeServer{gate: make(chan struct{})}
 	register(t, cli, "thinker", 0, startProbeServer(t, slow))
 	register(t, cli, "thinker", 1, startProbeServer(t, &probeServer{}))
-	waitFor(t, "fast replica routable", func() bool { return len(h.router.Snapshot().Stage(0)) == 1 })
-	assert.Equal(t, uint32(1), h.router.Snapshot().Stage(0)[0].Key.Replica)
+	waitFor(t, "fast replica routable", func() bool { return h.router.Snapshot().Stage(0).Len() == 1 })
+	assert.Equal(t, uint32(1), h.router.Snapshot().Stage(0).At(0).Key.Replica)
 	_, bound := series(t, h.metrics, "troupe_replica_attached", map[string]string{"replica": "0"})
 	assert.False(t, bound, "no series before the probe answers")
 	rows := h.Replicas()
@@ -184,7 +184,7 @@ func TestSlowProbeDoesNotRouteOrBlock(t *testing.T) {
 	assert.Equal(t, StateUnhealthy, rows[0].State, "a joined but unprobed replica shows as unhealthy")
 
 	close(slow.gate)
-	waitFor(t, "slow replica routable", func() bool { return len(h.router.Snapshot().Stage(0)) == 2 })
+	waitFor(t, "slow replica routable", func() bool { return h.router.Snapshot().Stage(0).Len() == 2 })
 }
 
 // TestSleepingReplicaJoinsAsleep: the worker's reported sleep state is bound
@@ -195,7 +195,7 @@ func TestSleepingReplicaJoinsAsleep(t *testing.T) {
 	h := startHead(t, cli, Pipeline{Model: "m", Stages: []Stage{{Name: "thinker"}}})
 
 	register(t, cli, "thinker", 4, startProbeServer(t, &probeServer{sleep: stagepb.SleepState_SLEEP_STATE_DISCARD_ALL}))
-	waitFor(t, "replica attached", func() bool { return len(h.router.Snapshot().Stage(0)) == 1 })
+	waitFor(t, "replica attached", func() bool { return h.router.Snapshot().Stage(0).Len() == 1 })
 	v, ok := series(t, h.metrics, "troupe_engine_sleep_state", map[string]string{"replica": "4", "sleep_state": "discard_all"})
 	assert.True(t, ok)
 	assert.Equal(t, 1.0, v)
@@ -216,12 +216,12 @@ func TestLeaveDetachesAndKeepsSeries(t *testing.T) {
 	addr := startProbeServer(t, &probeServer{})
 
 	r := register(t, cli, "thinker", 2, addr)
-	waitFor(t, "attached", func() bool { return len(h.router.Snapshot().Stage(0)) == 1 })
+	waitFor(t, "attached", func() bool { return h.router.Snapshot().Stage(0).Len() == 1 })
 	index := h.Replicas()[0].EngineIndex
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	require.NoError(t, r.Close(ctx))
-	waitFor(t, "detached", func() bool { return len(h.router.Snapshot().Stage(0)) == 0 })
+	waitFor(t, "detached", func() bool { return h.router.Snapshot().Stage(0).Len() == 0 })
 	waitFor(t, "replica_attached=0", func() bool {
 		v, ok := series(t, h.metrics, "troupe_replica_attached", map[string]string{"replica": "2"})
 		return ok && v == 0
@@ -233,8 +233,8 @@ func TestLeaveDetachesAndKeepsSeries(t *testing.T) {
 	waitFor(t, "listed as detached", func() bool { return h.Replicas()[0].State == StateDetached })
 
 	register(t, cli, "thinker", 2, startProbeServer(t, &probeServer{}))
-	waitFor(t, "rejoined", func() bool { return len(h.router.Snapshot().Stage(0)) == 1 })
-	assert.Equal(t, index, h.router.Snapshot().Stage(0)[0].EngineIndex, "a rejoin keeps its engine index")
+	waitFor(t, "rejoined", func() bool { return h.router.Snapshot().Stage(0).Len() == 1 })
+	assert.Equal(t, index, h.router.Snapshot().Stage(0).At(0).EngineIndex, "a rejoin keeps its engine index")
 	v, _ := series(t, h.metrics, "troupe_membership_events_total", map[string]string{"type": "join"})
 	assert.Equal(t, 2.0, v)
 }
@@ -257,8 +257,8 @@ func TestRecordChangeIsAppliedInPlace(t *testing.T) {
 	})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = reg.Close(context.Background()) })
-	waitFor(t, "replica attached", func() bool { return len(h.router.Snapshot().Stage(0)) == 1 })
-	rep := h.router.Snapshot().Stage(0)[0]
+	waitFor(t, "replica attached", func() bool { return h.router.Snapshot().Stage(0).Len() == 1 })
+	rep := h.router.Snapshot().Stage(0).At(0)
 	probes := ps.probes.Load()
 	index := h.Replicas()[0].EngineIndex
 	sleepSeries := func(state string) float64 {
@@ -270,7 +270,7 @@ func TestRecordChangeIsAppliedInPlace(t *testing.T) {
 	defer cancel()
 	require.NoError(t, reg.Update(ctx, func(m *membership.Member) { m.SleepState = "weights_offloaded" }))
 	waitFor(t, "sleeping", func() bool { return h.Replicas()[0].State == StateSleeping })
-	assert.Same(t, rep, h.router.Snapshot().Stage(0)[0], "the same connection")
+	assert.Same(t, rep, h.router.Snapshot().Stage(0).At(0), "the same connection")
 	assert.False(t, rep.Routable())
 	assert.Equal(t, 1.0, sleepSeries("weights_offloaded"))
 	assert.Equal(t, 0.0, sleepSeries("awake"))
@@ -279,7 +279,7 @@ func TestRecordChangeIsAppliedInPlace(t *testing.T) {
 
 	require.NoError(t, reg.Update(ctx, func(m *membership.Member) { m.SleepState = "awake" }))
 	waitFor(t, "awake", func() bool { return h.Replicas()[0].State == StateAttached })
-	assert.Same(t, rep, h.router.Snapshot().Stage(0)[0])
+	assert.Same(t, rep, h.router.Snapshot().Stage(0).At(0))
 	assert.Equal(t, 1.0, sleepSeries("awake"))
 	assert.Equal(t, probes, ps.probes.Load(), "no probe for a changed record of the same process")
 	assert.Equal(t, index, h.Replicas()[0].EngineIndex)
@@ -291,7 +291,7 @@ func TestRecordChangeIsAppliedInPlace(t *testing.T) {
 	waitFor(t, "re-probed", func() bool { return ps.probes.Load() > probes })
 	waitFor(t, "a new connection", func() bool {
 		reps := h.router.Snapshot().Stage(0)
-		return len(reps) == 1 && reps[0] != rep
+		return reps.Len() == 1 && reps.At(0) != rep
 	})
 	assert.Equal(t, index, h.Replicas()[0].EngineIndex, "the key keeps its engine index")
 }

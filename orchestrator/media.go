@@ -53,7 +53,7 @@ func checkParts(snap *router.Snapshot, msgs []*stagepb.ChatMessage, stage string
 			if snap.EveryReplicaTakesPart(0, p.GetKind(), byURL) {
 				continue // the snapshot's counts: no replica read
 			}
-			for _, rep := range snap.Stage(0) {
+			for rep := range snap.Stage(0).All() {
 				if takesPart(rep.Engine, p.GetKind(), byURL) {
 					continue
 				}

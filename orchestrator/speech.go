@@ -65,7 +65,7 @@ func checkTranscriber(snap *router.Snapshot, stage string) error {
 	if snap.EveryReplicaTakesAudio(0) {
 		return nil // the snapshot's counts: no replica read
 	}
-	for _, rep := range snap.Stage(0) {
+	for rep := range snap.Stage(0).All() {
 		if rep.Engine.InputRole != stagepb.RoleAudio {
 			return newError(ErrBadRequest, nil, "the pipeline has no speech recognition: its first stage %q takes %s, not audio (engine %s)", stage, rep.Engine.InputRole, rep.Engine.Name)
 		}

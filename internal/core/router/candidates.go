@@ -70,7 +70,7 @@ var largePool = sync.Pool{New: func() any {
 // deadline the stage's latest winners. The policy then decides over that
 // set as it decides over a small stage. ok is false when the draws found
 // nothing eligible.
-func (r *Router) pickLarge(s *Snapshot, stage int, req *Request, all, exclude []*Replica, o *stageOrder) (Decision, bool) {
+func (r *Router) pickLarge(s *Snapshot, stage int, req *Request, all *Replicas, exclude []*Replica, o *stageOrder) (Decision, bool) {
 	ls := largePool.Get().(*largeScratch)
 	defer largePool.Put(ls)
 	ls.ord.reset(o)
@@ -80,7 +80,7 @@ func (r *Router) pickLarge(s *Snapshot, stage int, req *Request, all, exclude []
 		if len(c) == loadSample {
 			break
 		}
-		if rep := all[rand.IntN(len(all))]; eligible(rep, exclude) {
+		if rep := all.At(rand.IntN(all.Len())); eligible(rep, exclude) {
 			c = append(c, rep)
 		}
 	}

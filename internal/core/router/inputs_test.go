@@ -13,8 +13,8 @@ import (
 // replica of the stage.
 func everyTakesByScan(s *Snapshot, stage int, kind string, byURL bool) (audio, part bool) {
 	reps := s.Stage(stage)
-	audio, part = len(reps) > 0, true
-	for _, rep := range reps {
+	audio, part = reps.Len() > 0, true
+	for rep := range reps.All() {
 		audio = audio && rep.Engine.InputRole == stagepb.RoleAudio
 		part = part && slices.Contains(rep.Engine.InputParts, kind) && (!byURL || rep.Engine.InputPartURLs)
 	}
@@ -79,7 +79,7 @@ func TestSnapshotInputCountsMatchAScan(t *testing.T) {
 							no[i]++
 						}
 					}
-					name := fmt.Sprintf("step %d stage %d (%d replicas) kind %s byURL %v", step, st, len(s.Stage(st)), kind, byURL)
+					name := fmt.Sprintf("step %d stage %d (%d replicas) kind %s byURL %v", step, st, s.Stage(st).Len(), kind, byURL)
 					if got := s.EveryReplicaTakesAudio(st); got != audio {
 						t.Fatalf("%s: EveryReplicaTakesAudio %v, scan %v", name, got, audio)
 					}

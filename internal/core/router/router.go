@@ -30,6 +30,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/connectivity"
 
+	"github.com/troupe-serving/troupe/internal/core/sortedseq"
 	"github.com/troupe-serving/troupe/pkg/stagemux"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
@@ -260,13 +261,12 @@ type EngineInfo struct {
 
 // Snapshot is an immutable view of the routable set. Safe for concurrent use.
 //
-// A stage's replicas are one slice sorted by replica id, and Lookup is a
-// binary search in it: a join or a leave copies that stage's slice of
-// pointers (one memmove) and nothing else, so a storm of N joins costs
-// O(N) pointer copies each, not a rebuilt map and a sort per join (see
-// BenchmarkSnapshotJoin).
+// A stage's replicas are a sortedseq.Seq by replica id (chunks of at
+// most a few hundred), and Lookup is a binary search in it: a join or a
+// leave copies the chunk it changes and the stage's chunk index, not the
+// stage (see BenchmarkSnapshotJoin), nor a rebuilt map and a sort.
 type Snapshot struct {
-	stages [][]*Replica // by stage index, sorted by replica id
+	stages []*Replicas // by stage index
 	// inputs count what each stage's replicas take (stageInputs), kept
 	// with every change so that a request's checks read no replica.
 	inputs []stageInputs
@@ -276,10 +276,26 @@ type Snapshot struct {
 	orders []*stageOrder
 }
 
+// Replicas are a stage's replicas in replica id order. Immutable.
+type Replicas = sortedseq.Seq[uint32, *Replica]
+
+// noReplicas is the stage that does not exist.
+var noReplicas = newReplicas(nil)
+
+// newReplicas is reps as a stage (reps is sorted by id here, not in place).
+func newReplicas(reps []*Replica) *Replicas {
+	reps = slices.SortedFunc(slices.Values(reps), func(a, b *Replica) int { return cmp.Compare(a.Key.Replica, b.Key.Replica) })
+	return sortedseq.FromSorted(reps, replicaID, cmp.Compare[uint32])
+}
+
+func replicaID(r *Replica) uint32 { return r.Key.Replica }
+
 // newSnapshot is a snapshot of stages with their orders built.
 func newSnapshot(stages [][]*Replica) *Snapshot {
-	s := &Snapshot{stages: stages, orders: make([]*stageOrder, len(stages)), inputs: make([]stageInputs, len(stages))}
+	s := &Snapshot{stages: make([]*Replicas, len(stages)), orders: make([]*stageOrder, len(stages)), inputs: make([]stageInputs, len(stages))}
 	for i, st := range stages {
+		s.stages[i] = newReplicas(st)
+		st = slices.Collect(s.stages[i].All())
 		s.orders[i] = newStageOrder(st)
 		in := s.inputs[i].edit()
 		for _, rep := range st {
@@ -333,7 +349,7 @@ func (s *Snapshot) EveryReplicaTakesAudio(stage int) bool {
 	if stage < 0 || stage >= len(s.stages) {
 		return false
 	}
-	n := len(s.stages[stage])
+	n := s.stages[stage].Len()
 	return n > 0 && s.inputs[stage].audio == n
 }
 
@@ -350,7 +366,7 @@ func (s *Snapshot) EveryReplicaTakesPart(stage int, kind string, byURL bool) boo
 	if byURL {
 		taking = in.urls[kind]
 	}
-	return taking == len(s.stages[stage])
+	return taking == s.stages[stage].Len()
 }
 
 // order is a stage's rendezvous order; nil when it has none.
@@ -361,34 +377,25 @@ func (s *Snapshot) order(stage int) *stageOrder {
 	return s.orders[stage]
 }
 
-// Stage returns the replicas of a stage, sorted by replica id. Do not modify.
-func (s *Snapshot) Stage(stage int) []*Replica {
+// Stage returns the replicas of a stage, in replica id order (none for
+// a stage that does not exist).
+func (s *Snapshot) Stage(stage int) *Replicas {
 	if stage < 0 || stage >= len(s.stages) {
-		return nil
+		return noReplicas
 	}
 	return s.stages[stage]
 }
 
 // Lookup finds a replica by key (a binary search of its stage).
 func (s *Snapshot) Lookup(k Key) (*Replica, bool) {
-	st := s.Stage(k.Stage)
-	if i, ok := search(st, k.Replica); ok {
-		return st[i], true
-	}
-	return nil, false
-}
-
-// search is the position of replica id in a stage's sorted slice, and
-// whether it is there.
-func search(st []*Replica, id uint32) (int, bool) {
-	return slices.BinarySearchFunc(st, id, func(r *Replica, id uint32) int { return cmp.Compare(r.Key.Replica, id) })
+	return s.Stage(k.Stage).Find(k.Replica)
 }
 
 // All returns every replica in stage then replica order.
 func (s *Snapshot) All() []*Replica {
 	var out []*Replica
 	for _, st := range s.stages {
-		out = append(out, st...)
+		out = slices.AppendSeq(out, st.All())
 	}
 	return out
 }
@@ -485,7 +492,7 @@ func (r *Router) RecordFailure(rep *Replica) Ejection {
 // otherRoutable reports whether a replica of rep's stage other than rep
 // may take work.
 func (s *Snapshot) otherRoutable(rep *Replica) bool {
-	for _, o := range s.Stage(rep.Key.Stage) {
+	for o := range s.Stage(rep.Key.Stage).All() {
 		if o != rep && o.Routable() {
 			return true
 		}
@@ -562,24 +569,34 @@ func (r *Router) Pick(stage int, req *Request, exclude []*Replica) (Decision, er
 	}
 	// A large stage reads a bounded set (candidates.go); the filtered
 	// path below is its fallback when that finds nothing eligible.
-	if o := s.order(stage); len(all) > LargeStage && o != nil {
+	if o := s.order(stage); all.Len() > LargeStage && o != nil {
 		if d, ok := r.pickLarge(s, stage, req, all, exclude, o); ok {
 			return d, nil
 		}
 	}
 	// The snapshot's own slice serves while every replica is routable (a
-	// policy does not modify its candidates); a copy only once one is not.
-	candidates := all
-	for i, rep := range all {
-		if rep.Routable() && !slices.Contains(exclude, rep) {
-			continue
-		}
-		candidates = append(make([]*Replica, 0, len(all)-1), all[:i]...)
-		for _, rep := range all[i+1:] {
-			if rep.Routable() && !slices.Contains(exclude, rep) {
+	// policy does not modify its candidates) and the stage is one chunk;
+	// a copy only once one is not.
+	candidates, whole := all.Contiguous()
+	if !whole {
+		candidates = make([]*Replica, 0, all.Len())
+		for rep := range all.All() {
+			if eligible(rep, exclude) {
 				candidates = append(candidates, rep)
 			}
 		}
+	}
+	for i, rep := range candidates {
+		if !whole || eligible(rep, exclude) {
+			continue
+		}
+		c := append(make([]*Replica, 0, len(candidates)-1), candidates[:i]...)
+		for _, rep := range candidates[i+1:] {
+			if eligible(rep, exclude) {
+				c = append(c, rep)
+			}
+		}
+		candidates = c
 		break
 	}
 	if len(candidates) == 0 {
@@ -833,7 +850,7 @@ func (r *Router) Remove(k Key) (*Replica, bool) {
 // CheckRoutable returns nil when a stage has a replica that may take new work,
 // and otherwise the error Pick would return.
 func (s *Snapshot) CheckRoutable(stage int) error {
-	for _, r := range s.Stage(stage) {
+	for r := range s.Stage(stage).All() {
 		if r.Routable() {
 			return nil
 		}
@@ -846,18 +863,18 @@ func (s *Snapshot) CheckRoutable(stage int) error {
 // unhealthy or leaving ones clear themselves, sleepers do not).
 func (s *Snapshot) noReplica(stage int) error {
 	reps := s.Stage(stage)
-	asleep := make([]uint32, 0, len(reps))
-	for _, r := range reps {
+	asleep := make([]uint32, 0, reps.Len())
+	for r := range reps.All() {
 		if r.removed.Load() || !r.Healthy() || r.Ejected() || r.SleepState() == stagepb.SleepState_SLEEP_STATE_AWAKE {
 			break
 		}
 		asleep = append(asleep, r.Key.Replica)
 	}
-	if len(reps) > 0 && len(asleep) == len(reps) {
+	if reps.Len() > 0 && len(asleep) == reps.Len() {
 		slices.Sort(asleep)
 		return &AsleepError{Stage: stage, Replicas: asleep}
 	}
-	return fmt.Errorf("%w for stage %d (%d attached)", ErrNoReplica, stage, len(s.Stage(stage)))
+	return fmt.Errorf("%w for stage %d (%d attached)", ErrNoReplica, stage, reps.Len())
 }
 
 // Close retires every replica and waits for the health watchers to end.
@@ -908,40 +925,22 @@ func (r *Router) watchConn(ctx context.Context, rep *Replica) {
 }
 
 // with is s with rep added, or replacing the replica under its key: only
-// rep's stage is copied, and only the outer slice besides.
+// the chunk of rep's stage that holds it is copied, and the outer slices
+// besides.
 func (s *Snapshot) with(rep *Replica) *Snapshot {
-	old := s.stages[rep.Key.Stage]
-	i, found := search(old, rep.Key.Replica)
-	var st []*Replica
-	in := s.inputs[rep.Key.Stage].edit()
-	if found {
-		st = slices.Clone(old)
-		in.count(old[i], -1)
-		st[i] = rep
-	} else {
-		st = make([]*Replica, len(old)+1)
-		copy(st, old[:i])
-		st[i] = rep
-		copy(st[i+1:], old[i:])
-	}
-	in.count(rep, 1)
-	next := &Snapshot{stages: slices.Clone(s.stages), orders: slices.Clone(s.orders), inputs: slices.Clone(s.inputs)}
-	next.stages[rep.Key.Stage] = st
-	next.inputs[rep.Key.Stage] = in
-	if next.orders != nil {
-		next.orders[rep.Key.Stage] = next.orders[rep.Key.Stage].with(rep)
-	}
-	return next
+	return s.withAll(map[Key]*Replica{rep.Key: rep})
 }
 
 // withAll is s with changes applied (a nil replica: removed): each
-// changed stage is merged once with its sorted changes, O(stage + changes
-// log changes), whatever their number.
+// changed stage is merged once with its sorted changes, copying the
+// chunks they touch (sortedseq), O(changes × chunk + chunks), whatever
+// the stage's size.
 func (s *Snapshot) withAll(changes map[Key]*Replica) *Snapshot {
 	keys := slices.SortedFunc(maps.Keys(changes), func(a, b Key) int {
 		return cmp.Or(cmp.Compare(a.Stage, b.Stage), cmp.Compare(a.Replica, b.Replica))
 	})
 	next := &Snapshot{stages: slices.Clone(s.stages), orders: slices.Clone(s.orders), inputs: slices.Clone(s.inputs)}
+	var edits []sortedseq.Change[uint32, *Replica]
 	for len(keys) > 0 {
 		stage, n := keys[0].Stage, 1
 		for n < len(keys) && keys[n].Stage == stage {
@@ -949,32 +948,22 @@ func (s *Snapshot) withAll(changes map[Key]*Replica) *Snapshot {
 		}
 		ks := keys[:n]
 		keys = keys[n:]
-		old := s.stages[stage]
-		st := make([]*Replica, 0, len(old)+len(ks))
 		in := s.inputs[stage].edit()
-		i := 0
+		edits = edits[:0]
 		for _, k := range ks {
-			// Copy the run of unchanged replicas before k in one memmove.
-			j, found := search(old[i:], k.Replica)
-			st = append(st, old[i:i+j]...)
-			i += j
-			if found {
-				in.count(old[i], -1) // replaced or removed
-				i++
-			}
-			if rep := changes[k]; rep != nil {
-				st = append(st, rep)
+			rep := changes[k]
+			edits = append(edits, sortedseq.Change[uint32, *Replica]{Key: k.Replica, Value: rep, Delete: rep == nil})
+			if rep != nil {
 				in.count(rep, 1)
 			}
 		}
-		st = append(st, old[i:]...)
-		next.stages[stage] = st
+		next.stages[stage] = s.stages[stage].With(edits, func(old *Replica) { in.count(old, -1) }) // replaced or removed
 		next.inputs[stage] = in
 		if next.orders == nil {
 			continue
 		}
 		if len(ks) > orderRebuild {
-			next.orders[stage] = newStageOrder(st)
+			next.orders[stage] = newStageOrder(slices.Collect(next.stages[stage].All()))
 			continue
 		}
 		for _, k := range ks {
@@ -995,21 +984,8 @@ const orderRebuild = 16
 
 // without is s less the replica under k (s itself when there is none).
 func (s *Snapshot) without(k Key) *Snapshot {
-	old := s.Stage(k.Stage)
-	i, found := search(old, k.Replica)
-	if !found {
+	if _, found := s.Lookup(k); !found {
 		return s
 	}
-	st := make([]*Replica, len(old)-1)
-	copy(st, old[:i])
-	copy(st[i:], old[i+1:])
-	in := s.inputs[k.Stage].edit()
-	in.count(old[i], -1)
-	next := &Snapshot{stages: slices.Clone(s.stages), orders: slices.Clone(s.orders), inputs: slices.Clone(s.inputs)}
-	next.stages[k.Stage] = st
-	next.inputs[k.Stage] = in
-	if next.orders != nil {
-		next.orders[k.Stage] = next.orders[k.Stage].without(k)
-	}
-	return next
+	return s.withAll(map[Key]*Replica{k: nil})
 }

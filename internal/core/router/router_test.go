@@ -86,15 +86,15 @@ func TestSnapshotsAreImmutable(t *testing.T) {
 	addReplica(t, r, 0, 1, addr)
 	after := r.Snapshot()
 
-	assert.Empty(t, before.Stage(0), "an old snapshot never sees later adds")
-	assert.Equal(t, []*Replica{a}, mid.Stage(0))
-	require.Len(t, after.Stage(0), 2)
-	assert.Equal(t, uint32(1), after.Stage(0)[0].Key.Replica, "sorted by replica id")
+	assert.Zero(t, before.Stage(0).Len(), "an old snapshot never sees later adds")
+	assert.Equal(t, []*Replica{a}, slices.Collect(mid.Stage(0).All()))
+	require.Len(t, stageOf(after, 0), 2)
+	assert.Equal(t, uint32(1), stageOf(after, 0)[0].Key.Replica, "sorted by replica id")
 
 	r.Remove(Key{Stage: 0, Replica: 3})
-	assert.Len(t, after.Stage(0), 2, "removal publishes a new snapshot")
-	assert.Len(t, r.Snapshot().Stage(0), 1)
-	assert.Nil(t, r.Snapshot().Stage(5), "out-of-range stage is empty")
+	assert.Len(t, stageOf(after, 0), 2, "removal publishes a new snapshot")
+	assert.Len(t, stageOf(r.Snapshot(), 0), 1)
+	assert.Empty(t, stageOf(r.Snapshot(), 5), "out-of-range stage is empty")
 	assert.Error(t, r.Add(&Replica{Key: Key{Stage: 9}}), "stage out of range")
 }
 
@@ -250,11 +250,11 @@ func TestHoldPublishesOnCommit(t *testing.T) {
 	assert.False(t, two.removed.Load() || four.removed.Load(), "nothing retired before the commit")
 
 	r.Commit()
-	assert.Equal(t, []*Replica{one, three, newFour}, r.Snapshot().Stage(0))
+	assert.Equal(t, []*Replica{one, three, newFour}, stageOf(r.Snapshot(), 0))
 	assert.True(t, two.removed.Load(), "removed: retired at the commit")
 	assert.True(t, four.removed.Load(), "replaced: retired at the commit")
 	assert.False(t, newFour.removed.Load())
-	sameOrder(t, newStageOrder(r.Snapshot().Stage(0)), r.Snapshot().order(0))
+	sameOrder(t, newStageOrder(stageOf(r.Snapshot(), 0)), r.Snapshot().order(0))
 
 	// A large batch rebuilds the stage's order; it is the same order.
 	r.Hold()
@@ -263,11 +263,11 @@ func TestHoldPublishesOnCommit(t *testing.T) {
 	}
 	r.Remove(Key{Stage: 0, Replica: 1})
 	r.Commit()
-	require.Len(t, r.Snapshot().Stage(1), 2*orderRebuild)
-	assert.True(t, slices.IsSortedFunc(r.Snapshot().Stage(1), func(a, b *Replica) int { return cmp.Compare(a.Key.Replica, b.Key.Replica) }))
-	sameOrder(t, newStageOrder(r.Snapshot().Stage(1)), r.Snapshot().order(1))
-	sameOrder(t, newStageOrder(r.Snapshot().Stage(0)), r.Snapshot().order(0))
-	assert.Equal(t, []*Replica{three, newFour}, r.Snapshot().Stage(0))
+	require.Len(t, stageOf(r.Snapshot(), 1), 2*orderRebuild)
+	assert.True(t, slices.IsSortedFunc(stageOf(r.Snapshot(), 1), func(a, b *Replica) int { return cmp.Compare(a.Key.Replica, b.Key.Replica) }))
+	sameOrder(t, newStageOrder(stageOf(r.Snapshot(), 1)), r.Snapshot().order(1))
+	sameOrder(t, newStageOrder(stageOf(r.Snapshot(), 0)), r.Snapshot().order(0))
+	assert.Equal(t, []*Replica{three, newFour}, stageOf(r.Snapshot(), 0))
 
 	// Close closes what a hold added but never published.
 	r.Hold()
@@ -288,3 +288,6 @@ func sameOrder(t *testing.T, want, got *stageOrder) {
 		}
 	}
 }
+
+// stageOf is a stage's replicas as a slice, in replica id order.
+func stageOf(s *Snapshot, stage int) []*Replica { return slices.Collect(s.Stage(stage).All()) }

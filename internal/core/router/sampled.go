@@ -13,7 +13,7 @@ import (
 // decides as the policy always has. A sampled decision is one Pick of the
 // policy could have made from the filtered candidates.
 type sampler interface {
-	pickSampled(req *Request, all []*Replica, exclude []*Replica) (d Decision, ok bool)
+	pickSampled(req *Request, all *Replicas, exclude []*Replica) (d Decision, ok bool)
 }
 
 // eligible reports whether rep may take this attempt.
@@ -25,17 +25,17 @@ func eligible(rep *Replica, exclude []*Replica) bool {
 // whole stage. When that one is not eligible it filters, as Pick would,
 // and takes the same position of the candidates, so each pick advances
 // the rotation once, as Pick does.
-func (p *RoundRobin) pickSampled(_ *Request, all []*Replica, exclude []*Replica) (Decision, bool) {
-	if len(all) == 0 {
+func (p *RoundRobin) pickSampled(_ *Request, all *Replicas, exclude []*Replica) (Decision, bool) {
+	if all.Len() == 0 {
 		return Decision{}, false
 	}
 	n := p.next.Add(1) - 1
-	d := Decision{Replica: all[n%uint64(len(all))], Policy: PolicyRoundRobin, Reason: ReasonRotation}
+	d := Decision{Replica: all.At(int(n % uint64(all.Len()))), Policy: PolicyRoundRobin, Reason: ReasonRotation}
 	if eligible(d.Replica, exclude) {
 		return d, true
 	}
-	c := make([]*Replica, 0, len(all))
-	for _, rep := range all {
+	c := make([]*Replica, 0, all.Len())
+	for rep := range all.All() {
 		if eligible(rep, exclude) {
 			c = append(c, rep)
 		}
@@ -56,17 +56,17 @@ const powerOfTwoTries = 4
 // takes the less loaded. Their scores need only each other: a stale
 // report scores above every fresh one either way (see scorer), so the
 // pair's own maximum decides as the stage's does.
-func (p PowerOfTwo) pickSampled(_ *Request, all []*Replica, exclude []*Replica) (Decision, bool) {
-	if len(all) < 2 {
+func (p PowerOfTwo) pickSampled(_ *Request, all *Replicas, exclude []*Replica) (Decision, bool) {
+	if all.Len() < 2 {
 		return Decision{}, false
 	}
 	for range powerOfTwoTries {
-		i := rand.IntN(len(all))
-		j := rand.IntN(len(all) - 1)
+		i := rand.IntN(all.Len())
+		j := rand.IntN(all.Len() - 1)
 		if j >= i {
 			j++
 		}
-		a, b := all[i], all[j]
+		a, b := all.At(i), all.At(j)
 		if !eligible(a, exclude) || !eligible(b, exclude) {
 			continue
 		}

@@ -53,7 +53,7 @@ func BenchmarkSnapshotJoin(b *testing.B) {
 		})
 		b.Run(fmt.Sprintf("sorted/N=%d", n), func(b *testing.B) {
 			for b.Loop() {
-				s := &Snapshot{stages: make([][]*Replica, 1), inputs: make([]stageInputs, 1)}
+				s := &Snapshot{stages: []*Replicas{noReplicas}, inputs: make([]stageInputs, 1)}
 				for _, rep := range reps {
 					s = s.with(rep)
 				}
@@ -77,4 +77,29 @@ func randomIDs(n int) []uint32 {
 		ids[i], ids[j] = ids[j], ids[i]
 	}
 	return ids
+}
+
+// BenchmarkSnapshotLoneJoin is one join and one leave in a stage of N
+// replicas, each published on its own (a lone change, no batch): the
+// snapshot writer's cost of a replica that joins or leaves a large, quiet
+// fleet.
+func BenchmarkSnapshotLoneJoin(b *testing.B) {
+	for _, n := range []int{1000, 10000, 100000} {
+		reps := make([]*Replica, n)
+		for i := range reps {
+			reps[i] = &Replica{Key: Key{Stage: 0, Replica: uint32(2 * i)}}
+		}
+		s := newSnapshot([][]*Replica{reps})
+		b.Run(fmt.Sprintf("N=%d", n), func(b *testing.B) {
+			i := 0
+			for b.Loop() {
+				rep := &Replica{Key: Key{Stage: 0, Replica: uint32(2*(i%n) + 1)}}
+				i++
+				joined := s.with(rep)
+				if joined.without(rep.Key) == joined {
+					b.Fatal("the leave changed nothing")
+				}
+			}
+		})
+	}
 }
