@@ -152,6 +152,9 @@ func (h *Head) runStage(ctx context.Context, sr *stageRun) (*stageOutput, error)
 			return tr.moved.prepend(out), nil
 		}
 		failed = append(failed, d.Replica)
+		if refusedDraining(ctx, err, a.produced) {
+			d.Replica.MarkDraining() // no request routes to it again
+		}
 		if refusals < maxDrainRefusals && refusedDraining(ctx, err, a.produced) {
 			refusals++
 			lastErr = err

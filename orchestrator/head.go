@@ -1225,6 +1225,9 @@ func (h *Head) Replicas() []ReplicaStatus {
 		case !rep.Healthy():
 			s.State, s.Reason = StateUnhealthy, "connection to the replica is failing"
 			s.InFlight = rep.InFlight()
+		case rep.Draining():
+			s.State, s.Reason = StateUnhealthy, "draining: it refused a request as it shuts down; not routed again"
+			s.InFlight = rep.InFlight()
 		case rep.Ejected():
 			s.State = StateUnhealthy
 			s.Reason = "ejected after repeated failed requests; routed again from " + rep.EjectedUntil().UTC().Format(time.RFC3339Nano)

@@ -525,14 +525,14 @@ func (f *fleet) leaveStorm(b *testing.B, ctx context.Context, limit time.Duratio
 		unrevoked += n
 	}
 	report(b, float64(unrevoked), "leave-revokes-timed-out")
-	ok, failed, firstErr := load.stop()
+	ok, failed, firstErr, kinds := load.stop()
 	report(b, took.Seconds()*1000, "leave-none-picked-ms")
 	report(b, float64(ok), "leave-requests-ok")
 	report(b, float64(failed), "leave-requests-failed")
 	if failed > 0 {
 		// A measurement, not a verdict: the figures of every phase still
 		// come out. The head's warnings say which replicas refused.
-		b.Logf("fleet: %d of %d requests failed during the leave storm; first: %v", failed, ok+failed, firstErr)
+		b.Logf("fleet: %d of %d requests failed during the leave storm; first: %v; by error: %v", failed, ok+failed, firstErr, kinds)
 	}
 }
 
@@ -559,6 +559,7 @@ type load struct {
 	mu      sync.Mutex
 	ok, bad int
 	first   error
+	kinds   map[string]int // failures by error text
 	changed chan struct{}
 }
 
@@ -593,6 +594,10 @@ func (l *load) record(ctx context.Context, err error) {
 		if l.first == nil {
 			l.first = err
 		}
+		if l.kinds == nil {
+			l.kinds = map[string]int{}
+		}
+		l.kinds[err.Error()]++
 	}
 	close(l.changed)
 	l.changed = make(chan struct{})
@@ -615,10 +620,10 @@ func (l *load) waitOK(ctx context.Context, n int) error {
 	}
 }
 
-func (l *load) stop() (ok, bad int, first error) {
+func (l *load) stop() (ok, bad int, first error, kinds map[string]int) {
 	l.cancel()
 	l.wg.Wait()
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.ok, l.bad, l.first
+	return l.ok, l.bad, l.first, l.kinds
 }

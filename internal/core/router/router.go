@@ -82,6 +82,7 @@ type Replica struct {
 	sleep        atomic.Int32 // stagepb.SleepState
 	healthy      atomic.Bool  // connection not in TRANSIENT_FAILURE/SHUTDOWN
 	removed      atomic.Bool
+	draining     atomic.Bool // it refused a call because it drains (MarkDraining)
 	// Engine is what the replica's Health said on join. The head sets it
 	// between Dial and Add; it never changes once added. Next to the
 	// above: prefix_aware reads its scheme on every candidate.
@@ -196,8 +197,21 @@ func (r *Replica) Healthy() bool { return r.healthy.Load() }
 
 // Routable reports whether new work may go to the replica.
 func (r *Replica) Routable() bool {
-	return !r.removed.Load() && r.healthy.Load() && r.SleepState() == stagepb.SleepState_SLEEP_STATE_AWAKE && !r.Ejected()
+	return !r.removed.Load() && r.healthy.Load() && !r.draining.Load() && r.SleepState() == stagepb.SleepState_SLEEP_STATE_AWAKE && !r.Ejected()
 }
+
+// MarkDraining takes the replica out of routing for good: it refused a
+// call because it drains (a worker shutting down), so every request
+// after it skips the replica at once rather than each meeting its own
+// refusal until the head learns of the drain from etcd (a leave storm of
+// half a fleet exhausted some requests' refusals that way). One way: a
+// drained worker exits, and a new process is a new Replica. Safe for
+// concurrent use.
+func (r *Replica) MarkDraining() { r.draining.Store(true) }
+
+// Draining reports whether the replica refused a call because it drains
+// (MarkDraining).
+func (r *Replica) Draining() bool { return r.draining.Load() }
 
 // Ejected reports whether the circuit breaker holds the replica out of
 // rotation now. Once its back-off ends the replica is routed again
@@ -865,7 +879,7 @@ func (s *Snapshot) noReplica(stage int) error {
 	reps := s.Stage(stage)
 	asleep := make([]uint32, 0, reps.Len())
 	for r := range reps.All() {
-		if r.removed.Load() || !r.Healthy() || r.Ejected() || r.SleepState() == stagepb.SleepState_SLEEP_STATE_AWAKE {
+		if r.removed.Load() || !r.Healthy() || r.Draining() || r.Ejected() || r.SleepState() == stagepb.SleepState_SLEEP_STATE_AWAKE {
 			break
 		}
 		asleep = append(asleep, r.Key.Replica)

@@ -1,8 +1,11 @@
 package httpapi
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
+	"strings"
 	"sync"
 	"testing"
 
@@ -20,7 +23,10 @@ import (
 // attempt: every request still reaches the one replica that serves, and
 // no refusing replica is counted as failing. With refusals counted as
 // attempts, round robin over four refusing replicas and one serving one
-// failed most requests with 502.
+// failed most requests with 502. A refusal also takes its replica out of
+// routing at once (GET /v1/replicas lists it unhealthy, draining): in a
+// leave storm of half a fleet, requests that each met their own refusals
+// until the head learned of the drains could run out of them.
 func TestDrainingRefusalsAreNotAttempts(t *testing.T) {
 	c := startCluster(t, orchestratortest.Options{
 		Pipeline:         orchestrator.Pipeline{Model: model, Stages: []orchestrator.Stage{{Name: "thinker", Policy: "round_robin"}}},
@@ -48,6 +54,23 @@ func TestDrainingRefusalsAreNotAttempts(t *testing.T) {
 		require.Len(t, res.Choices, 1)
 	}
 	drained.Wait()
+
+	// Every draining replica refused once and is routed no more; the
+	// serving one is attached.
+	resp, body := a.do(t, "GET", "/v1/replicas", nil, nil)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "%s", body)
+	var list replicaList
+	require.NoError(t, json.Unmarshal(body, &list))
+	states := map[uint32]orchestrator.ReplicaStatus{}
+	for _, r := range list.Data {
+		states[r.Replica] = r
+	}
+	assert.Equal(t, orchestrator.StateAttached, states[workers[0].ReplicaID()].State)
+	for _, w := range workers[1:] {
+		st := states[w.ReplicaID()]
+		assert.Equal(t, orchestrator.StateUnhealthy, st.State, "replica %d", w.ReplicaID())
+		assert.True(t, strings.HasPrefix(st.Reason, "draining:"), "replica %d: %q", w.ReplicaID(), st.Reason)
+	}
 
 	assert.Zero(t, counter(t, c, "troupe_router_ejections_total", "0", "", ""),
 		"a replica that refuses while it drains is not failing: none ejected")
