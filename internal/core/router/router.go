@@ -592,26 +592,15 @@ func (r *Router) Pick(stage int, req *Request, exclude []*Replica) (Decision, er
 	// policy does not modify its candidates) and the stage is one chunk;
 	// a copy only once one is not.
 	candidates, whole := all.Contiguous()
-	if !whole {
+	if whole {
+		candidates = eligibleOf(candidates, exclude)
+	} else {
 		candidates = make([]*Replica, 0, all.Len())
 		for rep := range all.All() {
 			if eligible(rep, exclude) {
 				candidates = append(candidates, rep)
 			}
 		}
-	}
-	for i, rep := range candidates {
-		if !whole || eligible(rep, exclude) {
-			continue
-		}
-		c := append(make([]*Replica, 0, len(candidates)-1), candidates[:i]...)
-		for _, rep := range candidates[i+1:] {
-			if eligible(rep, exclude) {
-				c = append(c, rep)
-			}
-		}
-		candidates = c
-		break
 	}
 	if len(candidates) == 0 {
 		return Decision{}, s.noReplica(stage)
@@ -625,6 +614,25 @@ func (r *Router) Pick(stage int, req *Request, exclude []*Replica) (Decision, er
 		return d, nil
 	}
 	return st.Policy.Pick(req, candidates), nil
+}
+
+// eligibleOf is the eligible replicas of c: c itself while every one is
+// (a policy does not modify its candidates), a copy from the first that
+// is not.
+func eligibleOf(c, exclude []*Replica) []*Replica {
+	for i, rep := range c {
+		if eligible(rep, exclude) {
+			continue
+		}
+		out := append(make([]*Replica, 0, len(c)-1), c[:i]...)
+		for _, rep := range c[i+1:] {
+			if eligible(rep, exclude) {
+				out = append(out, rep)
+			}
+		}
+		return out
+	}
+	return c
 }
 
 // ApplyKVEvents hands an engine's cache report to its stage's policy, if
