@@ -525,7 +525,7 @@ func (f *fleet) leaveStorm(b *testing.B, ctx context.Context, limit time.Duratio
 		unrevoked += n
 	}
 	report(b, float64(unrevoked), "leave-revokes-timed-out")
-	ok, failed, firstErr, kinds := load.stop()
+	ok, failed, kinds, firstErr := load.stop()
 	report(b, took.Seconds()*1000, "leave-none-picked-ms")
 	report(b, float64(ok), "leave-requests-ok")
 	report(b, float64(failed), "leave-requests-failed")
@@ -620,10 +620,10 @@ func (l *load) waitOK(ctx context.Context, n int) error {
 	}
 }
 
-func (l *load) stop() (ok, bad int, first error, kinds map[string]int) {
+func (l *load) stop() (ok, bad int, kinds map[string]int, first error) {
 	l.cancel()
 	l.wg.Wait()
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.ok, l.bad, l.first, l.kinds
+	return l.ok, l.bad, l.kinds, l.first
 }
