@@ -609,3 +609,32 @@ func TestEtcdOutageMetrics(t *testing.T) {
 	require.Eventually(t, func() bool { return gauge("troupe_etcd_up") == 1 }, 30*time.Second, 10*time.Millisecond)
 	require.Eventually(t, func() bool { return gauge("troupe_membership_watch_lag_seconds") < 3 }, 30*time.Second, 10*time.Millisecond)
 }
+
+// TestStageReplicasCountsStates: troupe_stage_replicas counts each stage's
+// replicas by the state GET /v1/replicas shows, zeros included, and
+// follows a replica that sleeps and one that leaves.
+func TestStageReplicasCountsStates(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: 2})
+	ctx := ctxT(t)
+	counts := func() map[string]float64 {
+		out := map[string]float64{}
+		for _, s := range []string{"attached", "sleeping", "unhealthy", "detached"} {
+			v, ok := value(t, c.Metrics, "troupe_stage_replicas", map[string]string{"stage": "0", "stage_name": "thinker", "state": s})
+			require.True(t, ok, "a series for state %s, even at 0", s)
+			out[s] = v
+		}
+		return out
+	}
+	workers := c.Workers()
+	for _, w := range workers {
+		c.WaitState(t, "thinker", w.ReplicaID(), "attached")
+	}
+	assert.Equal(t, map[string]float64{"attached": 2, "sleeping": 0, "unhealthy": 0, "detached": 0}, counts())
+
+	_, err := c.Head.Sleep(ctx, 0, workers[0].ReplicaID(), 1)
+	require.NoError(t, err)
+	c.WaitState(t, "thinker", workers[0].ReplicaID(), "sleeping")
+	workers[1].Stop(t)
+	c.WaitState(t, "thinker", workers[1].ReplicaID(), "detached")
+	assert.Equal(t, map[string]float64{"attached": 0, "sleeping": 1, "unhealthy": 0, "detached": 1}, counts())
+}

@@ -437,7 +437,7 @@ func (h *Head) registerMetrics(routing []router.StageRouting) error {
 		Name: "troupe_router_cache_snapshots_total",
 		Help: "Engine cache snapshots the head applied from SubscribeCache streams: one per replica subscribed, one more per subscription again (a seq gap, a subscriber that fell behind, a broken stream).",
 	})
-	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}, h.newDesiredReplicas(), predictionError, h.cacheSnapshots} {
+	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}, stageReplicasCollector{h}, h.newDesiredReplicas(), predictionError, h.cacheSnapshots} {
 		if err := h.cfg.Metrics.Register(c); err != nil {
 			return fmt.Errorf("orchestrator: register metrics: %w", err)
 		}
@@ -471,6 +471,37 @@ func (c leaseLostCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(leaseLostDesc, prometheus.GaugeValue, v,
 			c.h.cfg.Pipeline.Model, strconv.Itoa(t.key.Stage), strconv.FormatUint(uint64(t.key.Replica), 10))
+	}
+}
+
+// stageReplicasDesc describes troupe_stage_replicas.
+var stageReplicasDesc = prometheus.NewDesc("troupe_stage_replicas",
+	"Replicas the head knows of a stage, by state as GET /v1/replicas shows it (attached, sleeping, unhealthy, detached): the fleet's shape in a few series, without reading every replica's row.",
+	[]string{"stage", "stage_name", "state"}, nil)
+
+// replicaStates are the states troupe_stage_replicas has a series for,
+// each stage's written even at 0.
+var replicaStates = [...]ReplicaState{StateAttached, StateSleeping, StateUnhealthy, StateDetached}
+
+// stageReplicasCollector writes troupe_stage_replicas at each scrape from
+// the states Replicas gives, so the counts and GET /v1/replicas agree.
+type stageReplicasCollector struct{ h *Head }
+
+func (c stageReplicasCollector) Describe(ch chan<- *prometheus.Desc) { ch <- stageReplicasDesc }
+
+func (c stageReplicasCollector) Collect(ch chan<- prometheus.Metric) {
+	stages := c.h.cfg.Pipeline.Stages
+	counts := make([][len(replicaStates)]int, len(stages))
+	for _, r := range c.h.Replicas() {
+		if i := slices.Index(replicaStates[:], r.State); i >= 0 && r.Stage >= 0 && r.Stage < len(stages) {
+			counts[r.Stage][i]++
+		}
+	}
+	for st, byState := range counts {
+		for i, n := range byState {
+			ch <- prometheus.MustNewConstMetric(stageReplicasDesc, prometheus.GaugeValue, float64(n),
+				strconv.Itoa(st), stages[st].Name, string(replicaStates[i]))
+		}
 	}
 }
 
