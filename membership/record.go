@@ -381,7 +381,7 @@ func (r *leased) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 				continue
 			}
 			if wresp.Created {
-				if r.checkRecord(ctx, lease) == 0 && ctx.Err() == nil {
+				if !r.checkRecord(ctx, lease) && ctx.Err() == nil {
 					// etcd unreachable: the keepalive tells; watch
 					// and read anew, backed off.
 					stopGuard()
@@ -442,21 +442,21 @@ func (r *leased) write(ctx context.Context, lease clientv3.LeaseID) error {
 	return nil
 }
 
-// checkRecord reads the record and guards it. It returns the revision of
-// the read, 0 when etcd did not answer.
-func (r *leased) checkRecord(ctx context.Context, lease clientv3.LeaseID) int64 {
+// checkRecord reads the record and guards it; false when etcd did not
+// answer.
+func (r *leased) checkRecord(ctx context.Context, lease clientv3.LeaseID) bool {
 	gctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	got, err := r.cli.Get(gctx, r.key)
 	cancel()
 	switch {
 	case err != nil:
-		return 0 // etcd unreachable: the keepalive tells
+		return false // etcd unreachable: the keepalive tells
 	case len(got.Kvs) == 0:
 		r.guard(ctx, lease, []*clientv3.Event{{Type: clientv3.EventTypeDelete, Kv: &mvccpb.KeyValue{Key: []byte(r.key)}}})
 	default:
 		r.guard(ctx, lease, []*clientv3.Event{{Type: clientv3.EventTypePut, Kv: got.Kvs[0]}})
 	}
-	return got.Header.Revision
+	return true
 }
 
 // guard writes the record back when an event shows it deleted, or

@@ -43,8 +43,9 @@ type WatchConfig struct {
 // delivers anything, which delayed every join around a head's start and
 // each re-list by up to 100 ms. When the watch is compacted or breaks it
 // watches and lists again and sends the difference; every
-// ReconcileInterval it does so anyway, to repair any silent drift. While etcd is unreachable it keeps the last
-// known membership (no Leave is invented) and retries with backoff.
+// ReconcileInterval it does so anyway, to repair any silent drift. While
+// etcd is unreachable it keeps the last known membership (no Leave is
+// invented) and retries with backoff.
 //
 // Per key, events come in revision order: a Join, possibly more Joins when
 // the record changes (a new mod revision: new addr, new lease), then a Leave
@@ -152,8 +153,7 @@ func (w *Watcher) Run(ctx context.Context, out chan<- Event) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		switch end {
-		case watchNotListed:
+		if end == watchNotListed {
 			if time.Since(lastListWarn) >= 30*time.Second {
 				lastListWarn = time.Now()
 				w.lg.Warn("membership: cannot list members; keeping the last known membership and retrying",
@@ -163,8 +163,10 @@ func (w *Watcher) Run(ctx context.Context, out chan<- Event) error {
 				return ctx.Err()
 			}
 			continue
+		}
+		listWait.Reset() // it listed
+		switch end {
 		case watchReconcile:
-			listWait.Reset()
 			w.lg.Debug("membership: periodic reconcile", "prefix", w.prefix)
 			continue
 		case watchCompacted:
@@ -172,7 +174,6 @@ func (w *Watcher) Run(ctx context.Context, out chan<- Event) error {
 		case watchBroken:
 			w.lg.Warn("membership: watch broken; re-listing", "prefix", w.prefix, "err", err)
 		}
-		listWait.Reset()
 		// A watch that breaks at once (no leader, denied) must not spin.
 		if watched > 10*time.Second {
 			watchWait.Reset()

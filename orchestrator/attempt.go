@@ -154,11 +154,11 @@ func (h *Head) runStage(ctx context.Context, sr *stageRun) (*stageOutput, error)
 		failed = append(failed, d.Replica)
 		if refusedDraining(ctx, err, a.produced) {
 			d.Replica.MarkDraining() // no request routes to it again
-		}
-		if refusals < maxDrainRefusals && refusedDraining(ctx, err, a.produced) {
-			refusals++
-			lastErr = err
-			continue
+			if refusals < maxDrainRefusals {
+				refusals++
+				lastErr = err
+				continue
+			}
 		}
 		finished, ok, err := h.migrate(ctx, sr, tr, a, failed, err)
 		lastErr = err
