@@ -2,8 +2,11 @@ package orchestrator_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"runtime"
 	"strconv"
@@ -15,6 +18,7 @@ import (
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
 
+	"github.com/troupe-serving/troupe/internal/front/httpapi"
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/orchestrator"
 	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
@@ -136,6 +140,15 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 	regs := make([]*membership.Registration, n+1)
 	committed := make([]time.Time, n+1)
 	ctx := context.Background()
+	// The front door's view of the storm: GET /v1/replicas over loopback
+	// every frontDoorPoll, each replica's first answer that lists it
+	// attached (an upper bound of when a client could see it routable).
+	api := httptest.NewServer(httpapi.New(c.Head, httpapi.Config{Logger: slog.New(slog.DiscardHandler)}).Handler())
+	defer api.Close()
+	listed := make([]time.Time, n+1)
+	pollCtx, stopPolls := context.WithCancel(context.Background())
+	var polls sync.WaitGroup
+	polls.Go(func() { pollAttached(pollCtx, api.URL, listed) })
 	start := time.Now()
 	var g errgroup.Group
 	g.SetLimit(64)
@@ -172,6 +185,16 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 		wg.Wait()
 	})
 	allRouted := waitFleet(b, c.Head, 20*time.Second, func(reps *orchestrator.ReplicasRef) bool { return reps.Len() == n }, start)
+	pollsDone := make(chan struct{})
+	go func() { polls.Wait(); close(pollsDone) }()
+	select {
+	case <-pollsDone:
+	case <-time.After(10 * time.Second):
+		stopPolls()
+		<-pollsDone
+		b.Fatal("fleet: GET /v1/replicas did not list every replica attached within 10 s of the head routing them")
+	}
+	stopPolls()
 	lat, toEvent := make([]time.Duration, 0, n), make([]time.Duration, 0, n)
 	for id := uint32(1); id <= uint32(n); id++ {
 		jt, ok := orchestrator.JoinTimes(c.Head, 0, id)
@@ -191,6 +214,12 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 	b.ReportMetric(pct(lat, 0.99), "join-txn-to-routed-p99-ms")
 	b.ReportMetric(pct(lat, 1), "join-txn-to-routed-max-ms")
 	b.ReportMetric(pct(toEvent, 0.99), "join-txn-to-event-p99-ms")
+	viaAPI := make([]time.Duration, 0, n)
+	for id := 1; id <= n; id++ {
+		viaAPI = append(viaAPI, listed[id].Sub(committed[id]))
+	}
+	b.ReportMetric(pct(viaAPI, 0.5), "join-txn-to-listed-p50-ms")
+	b.ReportMetric(pct(viaAPI, 0.99), "join-txn-to-listed-p99-ms")
 	b.ReportMetric(heapPer, "heap-KiB-per-replica")
 	reportJoinSteps(b, c.Head, n, start, "join")
 
@@ -241,6 +270,48 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 	b.ReportMetric((<-revoked).Seconds()*1000, "leave-revoke-all-ms")
 	b.ReportMetric(max(unpicked[0], unpicked[1]).Seconds()*1000, "leave-none-picked-ms")
 	b.ReportMetric(max(removed[0], removed[1]).Seconds()*1000, "leave-all-removed-ms")
+}
+
+// frontDoorPoll is how often pollAttached asks GET /v1/replicas.
+const frontDoorPoll = 20 * time.Millisecond
+
+// pollAttached asks GET /v1/replicas at base every frontDoorPoll until
+// every replica id 1..len(listed)-1 is listed attached or ctx ends,
+// stamping each one's listed[id] with the arrival of the first answer that
+// lists it attached.
+func pollAttached(ctx context.Context, base string, listed []time.Time) {
+	tick := time.NewTicker(frontDoorPoll)
+	defer tick.Stop()
+	left := len(listed) - 1
+	for left > 0 {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/v1/replicas", nil)
+		if err != nil {
+			return
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			var list struct {
+				Data []struct {
+					Replica uint32 `json:"replica"`
+					State   string `json:"state"`
+				} `json:"data"`
+			}
+			err = json.NewDecoder(resp.Body).Decode(&list)
+			_ = resp.Body.Close()
+			now := time.Now()
+			for _, r := range list.Data {
+				if err == nil && r.State == "attached" && int(r.Replica) < len(listed) && listed[r.Replica].IsZero() {
+					listed[r.Replica] = now
+					left--
+				}
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
 }
 
 // waitFleet waits until cond holds for the replicas h routes to, waking on
