@@ -140,15 +140,27 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 	regs := make([]*membership.Registration, n+1)
 	committed := make([]time.Time, n+1)
 	ctx := context.Background()
-	// The front door's view of the storm: GET /v1/replicas over loopback
-	// every frontDoorPoll, each replica's first answer that lists it
-	// attached (an upper bound of when a client could see it routable).
+	// The front door's view of the storm: each replica's first row that
+	// shows it attached, as a client of the head's HTTP API on loopback
+	// receives it: from GET /v1/replicas?watch=true, or, with
+	// TROUPE_FLEET_FRONT=poll, from GET /v1/replicas every frontDoorPoll
+	// (an upper bound of when a client could see it routable).
 	api := httptest.NewServer(httpapi.New(c.Head, httpapi.Config{Logger: slog.New(slog.DiscardHandler)}).Handler())
 	defer api.Close()
 	listed := make([]time.Time, n+1)
 	pollCtx, stopPolls := context.WithCancel(context.Background())
 	var polls sync.WaitGroup
-	polls.Go(func() { pollAttached(pollCtx, api.URL, listed) })
+	if os.Getenv("TROUPE_FLEET_FRONT") == "poll" {
+		polls.Go(func() { pollAttached(pollCtx, api.URL, listed) })
+	} else {
+		synced := make(chan struct{})
+		polls.Go(func() { watchAttached(pollCtx, api.URL, listed, synced) })
+		select {
+		case <-synced:
+		case <-time.After(10 * time.Second):
+			b.Fatal("fleet: GET /v1/replicas?watch=true did not sync within 10 s")
+		}
+	}
 	start := time.Now()
 	var g errgroup.Group
 	g.SetLimit(64)
@@ -192,7 +204,7 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 	case <-time.After(10 * time.Second):
 		stopPolls()
 		<-pollsDone
-		b.Fatal("fleet: GET /v1/replicas did not list every replica attached within 10 s of the head routing them")
+		b.Fatal("fleet: the front door did not show every replica attached within 10 s of the head routing them")
 	}
 	stopPolls()
 	lat, toEvent := make([]time.Duration, 0, n), make([]time.Duration, 0, n)
@@ -203,9 +215,6 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 		}
 		lat = append(lat, jt.Routed.Sub(committed[id]))
 		toEvent = append(toEvent, jt.Event.Sub(committed[id]))
-		if os.Getenv("ZZ") != "" && jt.Event.Sub(committed[id]) > 20*time.Millisecond {
-			fmt.Printf("slow event id=%d at=%v delay=%v\n", id, committed[id].Sub(start), jt.Event.Sub(committed[id]))
-		}
 	}
 	heapPer := float64(heapInUse()-heapBefore) / float64(n) / 1024
 	b.ReportMetric(registered.Seconds()*1000, "join-register-all-ms")
@@ -310,6 +319,44 @@ func pollAttached(ctx context.Context, base string, listed []time.Time) {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
+		}
+	}
+}
+
+// watchAttached follows GET /v1/replicas?watch=true at base until every
+// replica id 1..len(listed)-1 has come attached or ctx ends, stamping
+// each one's listed[id] with the arrival of its first row that shows it
+// attached. It closes synced once the watch has synced.
+func watchAttached(ctx context.Context, base string, listed []time.Time, synced chan<- struct{}) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/v1/replicas?watch=true", nil)
+	if err != nil {
+		return
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return
+	}
+	defer resp.Body.Close()
+	dec := json.NewDecoder(resp.Body)
+	left := len(listed) - 1
+	for left > 0 {
+		var ev struct {
+			Type    string `json:"type"`
+			Replica struct {
+				Replica uint32 `json:"replica"`
+				State   string `json:"state"`
+			} `json:"replica"`
+		}
+		if err := dec.Decode(&ev); err != nil {
+			return
+		}
+		r := ev.Replica
+		switch {
+		case ev.Type == "synced":
+			close(synced)
+		case ev.Type == "replica" && r.State == "attached" && int(r.Replica) < len(listed) && listed[r.Replica].IsZero():
+			listed[r.Replica] = time.Now()
+			left--
 		}
 	}
 }

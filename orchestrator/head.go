@@ -164,6 +164,10 @@ type Head struct {
 	// changed is closed and replaced by every publish, so admin calls can
 	// wait for the loop to apply a record.
 	changed atomic.Pointer[chan struct{}]
+	// journal is the view's latest publish to come: the loop fills it in
+	// and appends the next at each publish that changes records, for
+	// ReplicaWatch to follow the changes without reading the whole view.
+	journal atomic.Pointer[viewChange]
 	// calls are the options of every call to a replica (callOptions),
 	// built once: they are the same for every request.
 	calls []grpc.CallOption
@@ -278,6 +282,7 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		Logger:            cfg.Logger,
 	})
 	h.view.Store(sortedseq.New(func(t *tracked) router.Key { return t.key }, compareKeys))
+	h.journal.Store(&viewChange{done: make(chan struct{})})
 	outputs := make([]string, len(cfg.Pipeline.Stages))
 	h.outputs.Store(&outputs)
 	h.routedCount = make([]int, len(cfg.Pipeline.Stages))
@@ -1120,8 +1125,10 @@ func (h *Head) flush() {
 	clear(h.attached)
 	h.attached = h.attached[:0]
 	if len(h.dirty) > 0 {
-		h.view.Store(h.mergeView(h.view.Load()))
+		keys := slices.SortedFunc(maps.Keys(h.dirty), compareKeys)
+		h.view.Store(h.mergeView(h.view.Load(), keys))
 		clear(h.dirty)
+		h.journal.Load().append(keys, &h.journal)
 	}
 	if h.outs != nil {
 		h.outputs.Store(h.outs)
@@ -1138,10 +1145,9 @@ func (h *Head) flush() {
 // the loop publishes and readers share (see Head.view).
 type recordView = sortedseq.Seq[router.Key, *tracked]
 
-// mergeView is old with the dirty keys' records copied from the loop's:
-// the chunks of the view that hold them are copied, not the view.
-func (h *Head) mergeView(old *recordView) *recordView {
-	keys := slices.SortedFunc(maps.Keys(h.dirty), compareKeys)
+// mergeView is old with the records of keys (sorted) copied from the
+// loop's: the chunks of the view that hold them are copied, not the view.
+func (h *Head) mergeView(old *recordView, keys []router.Key) *recordView {
 	changes := make([]sortedseq.Change[router.Key, *tracked], len(keys))
 	for i, k := range keys {
 		c := *h.known[k]
@@ -1230,49 +1236,56 @@ func (h *Head) WriteMetrics(w io.Writer, f expfmt.Format) error { return h.stats
 func (h *Head) Replicas() []ReplicaStatus {
 	snap := h.router.Snapshot()
 	view := h.view.Load()
+	now := time.Now()
 	out := make([]ReplicaStatus, 0, view.Len())
 	for t := range view.All() {
-		s := ReplicaStatus{
-			Stage: t.key.Stage, StageName: t.member.Stage, Replica: t.key.Replica,
-			EngineIndex: t.index, Addr: t.member.Addr, MetricsAddr: t.member.MetricsAddr, JoinedAt: t.joinedAt.UTC().Truncate(time.Second),
-		}
-		if !t.graceUntil.IsZero() {
-			until := t.graceUntil.UTC().Truncate(time.Second)
-			s.LeaseLostUntil = &until
-		}
-		rep, ok := snap.Lookup(t.key)
-		if ok {
-			s.Load, s.LoadAgeSeconds, s.CacheReportAgeSeconds = signalAges(rep, time.Now())
-			s.PredictedFirstOutputSeconds, s.RTF = h.predictionOf(rep)
-			s.Addr = rep.Addr // the address traffic goes to, whatever a newer record says
-		}
-		switch {
-		case t.detached:
-			s.State = StateDetached
-		case t.refused != "":
-			s.State, s.Reason = StateUnhealthy, "refused: "+t.refused
-		case !ok:
-			s.State, s.Reason = StateUnhealthy, "joined; its Health probe has not answered SERVING yet"
-		case !rep.Healthy():
-			s.State, s.Reason = StateUnhealthy, "connection to the replica is failing"
-			s.InFlight = rep.InFlight()
-		case rep.Draining():
-			s.State, s.Reason = StateUnhealthy, "draining: it refused a request as it shuts down; not routed again"
-			s.InFlight = rep.InFlight()
-		case rep.Ejected():
-			s.State = StateUnhealthy
-			s.Reason = "ejected after repeated failed requests; routed again from " + rep.EjectedUntil().UTC().Format(time.RFC3339Nano)
-			s.InFlight = rep.InFlight()
-		case rep.SleepState() != stagepb.SleepState_SLEEP_STATE_AWAKE:
-			s.State = StateSleeping
-			s.InFlight = rep.InFlight()
-		default:
-			s.State = StateAttached
-			s.InFlight = rep.InFlight()
-		}
-		out = append(out, s)
+		out = append(out, h.statusOf(t, snap, now))
 	}
 	return out
+}
+
+// statusOf is the GET /v1/replicas row of the published record t, read
+// against snap.
+func (h *Head) statusOf(t *tracked, snap *router.Snapshot, now time.Time) ReplicaStatus {
+	s := ReplicaStatus{
+		Stage: t.key.Stage, StageName: t.member.Stage, Replica: t.key.Replica,
+		EngineIndex: t.index, Addr: t.member.Addr, MetricsAddr: t.member.MetricsAddr, JoinedAt: t.joinedAt.UTC().Truncate(time.Second),
+	}
+	if !t.graceUntil.IsZero() {
+		until := t.graceUntil.UTC().Truncate(time.Second)
+		s.LeaseLostUntil = &until
+	}
+	rep, ok := snap.Lookup(t.key)
+	if ok {
+		s.Load, s.LoadAgeSeconds, s.CacheReportAgeSeconds = signalAges(rep, now)
+		s.PredictedFirstOutputSeconds, s.RTF = h.predictionOf(rep)
+		s.Addr = rep.Addr // the address traffic goes to, whatever a newer record says
+	}
+	switch {
+	case t.detached:
+		s.State = StateDetached
+	case t.refused != "":
+		s.State, s.Reason = StateUnhealthy, "refused: "+t.refused
+	case !ok:
+		s.State, s.Reason = StateUnhealthy, "joined; its Health probe has not answered SERVING yet"
+	case !rep.Healthy():
+		s.State, s.Reason = StateUnhealthy, "connection to the replica is failing"
+		s.InFlight = rep.InFlight()
+	case rep.Draining():
+		s.State, s.Reason = StateUnhealthy, "draining: it refused a request as it shuts down; not routed again"
+		s.InFlight = rep.InFlight()
+	case rep.Ejected():
+		s.State = StateUnhealthy
+		s.Reason = "ejected after repeated failed requests; routed again from " + rep.EjectedUntil().UTC().Format(time.RFC3339Nano)
+		s.InFlight = rep.InFlight()
+	case rep.SleepState() != stagepb.SleepState_SLEEP_STATE_AWAKE:
+		s.State = StateSleeping
+		s.InFlight = rep.InFlight()
+	default:
+		s.State = StateAttached
+		s.InFlight = rep.InFlight()
+	}
+	return s
 }
 
 // signalAges are a replica's latest load report and the ages of its load

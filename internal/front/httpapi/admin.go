@@ -3,6 +3,7 @@ package httpapi
 import (
 	"context"
 	"net/http"
+	"slices"
 	"strconv"
 
 	"github.com/troupe-serving/troupe/orchestrator"
@@ -56,9 +57,53 @@ func writeText(w http.ResponseWriter, status int, text string) {
 }
 
 // replicas serves GET /v1/replicas: every replica the head knows,
-// detached ones included.
-func (s *Server) replicas(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, replicaList{Data: s.b.Replicas()})
+// detached ones included; ?stage= (a name or an index) and ?state= list
+// some only, and ?watch=true follows them (watchReplicas).
+func (s *Server) replicas(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	stage := -1
+	if v := q.Get("stage"); v != "" {
+		i, err := s.b.ResolveStage(v)
+		if err != nil {
+			e := fromBackend(err, requestIDFrom(r.Context()))
+			s.reject(w, r, badRequest("stage", "invalid_value", "%s", e.Message))
+			return
+		}
+		stage = i
+	}
+	state := orchestrator.ReplicaState(q.Get("state"))
+	switch state {
+	case "", orchestrator.StateAttached, orchestrator.StateSleeping, orchestrator.StateUnhealthy, orchestrator.StateDetached:
+	default:
+		s.reject(w, r, badRequest("state", "invalid_value", "state must be attached, sleeping, unhealthy or detached, got %q", state))
+		return
+	}
+	watch := false
+	if v := q.Get("watch"); v != "" {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			s.reject(w, r, badRequest("watch", "invalid_value", "watch must be true or false, got %q", v))
+			return
+		}
+		watch = b
+	}
+	if watch {
+		if state != "" {
+			// A row leaves a state as often as it enters one: a watch
+			// filtered by state would miss the leaving.
+			s.reject(w, r, badRequest("state", "invalid_value", "state filters a list, not a watch: watch every state and filter the rows"))
+			return
+		}
+		s.watchReplicas(w, r, stage)
+		return
+	}
+	rows := s.b.Replicas()
+	if stage >= 0 || state != "" {
+		rows = slices.DeleteFunc(rows, func(row orchestrator.ReplicaStatus) bool {
+			return (stage >= 0 && row.Stage != stage) || (state != "" && row.State != state)
+		})
+	}
+	writeJSON(w, http.StatusOK, replicaList{Data: rows})
 }
 
 // replicasSD serves GET /v1/replicas/sd: Prometheus HTTP service discovery

@@ -24,6 +24,7 @@ import (
 	"path"
 	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -46,6 +47,7 @@ type Backend interface {
 	Execute(ctx context.Context, req orchestrator.Request, onText func(delta string) error) (*orchestrator.Result, error)
 	CheckParts(msgs []*stagepb.ChatMessage) error
 	Replicas() []orchestrator.ReplicaStatus
+	WatchReplicas(stage int) (*orchestrator.ReplicaWatch, []orchestrator.ReplicaStatus)
 	Ready() (bool, string)
 	ResolveStage(stage string) (int, error)
 	Sleep(ctx context.Context, stage int, replica uint32, level int) (stagepb.SleepState, error)
@@ -169,7 +171,11 @@ type Server struct {
 	running      atomic.Int64      // completions admitted and not finished (MaxInFlight)
 	// draining: the process is stopping; /readyz says so (see Drain).
 	draining atomic.Bool
-	rt       realtimeHub // the sessions of /v1/realtime
+	// drained is closed by Drain: it ends the watches of /v1/replicas,
+	// which would otherwise hold the server's shutdown to its timeout.
+	drained   chan struct{}
+	drainOnce sync.Once
+	rt        realtimeHub // the sessions of /v1/realtime
 
 	all, serving, admin http.Handler
 }
@@ -197,7 +203,7 @@ func New(b Backend, cfg Config) *Server {
 	if cfg.Propagator == nil {
 		cfg.Propagator = propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
 	}
-	s := &Server{b: b, cfg: cfg, log: cfg.Logger, created: time.Now().Unix(), routes: map[string]string{}}
+	s := &Server{b: b, cfg: cfg, log: cfg.Logger, created: time.Now().Unix(), routes: map[string]string{}, drained: make(chan struct{})}
 	if cfg.APIKey != "" {
 		s.keyHash = sha256.Sum256([]byte(cfg.APIKey))
 	}
@@ -290,8 +296,12 @@ func (*readBody) Close() error { return nil }
 // first on SIGTERM (see `troupe head --shutdown-delay`). It may be called
 // from any goroutine; it cannot be undone.
 // Realtime sessions are closed with 1001 as soon as their running response
-// ends, and new ones refused with 1013.
-func (s *Server) Drain() { s.draining.Store(true); s.rt.drain() }
+// ends, and new ones refused with 1013; watches of /v1/replicas end.
+func (s *Server) Drain() {
+	s.draining.Store(true)
+	s.drainOnce.Do(func() { close(s.drained) })
+	s.rt.drain()
+}
 
 // Handler serves every route: serving, admin, metrics and health.
 func (s *Server) Handler() http.Handler { return s.all }

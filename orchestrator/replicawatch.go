@@ -1,0 +1,161 @@
+package orchestrator
+
+import (
+	"context"
+	"iter"
+	"slices"
+	"sync/atomic"
+	"time"
+
+	"github.com/troupe-serving/troupe/internal/core/router"
+)
+
+// viewChange is one entry of the head's journal of publishes (Head.journal):
+// the keys whose records a publish changed and the entry after it. The
+// loop fills keys and next, then closes done; readers read them only once
+// done is closed, and never write them. An entry nobody holds is garbage:
+// the journal keeps no history for watches that are not there.
+type viewChange struct {
+	keys []router.Key
+	next *viewChange
+	done chan struct{}
+}
+
+// append fills in c, the journal's open entry, with the keys (sorted) of
+// a publish whose records are already in the view, opens the next entry
+// in tail, then wakes c's readers. The loop's goroutine only.
+func (c *viewChange) append(keys []router.Key, tail *atomic.Pointer[viewChange]) {
+	c.keys, c.next = keys, &viewChange{done: make(chan struct{})}
+	tail.Store(c.next)
+	close(c.done)
+}
+
+// WatchSweep is how often a ReplicaWatch reads every row it follows: the
+// states a replica's requests and connection change without a publish
+// (connection failing, draining, ejected and back, asleep) reach a watch
+// within it; joins, attaches, refusals, leaves and records at once.
+const WatchSweep = time.Second
+
+// ReplicaWatch follows GET /v1/replicas rows as they change (GET
+// /v1/replicas?watch=true): Head.WatchReplicas gives the rows at its
+// start, Next each change after them. It reads the journal of the head's
+// publishes, so a change costs a watch the rows it touched, not the
+// fleet's. One goroutine calls Next at a time; watches are independent.
+type ReplicaWatch struct {
+	h     *Head
+	stage int // the stage it follows; -1: every stage
+	at    *viewChange
+	sent  map[router.Key]rowMark
+	swept time.Time
+}
+
+// rowMark is what makes a row news: a row is sent again when one of these
+// changes, not when only its load, in-flight count or ages do.
+type rowMark struct {
+	state       ReplicaState
+	reason      string
+	addr        string
+	metricsAddr string
+	engineIndex int
+	joinedAt    time.Time
+	leaseLost   time.Time
+}
+
+func markOf(s *ReplicaStatus) rowMark {
+	m := rowMark{state: s.State, reason: s.Reason, addr: s.Addr, metricsAddr: s.MetricsAddr, engineIndex: s.EngineIndex, joinedAt: s.JoinedAt}
+	if s.LeaseLostUntil != nil {
+		m.leaseLost = *s.LeaseLostUntil
+	}
+	return m
+}
+
+// WatchReplicas starts a watch of stage's rows (-1: every stage's) and
+// returns it with the rows as they are now, in key order.
+func (h *Head) WatchReplicas(stage int) (*ReplicaWatch, []ReplicaStatus) {
+	// The journal's entry first: a publish after it is news to the
+	// watch, even when the rows below already show it (then its marks
+	// match and nothing is sent twice).
+	w := &ReplicaWatch{h: h, stage: stage, at: h.journal.Load(), sent: map[router.Key]rowMark{}, swept: time.Now()}
+	return w, w.readAll()
+}
+
+// Next waits until rows of the watch change, or ctx ends, and returns the
+// changed rows in key order (each the row as it is now). Its error is
+// ctx's. A nil watch has no changes: it waits for ctx.
+func (w *ReplicaWatch) Next(ctx context.Context) ([]ReplicaStatus, error) {
+	if w == nil {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	sweep := time.NewTimer(time.Until(w.swept.Add(WatchSweep)))
+	defer sweep.Stop()
+	for {
+		var rows []ReplicaStatus
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-w.at.done:
+			rows = w.read(w.catchUp())
+		case <-sweep.C:
+			w.swept = time.Now()
+			sweep.Reset(WatchSweep)
+			rows = w.readAll()
+		}
+		if len(rows) > 0 {
+			return rows, nil
+		}
+	}
+}
+
+// catchUp moves the watch past every publish so far and returns the keys
+// they changed, sorted, once each.
+func (w *ReplicaWatch) catchUp() []router.Key {
+	var keys []router.Key
+	for {
+		select {
+		case <-w.at.done:
+			keys = append(keys, w.at.keys...)
+			w.at = w.at.next
+			continue
+		default:
+		}
+		break
+	}
+	slices.SortFunc(keys, compareKeys)
+	return slices.Compact(keys)
+}
+
+// read returns the rows of keys whose marks differ from those sent, and
+// notes them sent.
+func (w *ReplicaWatch) read(keys []router.Key) []ReplicaStatus {
+	view := w.h.view.Load()
+	return w.changed(func(yield func(*tracked) bool) {
+		for _, k := range keys {
+			if t, ok := view.Find(k); ok && !yield(t) {
+				return
+			}
+		}
+	})
+}
+
+// readAll is read of every row the watch follows.
+func (w *ReplicaWatch) readAll() []ReplicaStatus { return w.changed(w.h.view.Load().All()) }
+
+// changed returns the rows of records whose marks differ from those sent,
+// and notes them sent.
+func (w *ReplicaWatch) changed(records iter.Seq[*tracked]) []ReplicaStatus {
+	snap, now := w.h.router.Snapshot(), time.Now()
+	var out []ReplicaStatus
+	for t := range records {
+		if w.stage >= 0 && t.key.Stage != w.stage {
+			continue
+		}
+		s := w.h.statusOf(t, snap, now)
+		if m, ok := w.sent[t.key]; ok && m == markOf(&s) {
+			continue
+		}
+		w.sent[t.key] = markOf(&s)
+		out = append(out, s)
+	}
+	return out
+}
