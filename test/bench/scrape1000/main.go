@@ -240,8 +240,8 @@ func (backend) Replicas() []orchestrator.ReplicaStatus  { return nil }
 func (backend) WatchReplicas(int) (*orchestrator.ReplicaWatch, []orchestrator.ReplicaStatus) {
 	return nil, nil
 }
-func (backend) Ready() (bool, string)                   { return true, "" }
-func (backend) ResolveStage(string) (int, error)        { return 0, errNoHead }
+func (backend) Ready() (bool, string)            { return true, "" }
+func (backend) ResolveStage(string) (int, error) { return 0, errNoHead }
 func (backend) Sleep(context.Context, int, uint32, int) (stagepb.SleepState, error) {
 	return 0, errNoHead
 }
