@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -231,6 +232,10 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 	b.ReportMetric(pct(viaAPI, 0.99), "join-txn-to-listed-p99-ms")
 	b.ReportMetric(heapPer, "heap-KiB-per-replica")
 	reportJoinSteps(b, c.Head, n, start, "join")
+	// What a read of the fleet costs a client: the whole list, and the
+	// list of the rows in one state (none unhealthy now).
+	b.ReportMetric(timeGet(b, api.URL+"/v1/replicas"), "api-list-all-ms")
+	b.ReportMetric(timeGet(b, api.URL+"/v1/replicas?state=unhealthy"), "api-list-unhealthy-ms")
 
 	// Head restart: a new head against the live fleet.
 	start = time.Now()
@@ -321,6 +326,25 @@ func pollAttached(ctx context.Context, base string, listed []time.Time) {
 		case <-tick.C:
 		}
 	}
+}
+
+// timeGet is the median time of five GETs of url, body read, in ms.
+func timeGet(b *testing.B, url string) float64 {
+	times := make([]time.Duration, 0, 5)
+	for range 5 {
+		start := time.Now()
+		resp, err := http.Get(url)
+		if err != nil {
+			b.Fatal(err)
+		}
+		_, err = io.Copy(io.Discard, resp.Body)
+		_ = resp.Body.Close()
+		if err != nil || resp.StatusCode != http.StatusOK {
+			b.Fatalf("GET %s: %d %v", url, resp.StatusCode, err)
+		}
+		times = append(times, time.Since(start))
+	}
+	return pct(times, 0.5)
 }
 
 // watchAttached follows GET /v1/replicas?watch=true at base until every
