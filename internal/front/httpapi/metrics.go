@@ -177,10 +177,25 @@ func (s *Server) routeLabelOf(mux *http.ServeMux, r *http.Request) string {
 	if pattern == "" {
 		_, pattern = mux.Handler(r)
 	}
-	if route, ok := s.routes[pattern]; ok {
-		return route
+	route, ok := s.routes[pattern]
+	if !ok {
+		return OtherRoute
 	}
-	return OtherRoute
+	if route == "/v1/replicas" && isWatch(r) {
+		// A watch lasts as long as its client: its durations would drown
+		// the list's.
+		return watchRoute
+	}
+	return route
+}
+
+// watchRoute is the route label of GET /v1/replicas?watch=true.
+const watchRoute = "/v1/replicas?watch=true"
+
+// isWatch reports whether r asks to watch (?watch= a true Go boolean).
+func isWatch(r *http.Request) bool {
+	watch, err := strconv.ParseBool(r.URL.Query().Get("watch"))
+	return err == nil && watch
 }
 
 // routeLabel is the route label of a registered pattern: without its

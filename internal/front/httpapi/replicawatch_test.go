@@ -195,7 +195,8 @@ func TestReplicasFilters(t *testing.T) {
 }
 
 // TestReplicasWatchEndsWithTheClient: a watch ends when its client goes
-// (the request no longer counts in flight; its goroutines end: goleak).
+// (the request no longer counts in flight; its goroutines end: goleak),
+// and counts under its own route.
 func TestReplicasWatchEndsWithTheClient(t *testing.T) {
 	c := startCluster(t, orchestratortest.Options{ReplicasPerStage: 1})
 	c.WaitReady(t)
@@ -216,4 +217,8 @@ func TestReplicasWatchEndsWithTheClient(t *testing.T) {
 	_ = s.body.Close()
 	require.Eventually(t, func() bool { return testutil.ToFloat64(m.inFlight) == 0 }, 30*time.Second, 5*time.Millisecond,
 		"the watch's handler returns once its client goes")
+	assert.Equal(t, 1.0, testutil.ToFloat64(m.requests.WithLabelValues(watchRoute, "get", "200")),
+		"a watch counts under its own route, apart from the list's")
+	assert.Equal(t, 1, testutil.CollectAndCount(m.duration),
+		"one duration series, the watch's: the list's route has none of it")
 }
