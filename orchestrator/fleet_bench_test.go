@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -80,12 +81,33 @@ func BenchmarkFleet(b *testing.B) {
 		if err != nil || n < 2 {
 			b.Fatalf("TROUPE_FLEET_N: bad size %q", s)
 		}
+		if need, limit := fleetDescriptors(n), descriptorLimit(b); need > limit {
+			// Past it, dials and accepts fail deep in etcd and grpc-go,
+			// and the process exits without a word.
+			b.Fatalf("fleet: N=%d needs about %d descriptors (4 a replica: two heads' connections, both ends in this process), the limit is %d: "+
+				"raise ulimit -n, or run test/fleet BenchmarkFleetProcs, whose replicas live in other processes", n, need, limit)
+		}
 		b.Run(fmt.Sprintf("N=%d", n), func(b *testing.B) {
 			for range b.N {
 				runFleet(b, n, storm)
 			}
 		})
 	}
+}
+
+// fleetDescriptors is about how many descriptors runFleet needs for n
+// replicas: both ends of two heads' connections to each, and room for
+// etcd, its clients and the API.
+func fleetDescriptors(n int) uint64 { return uint64(4*n + 2000) }
+
+// descriptorLimit is the process's RLIMIT_NOFILE (Go raises the soft
+// limit to the hard one at start).
+func descriptorLimit(b *testing.B) uint64 {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		b.Fatal(err)
+	}
+	return lim.Cur
 }
 
 // fleetServers starts k worker servers of the thinker stage sharing one
