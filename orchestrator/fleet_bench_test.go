@@ -258,6 +258,17 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 	// list of the rows in one state (none unhealthy now).
 	b.ReportMetric(timeGet(b, api.URL+"/v1/replicas"), "api-list-all-ms")
 	b.ReportMetric(timeGet(b, api.URL+"/v1/replicas?state=unhealthy"), "api-list-unhealthy-ms")
+	// A watch's sweep reads every row as its start does.
+	sweeps := make([]time.Duration, 0, 5)
+	for range 5 {
+		t0 := time.Now()
+		_, rows := c.Head.WatchReplicas(-1)
+		sweeps = append(sweeps, time.Since(t0))
+		if len(rows) != n {
+			b.Fatalf("a watch starts with %d rows, want %d", len(rows), n)
+		}
+	}
+	b.ReportMetric(pct(sweeps, 0.5), "watch-sweep-ms")
 
 	// Head restart: a new head against the live fleet.
 	start = time.Now()

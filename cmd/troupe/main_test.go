@@ -76,7 +76,7 @@ func TestBanner(t *testing.T) {
 	})
 	s := out.String()
 	assert.Contains(t, s, "  API:      http://127.0.0.1:8000/v1 (the base URL for OpenAI clients)\n")
-	assert.Contains(t, s, "  replicas: http://127.0.0.1:8001/v1/replicas (admin listener) (with the API key); ?watch=true follows them\n")
+	assert.Contains(t, s, "  replicas: http://127.0.0.1:8001/v1/replicas (admin listener) (with the API key) (?watch=true follows them)\n")
 	assert.Contains(t, s, "  metrics:  http://127.0.0.1:8001/metrics (admin listener)\n")
 	assert.Contains(t, s, "\n  troupe members --etcd-endpoints http://127.0.0.1:2379 --cluster c1\n")
 	assert.Contains(t, s, "  curl -s http://127.0.0.1:8000/v1/chat/completions \\\n    -H \"Authorization: Bearer $TROUPE_API_KEY\" \\\n    -H 'Content-Type: application/json' \\\n")

@@ -266,7 +266,7 @@ func printBanner(w io.Writer, b banner) {
 	}
 	fmt.Fprintf(w, `troupe is up: model %s, stages %s
   API:      %s/v1 (the base URL for OpenAI clients)
-  replicas: %s/v1/replicas%s%s; ?watch=true follows them
+  replicas: %s/v1/replicas%s%s (?watch=true follows them)
   metrics:  %s/metrics%s
   etcd:     %s (data dir %s, %s)
 
