@@ -75,7 +75,8 @@ func (h *Head) WatchReplicas(stage int) (*ReplicaWatch, []ReplicaStatus) {
 	// The journal's entry first: a publish after it is news to the
 	// watch, even when the rows below already show it (then its marks
 	// match and nothing is sent twice).
-	w := &ReplicaWatch{h: h, stage: stage, at: h.journal.Load(), sent: map[router.Key]rowMark{}, swept: time.Now()}
+	w := &ReplicaWatch{h: h, stage: stage, at: h.journal.Load(), swept: time.Now()}
+	w.sent = make(map[router.Key]rowMark, h.view.Load().Len())
 	return w, w.readAll()
 }
 
@@ -151,10 +152,11 @@ func (w *ReplicaWatch) changed(records iter.Seq[*tracked]) []ReplicaStatus {
 			continue
 		}
 		s := w.h.statusOf(t, snap, now)
-		if m, ok := w.sent[t.key]; ok && m == markOf(&s) {
+		m := markOf(&s)
+		if sent, ok := w.sent[t.key]; ok && sent == m {
 			continue
 		}
-		w.sent[t.key] = markOf(&s)
+		w.sent[t.key] = m
 		out = append(out, s)
 	}
 	return out
