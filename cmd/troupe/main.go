@@ -36,6 +36,7 @@ func init() {
 		{name: "head", summary: "run the head: watch membership, route requests, serve the HTTP API", run: runHead},
 		{name: "worker", summary: "run a stage replica and register it in etcd", run: runWorker},
 		{name: "members", summary: "list the cluster's members", run: runMembers},
+		{name: "replicas", summary: "list a head's replicas and their states, or follow them (--watch)", detail: replicasDetail, run: runReplicas},
 		{name: "certs", summary: "write a cluster CA, the head's and the workers' certificates and a cluster token", run: runCerts},
 		{name: "healthcheck", args: "URL|grpc://HOST:PORT[/SERVICE]", summary: "exit 0 when a URL answers 2xx, or a gRPC health service SERVING", run: runHealthcheck},
 		{name: "trace", args: "TRACE_ID", summary: "print one trace from Jaeger as a waterfall",
