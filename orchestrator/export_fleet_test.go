@@ -14,7 +14,3 @@ type ReplicasRef = router.Replicas
 func RoutedReplicas(h *Head, stage int) *ReplicasRef {
 	return h.router.Snapshot().Stage(stage)
 }
-
-// Sweep is a sweep of w's rows (as every WatchSweep): the rows it would
-// send, for the fleet simulation to time.
-func Sweep(w *ReplicaWatch) int { return len(w.readAll()) }

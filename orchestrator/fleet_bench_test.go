@@ -258,21 +258,17 @@ func runFleet(b *testing.B, n int, storm time.Duration) {
 	// list of the rows in one state (none unhealthy now).
 	b.ReportMetric(timeGet(b, api.URL+"/v1/replicas"), "api-list-all-ms")
 	b.ReportMetric(timeGet(b, api.URL+"/v1/replicas?state=unhealthy"), "api-list-unhealthy-ms")
-	// A watch's start reads every row; so does its sweep, each second,
-	// which sends none of them when none changed.
-	starts, sweeps := make([]time.Duration, 0, 5), make([]time.Duration, 0, 5)
+	// A watch's start reads every row.
+	starts := make([]time.Duration, 0, 5)
 	for range 5 {
 		t0 := time.Now()
-		w, rows := c.Head.WatchReplicas(-1)
-		t1 := time.Now()
-		changed := orchestrator.Sweep(w)
-		starts, sweeps = append(starts, t1.Sub(t0)), append(sweeps, time.Since(t1))
-		if len(rows) != n || changed != 0 {
-			b.Fatalf("a watch starts with %d rows (want %d) and its sweep finds %d changed (want 0)", len(rows), n, changed)
+		_, rows := c.Head.WatchReplicas(-1)
+		starts = append(starts, time.Since(t0))
+		if len(rows) != n {
+			b.Fatalf("a watch starts with %d rows, want %d", len(rows), n)
 		}
 	}
 	b.ReportMetric(pct(starts, 0.5), "watch-start-ms")
-	b.ReportMetric(pct(sweeps, 0.5), "watch-sweep-ms")
 
 	// Head restart: a new head against the live fleet.
 	start = time.Now()

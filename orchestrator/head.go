@@ -226,6 +226,7 @@ type tracked struct {
 	instance   string             // the worker's instance id, from the probe ("" for older workers)
 	capacity   uint32             // max_num_seqs from the probe (0: not reported)
 	times      joinTimes          // of its latest join
+	live       liveState          // of its routed replica, as checkLive last saw it
 }
 
 // joinTimes are when the steps of a replica's latest join happened, for
@@ -558,52 +559,64 @@ func (h *Head) Run(ctx context.Context) error {
 		h.runAutoscale(gctx)
 		return nil
 	})
-	g.Go(func() error {
-		sweep := time.NewTicker(sweepInterval(h.cfg.DetachedSeriesTTL))
-		defer sweep.Stop()
-		graceTick := time.NewTicker(graceCheckInterval)
-		defer graceTick.Stop()
-		for {
-			select {
-			case <-gctx.Done():
-				for _, t := range h.known {
-					if t.cancel != nil {
-						t.cancel()
-					}
-				}
-				h.stopCacheSubs()
-				return gctx.Err()
-			case ev := <-events:
-				h.begin()
-				h.applyEvent(gctx, ev, probes, departures, &probing)
-				h.drain(gctx, events, probes, departures, &probing)
-				h.flush()
-			case pr := <-probes:
-				h.begin()
-				h.attach(pr)
-				h.drain(gctx, events, probes, departures, &probing)
-				h.flush()
-			case d := <-departures:
-				h.begin()
-				h.departed(d)
-				h.drain(gctx, events, probes, departures, &probing)
-				h.flush()
-			case now := <-graceTick.C:
-				h.begin()
-				h.endGraces(now)
-				h.flush()
-			case now := <-sweep.C:
-				if n := h.stats.Sweep(now); n > 0 {
-					h.log.Info("orchestrator: deleted series of long-detached replicas", "replicas", n)
-				}
-			}
-		}
-	})
+	g.Go(func() error { return h.loop(gctx, events, probes, departures, &probing) })
 	err := g.Wait()
 	if ctx.Err() != nil {
 		return nil
 	}
 	return err
+}
+
+// loop is the head's one writer of its state: it applies membership
+// events, probe answers and leave verdicts in batches, ends lease-loss
+// graces, checks the replicas' live states and sweeps long-detached
+// series, until ctx ends. Run's goroutine owns it.
+func (h *Head) loop(ctx context.Context, events <-chan membership.Event, probes chan probeResult, departures chan departure, probing *sync.WaitGroup) error {
+	sweep := time.NewTicker(sweepInterval(h.cfg.DetachedSeriesTTL))
+	defer sweep.Stop()
+	graceTick := time.NewTicker(graceCheckInterval)
+	defer graceTick.Stop()
+	liveTick := time.NewTicker(liveCheckInterval)
+	defer liveTick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			for _, t := range h.known {
+				if t.cancel != nil {
+					t.cancel()
+				}
+			}
+			h.stopCacheSubs()
+			return ctx.Err()
+		case ev := <-events:
+			h.begin()
+			h.applyEvent(ctx, ev, probes, departures, probing)
+			h.drain(ctx, events, probes, departures, probing)
+			h.flush()
+		case pr := <-probes:
+			h.begin()
+			h.attach(pr)
+			h.drain(ctx, events, probes, departures, probing)
+			h.flush()
+		case d := <-departures:
+			h.begin()
+			h.departed(d)
+			h.drain(ctx, events, probes, departures, probing)
+			h.flush()
+		case now := <-graceTick.C:
+			h.begin()
+			h.endGraces(now)
+			h.flush()
+		case <-liveTick.C:
+			h.begin()
+			h.checkLive()
+			h.flush()
+		case now := <-sweep.C:
+			if n := h.stats.Sweep(now); n > 0 {
+				h.log.Info("orchestrator: deleted series of long-detached replicas", "replicas", n)
+			}
+		}
+	}
 }
 
 // Bounds of one batch of the loop: a burst of inputs is applied and
@@ -908,7 +921,7 @@ func (h *Head) attach(pr probeResult) {
 		h.publish(pr.key)
 		return
 	}
-	t.routed, t.times.routed = true, time.Time{}
+	t.routed, t.times.routed, t.live = true, time.Time{}, liveOf(pr.rep)
 	h.attached = append(h.attached, t)
 	h.startCacheSub(pr.rep, pr.health)
 	h.publish(pr.key)

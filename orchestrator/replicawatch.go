@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/troupe-serving/troupe/internal/core/router"
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
 // viewChange is one entry of the head's journal of publishes (Head.journal):
@@ -30,23 +31,56 @@ func (c *viewChange) append(keys []router.Key, tail *atomic.Pointer[viewChange])
 	close(c.done)
 }
 
-// WatchSweep is how often a ReplicaWatch reads every row it follows: the
-// states a replica's requests and connection change without a publish
-// (connection failing, draining, ejected and back, asleep) reach a watch
-// within it; joins, attaches, refusals, leaves and records at once.
-const WatchSweep = time.Second
+// liveCheckInterval is how often the loop checks the states that a
+// replica's requests and connection change without an input to the loop
+// (checkLive): a watch sees those within it; joins, attaches, refusals,
+// leaves and records at once.
+const liveCheckInterval = time.Second
+
+// liveState is what of a routed replica's GET /v1/replicas row changes
+// without an input to the loop: its connection, a draining refusal, the
+// circuit breaker, its sleep.
+type liveState struct {
+	healthy, draining bool
+	ejectedUntil      time.Time
+	sleep             stagepb.SleepState
+}
+
+func liveOf(rep *router.Replica) liveState {
+	return liveState{healthy: rep.Healthy(), draining: rep.Draining(), ejectedUntil: rep.EjectedUntil(), sleep: rep.SleepState()}
+}
+
+// checkLive publishes the routed replicas whose liveState changed since
+// it last looked, so that watches, which follow the loop's publishes
+// only, see them. The loop's goroutine only, within a batch. O(N) map
+// lookups and atomic loads, once a second whatever the watches.
+func (h *Head) checkLive() {
+	snap := h.router.Snapshot()
+	for stage := range h.cfg.Pipeline.Stages {
+		for rep := range snap.Stage(stage).All() {
+			t := h.known[rep.Key]
+			if t == nil || !t.routed {
+				continue
+			}
+			if live := liveOf(rep); live != t.live {
+				t.live = live
+				h.publish(t.key)
+			}
+		}
+	}
+}
 
 // ReplicaWatch follows GET /v1/replicas rows as they change (GET
 // /v1/replicas?watch=true): Head.WatchReplicas gives the rows at its
 // start, Next each change after them. It reads the journal of the head's
 // publishes, so a change costs a watch the rows it touched, not the
-// fleet's. One goroutine calls Next at a time; watches are independent.
+// fleet's, and a quiet fleet costs it nothing. One goroutine calls Next
+// at a time; watches are independent.
 type ReplicaWatch struct {
 	h     *Head
 	stage int // the stage it follows; -1: every stage
 	at    *viewChange
 	sent  map[router.Key]rowMark
-	swept time.Time
 }
 
 // rowMark is what makes a row news: a row is sent again when one of these
@@ -75,7 +109,7 @@ func (h *Head) WatchReplicas(stage int) (*ReplicaWatch, []ReplicaStatus) {
 	// The journal's entry first: a publish after it is news to the
 	// watch, even when the rows below already show it (then its marks
 	// match and nothing is sent twice).
-	w := &ReplicaWatch{h: h, stage: stage, at: h.journal.Load(), swept: time.Now()}
+	w := &ReplicaWatch{h: h, stage: stage, at: h.journal.Load()}
 	w.sent = make(map[router.Key]rowMark, h.view.Load().Len())
 	return w, w.readAll()
 }
@@ -88,22 +122,14 @@ func (w *ReplicaWatch) Next(ctx context.Context) ([]ReplicaStatus, error) {
 		<-ctx.Done()
 		return nil, ctx.Err()
 	}
-	sweep := time.NewTimer(time.Until(w.swept.Add(WatchSweep)))
-	defer sweep.Stop()
 	for {
-		var rows []ReplicaStatus
 		select {
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case <-w.at.done:
-			rows = w.read(w.catchUp())
-		case <-sweep.C:
-			w.swept = time.Now()
-			sweep.Reset(WatchSweep)
-			rows = w.readAll()
-		}
-		if len(rows) > 0 {
-			return rows, nil
+			if rows := w.read(w.catchUp()); len(rows) > 0 {
+				return rows, nil
+			}
 		}
 	}
 }

@@ -63,9 +63,10 @@ func (s *replicaStream) until(t *testing.T, what string, cond func(orchestrator.
 
 // TestReplicasWatch follows the fleet through GET /v1/replicas?watch=true
 // as an operator's client would: the rows as they are, "synced", a
-// joining replica from unhealthy to attached, a draining refusal (a state
-// no publish announces: the sweep's), a leave, filters, and the stream's
-// end when the server drains.
+// joining replica from unhealthy to attached, a leave, a draining refusal
+// (a state no input to the loop announces: its check each second
+// publishes it), a stage filter, and the stream's end when the server
+// drains.
 func TestReplicasWatch(t *testing.T) {
 	c := startCluster(t, orchestratortest.Options{ReplicasPerStage: 1})
 	c.WaitReady(t)
@@ -115,9 +116,9 @@ func TestReplicasWatch(t *testing.T) {
 		return r.Replica == w.ReplicaID() && r.State == orchestrator.StateDetached
 	})
 
-	// A draining refusal marks a replica without a publish: the sweep
-	// sends it. etcd is stopped so that the head hears of the drain
-	// only from the refusal.
+	// A draining refusal marks a replica without an input to the loop:
+	// the loop's check publishes it. etcd is stopped so that the head
+	// hears of the drain only from the refusal.
 	first := c.Workers()[0]
 	c.Etcd.Stop()
 	t.Cleanup(func() { c.Etcd.Restart(t) })
