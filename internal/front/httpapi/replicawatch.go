@@ -17,6 +17,12 @@ import (
 // proxy_read_timeout is 60 s) keep the stream.
 const watchKeepalive = 15 * time.Second
 
+// maxReplicaWatches bounds the watches of /v1/replicas a server serves at
+// once: each holds a goroutine pair and a mark of every row it follows (a
+// megabyte at 10,000 replicas), and its start reads every row. Dashboards
+// and controllers need a few.
+const maxReplicaWatches = 64
+
 // replicaEvent is one line of GET /v1/replicas?watch=true.
 type replicaEvent struct {
 	// Type is "replica" (Replica is a row), "synced" (every row as it was
@@ -33,6 +39,14 @@ type replicaEvent struct {
 // when the client goes, when a write stalls past the server's
 // WriteStallTimeout, or when the server drains.
 func (s *Server) watchReplicas(w http.ResponseWriter, r *http.Request, stage int) {
+	if s.watches.Add(1) > maxReplicaWatches {
+		s.watches.Add(-1)
+		w.Header().Set("Retry-After", "1")
+		s.reject(w, r, &apiError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: "too_many_watches",
+			Message: fmt.Sprintf("the head already serves %d watches of /v1/replicas, its limit; close one, or poll", maxReplicaWatches)})
+		return
+	}
+	defer s.watches.Add(-1)
 	watch, rows := s.b.WatchReplicas(stage)
 	h := w.Header()
 	h.Set("Content-Type", "application/x-ndjson")

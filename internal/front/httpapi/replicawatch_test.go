@@ -223,3 +223,34 @@ func TestReplicasWatchEndsWithTheClient(t *testing.T) {
 	assert.Equal(t, 1, testutil.CollectAndCount(m.duration),
 		"one duration series, the watch's: the list's route has none of it")
 }
+
+// TestReplicasWatchLimit: past maxReplicaWatches a watch is refused with
+// 429 too_many_watches and Retry-After; once one ends, a new one is served.
+func TestReplicasWatchLimit(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{ReplicasPerStage: 1})
+	c.WaitReady(t)
+	a := startAPI(t, c, Config{}, nil, nil)
+	ctx := testCtx(t)
+	cancels := make([]context.CancelFunc, maxReplicaWatches)
+	for i := range maxReplicaWatches {
+		wctx, cancel := context.WithCancel(ctx)
+		cancels[i] = cancel
+		a.watchReplicas(t, wctx, "")
+	}
+	resp, body := a.do(t, http.MethodGet, "/v1/replicas?watch=true", nil, nil)
+	wantError(t, resp, body, http.StatusTooManyRequests, typeRateLimit, "too_many_watches")
+	assert.Equal(t, "1", resp.Header.Get("Retry-After"))
+	resp, body = a.do(t, http.MethodGet, "/v1/replicas", nil, nil)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "the list is not limited: %s", body)
+
+	cancels[0]()
+	require.Eventually(t, func() bool { return a.watches.Load() < maxReplicaWatches }, 30*time.Second, 5*time.Millisecond,
+		"a watch whose client went is no longer counted")
+	s := a.watchReplicas(t, ctx, "")
+	ev, ok := s.next(t)
+	require.True(t, ok)
+	assert.Equal(t, "replica", ev.Type)
+	for _, cancel := range cancels[1:] {
+		cancel()
+	}
+}

@@ -175,7 +175,8 @@ type Server struct {
 	// which would otherwise hold the server's shutdown to its timeout.
 	drained   chan struct{}
 	drainOnce sync.Once
-	rt        realtimeHub // the sessions of /v1/realtime
+	watches   atomic.Int64 // watches of /v1/replicas being served (maxReplicaWatches)
+	rt        realtimeHub  // the sessions of /v1/realtime
 
 	all, serving, admin http.Handler
 }
