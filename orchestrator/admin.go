@@ -30,39 +30,6 @@ func (h *Head) ResolveStage(s string) (int, error) {
 // the worker's changed record.
 const recordWait = 5 * time.Second
 
-// settleWait bounds settledRecord's wait: the view lags routing by one
-// batch of the loop (maxBatchAge and its publish), no more.
-const settleWait = 100 * time.Millisecond
-
-// settledRecord returns key's published record once it shows the sleep
-// state that routing has. The loop applies a record's sleep state to
-// routing before it publishes the record, at the end of its batch: a
-// record read in between would be older than the one routing follows,
-// and that one's publish would pass for the answer to the next call (a
-// wake_up right after a sleep returned before the wake reached routing).
-// Past settleWait the two disagree for good (a record etcd did not take):
-// it returns the record as it is.
-func (h *Head) settledRecord(ctx context.Context, key router.Key, rep *router.Replica) tracked {
-	wctx, cancel := context.WithTimeout(ctx, settleWait)
-	defer cancel()
-	for {
-		changed := *h.changed.Load()
-		t, _ := h.lookup(key)
-		st, err := stagepb.ParseSleepState(t.member.SleepState)
-		if t.member.SleepState == "" {
-			st, err = stagepb.SleepState_SLEEP_STATE_AWAKE, nil
-		}
-		if err == nil && st == rep.SleepState() {
-			return t
-		}
-		select {
-		case <-changed:
-		case <-wctx.Done():
-			return t
-		}
-	}
-}
-
 // Sleep puts an attached replica to sleep (level 1 or 2). The worker
 // writes its new state into its member record, and every head, this one
 // included, takes the replica out of rotation when its loop applies that
@@ -97,7 +64,7 @@ func (h *Head) changeSleep(ctx context.Context, key router.Key, verb string, cal
 	if !ok {
 		return 0, newError(ErrUnknownReplica, nil, "stage %d replica %d is not attached", key.Stage, key.Replica)
 	}
-	before := h.settledRecord(ctx, key, rep)
+	before, _ := h.lookup(key)
 	st, err := call(rep.Client)
 	if err != nil {
 		return 0, adminError(fmt.Sprintf("%s of stage %s", verb, h.cfg.Pipeline.Stages[key.Stage].Name), key.Replica, rep.Addr, err)
@@ -105,7 +72,7 @@ func (h *Head) changeSleep(ctx context.Context, key router.Key, verb string, cal
 	wctx, cancel := context.WithTimeout(ctx, recordWait)
 	defer cancel()
 	for {
-		changed := *h.changed.Load()
+		changed := h.changed()
 		now, _ := h.lookup(key)
 		cur, ok := h.router.Snapshot().Lookup(key)
 		if now.modRev > before.modRev || (ok && cur.SleepState() == st) {

@@ -161,12 +161,10 @@ type Head struct {
 	// of the loop's records, sorted by key (see publish).
 	view    atomic.Pointer[recordView]
 	outputs atomic.Pointer[[]string] // by stage: the role its routed replicas give (see noteRouted)
-	// changed is closed and replaced by every publish, so admin calls can
-	// wait for the loop to apply a record.
-	changed atomic.Pointer[chan struct{}]
-	// journal is the view's latest publish to come: the loop fills it in
-	// and appends the next at each publish that changes records, for
-	// ReplicaWatch to follow the changes without reading the whole view.
+	// journal is the view's next publish: the loop fills it in with the
+	// keys it changes and opens the entry after it at every publish, so
+	// admin calls can wait for the loop to apply a record (changed) and
+	// ReplicaWatch follows the changes without reading the whole view.
 	journal atomic.Pointer[viewChange]
 	// calls are the options of every call to a replica (callOptions),
 	// built once: they are the same for every request.
@@ -188,12 +186,14 @@ type Head struct {
 
 	// The batch the loop is applying (see flush): whether it holds one,
 	// the keys it changed, the records it routed (stamped when the
-	// snapshot that routes them is published), the stage outputs to
-	// publish (nil: unchanged), and whether waiters on changed are due a
-	// wake-up.
+	// snapshot that routes them is published), the sleep states its
+	// records give (applied once the view holds them), the stage outputs
+	// to publish (nil: unchanged), and whether waiters on changed are due
+	// a wake-up.
 	batching bool
 	dirty    map[router.Key]struct{}
 	attached []*tracked
+	sleeps   []pendingSleep
 	outs     *[]string
 	wake     bool
 
@@ -226,7 +226,7 @@ type tracked struct {
 	instance   string             // the worker's instance id, from the probe ("" for older workers)
 	capacity   uint32             // max_num_seqs from the probe (0: not reported)
 	times      joinTimes          // of its latest join
-	live       liveState          // of its routed replica, as checkLive last saw it
+	live       rowState           // of its routed replica, as checkLive last saw it
 }
 
 // joinTimes are when the steps of a replica's latest join happened, for
@@ -291,8 +291,6 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	h.routedBy = make(map[string]router.Key)
 	h.loadSubs = make([]int, len(cfg.Pipeline.Stages))
 	h.dirty = map[router.Key]struct{}{}
-	ch := make(chan struct{})
-	h.changed.Store(&ch)
 	return h, nil
 }
 
@@ -490,7 +488,7 @@ var stageReplicasDesc = prometheus.NewDesc("troupe_stage_replicas",
 var replicaStates = [...]ReplicaState{StateAttached, StateSleeping, StateUnhealthy, StateDetached}
 
 // stageReplicasCollector writes troupe_stage_replicas at each scrape from
-// the states Replicas gives, so the counts and GET /v1/replicas agree.
+// the states of the rows of GET /v1/replicas (stateOf), so the two agree.
 type stageReplicasCollector struct{ h *Head }
 
 func (c stageReplicasCollector) Describe(ch chan<- *prometheus.Desc) { ch <- stageReplicasDesc }
@@ -498,9 +496,12 @@ func (c stageReplicasCollector) Describe(ch chan<- *prometheus.Desc) { ch <- sta
 func (c stageReplicasCollector) Collect(ch chan<- prometheus.Metric) {
 	stages := c.h.cfg.Pipeline.Stages
 	counts := make([][len(replicaStates)]int, len(stages))
-	for _, r := range c.h.Replicas() {
-		if i := slices.Index(replicaStates[:], r.State); i >= 0 && r.Stage >= 0 && r.Stage < len(stages) {
-			counts[r.Stage][i]++
+	snap := c.h.router.Snapshot()
+	for t := range c.h.view.Load().All() {
+		rep, ok := snap.Lookup(t.key)
+		state, _ := stateOf(t, rep, ok)
+		if i := slices.Index(replicaStates[:], state); i >= 0 && t.key.Stage >= 0 && t.key.Stage < len(stages) {
+			counts[t.key.Stage][i]++
 		}
 	}
 	for st, byState := range counts {
@@ -730,11 +731,18 @@ func (h *Head) update(key router.Key, m membership.Member, rev int64) bool {
 	if m.SleepState != "" {
 		// Validated by the watcher: a known state name.
 		if st, err := stagepb.ParseSleepState(m.SleepState); err == nil && st != rep.SleepState() {
-			h.setSleepState(rep, st)
+			h.sleeps = append(h.sleeps, pendingSleep{rep, st}) // at flush, after the record
 			h.log.Info("orchestrator: replica sleep state changed", "stage", m.Stage, "replica", key.Replica, "sleep_state", st.Name())
 		}
 	}
 	return true
+}
+
+// pendingSleep is a sleep state the batch's records give a routed
+// replica, applied at flush.
+type pendingSleep struct {
+	rep   *router.Replica
+	state stagepb.SleepState
 }
 
 // setSleepState applies a replica's sleep state to routing and to its
@@ -921,7 +929,8 @@ func (h *Head) attach(pr probeResult) {
 		h.publish(pr.key)
 		return
 	}
-	t.routed, t.times.routed, t.live = true, time.Time{}, liveOf(pr.rep)
+	t.routed, t.times.routed = true, time.Time{}
+	t.live.state, t.live.reason = stateOf(t, pr.rep, true)
 	h.attached = append(h.attached, t)
 	h.startCacheSub(pr.rep, pr.health)
 	h.publish(pr.key)
@@ -1121,8 +1130,9 @@ func (h *Head) publish(key router.Key) {
 // then the routed stamps of the records it attached, then the view with
 // the changed records copied (the others stay the copies readers already
 // hold: one merge of the view per batch, O(N + changes), so a storm of N
-// joins costs O(N) per batch, not per join), the stage outputs, and a
-// wake-up of the waiters on changed.
+// joins costs O(N) per batch, not per join), the sleep states of the
+// records it applied, the stage outputs, and the journal's entry, which
+// wakes the waiters on changed and the watches.
 func (h *Head) flush() {
 	h.batching = false
 	h.router.Commit()
@@ -1137,22 +1147,32 @@ func (h *Head) flush() {
 	}
 	clear(h.attached)
 	h.attached = h.attached[:0]
+	var keys []router.Key
 	if len(h.dirty) > 0 {
-		keys := slices.SortedFunc(maps.Keys(h.dirty), compareKeys)
+		keys = slices.SortedFunc(maps.Keys(h.dirty), compareKeys)
 		h.view.Store(h.mergeView(h.view.Load(), keys))
 		clear(h.dirty)
-		h.journal.Load().append(keys, &h.journal)
 	}
+	// Routing takes the batch's sleep states once the view holds their
+	// records: whoever sees a replica asleep or awake finds the record
+	// that says so (changeSleep compares records from before its call).
+	for _, s := range h.sleeps {
+		h.setSleepState(s.rep, s.state)
+	}
+	clear(h.sleeps)
+	h.sleeps = h.sleeps[:0]
 	if h.outs != nil {
 		h.outputs.Store(h.outs)
 		h.outs = nil
 	}
 	if h.wake {
 		h.wake = false
-		next := make(chan struct{})
-		close(*h.changed.Swap(&next))
+		h.journal.Load().append(keys, &h.journal)
 	}
 }
+
+// changed is closed by the loop's next publish.
+func (h *Head) changed() <-chan struct{} { return h.journal.Load().done }
 
 // recordView is the API's view of the records: copies, by key, that
 // the loop publishes and readers share (see Head.view).
@@ -1274,31 +1294,40 @@ func (h *Head) statusOf(t *tracked, snap *router.Snapshot, now time.Time) Replic
 		s.PredictedFirstOutputSeconds, s.RTF = h.predictionOf(rep)
 		s.Addr = rep.Addr // the address traffic goes to, whatever a newer record says
 	}
-	switch {
-	case t.detached:
-		s.State = StateDetached
-	case t.refused != "":
-		s.State, s.Reason = StateUnhealthy, "refused: "+t.refused
-	case !ok:
-		s.State, s.Reason = StateUnhealthy, "joined; its Health probe has not answered SERVING yet"
-	case !rep.Healthy():
-		s.State, s.Reason = StateUnhealthy, "connection to the replica is failing"
-		s.InFlight = rep.InFlight()
-	case rep.Draining():
-		s.State, s.Reason = StateUnhealthy, "draining: it refused a request as it shuts down; not routed again"
-		s.InFlight = rep.InFlight()
-	case rep.Ejected():
-		s.State = StateUnhealthy
-		s.Reason = "ejected after repeated failed requests; routed again from " + rep.EjectedUntil().UTC().Format(time.RFC3339Nano)
-		s.InFlight = rep.InFlight()
-	case rep.SleepState() != stagepb.SleepState_SLEEP_STATE_AWAKE:
-		s.State = StateSleeping
-		s.InFlight = rep.InFlight()
-	default:
-		s.State = StateAttached
+	s.State, s.Reason = stateOf(t, rep, ok)
+	if ok && !t.detached && t.refused == "" {
 		s.InFlight = rep.InFlight()
 	}
 	return s
+}
+
+// rowState is a GET /v1/replicas row's state and, when unhealthy, why.
+type rowState struct {
+	state  ReplicaState
+	reason string
+}
+
+// stateOf is the state and reason of the row of the published record t,
+// rep its routed replica (ok false: none routed).
+func stateOf(t *tracked, rep *router.Replica, ok bool) (ReplicaState, string) {
+	switch {
+	case t.detached:
+		return StateDetached, ""
+	case t.refused != "":
+		return StateUnhealthy, "refused: " + t.refused
+	case !ok:
+		return StateUnhealthy, "joined; its Health probe has not answered SERVING yet"
+	case !rep.Healthy():
+		return StateUnhealthy, "connection to the replica is failing"
+	case rep.Draining():
+		return StateUnhealthy, "draining: it refused a request as it shuts down; not routed again"
+	case rep.Ejected():
+		return StateUnhealthy, "ejected after repeated failed requests; routed again from " + rep.EjectedUntil().UTC().Format(time.RFC3339Nano)
+	case rep.SleepState() != stagepb.SleepState_SLEEP_STATE_AWAKE:
+		return StateSleeping, ""
+	default:
+		return StateAttached, ""
+	}
 }
 
 // signalAges are a replica's latest load report and the ages of its load

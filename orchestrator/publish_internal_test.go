@@ -36,7 +36,7 @@ func TestPublishCopiesOnlyTheChangedRecord(t *testing.T) {
 
 	published := map[router.Key]*tracked{} // the copy readers got for each key
 	for i, k := range keys {
-		changed := *h.changed.Load()
+		changed := h.changed()
 		h.known[k] = &tracked{key: k, index: i}
 		h.publish(k)
 		select {
@@ -70,7 +70,7 @@ func TestPublishCopiesOnlyTheChangedRecord(t *testing.T) {
 	assert.Equal(t, len(keys), h.Known(), "Known counts the published records")
 
 	before := h.view.Load()
-	changed := *h.changed.Load()
+	changed := h.changed()
 	h.publish(router.Key{Stage: 0, Replica: 99}) // an event for a key the head never tracked
 	assert.Same(t, before, h.view.Load(), "nothing to copy")
 	select {
@@ -94,7 +94,7 @@ func TestBatchPublishesAtFlush(t *testing.T) {
 	})
 	require.NoError(t, err)
 	keys := []router.Key{{Stage: 0, Replica: 3}, {Stage: 0, Replica: 1}, {Stage: 1, Replica: 2}}
-	changed := *h.changed.Load()
+	changed := h.changed()
 	h.begin()
 	for i, k := range keys {
 		h.known[k] = &tracked{key: k, index: i}

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/troupe-serving/troupe/internal/core/router"
-	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
 // viewChange is one entry of the head's journal of publishes (Head.journal):
@@ -37,23 +36,12 @@ func (c *viewChange) append(keys []router.Key, tail *atomic.Pointer[viewChange])
 // leaves and records at once.
 const liveCheckInterval = time.Second
 
-// liveState is what of a routed replica's GET /v1/replicas row changes
-// without an input to the loop: its connection, a draining refusal, the
-// circuit breaker, its sleep.
-type liveState struct {
-	healthy, draining bool
-	ejectedUntil      time.Time
-	sleep             stagepb.SleepState
-}
-
-func liveOf(rep *router.Replica) liveState {
-	return liveState{healthy: rep.Healthy(), draining: rep.Draining(), ejectedUntil: rep.EjectedUntil(), sleep: rep.SleepState()}
-}
-
-// checkLive publishes the routed replicas whose liveState changed since
-// it last looked, so that watches, which follow the loop's publishes
-// only, see them. The loop's goroutine only, within a batch. O(N) map
-// lookups and atomic loads, once a second whatever the watches.
+// checkLive publishes the routed replicas whose row state (stateOf)
+// changed since it last looked: a failing connection, a draining
+// refusal, the breaker, sleep change it without an input to the loop,
+// and watches follow the loop's publishes only. The loop's goroutine
+// only, within a batch. O(N) map lookups and atomic loads, once a second
+// whatever the watches.
 func (h *Head) checkLive() {
 	snap := h.router.Snapshot()
 	for stage := range h.cfg.Pipeline.Stages {
@@ -62,8 +50,8 @@ func (h *Head) checkLive() {
 			if t == nil || !t.routed {
 				continue
 			}
-			if live := liveOf(rep); live != t.live {
-				t.live = live
+			if state, reason := stateOf(t, rep, true); state != t.live.state || reason != t.live.reason {
+				t.live = rowState{state, reason}
 				h.publish(t.key)
 			}
 		}

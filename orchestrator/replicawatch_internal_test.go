@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -44,7 +45,7 @@ func routedHead(tb testing.TB, n int) (*Head, []*router.Replica) {
 		rep, err := h.router.Dial(router.ReplicaSpec{Key: key, StageName: "thinker", EngineIndex: i, Addr: fmt.Sprintf("127.0.0.1:%d", 1+i%1000)})
 		require.NoError(tb, err)
 		require.NoError(tb, h.router.Add(rep))
-		h.known[key] = &tracked{key: key, index: i, routed: true, live: liveOf(rep)}
+		h.known[key] = &tracked{key: key, index: i, routed: true, live: rowState{state: StateAttached}}
 		h.publish(key)
 		reps[i] = rep
 	}
@@ -73,7 +74,7 @@ func TestCheckLivePublishesChangedStates(t *testing.T) {
 	assert.Equal(t, []router.Key{reps[7].Key, reps[20].Key}, entry.keys)
 	got, ok := h.lookup(reps[7].Key)
 	require.True(t, ok)
-	assert.True(t, got.live.draining, "the view holds the state the check saw")
+	assert.True(t, strings.HasPrefix(got.live.reason, "draining:"), "the view holds the state the check saw")
 	next := h.journal.Load()
 	check()
 	assert.Same(t, next, h.journal.Load(), "a state is published once")
