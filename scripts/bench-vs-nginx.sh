@@ -152,7 +152,8 @@ for mode in $MODES; do
 	non-stream) flag="" ;;
 	stream) flag=-stream ;;
 	audio) flag=-audio ;;
-	*) echo "unknown mode $mode (non-stream, stream, audio)" >&2; exit 2 ;;
+	stream-audio) flag="-stream -audio" ;;
+	*) echo "unknown mode $mode (non-stream, stream, audio, stream-audio)" >&2; exit 2 ;;
 	esac
 	for r in $(seq "$ROUNDS"); do
 		"$tmp/vsnginx" load -target nginx -url "http://$nginx_addr" -c "$C" -d "$DURATION" -pids "$workers" $flag | tee -a "$tmp/runs.jsonl" >&2

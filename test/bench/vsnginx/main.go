@@ -23,6 +23,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -159,7 +160,7 @@ func load(args []string) error {
 	dur := fs.Duration("d", 10*time.Second, "duration of the measured run")
 	warm := fs.Duration("warmup", time.Second, "unmeasured load before the run")
 	stream := fs.Bool("stream", false, "ask for a streamed (SSE) answer")
-	audio := fs.Bool("audio", false, "ask for text and a WAV (every stage of the pipeline), not streamed")
+	audio := fs.Bool("audio", false, "ask for text and audio (every stage of the pipeline): a WAV, or with -stream pcm16 chunks")
 	pidList := fs.String("pids", "", "comma-separated pids of the proxy's processes whose CPU is counted")
 	_ = fs.Parse(args)
 	var pids []int
@@ -173,15 +174,16 @@ func load(args []string) error {
 		}
 		pids = append(pids, n)
 	}
-	if *stream && *audio {
-		return errors.New("vsnginx: -stream and -audio exclude each other")
-	}
 	reqBody := map[string]any{
 		"model": *model, "max_tokens": 16, "ignore_eos": true, "stream": *stream,
 		"messages": []map[string]string{{"role": "user", "content": "tell me a story about a fox"}},
 	}
 	mode := "non-stream"
 	switch {
+	case *stream && *audio:
+		mode = "stream-audio"
+		reqBody["modalities"] = []string{"text", "audio"}
+		reqBody["audio"] = map[string]string{"format": "pcm16"}
 	case *stream:
 		mode = "stream"
 	case *audio:
@@ -294,6 +296,9 @@ func check(r io.Reader, stream, audio bool) error {
 		}
 		return nil
 	}
+	if audio {
+		return checkStreamedAudio(r)
+	}
 	deltas := 0
 	done, err := bench.ReadDeltas(r, func(string) { deltas++ })
 	if err != nil {
@@ -339,3 +344,46 @@ func pct(s []time.Duration, p int) time.Duration {
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// checkStreamedAudio reads a streamed answer with audio and verifies it
+// brought audio data and a transcript before [DONE].
+func checkStreamedAudio(r io.Reader) error {
+	var audioBytes, transcript int
+	done := false
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 16<<20)
+	for sc.Scan() {
+		data, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
+		if !ok {
+			continue
+		}
+		if string(data) == "[DONE]" {
+			done = true
+			continue
+		}
+		var ev struct {
+			Choices []struct {
+				Delta struct {
+					Audio *struct {
+						Data       string `json:"data"`
+						Transcript string `json:"transcript"`
+					} `json:"audio"`
+				} `json:"delta"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal(data, &ev); err != nil {
+			return fmt.Errorf("vsnginx: %w", err)
+		}
+		if len(ev.Choices) > 0 && ev.Choices[0].Delta.Audio != nil {
+			audioBytes += len(ev.Choices[0].Delta.Audio.Data)
+			transcript += len(ev.Choices[0].Delta.Audio.Transcript)
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return fmt.Errorf("vsnginx: %w", err)
+	}
+	if !done || audioBytes == 0 || transcript == 0 {
+		return fmt.Errorf("vsnginx: streamed audio ended without audio (%d), transcript (%d) or [DONE]", audioBytes, transcript)
+	}
+	return nil
+}
