@@ -2,13 +2,18 @@ package httpapi
 
 import (
 	"encoding/json"
+	"fmt"
+	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"pgregory.net/rapid"
+
+	"github.com/troupe-serving/troupe/orchestrator/orchestratortest"
 )
 
 // presence records whether a field is set (the reference decoder's).
@@ -78,7 +83,9 @@ func TestIgnoredFieldsMatchesDecoding(t *testing.T) {
 	rapid.Check(t, func(t *rapid.T) {
 		var b strings.Builder
 		b.WriteString("{")
-		n := rapid.IntRange(0, 8).Draw(t, "fields")
+		// Past 32 fields ignoredFields dedupes through a set: both ways
+		// are drawn.
+		n := rapid.IntRange(0, 80).Draw(t, "fields")
 		for i := range n {
 			if i > 0 {
 				b.WriteString(rapid.SampledFrom([]string{",", " ,", ",\n "}).Draw(t, "comma"))
@@ -102,6 +109,103 @@ func TestIgnoredFieldsMatchesDecoding(t *testing.T) {
 			t.Fatalf("%s: walking finds %q, decoding %q", body, got, want)
 		}
 	})
+}
+
+// unknownFields is a JSON object of known, then n unknown top-level
+// fields (u0000000, u0000001, ...), then the first unknown one again as
+// null, so it counts as unset, and the sorted names it reports.
+func unknownFields(known string, n int) (body []byte, ignored []string) {
+	var b strings.Builder
+	b.Grow(len(known) + 14*n)
+	b.WriteString("{")
+	b.WriteString(known)
+	for i := range n {
+		fmt.Fprintf(&b, `,"u%07d":%d`, i, i)
+		if i > 0 {
+			ignored = append(ignored, fmt.Sprintf("u%07d", i))
+		}
+	}
+	b.WriteString(`,"u0000000":null}`)
+	return []byte(b.String()), ignored
+}
+
+// TestManyUnknownFields: a body of 300,000 unknown top-level fields
+// (5.3 MB) is answered as a small one is, each field reported in the
+// header once, the repeated one by its last occurrence. The walk compared
+// every field with every later one: such a body took minutes.
+func TestManyUnknownFields(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Pipeline: textPipeline()})
+	a := startAPI(t, c, Config{}, nil, nil)
+	const n = 300_000
+	for _, tc := range []struct{ path, known, object string }{
+		{"/v1/chat/completions", `"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":2`, `"chat.completion"`},
+		{"/v1/completions", `"model":"troupe-omni-sim","prompt":"hi","max_tokens":2`, `"text_completion"`},
+	} {
+		t.Run(strings.TrimPrefix(tc.path, "/v1/"), func(t *testing.T) {
+			body, want := unknownFields(tc.known, n)
+			require.Len(t, want, n-1)
+			resp, answer := a.post(t, tc.path, string(body))
+			require.Equal(t, http.StatusOK, resp.StatusCode, "%.300s", answer)
+			assert.Contains(t, string(answer), `"object":`+tc.object)
+			got := strings.Split(resp.Header.Get(ignoredHeader), ", ")
+			require.Len(t, got, n-1, "every set unknown field is reported once")
+			assert.Equal(t, want, got)
+		})
+	}
+}
+
+// TestIgnoredFieldsManyRepeats: past the pairwise comparison's few
+// fields, a repeated key still counts by its last occurrence.
+func TestIgnoredFieldsManyRepeats(t *testing.T) {
+	var b strings.Builder
+	b.WriteString(`{"model":"m"`)
+	for i := range 100 {
+		v := "null"
+		if i%3 == 0 {
+			v = strconv.Itoa(i)
+		}
+		fmt.Fprintf(&b, `,"k%d":%s`, i%10, v) // k0..k9, ten times each
+	}
+	b.WriteString(`,"model":1}`)
+	body := []byte(b.String())
+	// The last occurrence of kj is i = 90+j: set when i is a multiple of 3.
+	assert.Equal(t, []string{"k0", "k3", "k6", "k9"}, ignoredFields(body, []string{"model"}))
+	assert.Equal(t, ignoredFieldsByDecoding(body, []string{"model"}), ignoredFields(body, []string{"model"}))
+}
+
+// BenchmarkManyUnknownFields is the cost of a chat body of n unknown
+// top-level fields, per field: flat from 1,000 to 1,000,000 fields when
+// the cost is linear in the body's size. ignored is the walk alone,
+// parse the whole parse (encoding/json's decoding, then the walk).
+//
+//	go test -run '^$' -bench ManyUnknownFields -benchtime 3x ./internal/front/httpapi/
+func BenchmarkManyUnknownFields(b *testing.B) {
+	const known = `"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":2`
+	for _, n := range []int{1_000, 10_000, 100_000, 1_000_000} {
+		body, want := unknownFields(known, n)
+		perField := func(b *testing.B) {
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(n+1), "ns/field")
+		}
+		b.Run("ignored/fields="+strconv.Itoa(n), func(b *testing.B) {
+			b.SetBytes(int64(len(body)))
+			for b.Loop() {
+				if got := ignoredFields(body, chatFields); len(got) != len(want) {
+					b.Fatalf("%d ignored, want %d", len(got), len(want))
+				}
+			}
+			perField(b)
+		})
+		b.Run("parse/fields="+strconv.Itoa(n), func(b *testing.B) {
+			b.SetBytes(int64(len(body)))
+			for b.Loop() {
+				j, e := parseChatLimited(body, model, newPartBudget(0, 0))
+				if e != nil || len(j.ignored) != len(want) {
+					b.Fatalf("%v: %d ignored, want %d", e, len(j.ignored), len(want))
+				}
+			}
+			perField(b)
+		})
+	}
 }
 
 // BenchmarkIgnoredFields is the check every chat request pays.

@@ -285,7 +285,10 @@ type rtSessionConn struct {
 	voice         string
 	turnDetection *rtTurnDetection // nil: none
 	items         []*historyItem
-	turn          *rtTurn // the running response; nil when none
+	// byID is the last item of each id in items, so that an event naming
+	// an item finds it without a walk of the whole conversation.
+	byID map[string]*historyItem
+	turn *rtTurn // the running response; nil when none
 	// lastDone is closed when the latest response has sent its last
 	// event: the next one waits for it, so responses never interleave.
 	lastDone  chan struct{}
@@ -648,6 +651,10 @@ func (c *rtSessionConn) appendItem(h *historyItem) *string {
 	defer c.mu.Unlock()
 	prev := c.lastItemIDLocked()
 	c.items = append(c.items, h)
+	if c.byID == nil {
+		c.byID = map[string]*historyItem{}
+	}
+	c.byID[h.id] = h
 	return prev
 }
 
@@ -666,12 +673,7 @@ func (c *rtSessionConn) itemTruncate(ctx context.Context, ev *clientEvent) {
 		return
 	}
 	c.mu.Lock()
-	var h *historyItem
-	for _, it := range c.items {
-		if it.id == ev.ItemID {
-			h = it
-		}
-	}
+	h := c.byID[ev.ItemID]
 	running := c.turn != nil && c.turn.item == h
 	if h == nil || h.role != "assistant" || running || *ev.AudioEndMs > h.audioMs {
 		c.mu.Unlock()

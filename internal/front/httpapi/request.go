@@ -267,13 +267,26 @@ func ignoredFields(body []byte, used []string) []string {
 			i++
 		}
 	}
+	// A repeated key counts by its last occurrence, as in encoding/json:
+	// walk backwards and skip keys already seen. The few fields of a usual
+	// request are compared pairwise (no allocation); more go through a
+	// set, so a body of many fields costs time linear in its size.
+	var seen map[string]struct{}
+	if len(fields) > len(buf) {
+		seen = make(map[string]struct{}, len(fields))
+	}
 	var out []string
-	for n, f := range fields {
-		if !f.set || slices.ContainsFunc(used, func(u string) bool { return u == string(f.key) }) {
+	for n := len(fields) - 1; n >= 0; n-- {
+		f := fields[n]
+		if seen != nil {
+			if _, dup := seen[string(f.key)]; dup {
+				continue
+			}
+			seen[string(f.key)] = struct{}{}
+		} else if slices.ContainsFunc(fields[n+1:], func(g field) bool { return bytes.Equal(g.key, f.key) }) {
 			continue
 		}
-		// A repeated key counts by its last occurrence, as in encoding/json.
-		if slices.ContainsFunc(fields[n+1:], func(g field) bool { return bytes.Equal(g.key, f.key) }) {
+		if !f.set || slices.ContainsFunc(used, func(u string) bool { return u == string(f.key) }) {
 			continue
 		}
 		out = append(out, string(f.key))
