@@ -440,19 +440,9 @@ func (h *Head) startAttemptSpan(ctx context.Context, a *attemptRun) context.Cont
 }
 
 // replicaAlive is when the attempt's replica last showed this head that
-// it works, on any of its requests: the latest frame its Multiplex stream
-// brought (read by the head at once, whoever reads the call), or the
-// latest load report in a chunk an attempt took (every chunk carries
-// one), by when it arrived, not by its measurement's age.
-func (a *attemptRun) replicaAlive() time.Time {
-	at := a.rep.HeardAt()
-	if m := a.rep.Mux; m != nil {
-		if f := m.LastFrame(); f.After(at) {
-			at = f
-		}
-	}
-	return at
-}
+// it works, on any of its requests: the latest load report in a chunk an
+// attempt took (every chunk carries one), by when it arrived.
+func (a *attemptRun) replicaAlive() time.Time { return a.rep.HeardAt() }
 
 // sampling is what the attempt reports of its sampling parameters (span
 // attributes, stats): its request's, or for a stage fed by the stage
@@ -650,18 +640,8 @@ func (h *Head) open(ctx context.Context, a *attemptRun, stall *stallWatch) (stre
 	return h.openGenerate(ctx, a.rep, a.in)
 }
 
-// openGenerate starts req on rep: over the replica's Multiplex stream,
-// carrying its deadline and, from a tracing head, its trace context; as a
-// Generate RPC of its own only to an older worker, which does not serve
-// Multiplex.
+// openGenerate starts req on rep as a Generate call.
 func (h *Head) openGenerate(ctx context.Context, rep *router.Replica, req *stagepb.GenerateRequest) (chunkStream, func(), error) {
-	if rep.Engine.Multiplex {
-		call, err := rep.Mux.Generate(ctx, req, h.callTracer, h.callOptions()...)
-		if err != nil {
-			return nil, func() {}, err
-		}
-		return call, call.Close, nil
-	}
 	stream, err := rep.Client.Generate(ctx, req, h.callOptions()...)
 	return stream, func() {}, err
 }
@@ -679,8 +659,8 @@ func readFrom(ctx context.Context, stream chunkStream, wait func(), flush func()
 		return stream.Recv, wait
 	}
 	ra := startReadAhead(ctx, stream)
-	// The read-ahead's Recv ends first: a Multiplex call is closed (wait)
-	// only once nothing reads it.
+	// The read-ahead's Recv ends first: the call's wait runs only once
+	// nothing reads it.
 	return func() (*stagepb.GenerateChunk, error) { return ra.next(ctx, flush) },
 		func() { <-ra.done; wait() }
 }

@@ -52,7 +52,6 @@ func BenchmarkTracing(b *testing.B) {
 			c := orchestratortest.Start(b, orchestratortest.Options{
 				Pipeline:            thinkerOnly,
 				HeadTracer:          headTP,
-				WorkerTracer:        workerTP,
 				HeadDialOptions:     []grpc.DialOption{grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelgrpc.WithTracerProvider(headTP), otelgrpc.WithPropagators(prop)))},
 				WorkerServerOptions: []grpc.ServerOption{grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(workerTP), otelgrpc.WithPropagators(prop)))},
 			})

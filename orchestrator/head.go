@@ -94,9 +94,8 @@ type Config struct {
 	Metrics         prometheus.Registerer
 	Dial            Dialer // required
 	// TracerProvider makes the head's spans, whose context goes to the
-	// workers with each call: in the call's Multiplex frame, or through
-	// the dialer's stats handler for a worker that does not serve
-	// Multiplex. nil: no spans, and calls carry no trace context.
+	// workers with each call through the dialer's stats handler. nil: no
+	// spans, and calls carry no trace context.
 	TracerProvider trace.TracerProvider
 	Logger         *slog.Logger
 	// Tokenizers, by engine name as Health reports it, let prefix_aware
@@ -131,9 +130,6 @@ type Head struct {
 	pipeline *stats.Pipeline
 	router   *router.Router
 	tracer   trace.Tracer
-	// callTracer makes the client span of a call over Multiplex and
-	// sends its context with it; nil: no trace goes to workers.
-	callTracer trace.Tracer
 	// decisions[stage][reason] are the pre-bound children of
 	// troupe_router_decisions_total; nil where the stage's configuration
 	// never gives that reason (decisionVec makes them if it ever does).
@@ -242,7 +238,7 @@ type joinTimes struct {
 
 // New builds a head. It starts nothing; call Run.
 func New(cli *clientv3.Client, cfg Config) (*Head, error) {
-	cfg, callTracer, err := withDefaults(cfg)
+	cfg, err := withDefaults(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -261,7 +257,6 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 		stats:       st,
 		router:      router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker)),
 		tracer:      cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
-		callTracer:  callTracer,
 		known:       map[router.Key]*tracked{},
 		firstProbes: make(chan struct{}, maxFirstProbes),
 		subs:        map[router.Key]*cacheSub{},
@@ -294,11 +289,10 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	return h, nil
 }
 
-// withDefaults checks cfg and fills in its defaults. callTracer makes the
-// client spans of Multiplex calls; nil when no tracer provider was given.
-func withDefaults(cfg Config) (_ Config, callTracer trace.Tracer, _ error) {
+// withDefaults checks cfg and fills in its defaults.
+func withDefaults(cfg Config) (Config, error) {
 	if err := cfg.Pipeline.Validate(); err != nil {
-		return cfg, nil, err
+		return cfg, err
 	}
 	if cfg.Cluster == "" {
 		cfg.Cluster = membership.DefaultCluster
@@ -321,19 +315,17 @@ func withDefaults(cfg Config) (_ Config, callTracer trace.Tracer, _ error) {
 	cfg.Autoscale = cfg.Autoscale.withDefaults()
 	if cfg.TracerProvider == nil {
 		cfg.TracerProvider = noop.NewTracerProvider()
-	} else {
-		callTracer = cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/pkg/stagemux")
 	}
 	if cfg.Metrics == nil {
-		return cfg, nil, errors.New("orchestrator: a metrics registerer is required")
+		return cfg, errors.New("orchestrator: a metrics registerer is required")
 	}
 	if cfg.Dial == nil {
-		return cfg, nil, errors.New("orchestrator: a dialer is required")
+		return cfg, errors.New("orchestrator: a dialer is required")
 	}
 	if err := cfg.Pipeline.ValidateRouting(cfg.Policy); err != nil {
-		return cfg, nil, err
+		return cfg, err
 	}
-	return cfg, callTracer, nil
+	return cfg, nil
 }
 
 // stageRouting is each stage's routing: its policy and session affinity.
@@ -919,7 +911,7 @@ func (h *Head) attach(pr probeResult) {
 		setLoad(pr.rep, g)
 	}
 	cache := pr.health.GetCacheConfig()
-	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents(), Multiplex: pr.health.GetMultiplex(),
+	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents(),
 		ContinuesChat: pr.health.GetContinuesChat(), RoutedSubscription: pr.health.GetRoutedSubscription(),
 		InputParts: pr.health.GetInputParts(), InputPartURLs: pr.health.GetInputPartUrls(), InputRole: pr.health.EffectiveInputRole()}
 	if err := h.router.Add(pr.rep); err != nil {

@@ -123,12 +123,12 @@ func TestTalkerCodesComePerVocoderSegment(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	// GenerateStream: the talker and the vocoder (held: one message or
-	// two); Multiplex: the thinker, whose text only the talker reads, a
+	// two); Generate: the thinker, whose text only the talker reads, a
 	// talker segment (8 words) at a time.
 	assert.LessOrEqual(t, counts["GenerateStream"], len(res.Codes)/10+1+2, "codes come a segment (10) at a time: %v", counts)
 	words := len(strings.Fields(res.Text))
 	require.Greater(t, words, 8, "enough words for two segments")
-	assert.LessOrEqual(t, counts["Multiplex"], words/stagepb.DefaultSegmentWords+2, "text comes a segment at a time, not a message per token (%d): %v", res.CompletionTokens, counts)
+	assert.LessOrEqual(t, counts["Generate"], words/stagepb.DefaultSegmentWords+2, "text comes a segment at a time, not a message per token (%d): %v", res.CompletionTokens, counts)
 }
 
 // A client that streams the answer reads the thinker's text as it is
@@ -145,6 +145,6 @@ func TestStreamedTextIsNotGathered(t *testing.T) {
 	require.Equal(t, 16, res.CompletionTokens)
 	mu.Lock()
 	defer mu.Unlock()
-	assert.Equal(t, 16, counts["Multiplex"], "the thinker's text, an output chunk at a time")
+	assert.Equal(t, 16, counts["Generate"], "the thinker's text, an output chunk at a time")
 	assert.Equal(t, 16, deltas)
 }

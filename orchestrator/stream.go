@@ -403,8 +403,7 @@ func (h *Head) header(sr *stageRun, role string, units uint32, p piece) *stagepb
 //     carries at most a window per round trip, 64 MiB/s at a LAN's 1 ms and
 //     1.3 MiB/s at 50 ms, against 48 KB/s of 24 kHz PCM16 audio and far less
 //     text or codes. The head holds at most this much received and unread
-//     per stream (GenerateStream of a fed stage; a replica's Multiplex
-//     stream, which the head reads at once, see pkg/stagemux).
+//     per stream.
 //   - ConnWindow, 4 MiB: what all the streams of one connection carry per
 //     round trip (4 GiB/s at 1 ms, 80 MiB/s at 50 ms: 1,700 audio streams).
 //     gRPC gives it back as data arrives, not as it is read, so it holds

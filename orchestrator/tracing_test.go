@@ -27,8 +27,7 @@ import (
 
 // tracedCluster starts a cluster whose head samples everything and whose
 // workers follow the head, both recording into one SpanRecorder, with the
-// otelgrpc stats handlers on both sides of every hop (and Multiplex's
-// spans made as they make them).
+// otelgrpc stats handlers on both sides of every hop.
 func tracedCluster(t *testing.T, opts orchestratortest.Options) (*orchestratortest.Cluster, *tracetest.SpanRecorder) {
 	rec := tracetest.NewSpanRecorder()
 	headTP := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()), sdktrace.WithSpanProcessor(rec))
@@ -39,7 +38,6 @@ func tracedCluster(t *testing.T, opts orchestratortest.Options) (*orchestratorte
 	})
 	prop := propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
 	opts.HeadTracer = headTP
-	opts.WorkerTracer = workerTP
 	opts.HeadDialOptions = []grpc.DialOption{grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelgrpc.WithTracerProvider(headTP), otelgrpc.WithPropagators(prop)))}
 	opts.WorkerServerOptions = []grpc.ServerOption{grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(workerTP), otelgrpc.WithPropagators(prop)))}
 	return orchestratortest.Start(t, opts), rec

@@ -76,7 +76,6 @@ for target in \
   "FuzzEncodeWAV ./internal/front/httpapi 30000x" \
   "FuzzDecodeMember ./membership 200000x" \
   "FuzzParsePipeline ./orchestrator 40000x" \
-  "FuzzMuxFrameReader ./pkg/stagemux 60000x" \
   "FuzzSimMatchesReference ./pkg/tokenizers 60000x"; do
   set -- $target
   budget=${FUZZTIME:-$3}

@@ -40,7 +40,6 @@ import (
 
 	"github.com/troupe-serving/troupe/membership"
 	"github.com/troupe-serving/troupe/pkg/clusterauth"
-	"github.com/troupe-serving/troupe/pkg/stagemux"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
@@ -137,11 +136,6 @@ type Config struct {
 	// ServerOptions are added after the Server's own (so they win): the
 	// hook for interceptors and stats handlers, e.g. otelgrpc's.
 	ServerOptions []grpc.ServerOption
-	// TracerProvider makes the server span of each call that comes over
-	// Multiplex (otelgrpc, in ServerOptions, makes those of the others:
-	// give both the same provider). nil: such calls get no span, and the
-	// trace context they carry still parents the engine's phases.
-	TracerProvider trace.TracerProvider
 	// LoadInterval is the least time between two load reports of a
 	// SubscribeLoad stream (default DefaultLoadInterval).
 	LoadInterval time.Duration
@@ -725,12 +719,6 @@ func (svc *service) Generate(req *stagepb.GenerateRequest, stream grpc.ServerStr
 	return toStatus(err)
 }
 
-// Multiplex implements StageService: Generate calls over one stream (see
-// stagemux.Serve). A stopping worker ends it once no call runs.
-func (svc *service) Multiplex(stream grpc.BidiStreamingServer[stagepb.MuxFrame, stagepb.MuxFrame]) error {
-	return stagemux.Serve(stream, svc.Generate, svc.s.idle, svc.s.cfg.TracerProvider)
-}
-
 // checkInput refuses an input kind the engine cannot take (see
 // InputRole).
 func (s *Server) checkInput(req *stagepb.GenerateRequest) error {
@@ -806,7 +794,6 @@ func (svc *service) Health(context.Context, *stagepb.HealthRequest) (*stagepb.He
 	s := svc.s
 	h := s.cfg.Engine.Health()
 	h.Stage = s.cfg.Stage
-	h.Multiplex = true
 	_, h.CacheSubscription = s.cacheReporter(h)
 	h.LoadSubscription = true
 	h.RoutedSubscription = true

@@ -342,11 +342,6 @@ func TestClusterTokenOverGRPC(t *testing.T) {
 		_, errs["Health"] = cli.Health(ctx, &stagepb.HealthRequest{})
 		_, errs["Sleep"] = cli.Sleep(ctx, &stagepb.SleepRequest{Level: 2})
 		_, errs["WakeUp"] = cli.WakeUp(ctx, &stagepb.WakeUpRequest{})
-		mux, err := cli.Multiplex(ctx)
-		if err == nil {
-			_, err = mux.Recv()
-		}
-		errs["Multiplex"] = err
 		sub, err := cli.SubscribeCache(ctx, &stagepb.SubscribeCacheRequest{})
 		if err == nil {
 			_, err = sub.Recv()

@@ -363,7 +363,6 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 				otelgrpc.WithFilter(telemetry.TraceRPC),
 			)),
 		},
-		TracerProvider: tp.TracerProvider(),
 	})
 	if err != nil {
 		return err

@@ -39,10 +39,6 @@ type Options struct {
 	Sim              sim.Config          // base engine config; Role comes from the stage
 	LeaseTTL         time.Duration
 	HeadTracer       trace.TracerProvider
-	// WorkerTracer makes the workers' spans of calls over Multiplex
-	// (worker.Config.TracerProvider); give the same to the workers'
-	// otelgrpc handler in WorkerServerOptions for the others.
-	WorkerTracer trace.TracerProvider
 	// WorkerServerOptions are added to every worker's gRPC server.
 	WorkerServerOptions []grpc.ServerOption
 	// HeadDialOptions are added to the head's dialer (after insecure creds).
@@ -252,17 +248,16 @@ func (c *Cluster) startWorker(stage string, wo WorkerOptions) (*Worker, error) {
 	}
 	eng := sim.New(cfg)
 	wcfg := worker.Config{
-		Stage:          stage,
-		AutoID:         wo.ReplicaID == nil,
-		Listen:         wo.Listen,
-		LeaseTTL:       c.opts.LeaseTTL,
-		DrainTimeout:   10 * time.Second,
-		Engine:         worker.Engine(eng),
-		Version:        "test",
-		EtcdClient:     cli,
-		Logger:         c.opts.Logger,
-		ServerOptions:  c.opts.WorkerServerOptions,
-		TracerProvider: c.opts.WorkerTracer,
+		Stage:         stage,
+		AutoID:        wo.ReplicaID == nil,
+		Listen:        wo.Listen,
+		LeaseTTL:      c.opts.LeaseTTL,
+		DrainTimeout:  10 * time.Second,
+		Engine:        worker.Engine(eng),
+		Version:       "test",
+		EtcdClient:    cli,
+		Logger:        c.opts.Logger,
+		ServerOptions: c.opts.WorkerServerOptions,
 	}
 	if wo.Engine != nil {
 		wcfg.Engine = wo.Engine(eng)

@@ -266,171 +266,6 @@ func (*SubscribeLoadRequest) Descriptor() ([]byte, []int) {
 	return file_stage_proto_rawDescGZIP(), []int{1}
 }
 
-// MuxFrame is one message of a Multiplex stream, in either direction: from
-// the head, a request or a cancel; from the worker, a chunk, an end, or
-// both (the call's last chunk, then its end).
-type MuxFrame struct {
-	state   protoimpl.MessageState `protogen:"open.v1"`
-	Id      uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
-	Request *GenerateRequest       `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"` // head to worker: start call id
-	Cancel  bool                   `protobuf:"varint,3,opt,name=cancel,proto3" json:"cancel,omitempty"`  // head to worker: abort call id
-	Chunk   *GenerateChunk         `protobuf:"bytes,4,opt,name=chunk,proto3" json:"chunk,omitempty"`     // worker to head: a chunk of call id
-	End     *MuxEnd                `protobuf:"bytes,5,opt,name=end,proto3" json:"end,omitempty"`         // worker to head: call id ended; its last frame
-	// Head to worker, with request: the time left to the call, in
-	// microseconds, as gRPC's grpc-timeout header gives it; the worker ends
-	// the call with DeadlineExceeded past it. 0: no deadline.
-	TimeoutUs uint64 `protobuf:"varint,6,opt,name=timeout_us,json=timeoutUs,proto3" json:"timeout_us,omitempty"`
-	// Head to worker, with request: the call's trace context, as W3C
-	// propagation names it (traceparent, tracestate, baggage); empty when
-	// the head sends no trace to workers.
-	Metadata      map[string]string `protobuf:"bytes,7,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *MuxFrame) Reset() {
-	*x = MuxFrame{}
-	mi := &file_stage_proto_msgTypes[2]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *MuxFrame) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*MuxFrame) ProtoMessage() {}
-
-func (x *MuxFrame) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[2]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use MuxFrame.ProtoReflect.Descriptor instead.
-func (*MuxFrame) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{2}
-}
-
-func (x *MuxFrame) GetId() uint64 {
-	if x != nil {
-		return x.Id
-	}
-	return 0
-}
-
-func (x *MuxFrame) GetRequest() *GenerateRequest {
-	if x != nil {
-		return x.Request
-	}
-	return nil
-}
-
-func (x *MuxFrame) GetCancel() bool {
-	if x != nil {
-		return x.Cancel
-	}
-	return false
-}
-
-func (x *MuxFrame) GetChunk() *GenerateChunk {
-	if x != nil {
-		return x.Chunk
-	}
-	return nil
-}
-
-func (x *MuxFrame) GetEnd() *MuxEnd {
-	if x != nil {
-		return x.End
-	}
-	return nil
-}
-
-func (x *MuxFrame) GetTimeoutUs() uint64 {
-	if x != nil {
-		return x.TimeoutUs
-	}
-	return 0
-}
-
-func (x *MuxFrame) GetMetadata() map[string]string {
-	if x != nil {
-		return x.Metadata
-	}
-	return nil
-}
-
-// MuxEnd is how a Multiplex call ended: its gRPC status.
-type MuxEnd struct {
-	state   protoimpl.MessageState `protogen:"open.v1"`
-	Code    uint32                 `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"` // a google.rpc.Code; 0: OK
-	Message string                 `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
-	// The whole status (a google.rpc.Status) when it has details, such as the
-	// google.rpc.ErrorInfo of a refusal, encoded as gRPC's
-	// grpc-status-details-bin carries it; empty when it has none.
-	StatusDetails []byte `protobuf:"bytes,3,opt,name=status_details,json=statusDetails,proto3" json:"status_details,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *MuxEnd) Reset() {
-	*x = MuxEnd{}
-	mi := &file_stage_proto_msgTypes[3]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *MuxEnd) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*MuxEnd) ProtoMessage() {}
-
-func (x *MuxEnd) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[3]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use MuxEnd.ProtoReflect.Descriptor instead.
-func (*MuxEnd) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{3}
-}
-
-func (x *MuxEnd) GetCode() uint32 {
-	if x != nil {
-		return x.Code
-	}
-	return 0
-}
-
-func (x *MuxEnd) GetMessage() string {
-	if x != nil {
-		return x.Message
-	}
-	return ""
-}
-
-func (x *MuxEnd) GetStatusDetails() []byte {
-	if x != nil {
-		return x.StatusDetails
-	}
-	return nil
-}
-
 type SamplingParams struct {
 	state       protoimpl.MessageState `protogen:"open.v1"`
 	MaxTokens   uint32                 `protobuf:"varint,1,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"` // 0: engine default
@@ -462,7 +297,7 @@ type SamplingParams struct {
 
 func (x *SamplingParams) Reset() {
 	*x = SamplingParams{}
-	mi := &file_stage_proto_msgTypes[4]
+	mi := &file_stage_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -474,7 +309,7 @@ func (x *SamplingParams) String() string {
 func (*SamplingParams) ProtoMessage() {}
 
 func (x *SamplingParams) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[4]
+	mi := &file_stage_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -487,7 +322,7 @@ func (x *SamplingParams) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SamplingParams.ProtoReflect.Descriptor instead.
 func (*SamplingParams) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{4}
+	return file_stage_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *SamplingParams) GetMaxTokens() uint32 {
@@ -597,7 +432,7 @@ type TokenIds struct {
 
 func (x *TokenIds) Reset() {
 	*x = TokenIds{}
-	mi := &file_stage_proto_msgTypes[5]
+	mi := &file_stage_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -609,7 +444,7 @@ func (x *TokenIds) String() string {
 func (*TokenIds) ProtoMessage() {}
 
 func (x *TokenIds) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[5]
+	mi := &file_stage_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -622,7 +457,7 @@ func (x *TokenIds) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenIds.ProtoReflect.Descriptor instead.
 func (*TokenIds) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{5}
+	return file_stage_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *TokenIds) GetIds() []uint32 {
@@ -641,7 +476,7 @@ type Codes struct {
 
 func (x *Codes) Reset() {
 	*x = Codes{}
-	mi := &file_stage_proto_msgTypes[6]
+	mi := &file_stage_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -653,7 +488,7 @@ func (x *Codes) String() string {
 func (*Codes) ProtoMessage() {}
 
 func (x *Codes) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[6]
+	mi := &file_stage_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -666,7 +501,7 @@ func (x *Codes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Codes.ProtoReflect.Descriptor instead.
 func (*Codes) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{6}
+	return file_stage_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Codes) GetCodes() []uint32 {
@@ -693,7 +528,7 @@ type ChatMessage struct {
 
 func (x *ChatMessage) Reset() {
 	*x = ChatMessage{}
-	mi := &file_stage_proto_msgTypes[7]
+	mi := &file_stage_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -705,7 +540,7 @@ func (x *ChatMessage) String() string {
 func (*ChatMessage) ProtoMessage() {}
 
 func (x *ChatMessage) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[7]
+	mi := &file_stage_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -718,7 +553,7 @@ func (x *ChatMessage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessage.ProtoReflect.Descriptor instead.
 func (*ChatMessage) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{7}
+	return file_stage_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ChatMessage) GetRole() string {
@@ -754,7 +589,7 @@ type Chat struct {
 
 func (x *Chat) Reset() {
 	*x = Chat{}
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -766,7 +601,7 @@ func (x *Chat) String() string {
 func (*Chat) ProtoMessage() {}
 
 func (x *Chat) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -779,7 +614,7 @@ func (x *Chat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Chat.ProtoReflect.Descriptor instead.
 func (*Chat) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{8}
+	return file_stage_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Chat) GetMessages() []*ChatMessage {
@@ -852,7 +687,7 @@ type GenerateRequest struct {
 
 func (x *GenerateRequest) Reset() {
 	*x = GenerateRequest{}
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -864,7 +699,7 @@ func (x *GenerateRequest) String() string {
 func (*GenerateRequest) ProtoMessage() {}
 
 func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -877,7 +712,7 @@ func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateRequest.ProtoReflect.Descriptor instead.
 func (*GenerateRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{9}
+	return file_stage_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *GenerateRequest) GetRequestId() string {
@@ -1036,7 +871,7 @@ type StreamInput struct {
 
 func (x *StreamInput) Reset() {
 	*x = StreamInput{}
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1048,7 +883,7 @@ func (x *StreamInput) String() string {
 func (*StreamInput) ProtoMessage() {}
 
 func (x *StreamInput) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1061,7 +896,7 @@ func (x *StreamInput) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamInput.ProtoReflect.Descriptor instead.
 func (*StreamInput) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{10}
+	return file_stage_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *StreamInput) GetRequest() *GenerateRequest {
@@ -1136,7 +971,7 @@ type EngineStats struct {
 
 func (x *EngineStats) Reset() {
 	*x = EngineStats{}
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1148,7 +983,7 @@ func (x *EngineStats) String() string {
 func (*EngineStats) ProtoMessage() {}
 
 func (x *EngineStats) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1161,7 +996,7 @@ func (x *EngineStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineStats.ProtoReflect.Descriptor instead.
 func (*EngineStats) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{11}
+	return file_stage_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *EngineStats) GetPromptTokens() uint64 {
@@ -1356,7 +1191,7 @@ type KvEvents struct {
 
 func (x *KvEvents) Reset() {
 	*x = KvEvents{}
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1368,7 +1203,7 @@ func (x *KvEvents) String() string {
 func (*KvEvents) ProtoMessage() {}
 
 func (x *KvEvents) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1381,7 +1216,7 @@ func (x *KvEvents) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvEvents.ProtoReflect.Descriptor instead.
 func (*KvEvents) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{12}
+	return file_stage_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *KvEvents) GetSeq() uint64 {
@@ -1438,7 +1273,7 @@ type Timings struct {
 
 func (x *Timings) Reset() {
 	*x = Timings{}
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1450,7 +1285,7 @@ func (x *Timings) String() string {
 func (*Timings) ProtoMessage() {}
 
 func (x *Timings) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1463,7 +1298,7 @@ func (x *Timings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Timings.ProtoReflect.Descriptor instead.
 func (*Timings) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{13}
+	return file_stage_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Timings) GetQueueSeconds() float64 {
@@ -1510,7 +1345,7 @@ type GenerateChunk struct {
 
 func (x *GenerateChunk) Reset() {
 	*x = GenerateChunk{}
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1522,7 +1357,7 @@ func (x *GenerateChunk) String() string {
 func (*GenerateChunk) ProtoMessage() {}
 
 func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1535,7 +1370,7 @@ func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateChunk.ProtoReflect.Descriptor instead.
 func (*GenerateChunk) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{14}
+	return file_stage_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *GenerateChunk) GetText() string {
@@ -1616,7 +1451,7 @@ type HealthRequest struct {
 
 func (x *HealthRequest) Reset() {
 	*x = HealthRequest{}
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1628,7 +1463,7 @@ func (x *HealthRequest) String() string {
 func (*HealthRequest) ProtoMessage() {}
 
 func (x *HealthRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1641,7 +1476,7 @@ func (x *HealthRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthRequest.ProtoReflect.Descriptor instead.
 func (*HealthRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{15}
+	return file_stage_proto_rawDescGZIP(), []int{13}
 }
 
 type CacheConfig struct {
@@ -1657,7 +1492,7 @@ type CacheConfig struct {
 
 func (x *CacheConfig) Reset() {
 	*x = CacheConfig{}
-	mi := &file_stage_proto_msgTypes[16]
+	mi := &file_stage_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1669,7 +1504,7 @@ func (x *CacheConfig) String() string {
 func (*CacheConfig) ProtoMessage() {}
 
 func (x *CacheConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[16]
+	mi := &file_stage_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1682,7 +1517,7 @@ func (x *CacheConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CacheConfig.ProtoReflect.Descriptor instead.
 func (*CacheConfig) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{16}
+	return file_stage_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *CacheConfig) GetBlockSize() uint32 {
@@ -1739,9 +1574,6 @@ type HealthResponse struct {
 	// membership record whose stage differs: the record points at another
 	// stage's worker. Empty (older workers): not checked.
 	Stage string `protobuf:"bytes,10,opt,name=stage,proto3" json:"stage,omitempty"`
-	// multiplex: the worker serves Multiplex. False (older workers): the
-	// head sends every call as its own Generate.
-	Multiplex bool `protobuf:"varint,11,opt,name=multiplex,proto3" json:"multiplex,omitempty"`
 	// continues_chat: the engine continues an answer (GenerateRequest.
 	// continuation) of a chat input, so the head may migrate a chat answer
 	// to it. Text input is continued by every text engine (the continuation
@@ -1785,7 +1617,7 @@ type HealthResponse struct {
 
 func (x *HealthResponse) Reset() {
 	*x = HealthResponse{}
-	mi := &file_stage_proto_msgTypes[17]
+	mi := &file_stage_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1797,7 +1629,7 @@ func (x *HealthResponse) String() string {
 func (*HealthResponse) ProtoMessage() {}
 
 func (x *HealthResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[17]
+	mi := &file_stage_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1810,7 +1642,7 @@ func (x *HealthResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthResponse.ProtoReflect.Descriptor instead.
 func (*HealthResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{17}
+	return file_stage_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *HealthResponse) GetStatus() ServingStatus {
@@ -1883,13 +1715,6 @@ func (x *HealthResponse) GetStage() string {
 	return ""
 }
 
-func (x *HealthResponse) GetMultiplex() bool {
-	if x != nil {
-		return x.Multiplex
-	}
-	return false
-}
-
 func (x *HealthResponse) GetContinuesChat() bool {
 	if x != nil {
 		return x.ContinuesChat
@@ -1955,7 +1780,7 @@ type SleepRequest struct {
 
 func (x *SleepRequest) Reset() {
 	*x = SleepRequest{}
-	mi := &file_stage_proto_msgTypes[18]
+	mi := &file_stage_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1967,7 +1792,7 @@ func (x *SleepRequest) String() string {
 func (*SleepRequest) ProtoMessage() {}
 
 func (x *SleepRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[18]
+	mi := &file_stage_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1980,7 +1805,7 @@ func (x *SleepRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepRequest.ProtoReflect.Descriptor instead.
 func (*SleepRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{18}
+	return file_stage_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *SleepRequest) GetLevel() uint32 {
@@ -1999,7 +1824,7 @@ type SleepResponse struct {
 
 func (x *SleepResponse) Reset() {
 	*x = SleepResponse{}
-	mi := &file_stage_proto_msgTypes[19]
+	mi := &file_stage_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2011,7 +1836,7 @@ func (x *SleepResponse) String() string {
 func (*SleepResponse) ProtoMessage() {}
 
 func (x *SleepResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[19]
+	mi := &file_stage_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2024,7 +1849,7 @@ func (x *SleepResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepResponse.ProtoReflect.Descriptor instead.
 func (*SleepResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{19}
+	return file_stage_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *SleepResponse) GetSleepState() SleepState {
@@ -2042,7 +1867,7 @@ type WakeUpRequest struct {
 
 func (x *WakeUpRequest) Reset() {
 	*x = WakeUpRequest{}
-	mi := &file_stage_proto_msgTypes[20]
+	mi := &file_stage_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2054,7 +1879,7 @@ func (x *WakeUpRequest) String() string {
 func (*WakeUpRequest) ProtoMessage() {}
 
 func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[20]
+	mi := &file_stage_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2067,7 +1892,7 @@ func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpRequest.ProtoReflect.Descriptor instead.
 func (*WakeUpRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{20}
+	return file_stage_proto_rawDescGZIP(), []int{18}
 }
 
 type WakeUpResponse struct {
@@ -2079,7 +1904,7 @@ type WakeUpResponse struct {
 
 func (x *WakeUpResponse) Reset() {
 	*x = WakeUpResponse{}
-	mi := &file_stage_proto_msgTypes[21]
+	mi := &file_stage_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2091,7 +1916,7 @@ func (x *WakeUpResponse) String() string {
 func (*WakeUpResponse) ProtoMessage() {}
 
 func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[21]
+	mi := &file_stage_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2104,7 +1929,7 @@ func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpResponse.ProtoReflect.Descriptor instead.
 func (*WakeUpResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{21}
+	return file_stage_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *WakeUpResponse) GetSleepState() SleepState {
@@ -2122,7 +1947,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_stage_proto_msgTypes[22]
+	mi := &file_stage_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2134,7 +1959,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[22]
+	mi := &file_stage_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2147,7 +1972,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{22}
+	return file_stage_proto_rawDescGZIP(), []int{20}
 }
 
 type DrainResponse struct {
@@ -2159,7 +1984,7 @@ type DrainResponse struct {
 
 func (x *DrainResponse) Reset() {
 	*x = DrainResponse{}
-	mi := &file_stage_proto_msgTypes[23]
+	mi := &file_stage_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2171,7 +1996,7 @@ func (x *DrainResponse) String() string {
 func (*DrainResponse) ProtoMessage() {}
 
 func (x *DrainResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[23]
+	mi := &file_stage_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2184,7 +2009,7 @@ func (x *DrainResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainResponse.ProtoReflect.Descriptor instead.
 func (*DrainResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{23}
+	return file_stage_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *DrainResponse) GetInFlight() uint32 {
@@ -2212,7 +2037,7 @@ type ContentPart struct {
 
 func (x *ContentPart) Reset() {
 	*x = ContentPart{}
-	mi := &file_stage_proto_msgTypes[24]
+	mi := &file_stage_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2224,7 +2049,7 @@ func (x *ContentPart) String() string {
 func (*ContentPart) ProtoMessage() {}
 
 func (x *ContentPart) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[24]
+	mi := &file_stage_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2237,7 +2062,7 @@ func (x *ContentPart) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ContentPart.ProtoReflect.Descriptor instead.
 func (*ContentPart) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{24}
+	return file_stage_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ContentPart) GetKind() string {
@@ -2289,23 +2114,7 @@ const file_stage_proto_rawDesc = "" +
 	"\vstage.proto\x12\x0ftroupe.stage.v1\"/\n" +
 	"\x15SubscribeCacheRequest\x12\x16\n" +
 	"\x06routed\x18\x01 \x01(\bR\x06routed\"\x16\n" +
-	"\x14SubscribeLoadRequest\"\xf0\x02\n" +
-	"\bMuxFrame\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\x04R\x02id\x12:\n" +
-	"\arequest\x18\x02 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12\x16\n" +
-	"\x06cancel\x18\x03 \x01(\bR\x06cancel\x124\n" +
-	"\x05chunk\x18\x04 \x01(\v2\x1e.troupe.stage.v1.GenerateChunkR\x05chunk\x12)\n" +
-	"\x03end\x18\x05 \x01(\v2\x17.troupe.stage.v1.MuxEndR\x03end\x12\x1d\n" +
-	"\n" +
-	"timeout_us\x18\x06 \x01(\x04R\ttimeoutUs\x12C\n" +
-	"\bmetadata\x18\a \x03(\v2'.troupe.stage.v1.MuxFrame.MetadataEntryR\bmetadata\x1a;\n" +
-	"\rMetadataEntry\x12\x10\n" +
-	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"]\n" +
-	"\x06MuxEnd\x12\x12\n" +
-	"\x04code\x18\x01 \x01(\rR\x04code\x12\x18\n" +
-	"\amessage\x18\x02 \x01(\tR\amessage\x12%\n" +
-	"\x0estatus_details\x18\x03 \x01(\fR\rstatusDetails\"\xdf\x05\n" +
+	"\x14SubscribeLoadRequest\"\xdf\x05\n" +
 	"\x0eSamplingParams\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x01 \x01(\rR\tmaxTokens\x12%\n" +
@@ -2428,7 +2237,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x15enable_prefix_caching\x18\x03 \x01(\bR\x13enablePrefixCaching\x12 \n" +
 	"\fmax_num_seqs\x18\x04 \x01(\rR\n" +
 	"maxNumSeqs\x12\x1b\n" +
-	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\x96\x06\n" +
+	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\x89\x06\n" +
 	"\x0eHealthResponse\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.troupe.stage.v1.ServingStatusR\x06status\x12<\n" +
 	"\vsleep_state\x18\x02 \x01(\x0e2\x1b.troupe.stage.v1.SleepStateR\n" +
@@ -2442,8 +2251,7 @@ const file_stage_proto_rawDesc = "" +
 	"input_role\x18\b \x01(\tR\tinputRole\x12%\n" +
 	"\x0estatus_message\x18\t \x01(\tR\rstatusMessage\x12\x14\n" +
 	"\x05stage\x18\n" +
-	" \x01(\tR\x05stage\x12\x1c\n" +
-	"\tmultiplex\x18\v \x01(\bR\tmultiplex\x12%\n" +
+	" \x01(\tR\x05stage\x12%\n" +
 	"\x0econtinues_chat\x18\f \x01(\bR\rcontinuesChat\x12\x1d\n" +
 	"\n" +
 	"replica_id\x18\r \x01(\rR\treplicaId\x12\x1f\n" +
@@ -2454,7 +2262,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x0finput_part_urls\x18\x10 \x01(\bR\rinputPartUrls\x12-\n" +
 	"\x12cache_subscription\x18\x11 \x01(\bR\x11cacheSubscription\x12+\n" +
 	"\x11load_subscription\x18\x12 \x01(\bR\x10loadSubscription\x12/\n" +
-	"\x13routed_subscription\x18\x13 \x01(\bR\x12routedSubscription\"$\n" +
+	"\x13routed_subscription\x18\x13 \x01(\bR\x12routedSubscriptionJ\x04\b\v\x10\fR\tmultiplex\"$\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\"M\n" +
 	"\rSleepResponse\x12<\n" +
@@ -2489,15 +2297,14 @@ const file_stage_proto_rawDesc = "" +
 	"\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16SERVING_STATUS_SERVING\x10\x01\x12\x1e\n" +
 	"\x1aSERVING_STATUS_NOT_SERVING\x10\x02\x12\x1b\n" +
-	"\x17SERVING_STATUS_DRAINING\x10\x032\xce\x05\n" +
+	"\x17SERVING_STATUS_DRAINING\x10\x032\x87\x05\n" +
 	"\fStageService\x12N\n" +
 	"\bGenerate\x12 .troupe.stage.v1.GenerateRequest\x1a\x1e.troupe.stage.v1.GenerateChunk0\x01\x12I\n" +
 	"\x06Health\x12\x1e.troupe.stage.v1.HealthRequest\x1a\x1f.troupe.stage.v1.HealthResponse\x12F\n" +
 	"\x05Sleep\x12\x1d.troupe.stage.v1.SleepRequest\x1a\x1e.troupe.stage.v1.SleepResponse\x12I\n" +
 	"\x06WakeUp\x12\x1e.troupe.stage.v1.WakeUpRequest\x1a\x1f.troupe.stage.v1.WakeUpResponse\x12F\n" +
 	"\x05Drain\x12\x1d.troupe.stage.v1.DrainRequest\x1a\x1e.troupe.stage.v1.DrainResponse\x12R\n" +
-	"\x0eGenerateStream\x12\x1c.troupe.stage.v1.StreamInput\x1a\x1e.troupe.stage.v1.GenerateChunk(\x010\x01\x12E\n" +
-	"\tMultiplex\x12\x19.troupe.stage.v1.MuxFrame\x1a\x19.troupe.stage.v1.MuxFrame(\x010\x01\x12U\n" +
+	"\x0eGenerateStream\x12\x1c.troupe.stage.v1.StreamInput\x1a\x1e.troupe.stage.v1.GenerateChunk(\x010\x01\x12U\n" +
 	"\x0eSubscribeCache\x12&.troupe.stage.v1.SubscribeCacheRequest\x1a\x19.troupe.stage.v1.KvEvents0\x01\x12V\n" +
 	"\rSubscribeLoad\x12%.troupe.stage.v1.SubscribeLoadRequest\x1a\x1c.troupe.stage.v1.EngineStats0\x01B.Z,github.com/troupe-serving/troupe/pkg/stagepbb\x06proto3"
 
@@ -2514,85 +2321,76 @@ func file_stage_proto_rawDescGZIP() []byte {
 }
 
 var file_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
+var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_stage_proto_goTypes = []any{
 	(FinishReason)(0),             // 0: troupe.stage.v1.FinishReason
 	(SleepState)(0),               // 1: troupe.stage.v1.SleepState
 	(ServingStatus)(0),            // 2: troupe.stage.v1.ServingStatus
 	(*SubscribeCacheRequest)(nil), // 3: troupe.stage.v1.SubscribeCacheRequest
 	(*SubscribeLoadRequest)(nil),  // 4: troupe.stage.v1.SubscribeLoadRequest
-	(*MuxFrame)(nil),              // 5: troupe.stage.v1.MuxFrame
-	(*MuxEnd)(nil),                // 6: troupe.stage.v1.MuxEnd
-	(*SamplingParams)(nil),        // 7: troupe.stage.v1.SamplingParams
-	(*TokenIds)(nil),              // 8: troupe.stage.v1.TokenIds
-	(*Codes)(nil),                 // 9: troupe.stage.v1.Codes
-	(*ChatMessage)(nil),           // 10: troupe.stage.v1.ChatMessage
-	(*Chat)(nil),                  // 11: troupe.stage.v1.Chat
-	(*GenerateRequest)(nil),       // 12: troupe.stage.v1.GenerateRequest
-	(*StreamInput)(nil),           // 13: troupe.stage.v1.StreamInput
-	(*EngineStats)(nil),           // 14: troupe.stage.v1.EngineStats
-	(*KvEvents)(nil),              // 15: troupe.stage.v1.KvEvents
-	(*Timings)(nil),               // 16: troupe.stage.v1.Timings
-	(*GenerateChunk)(nil),         // 17: troupe.stage.v1.GenerateChunk
-	(*HealthRequest)(nil),         // 18: troupe.stage.v1.HealthRequest
-	(*CacheConfig)(nil),           // 19: troupe.stage.v1.CacheConfig
-	(*HealthResponse)(nil),        // 20: troupe.stage.v1.HealthResponse
-	(*SleepRequest)(nil),          // 21: troupe.stage.v1.SleepRequest
-	(*SleepResponse)(nil),         // 22: troupe.stage.v1.SleepResponse
-	(*WakeUpRequest)(nil),         // 23: troupe.stage.v1.WakeUpRequest
-	(*WakeUpResponse)(nil),        // 24: troupe.stage.v1.WakeUpResponse
-	(*DrainRequest)(nil),          // 25: troupe.stage.v1.DrainRequest
-	(*DrainResponse)(nil),         // 26: troupe.stage.v1.DrainResponse
-	(*ContentPart)(nil),           // 27: troupe.stage.v1.ContentPart
-	nil,                           // 28: troupe.stage.v1.MuxFrame.MetadataEntry
-	nil,                           // 29: troupe.stage.v1.SamplingParams.LogitBiasEntry
+	(*SamplingParams)(nil),        // 5: troupe.stage.v1.SamplingParams
+	(*TokenIds)(nil),              // 6: troupe.stage.v1.TokenIds
+	(*Codes)(nil),                 // 7: troupe.stage.v1.Codes
+	(*ChatMessage)(nil),           // 8: troupe.stage.v1.ChatMessage
+	(*Chat)(nil),                  // 9: troupe.stage.v1.Chat
+	(*GenerateRequest)(nil),       // 10: troupe.stage.v1.GenerateRequest
+	(*StreamInput)(nil),           // 11: troupe.stage.v1.StreamInput
+	(*EngineStats)(nil),           // 12: troupe.stage.v1.EngineStats
+	(*KvEvents)(nil),              // 13: troupe.stage.v1.KvEvents
+	(*Timings)(nil),               // 14: troupe.stage.v1.Timings
+	(*GenerateChunk)(nil),         // 15: troupe.stage.v1.GenerateChunk
+	(*HealthRequest)(nil),         // 16: troupe.stage.v1.HealthRequest
+	(*CacheConfig)(nil),           // 17: troupe.stage.v1.CacheConfig
+	(*HealthResponse)(nil),        // 18: troupe.stage.v1.HealthResponse
+	(*SleepRequest)(nil),          // 19: troupe.stage.v1.SleepRequest
+	(*SleepResponse)(nil),         // 20: troupe.stage.v1.SleepResponse
+	(*WakeUpRequest)(nil),         // 21: troupe.stage.v1.WakeUpRequest
+	(*WakeUpResponse)(nil),        // 22: troupe.stage.v1.WakeUpResponse
+	(*DrainRequest)(nil),          // 23: troupe.stage.v1.DrainRequest
+	(*DrainResponse)(nil),         // 24: troupe.stage.v1.DrainResponse
+	(*ContentPart)(nil),           // 25: troupe.stage.v1.ContentPart
+	nil,                           // 26: troupe.stage.v1.SamplingParams.LogitBiasEntry
 }
 var file_stage_proto_depIdxs = []int32{
-	12, // 0: troupe.stage.v1.MuxFrame.request:type_name -> troupe.stage.v1.GenerateRequest
-	17, // 1: troupe.stage.v1.MuxFrame.chunk:type_name -> troupe.stage.v1.GenerateChunk
-	6,  // 2: troupe.stage.v1.MuxFrame.end:type_name -> troupe.stage.v1.MuxEnd
-	28, // 3: troupe.stage.v1.MuxFrame.metadata:type_name -> troupe.stage.v1.MuxFrame.MetadataEntry
-	29, // 4: troupe.stage.v1.SamplingParams.logit_bias:type_name -> troupe.stage.v1.SamplingParams.LogitBiasEntry
-	27, // 5: troupe.stage.v1.ChatMessage.parts:type_name -> troupe.stage.v1.ContentPart
-	10, // 6: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
-	8,  // 7: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
-	9,  // 8: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
-	11, // 9: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
-	7,  // 10: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
-	12, // 11: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
-	0,  // 12: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
-	14, // 13: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
-	16, // 14: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
-	15, // 15: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
-	2,  // 16: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
-	1,  // 17: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	19, // 18: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
-	14, // 19: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
-	1,  // 20: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	1,  // 21: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	12, // 22: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
-	18, // 23: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
-	21, // 24: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
-	23, // 25: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
-	25, // 26: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
-	13, // 27: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
-	5,  // 28: troupe.stage.v1.StageService.Multiplex:input_type -> troupe.stage.v1.MuxFrame
-	3,  // 29: troupe.stage.v1.StageService.SubscribeCache:input_type -> troupe.stage.v1.SubscribeCacheRequest
-	4,  // 30: troupe.stage.v1.StageService.SubscribeLoad:input_type -> troupe.stage.v1.SubscribeLoadRequest
-	17, // 31: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
-	20, // 32: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
-	22, // 33: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
-	24, // 34: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
-	26, // 35: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
-	17, // 36: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
-	5,  // 37: troupe.stage.v1.StageService.Multiplex:output_type -> troupe.stage.v1.MuxFrame
-	15, // 38: troupe.stage.v1.StageService.SubscribeCache:output_type -> troupe.stage.v1.KvEvents
-	14, // 39: troupe.stage.v1.StageService.SubscribeLoad:output_type -> troupe.stage.v1.EngineStats
-	31, // [31:40] is the sub-list for method output_type
-	22, // [22:31] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	26, // 0: troupe.stage.v1.SamplingParams.logit_bias:type_name -> troupe.stage.v1.SamplingParams.LogitBiasEntry
+	25, // 1: troupe.stage.v1.ChatMessage.parts:type_name -> troupe.stage.v1.ContentPart
+	8,  // 2: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
+	6,  // 3: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
+	7,  // 4: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
+	9,  // 5: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
+	5,  // 6: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
+	10, // 7: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
+	0,  // 8: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
+	12, // 9: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
+	14, // 10: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
+	13, // 11: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
+	2,  // 12: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
+	1,  // 13: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	17, // 14: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
+	12, // 15: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
+	1,  // 16: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	1,  // 17: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	10, // 18: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
+	16, // 19: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
+	19, // 20: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
+	21, // 21: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
+	23, // 22: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
+	11, // 23: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
+	3,  // 24: troupe.stage.v1.StageService.SubscribeCache:input_type -> troupe.stage.v1.SubscribeCacheRequest
+	4,  // 25: troupe.stage.v1.StageService.SubscribeLoad:input_type -> troupe.stage.v1.SubscribeLoadRequest
+	15, // 26: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
+	18, // 27: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
+	20, // 28: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
+	22, // 29: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
+	24, // 30: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
+	15, // 31: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
+	13, // 32: troupe.stage.v1.StageService.SubscribeCache:output_type -> troupe.stage.v1.KvEvents
+	12, // 33: troupe.stage.v1.StageService.SubscribeLoad:output_type -> troupe.stage.v1.EngineStats
+	26, // [26:34] is the sub-list for method output_type
+	18, // [18:26] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_stage_proto_init() }
@@ -2600,8 +2398,8 @@ func file_stage_proto_init() {
 	if File_stage_proto != nil {
 		return
 	}
-	file_stage_proto_msgTypes[4].OneofWrappers = []any{}
-	file_stage_proto_msgTypes[9].OneofWrappers = []any{
+	file_stage_proto_msgTypes[2].OneofWrappers = []any{}
+	file_stage_proto_msgTypes[7].OneofWrappers = []any{
 		(*GenerateRequest_Text)(nil),
 		(*GenerateRequest_TokenIds)(nil),
 		(*GenerateRequest_Codes)(nil),
@@ -2613,7 +2411,7 @@ func file_stage_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_stage_proto_rawDesc), len(file_stage_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   27,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -32,7 +32,6 @@ const (
 	StageService_WakeUp_FullMethodName         = "/troupe.stage.v1.StageService/WakeUp"
 	StageService_Drain_FullMethodName          = "/troupe.stage.v1.StageService/Drain"
 	StageService_GenerateStream_FullMethodName = "/troupe.stage.v1.StageService/GenerateStream"
-	StageService_Multiplex_FullMethodName      = "/troupe.stage.v1.StageService/Multiplex"
 	StageService_SubscribeCache_FullMethodName = "/troupe.stage.v1.StageService/SubscribeCache"
 	StageService_SubscribeLoad_FullMethodName  = "/troupe.stage.v1.StageService/SubscribeLoad"
 )
@@ -59,21 +58,6 @@ type StageServiceClient interface {
 	// input is there and streams output as Generate does. Cancelling the
 	// stream aborts the request.
 	GenerateStream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[StreamInput, GenerateChunk], error)
-	// Multiplex runs many Generate calls over one long-lived stream, so that
-	// a head sending many short requests opens one HTTP/2 stream per
-	// connection instead of one per request (served by a worker whose Health
-	// says multiplex). The head opens it and numbers its calls (id, unique
-	// within the stream). Head to worker: request starts call id as
-	// Generate would; cancel aborts it. Worker to head: the call's chunks,
-	// as Generate streams them, then its end with its status (code 0: the
-	// call ended cleanly), in the frame of the last chunk when that chunk
-	// has a finish reason. A request frame carries what a Generate call's
-	// headers would: its deadline (timeout_us) and its trace context
-	// (metadata). A worker that stops (drained, or its drain timed
-	// out) ends the stream once none of its calls runs; a call whose request
-	// it never read is lost with the stream, and the head fails it as it
-	// fails a broken Generate stream (nothing was produced: it is retried).
-	Multiplex(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[MuxFrame, MuxFrame], error)
 	// SubscribeCache streams the engine's prefix cache reports (served by a
 	// worker whose Health says cache_subscription): first a snapshot of
 	// every block the engine holds (KvEvents with snapshot and cleared set;
@@ -181,22 +165,9 @@ func (c *stageServiceClient) GenerateStream(ctx context.Context, opts ...grpc.Ca
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type StageService_GenerateStreamClient = grpc.BidiStreamingClient[StreamInput, GenerateChunk]
 
-func (c *stageServiceClient) Multiplex(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[MuxFrame, MuxFrame], error) {
-	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
-	stream, err := c.cc.NewStream(ctx, &StageService_ServiceDesc.Streams[2], StageService_Multiplex_FullMethodName, cOpts...)
-	if err != nil {
-		return nil, err
-	}
-	x := &grpc.GenericClientStream[MuxFrame, MuxFrame]{ClientStream: stream}
-	return x, nil
-}
-
-// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
-type StageService_MultiplexClient = grpc.BidiStreamingClient[MuxFrame, MuxFrame]
-
 func (c *stageServiceClient) SubscribeCache(ctx context.Context, in *SubscribeCacheRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[KvEvents], error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
-	stream, err := c.cc.NewStream(ctx, &StageService_ServiceDesc.Streams[3], StageService_SubscribeCache_FullMethodName, cOpts...)
+	stream, err := c.cc.NewStream(ctx, &StageService_ServiceDesc.Streams[2], StageService_SubscribeCache_FullMethodName, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -215,7 +186,7 @@ type StageService_SubscribeCacheClient = grpc.ServerStreamingClient[KvEvents]
 
 func (c *stageServiceClient) SubscribeLoad(ctx context.Context, in *SubscribeLoadRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[EngineStats], error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
-	stream, err := c.cc.NewStream(ctx, &StageService_ServiceDesc.Streams[4], StageService_SubscribeLoad_FullMethodName, cOpts...)
+	stream, err := c.cc.NewStream(ctx, &StageService_ServiceDesc.Streams[3], StageService_SubscribeLoad_FullMethodName, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -254,21 +225,6 @@ type StageServiceServer interface {
 	// input is there and streams output as Generate does. Cancelling the
 	// stream aborts the request.
 	GenerateStream(grpc.BidiStreamingServer[StreamInput, GenerateChunk]) error
-	// Multiplex runs many Generate calls over one long-lived stream, so that
-	// a head sending many short requests opens one HTTP/2 stream per
-	// connection instead of one per request (served by a worker whose Health
-	// says multiplex). The head opens it and numbers its calls (id, unique
-	// within the stream). Head to worker: request starts call id as
-	// Generate would; cancel aborts it. Worker to head: the call's chunks,
-	// as Generate streams them, then its end with its status (code 0: the
-	// call ended cleanly), in the frame of the last chunk when that chunk
-	// has a finish reason. A request frame carries what a Generate call's
-	// headers would: its deadline (timeout_us) and its trace context
-	// (metadata). A worker that stops (drained, or its drain timed
-	// out) ends the stream once none of its calls runs; a call whose request
-	// it never read is lost with the stream, and the head fails it as it
-	// fails a broken Generate stream (nothing was produced: it is retried).
-	Multiplex(grpc.BidiStreamingServer[MuxFrame, MuxFrame]) error
 	// SubscribeCache streams the engine's prefix cache reports (served by a
 	// worker whose Health says cache_subscription): first a snapshot of
 	// every block the engine holds (KvEvents with snapshot and cleared set;
@@ -321,9 +277,6 @@ func (UnimplementedStageServiceServer) Drain(context.Context, *DrainRequest) (*D
 }
 func (UnimplementedStageServiceServer) GenerateStream(grpc.BidiStreamingServer[StreamInput, GenerateChunk]) error {
 	return status.Error(codes.Unimplemented, "method GenerateStream not implemented")
-}
-func (UnimplementedStageServiceServer) Multiplex(grpc.BidiStreamingServer[MuxFrame, MuxFrame]) error {
-	return status.Error(codes.Unimplemented, "method Multiplex not implemented")
 }
 func (UnimplementedStageServiceServer) SubscribeCache(*SubscribeCacheRequest, grpc.ServerStreamingServer[KvEvents]) error {
 	return status.Error(codes.Unimplemented, "method SubscribeCache not implemented")
@@ -442,13 +395,6 @@ func _StageService_GenerateStream_Handler(srv interface{}, stream grpc.ServerStr
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type StageService_GenerateStreamServer = grpc.BidiStreamingServer[StreamInput, GenerateChunk]
 
-func _StageService_Multiplex_Handler(srv interface{}, stream grpc.ServerStream) error {
-	return srv.(StageServiceServer).Multiplex(&grpc.GenericServerStream[MuxFrame, MuxFrame]{ServerStream: stream})
-}
-
-// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
-type StageService_MultiplexServer = grpc.BidiStreamingServer[MuxFrame, MuxFrame]
-
 func _StageService_SubscribeCache_Handler(srv interface{}, stream grpc.ServerStream) error {
 	m := new(SubscribeCacheRequest)
 	if err := stream.RecvMsg(m); err != nil {
@@ -504,12 +450,6 @@ var StageService_ServiceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "GenerateStream",
 			Handler:       _StageService_GenerateStream_Handler,
-			ServerStreams: true,
-			ClientStreams: true,
-		},
-		{
-			StreamName:    "Multiplex",
-			Handler:       _StageService_Multiplex_Handler,
 			ServerStreams: true,
 			ClientStreams: true,
 		},

@@ -31,7 +31,6 @@ import (
 	"google.golang.org/grpc/connectivity"
 
 	"github.com/troupe-serving/troupe/internal/core/sortedseq"
-	"github.com/troupe-serving/troupe/pkg/stagemux"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
@@ -93,9 +92,6 @@ type Replica struct {
 	Addr        string
 	JoinedAt    time.Time
 	Client      stagepb.StageServiceClient
-	// Mux sends Generate calls over one Multiplex stream; only for a
-	// replica whose Engine.Multiplex says it serves them.
-	Mux *stagemux.Client
 
 	conn    *grpc.ClientConn
 	cacheAt atomic.Int64 // when the engine last reported its cache (KvEvents)
@@ -248,7 +244,6 @@ func (r *Replica) Release() {
 func (r *Replica) close() {
 	r.closeOnce.Do(func() {
 		r.stopWatch()
-		r.Mux.Close()
 		_ = r.conn.Close()
 	})
 }
@@ -258,7 +253,6 @@ type EngineInfo struct {
 	Name      string // e.g. "sim"
 	BlockSize int    // KV block size in tokens; 0: unknown
 	KVEvents  bool   // the engine reports stagepb.KvEvents on its chunks
-	Multiplex bool   // the worker serves StageService.Multiplex
 	// RoutedSubscription: the worker publishes the head-side blocks heads
 	// route to it (GenerateRequest.routed_blocks) to every head
 	// (HealthResponse.routed_subscription).
@@ -761,7 +755,6 @@ func (r *Router) Dial(spec ReplicaSpec) (*Replica, error) {
 		stopWatch:   func() {},
 	}
 	rep.Client = stagepb.NewStageServiceClient(conn)
-	rep.Mux = stagemux.NewClient(rep.Client)
 	rep.SetSleepState(spec.SleepState)
 	rep.healthy.Store(true)
 	return rep, nil

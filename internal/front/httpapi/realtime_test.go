@@ -764,7 +764,7 @@ func benchTracedCluster(b testing.TB, opts orchestratortest.Options) (*orchestra
 		_ = workerTP.Shutdown(context.Background())
 	})
 	prop := propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
-	opts.HeadTracer, opts.WorkerTracer = headTP, workerTP
+	opts.HeadTracer = headTP
 	opts.HeadDialOptions = []grpc.DialOption{grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelgrpc.WithTracerProvider(headTP), otelgrpc.WithPropagators(prop)))}
 	opts.WorkerServerOptions = []grpc.ServerOption{grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(workerTP), otelgrpc.WithPropagators(prop)))}
 	return startCluster(b, opts), headTP, rec
