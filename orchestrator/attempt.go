@@ -355,10 +355,9 @@ type attemptRun struct {
 	// chunk's arrival; a held chunk's outputs are dated earlier): when
 	// the client or the next stage can have it.
 	arrived time.Time
-	// pending counts the attempt among its replica's waiting for a first
-	// output (deadline stages), from when its input reaches the replica
-	// until its first output or its end.
-	pending *router.Pending
+	// call is the attempt's hold on its replica (router.Router.Begin):
+	// its outcome goes back through call.Done, once.
+	call *router.Call
 	// wait is how long a fed stage's input sender waited for input (behind).
 	wait inputWait
 	// stopped: the stage's first output missed its target (Head.missed).
@@ -399,18 +398,9 @@ func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err 
 	defer stall.stop()
 	defer a.sr.gate.arm(cancel)()
 
-	if a.sr.input != nil && !a.sr.input.started() {
-		a.pending = h.router.AwaitInput(a.rep) // queued from its first input piece (sendInput)
-	} else {
-		a.pending = h.router.StartFirstOutput(a.rep)
-	}
-	defer a.pending.Done()
-	a.rep.Acquire()
-	defer a.rep.Release()
-	defer a.rep.Track(cancel)()
-	defer func() { h.recordOutcome(a.sr.stage, a.rep, err, a.fault) }()
+	a.call = h.router.Begin(a.d, a.sr.input != nil && !a.sr.input.started(), cancel)
 	h.startAccounting(a)
-	defer func() { h.finishAccounting(a, err) }()
+	defer func() { h.finishAttempt(a, err) }()
 
 	stream, w, err := h.open(ctx, a, stall)
 	wait = w
@@ -440,9 +430,8 @@ func (h *Head) startAttemptSpan(ctx context.Context, a *attemptRun) context.Cont
 }
 
 // replicaAlive is when the attempt's replica last showed this head that
-// it works, on any of its requests: the latest load report in a chunk an
-// attempt took (every chunk carries one), by when it arrived.
-func (a *attemptRun) replicaAlive() time.Time { return a.rep.HeardAt() }
+// it works, on any of its requests.
+func (a *attemptRun) replicaAlive() time.Time { return a.call.Alive() }
 
 // sampling is what the attempt reports of its sampling parameters (span
 // attributes, stats): its request's, or for a stage fed by the stage
@@ -601,13 +590,14 @@ func (h *Head) startAccounting(a *attemptRun) {
 	a.start = time.Now()
 }
 
-// finishAccounting records the ended attempt in the stats and on its span.
-func (h *Head) finishAccounting(a *attemptRun, err error) {
+// finishAttempt records the ended attempt in the stats and on its span,
+// and reports its outcome through its call.
+func (h *Head) finishAttempt(a *attemptRun, err error) {
 	out, fin := a.out, &a.fin
 	fin.E2E = time.Since(a.start)
 	fin.PromptTokens, fin.GenerationTokens = out.promptTokens, out.generationTokens
 	fin.PrefillComputedTokens = out.computedTokens
-	h.observeDeadline(a)
+	h.logOutcome(a, err, a.call.Done(h.outcome(a, err)))
 	if rerr := h.stats.RecordFinished(a.rep.EngineIndex, *fin); rerr != nil {
 		h.log.Debug("orchestrator: record finished", "err", rerr)
 	}
@@ -743,7 +733,7 @@ func (a *attemptRun) dateOutputs(chunk *stagepb.GenerateChunk) {
 			at = now.Add(-time.Duration(ages[i]) * time.Microsecond)
 		}
 		if a.last.IsZero() {
-			a.pending.Done()
+			a.call.FirstOutput()
 			a.wait.first = int64(a.wait.total())
 			a.fin.TTFT = max(at.Sub(a.start), 0)
 			if a.recording {
@@ -871,25 +861,19 @@ func (h *Head) stageError(ctx context.Context, a *attemptRun, err error) error {
 	return e
 }
 
-// recordOutcome feeds an attempt's outcome to rep's circuit breaker: a
-// success closes it, a fault of the replica counts towards an ejection.
-// Other failures (the client left, its input was refused, the next stage
-// failed) say nothing about rep and leave the breaker alone.
-func (h *Head) recordOutcome(stage int, rep *router.Replica, err error, fault bool) {
-	if err == nil {
-		if h.router.RecordSuccess(rep) {
-			h.log.Info("orchestrator: ejected replica answers again; routing to it",
-				"stage", rep.StageName, "replica", rep.Key.Replica, "addr", rep.Addr)
-		}
-		return
-	}
-	if !fault {
-		return
-	}
-	e := h.router.RecordFailure(rep)
+// logOutcome logs and counts what the attempt's outcome did to its
+// replica's circuit breaker (router.Call.Done): a success closes it, a
+// fault of the replica counts towards an ejection, other failures (the
+// client left, its input was refused, the next stage failed) say nothing
+// about the replica.
+func (h *Head) logOutcome(a *attemptRun, err error, r router.Report) {
+	rep, e := a.rep, r.Ejection
 	switch {
+	case r.Recovered:
+		h.log.Info("orchestrator: ejected replica answers again; routing to it",
+			"stage", rep.StageName, "replica", rep.Key.Replica, "addr", rep.Addr)
 	case e.Ejected:
-		h.ejections[stage].Inc()
+		h.ejections[a.sr.stage].Inc()
 		h.log.Warn("orchestrator: replica fails repeatedly; ejected from routing",
 			"stage", rep.StageName, "replica", rep.Key.Replica, "addr", rep.Addr,
 			"consecutive_failures", e.Failures, "backoff", e.Backoff, "err", err)

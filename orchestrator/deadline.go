@@ -346,47 +346,36 @@ func (h *Head) shed(sr *stageRun, d router.Decision) error {
 		h.cfg.Pipeline.Stages[sr.stage].Name, what, d.Predicted.Round(time.Millisecond), max(left, 0).Round(time.Millisecond))
 }
 
-// observeDeadline feeds what an attempt on a deadline stage took to the
-// policy, and the prediction's error to troupe_router_deadline_prediction_error_seconds.
-// The policy learns the replica's own time: from when the attempt's input
-// reached it (router.Pending), so a later stage that waited for the stage
-// before is not judged slow for it; to when its first output reached the
-// head, so a stage whose output is held in chunks for the next stage (a
-// talker's codes, a segment at a time) is judged by its first chunk, what
-// the next stage waits for.
-func (h *Head) observeDeadline(a *attemptRun) {
+// outcome is how the attempt ended, for its call's Done. On a deadline
+// stage it also carries what the policy learns of the replica: its first
+// output (from when the input reached it, router.Pending, so a later
+// stage that waited for the stage before is not judged slow for it, to
+// when its first output reached the head), and observes the prediction's
+// error in troupe_router_deadline_prediction_error_seconds.
+func (h *Head) outcome(a *attemptRun, err error) router.Outcome {
+	o := router.Outcome{Err: err, Fault: a.fault, Elapsed: a.fin.E2E}
 	if !h.deadlineStage[a.sr.stage] {
-		return
+		return o
 	}
 	if !a.arrived.IsZero() {
-		ttft := a.arrived.Sub(a.start)
+		o.FirstOutput = a.arrived.Sub(a.start)
 		if a.d.Predicted > 0 {
-			h.predictionError[a.sr.stage].Observe((ttft - a.d.Predicted).Seconds())
+			h.predictionError[a.sr.stage].Observe((o.FirstOutput - a.d.Predicted).Seconds())
 		}
-		h.router.ObserveFirstOutput(a.pending, ttft)
 	} else if due := a.sr.route.Deadline; a.stopped || (!due.IsZero() && !time.Now().Before(due)) {
-		// Ended without a first output past its target: stopped there
-		// (the gate), or, on another stage, cancelled with its request
-		// when the last stage's gate stopped it. Its first output would
-		// have come later than this. Learned as if it came now, or a
-		// replica slower than every target would never be learned (none
-		// of its first outputs comes in time) and would keep the share of
-		// an unobserved one. One that never got its input is not learned
-		// (ObserveFirstOutput).
-		h.router.ObserveFirstOutput(a.pending, a.fin.E2E)
-	}
-	if lead, ok := a.pending.Lead(); ok {
-		h.router.ObserveHold(a.rep, a.fin.E2E-lead)
-	} else if a.d.Probe {
-		h.router.ReleaseProbe(a.rep) // it never reached the replica
+		// Stopped at its target (the gate), or cancelled with its request
+		// when the last stage's gate stopped it: learned as if its first
+		// output came now, or a replica slower than every target would
+		// never be learned and would keep the share of an unobserved one.
+		o.PastTarget = true
 	}
 	if a.out.sampleRate > 0 && a.out.pcmBytes > 0 && !a.last.IsZero() && a.fin.TTFT > 0 {
 		first := a.start.Add(a.fin.TTFT)
 		if wall := a.last.Sub(first); wall > 0 {
-			audio := float64(a.out.pcmBytes/2) / float64(a.out.sampleRate)
-			h.router.ObserveRate(a.rep, audio/wall.Seconds())
+			o.AudioRate = float64(a.out.pcmBytes/2) / float64(a.out.sampleRate) / wall.Seconds()
 		}
 	}
+	return o
 }
 
 // deadlineMetrics makes troupe_router_deadline_prediction_error_seconds.

@@ -366,7 +366,7 @@ func (h *Head) sendInput(ctx context.Context, a *attemptRun, stream stagepb.Stag
 			return
 		}
 		if i == 0 {
-			a.pending.InputSent() // from now the attempt queues on the replica
+			a.call.InputSent() // from now the attempt queues on the replica
 		}
 		for _, p := range ps {
 			h.pipeline.Handoff(stage-1, time.Since(p.at))
