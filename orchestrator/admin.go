@@ -39,7 +39,7 @@ func (h *Head) Sleep(ctx context.Context, stage int, replica uint32, level int) 
 	if _, err := stagepb.SleepStateForLevel(level); err != nil {
 		return 0, newError(ErrBadRequest, nil, "level must be 1 (offload weights) or 2 (discard all), got %d", level)
 	}
-	return h.changeSleep(ctx, router.Key{Stage: stage, Replica: replica}, "sleep", func(c stagepb.StageServiceClient) (stagepb.SleepState, error) {
+	return h.fleet.changeSleep(ctx, router.Key{Stage: stage, Replica: replica}, "sleep", func(c stagepb.StageServiceClient) (stagepb.SleepState, error) {
 		resp, err := c.Sleep(ctx, &stagepb.SleepRequest{Level: uint32(level)})
 		return resp.GetSleepState(), err
 	})
@@ -48,7 +48,7 @@ func (h *Head) Sleep(ctx context.Context, stage int, replica uint32, level int) 
 // WakeUp wakes a sleeping replica; it rejoins rotation on every head once
 // they apply its record (see Sleep).
 func (h *Head) WakeUp(ctx context.Context, stage int, replica uint32) (stagepb.SleepState, error) {
-	return h.changeSleep(ctx, router.Key{Stage: stage, Replica: replica}, "wake_up", func(c stagepb.StageServiceClient) (stagepb.SleepState, error) {
+	return h.fleet.changeSleep(ctx, router.Key{Stage: stage, Replica: replica}, "wake_up", func(c stagepb.StageServiceClient) (stagepb.SleepState, error) {
 		resp, err := c.WakeUp(ctx, &stagepb.WakeUpRequest{})
 		return resp.GetSleepState(), err
 	})
@@ -59,29 +59,29 @@ func (h *Head) WakeUp(ctx context.Context, stage int, replica uint32) (stagepb.S
 // replica's state already is the answer (a sleep of a sleeping replica
 // changes no record). It never sets the state itself: the record is the
 // one source every head follows.
-func (h *Head) changeSleep(ctx context.Context, key router.Key, verb string, call func(stagepb.StageServiceClient) (stagepb.SleepState, error)) (stagepb.SleepState, error) {
-	rep, ok := h.router.Snapshot().Lookup(key)
+func (f *fleet) changeSleep(ctx context.Context, key router.Key, verb string, call func(stagepb.StageServiceClient) (stagepb.SleepState, error)) (stagepb.SleepState, error) {
+	rep, ok := f.router.Snapshot().Lookup(key)
 	if !ok {
 		return 0, newError(ErrUnknownReplica, nil, "stage %d replica %d is not attached", key.Stage, key.Replica)
 	}
-	before, _ := h.lookup(key)
+	before, _ := f.lookup(key)
 	st, err := call(rep.Client)
 	if err != nil {
-		return 0, adminError(fmt.Sprintf("%s of stage %s", verb, h.cfg.Pipeline.Stages[key.Stage].Name), key.Replica, rep.Addr, err)
+		return 0, adminError(fmt.Sprintf("%s of stage %s", verb, f.cfg.Pipeline.Stages[key.Stage].Name), key.Replica, rep.Addr, err)
 	}
 	wctx, cancel := context.WithTimeout(ctx, recordWait)
 	defer cancel()
 	for {
-		changed := h.changed()
-		now, _ := h.lookup(key)
-		cur, ok := h.router.Snapshot().Lookup(key)
+		changed := f.changed()
+		now, _ := f.lookup(key)
+		cur, ok := f.router.Snapshot().Lookup(key)
 		if now.modRev > before.modRev || (ok && cur.SleepState() == st) {
 			return st, nil
 		}
 		select {
 		case <-changed:
 		case <-wctx.Done():
-			h.log.Warn("orchestrator: the replica's record has not shown its new sleep state yet; heads route by the record once it arrives",
+			f.log.Warn("orchestrator: the replica's record has not shown its new sleep state yet; heads route by the record once it arrives",
 				"stage", key.Stage, "replica", key.Replica, "sleep_state", st.Name(), "waited", recordWait)
 			return st, nil
 		}

@@ -143,15 +143,15 @@ func measureDemand(stages int, snap *router.Snapshot, view *recordView, now time
 
 // newDesiredReplicas makes troupe_stage_desired_replicas with a child per
 // stage, at 1 until the first computation.
-func (h *Head) newDesiredReplicas() *prometheus.GaugeVec {
+func (f *fleet) newDesiredReplicas() *prometheus.GaugeVec {
 	v := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "troupe_stage_desired_replicas",
 		Help: "Replicas the head recommends for a stage: ceil(demand / (target utilisation × mean replica capacity)), at least 1, where demand is the requests running or waiting on the stage's replicas; the highest figure of the last scale-down cooldown, so it rises at once and falls only after the cooldown.",
 	}, []string{"stage", "stage_name"})
-	h.desired = make([]prometheus.Gauge, len(h.cfg.Pipeline.Stages))
-	for i, st := range h.cfg.Pipeline.Stages {
-		h.desired[i] = v.WithLabelValues(strconv.Itoa(i), st.Name)
-		h.desired[i].Set(1)
+	f.m.desired = make([]prometheus.Gauge, len(f.cfg.Pipeline.Stages))
+	for i, st := range f.cfg.Pipeline.Stages {
+		f.m.desired[i] = v.WithLabelValues(strconv.Itoa(i), st.Name)
+		f.m.desired[i].Set(1)
 	}
 	return v
 }
@@ -160,13 +160,13 @@ func (h *Head) newDesiredReplicas() *prometheus.GaugeVec {
 // Autoscale.Interval until ctx ends. Run owns it; it reads only the
 // published view and router snapshot, and is the only writer of the
 // gauges and of its hysteresis state.
-func (h *Head) runAutoscale(ctx context.Context) {
-	cfg := h.cfg.Autoscale
-	maxAge := h.cfg.SignalMaxAge
+func (f *fleet) runAutoscale(ctx context.Context) {
+	cfg := f.cfg.Autoscale
+	maxAge := f.cfg.SignalMaxAge
 	if maxAge <= 0 {
 		maxAge = router.DefaultSignalMaxAge
 	}
-	hyst := make([]hysteresis, len(h.desired))
+	hyst := make([]hysteresis, len(f.m.desired))
 	for i := range hyst {
 		hyst[i].window = cfg.ScaleDownCooldown
 	}
@@ -177,10 +177,10 @@ func (h *Head) runAutoscale(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case now := <-tick.C:
-			demand := measureDemand(len(h.desired), h.router.Snapshot(), h.view.Load(), now, maxAge, cfg.DefaultCapacity)
+			demand := measureDemand(len(f.m.desired), f.router.Snapshot(), f.view.Load(), now, maxAge, cfg.DefaultCapacity)
 			for i, d := range demand {
 				n := hyst[i].observe(now, rawDesired(d, cfg.TargetUtilization, cfg.DefaultCapacity))
-				h.desired[i].Set(float64(n))
+				f.m.desired[i].Set(float64(n))
 			}
 		}
 	}

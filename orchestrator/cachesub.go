@@ -49,31 +49,31 @@ func cacheResubscribe() *backoff.ExponentialBackOff {
 // head-side index of it, and to its load
 // reports when Health declares those and its stage routes by load; any
 // older subscription of the key is stopped first. Loop goroutine only.
-func (h *Head) startCacheSub(rep *router.Replica, health *stagepb.HealthResponse) {
-	h.stopCacheSub(rep.Key)
-	cache := health.GetCacheSubscription() && h.router.UsesKVEvents(rep)
-	routed := health.GetRoutedSubscription() && h.router.UsesRoutedBlocks(rep)
-	load := health.GetLoadSubscription() && h.router.ReadsLoad(rep) && h.loadSubs[rep.Key.Stage] < maxLoadSubs
+func (f *fleet) startCacheSub(rep *router.Replica, health *stagepb.HealthResponse) {
+	f.stopCacheSub(rep.Key)
+	cache := health.GetCacheSubscription() && f.router.UsesKVEvents(rep)
+	routed := health.GetRoutedSubscription() && f.router.UsesRoutedBlocks(rep)
+	load := health.GetLoadSubscription() && f.router.ReadsLoad(rep) && f.loadSubs[rep.Key.Stage] < maxLoadSubs
 	if !cache && !routed && !load {
 		return
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &cacheSub{rep: rep, load: load, cancel: cancel, done: make(chan struct{})}
-	h.subs[rep.Key] = s
+	f.subs[rep.Key] = s
 	if load {
-		h.loadSubs[rep.Key.Stage]++
+		f.loadSubs[rep.Key.Stage]++
 	}
 	go func() {
 		defer close(s.done)
 		var wg sync.WaitGroup
 		if cache {
-			wg.Go(func() { h.follow(ctx, rep, "cache", h.subscribeCache) })
+			wg.Go(func() { f.follow(ctx, rep, "cache", f.subscribeCache) })
 		}
 		if routed {
-			wg.Go(func() { h.follow(ctx, rep, "routed", h.subscribeRouted) })
+			wg.Go(func() { f.follow(ctx, rep, "routed", f.subscribeRouted) })
 		}
 		if load {
-			wg.Go(func() { h.follow(ctx, rep, "load", h.subscribeLoad) })
+			wg.Go(func() { f.follow(ctx, rep, "load", f.subscribeLoad) })
 		}
 		wg.Wait()
 	}()
@@ -81,27 +81,27 @@ func (h *Head) startCacheSub(rep *router.Replica, health *stagepb.HealthResponse
 
 // stopCacheSub stops key's subscriptions, if any, and waits for them. Loop
 // goroutine only.
-func (h *Head) stopCacheSub(key router.Key) {
-	if s := h.subs[key]; s != nil {
+func (f *fleet) stopCacheSub(key router.Key) {
+	if s := f.subs[key]; s != nil {
 		s.cancel()
 		<-s.done
-		delete(h.subs, key)
+		delete(f.subs, key)
 		if s.load {
-			h.loadSubs[key.Stage]--
+			f.loadSubs[key.Stage]--
 		}
 	}
 }
 
 // stopCacheSubs stops every subscription (Run ends).
-func (h *Head) stopCacheSubs() {
-	for key := range h.subs {
-		h.stopCacheSub(key)
+func (f *fleet) stopCacheSubs() {
+	for key := range f.subs {
+		f.stopCacheSub(key)
 	}
 }
 
 // follow runs subscribe (one subscription of rep's reports of kind what)
 // until ctx ends, subscribing again, with backoff, whenever it ends.
-func (h *Head) follow(ctx context.Context, rep *router.Replica, what string, subscribe func(context.Context, *router.Replica) (bool, error)) {
+func (f *fleet) follow(ctx context.Context, rep *router.Replica, what string, subscribe func(context.Context, *router.Replica) (bool, error)) {
 	wait := cacheResubscribe()
 	for {
 		live, err := subscribe(ctx, rep)
@@ -111,7 +111,7 @@ func (h *Head) follow(ctx context.Context, rep *router.Replica, what string, sub
 		if live {
 			wait.Reset() // it worked: the next try starts from the shortest wait
 		}
-		h.log.Debug("orchestrator: subscription ended; subscribing again", "reports", what, "stage", rep.StageName, "replica", rep.Key.Replica, "err", err)
+		f.log.Debug("orchestrator: subscription ended; subscribing again", "reports", what, "stage", rep.StageName, "replica", rep.Key.Replica, "err", err)
 		timer := time.NewTimer(wait.NextBackOff())
 		select {
 		case <-ctx.Done():
@@ -128,23 +128,23 @@ var errCacheGap = errors.New("orchestrator: cache reports skipped a seq")
 
 // subscribeCache runs one subscription to rep's engine reports (see
 // subscribeTo).
-func (h *Head) subscribeCache(ctx context.Context, rep *router.Replica) (bool, error) {
-	return h.subscribeTo(ctx, rep, false)
+func (f *fleet) subscribeCache(ctx context.Context, rep *router.Replica) (bool, error) {
+	return f.subscribeTo(ctx, rep, false)
 }
 
 // subscribeRouted runs one subscription to the head-side blocks heads
 // route to rep (routed-block reports, see subscribeTo), which feed the
 // stage's head-side index as this head's own picks do.
-func (h *Head) subscribeRouted(ctx context.Context, rep *router.Replica) (bool, error) {
-	return h.subscribeTo(ctx, rep, true)
+func (f *fleet) subscribeRouted(ctx context.Context, rep *router.Replica) (bool, error) {
+	return f.subscribeTo(ctx, rep, true)
 }
 
 // subscribeTo runs one subscription: it applies the snapshot (live from
 // then on), then every report while their seq follows on.
-func (h *Head) subscribeTo(ctx context.Context, rep *router.Replica, routed bool) (live bool, _ error) {
+func (f *fleet) subscribeTo(ctx context.Context, rep *router.Replica, routed bool) (live bool, _ error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	stream, err := rep.Client.SubscribeCache(ctx, &stagepb.SubscribeCacheRequest{Routed: routed}, h.calls...)
+	stream, err := rep.Client.SubscribeCache(ctx, &stagepb.SubscribeCacheRequest{Routed: routed}, callOptions(f.cfg)...)
 	if err != nil {
 		return false, fmt.Errorf("orchestrator: subscribe to cache: %w", err)
 	}
@@ -155,14 +155,14 @@ func (h *Head) subscribeTo(ctx context.Context, rep *router.Replica, routed bool
 	if !snap.GetSnapshot() || snap.GetRouted() != routed {
 		return false, errors.New("orchestrator: cache subscription did not start with a snapshot of its kind")
 	}
-	apply := h.router.ApplyKVEvents
+	apply := f.router.ApplyKVEvents
 	if routed {
-		apply = h.router.ApplyRoutedBlocks
+		apply = f.router.ApplyRoutedBlocks
 		apply(rep, snap)
 	} else {
-		h.router.ApplyCacheSnapshot(rep, snap)
+		f.router.ApplyCacheSnapshot(rep, snap)
 	}
-	h.cacheSnapshots.Inc()
+	f.m.cacheSnapshots.Inc()
 	for seq := snap.GetSeq(); ; seq++ {
 		ev, err := stream.Recv()
 		if err != nil {

@@ -105,7 +105,7 @@ func (h *Head) cascadeSequential(ctx context.Context, req Request, n int, next *
 		if i == n-1 {
 			break
 		}
-		if next, err = nextInput((*h.outputs.Load())[i], out); err != nil {
+		if next, err = nextInput((*h.fleet.outputs.Load())[i], out); err != nil {
 			return nil, 0, err
 		}
 		next.RequestId, next.Voice = req.ID, req.Voice

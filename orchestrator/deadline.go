@@ -181,10 +181,10 @@ func (s Stage) deadlineOptions() router.DeadlineOptions {
 // audio, due TTFA after it. Targets of the request come before the
 // pipeline's.
 func (h *Head) setDeadline(sr *stageRun) {
-	if !h.deadlineStage[sr.stage] {
+	if !h.deadline.on[sr.stage] {
 		return
 	}
-	t := sr.req.Deadline.Or(h.targets[sr.stage])
+	t := sr.req.Deadline.Or(h.deadline.targets[sr.stage])
 	due := t.TTFA
 	if sr.stage == 0 {
 		due = t.TTFT
@@ -195,7 +195,7 @@ func (h *Head) setDeadline(sr *stageRun) {
 	if sr.stage > 0 {
 		sr.route.MinRTF = t.RTF
 	}
-	if sr.gate == nil && h.admits[sr.stage] && !sr.route.Deadline.IsZero() && (sr.stage == 0 || sr.stage == sr.n-1) {
+	if sr.gate == nil && h.deadline.admits[sr.stage] && !sr.route.Deadline.IsZero() && (sr.stage == 0 || sr.stage == sr.n-1) {
 		sr.gate = &firstGate{due: sr.route.Deadline, target: due}
 	}
 }
@@ -276,11 +276,11 @@ func (h *Head) missed(a *attemptRun) error {
 // the span.
 func (h *Head) behind(a *attemptRun) bool {
 	st, min := a.sr.stage, a.sr.route.MinRTF
-	if !h.deadlineStage[st] || min <= 0 || a.out.sampleRate <= 0 || a.out.pcmBytes == 0 || a.fin.TTFT <= 0 || a.tr.rtfMoves >= maxRTFMoves {
+	if !h.deadline.on[st] || min <= 0 || a.out.sampleRate <= 0 || a.out.pcmBytes == 0 || a.fin.TTFT <= 0 || a.tr.rtfMoves >= maxRTFMoves {
 		return false
 	}
 	wall := time.Since(a.start.Add(a.fin.TTFT)) - a.inputWaitSinceFirst()
-	if wall < h.rtfWindow[st] {
+	if wall < h.deadline.rtfWindow[st] {
 		return false
 	}
 	rate := float64(a.out.pcmBytes/2) / float64(a.out.sampleRate) / wall.Seconds()
@@ -354,13 +354,13 @@ func (h *Head) shed(sr *stageRun, d router.Decision) error {
 // error in troupe_router_deadline_prediction_error_seconds.
 func (h *Head) outcome(a *attemptRun, err error) router.Outcome {
 	o := router.Outcome{Err: err, Fault: a.fault, Elapsed: a.fin.E2E}
-	if !h.deadlineStage[a.sr.stage] {
+	if !h.deadline.on[a.sr.stage] {
 		return o
 	}
 	if !a.arrived.IsZero() {
 		o.FirstOutput = a.arrived.Sub(a.start)
 		if a.d.Predicted > 0 {
-			h.predictionError[a.sr.stage].Observe((o.FirstOutput - a.d.Predicted).Seconds())
+			h.deadline.predictionError[a.sr.stage].Observe((o.FirstOutput - a.d.Predicted).Seconds())
 		}
 	} else if due := a.sr.route.Deadline; a.stopped || (!due.IsZero() && !time.Now().Before(due)) {
 		// Stopped at its target (the gate), or cancelled with its request
@@ -386,21 +386,21 @@ func (h *Head) deadlineMetrics(routing []router.StageRouting) prometheus.Collect
 		Buckets: []float64{-2, -1, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, 0,
 			0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2},
 	}, []string{"stage"})
-	h.deadlineStage = make([]bool, len(routing))
-	h.admits = make([]bool, len(routing))
-	h.rtfWindow = make([]time.Duration, len(routing))
-	h.targets = make([]Targets, len(routing))
-	h.predictionError = make([]prometheus.Observer, len(routing))
+	h.deadline.on = make([]bool, len(routing))
+	h.deadline.admits = make([]bool, len(routing))
+	h.deadline.rtfWindow = make([]time.Duration, len(routing))
+	h.deadline.targets = make([]Targets, len(routing))
+	h.deadline.predictionError = make([]prometheus.Observer, len(routing))
 	for i, st := range routing {
-		h.targets[i] = h.cfg.Pipeline.targets(i)
+		h.deadline.targets[i] = h.cfg.Pipeline.targets(i)
 		if dp, ok := st.Policy.(*router.Deadline); ok {
-			h.deadlineStage[i] = true
-			h.admits[i] = dp.Options.Admission
-			h.rtfWindow[i] = DefaultRTFWindow
+			h.deadline.on[i] = true
+			h.deadline.admits[i] = dp.Options.Admission
+			h.deadline.rtfWindow[i] = DefaultRTFWindow
 			if d := h.cfg.Pipeline.Stages[i].Deadline; d != nil && d.RTFWindow > 0 {
-				h.rtfWindow[i] = d.RTFWindow
+				h.deadline.rtfWindow[i] = d.RTFWindow
 			}
-			h.predictionError[i] = vec.WithLabelValues(strconv.Itoa(i))
+			h.deadline.predictionError[i] = vec.WithLabelValues(strconv.Itoa(i))
 		}
 	}
 	return vec
@@ -409,12 +409,12 @@ func (h *Head) deadlineMetrics(routing []router.StageRouting) prometheus.Collect
 // predictionOf is what /v1/replicas shows of the deadline policy's view of
 // rep: its predicted first output now and its observed audio rate; nil
 // when unknown or when its stage routes otherwise.
-func (h *Head) predictionOf(rep *router.Replica) (predicted, rtf *float64) {
-	if d, ok := h.router.PredictedFirstOutput(rep); ok && d > 0 {
+func (f *fleet) predictionOf(rep *router.Replica) (predicted, rtf *float64) {
+	if d, ok := f.router.PredictedFirstOutput(rep); ok && d > 0 {
 		v := d.Seconds()
 		predicted = &v
 	}
-	if v := h.router.ObservedRate(rep); v > 0 {
+	if v := f.router.ObservedRate(rep); v > 0 {
 		rtf = &v
 	}
 	return predicted, rtf

@@ -240,7 +240,7 @@ func (h *Head) executeSequential(ctx context.Context, req Request, n int, in *st
 		if i == n-1 {
 			break
 		}
-		next, err := nextInput((*h.outputs.Load())[i], out)
+		next, err := nextInput((*h.fleet.outputs.Load())[i], out)
 		if err != nil {
 			return nil, 0, err
 		}

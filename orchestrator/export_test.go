@@ -69,7 +69,7 @@ type JoinTiming struct {
 
 // JoinTimes returns the published join times of the replica under key.
 func JoinTimes(h *Head, stage int, replica uint32) (JoinTiming, bool) {
-	t, ok := h.lookup(router.Key{Stage: stage, Replica: replica})
+	t, ok := h.fleet.lookup(router.Key{Stage: stage, Replica: replica})
 	if !ok {
 		return JoinTiming{}, false
 	}
@@ -79,7 +79,7 @@ func JoinTimes(h *Head, stage int, replica uint32) (JoinTiming, bool) {
 
 // Changed returns a channel that is closed by the head's next publish of
 // its view (a join, an attach, a leave...).
-func Changed(h *Head) <-chan struct{} { return h.changed() }
+func Changed(h *Head) <-chan struct{} { return h.fleet.changed() }
 
 // PrefixHeld returns, by replica id, how many leading blocks of prompt
 // (in the sim's scheme: its tokenizer, 16-token blocks) h's prefix index

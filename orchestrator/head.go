@@ -119,39 +119,59 @@ type Config struct {
 	Autoscale AutoscaleConfig
 }
 
-// Head is the orchestrator. Run owns its goroutines; Execute, Replicas,
-// Sleep and WakeUp may be called concurrently from request goroutines.
+// Head is the orchestrator: a fleet, which owns membership and publishes
+// the replicas to route to, and the request path, which reads what the
+// fleet published and reports attempts' outcomes through router.Call.
+// Run owns the fleet's goroutines; Execute, Replicas, Sleep and WakeUp may
+// be called concurrently from request goroutines.
 type Head struct {
-	cfg     Config
-	log     *slog.Logger
-	watcher *membership.Watcher
-	stats   *stats.Logger
+	cfg    Config
+	log    *slog.Logger
+	fleet  *fleet
+	stats  *stats.Logger
+	router *router.Router // written by the fleet; the request path picks from its snapshots
 	// pipeline holds the pipeline-level families; nil without LogStats.
 	pipeline *stats.Pipeline
-	router   *router.Router
 	tracer   trace.Tracer
+	// stageSpans are the names of the stage attempt spans, by stage.
+	stageSpans []string
+	// calls are the options of every call to a replica (callOptions),
+	// built once: they are the same for every request.
+	calls []grpc.CallOption
 	// decisions[stage][reason] are the pre-bound children of
 	// troupe_router_decisions_total; nil where the stage's configuration
 	// never gives that reason (decisionVec makes them if it ever does).
 	decisions   [][len(router.Reasons)]prometheus.Counter
-	ejections   []prometheus.Counter // by stage
 	decisionVec *prometheus.CounterVec
-	// Deadline routing, by stage: whether the stage's policy is deadline,
-	// the pipeline's targets for it, and its prediction error histogram
-	// (nil unless deadline).
-	deadlineStage   []bool
+	ejections   []prometheus.Counter // by stage
+	deadline    stageDeadlines
+}
+
+// stageDeadlines is deadline routing, by stage: whether the stage's
+// policy is deadline, the pipeline's targets for it, and its prediction
+// error histogram (nil unless deadline).
+type stageDeadlines struct {
+	on              []bool
 	admits          []bool          // deadline.admission on
 	rtfWindow       []time.Duration // Deadline.RTFWindow or its default
 	targets         []Targets
 	predictionError []prometheus.Observer
+}
 
-	events  *prometheus.CounterVec
-	invalid prometheus.Counter
-	errors  *prometheus.CounterVec
-	etcdUp  prometheus.Gauge   // set by MonitorEtcd, run by Run
-	desired []prometheus.Gauge // troupe_stage_desired_replicas by stage, set by runAutoscale
+// fleet is the membership side of the head: it turns membership events
+// into engine indexes, bound series and routable replicas, in that order,
+// and publishes what it knows as immutable snapshots (the router's, and
+// view for the API). Its loop goroutine, started by Run, is the one
+// writer of everything below view; readers load the atomics.
+type fleet struct {
+	cfg     Config
+	log     *slog.Logger
+	watcher *membership.Watcher
+	stats   *stats.Logger
+	router  *router.Router
 	etcd    *clientv3.Client
 	created time.Time // when New built the head: the watch lag before its first list
+	m       fleetMetrics
 
 	// view is every replica the head knows, for the API: immutable copies
 	// of the loop's records, sorted by key (see publish).
@@ -162,42 +182,52 @@ type Head struct {
 	// admin calls can wait for the loop to apply a record (changed) and
 	// ReplicaWatch follows the changes without reading the whole view.
 	journal atomic.Pointer[viewChange]
-	// calls are the options of every call to a replica (callOptions),
-	// built once: they are the same for every request.
-	calls []grpc.CallOption
-	// stageSpans are the names of the stage attempt spans, by stage.
-	stageSpans []string
 
-	// Owned by Run's loop goroutine only. known is the one owner of the
+	// Owned by the loop goroutine only. known is the one owner of the
 	// mapping from replica key to engine index: an index is handed out on a
 	// key's first join, in join order, and never reused or moved.
-	known       map[router.Key]*tracked
-	routedCount []int                 // by stage: how many published records are routed (see noteRouted)
-	routedIO    []stageIO             // by stage: the roles of its routed replicas, while routedCount > 0
-	routedBy    map[string]router.Key // routed records by their worker's instance id (see noteRouted)
-	nextIndex   int
-	gen         uint64
-	subs        map[router.Key]*cacheSub // cache subscriptions by replica key (see cacheSub)
-	loadSubs    []int                    // by stage: subscriptions that follow load (see maxLoadSubs)
+	known     map[router.Key]*tracked
+	nextIndex int
+	gen       uint64
+	routed    routedIndex
+	subs      map[router.Key]*cacheSub // cache subscriptions by replica key (see cacheSub)
+	loadSubs  []int                    // by stage: subscriptions that follow load (see maxLoadSubs)
+	batch     loopBatch
 
-	// The batch the loop is applying (see flush): whether it holds one,
-	// the keys it changed, the records it routed (stamped when the
-	// snapshot that routes them is published), the sleep states its
-	// records give (applied once the view holds them), the stage outputs
-	// to publish (nil: unchanged), and whether waiters on changed are due
-	// a wake-up.
+	// firstProbes bounds the joins whose first dial and Health are in
+	// flight (maxFirstProbes; see probe).
+	firstProbes chan struct{}
+}
+
+// fleetMetrics are the fleet's own metrics.
+type fleetMetrics struct {
+	events         *prometheus.CounterVec
+	invalid        prometheus.Counter
+	errors         *prometheus.CounterVec
+	etcdUp         prometheus.Gauge   // set by MonitorEtcd, run by Run
+	desired        []prometheus.Gauge // troupe_stage_desired_replicas by stage, set by runAutoscale
+	cacheSnapshots prometheus.Counter // troupe_router_cache_snapshots_total
+}
+
+// routedIndex is what noteRouted keeps of the routed records.
+type routedIndex struct {
+	count []int                 // by stage: how many published records are routed
+	io    []stageIO             // by stage: the roles of its routed replicas, while count > 0
+	by    map[string]router.Key // routed records by their worker's instance id
+}
+
+// loopBatch is the batch the loop is applying (see flush): whether it
+// holds one, the keys it changed, the records it routed (stamped when the
+// snapshot that routes them is published), the sleep states its records
+// give (applied once the view holds them), the stage outputs to publish
+// (nil: unchanged), and whether waiters on changed are due a wake-up.
+type loopBatch struct {
 	batching bool
 	dirty    map[router.Key]struct{}
 	attached []*tracked
 	sleeps   []pendingSleep
 	outs     *[]string
 	wake     bool
-
-	cacheSnapshots prometheus.Counter // troupe_router_cache_snapshots_total
-
-	// firstProbes bounds the joins whose first dial and Health are in
-	// flight (maxFirstProbes; see probe).
-	firstProbes chan struct{}
 }
 
 // tracked is the loop's record of one replica key. Published copies are
@@ -250,19 +280,20 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	if err != nil {
 		return nil, err
 	}
+	rt := router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker))
+	f, err := newFleet(cli, cfg, st, rt)
+	if err != nil {
+		return nil, err
+	}
 	h := &Head{
-		pipeline:    pipe,
-		cfg:         cfg,
-		log:         cfg.Logger,
-		stats:       st,
-		router:      router.NewWithBreaker(routing, router.Dialer(cfg.Dial), cfg.Logger, router.Breaker(cfg.Breaker)),
-		tracer:      cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
-		known:       map[router.Key]*tracked{},
-		firstProbes: make(chan struct{}, maxFirstProbes),
-		subs:        map[router.Key]*cacheSub{},
-		etcd:        cli,
-		created:     time.Now(),
-		calls:       []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)},
+		cfg:      cfg,
+		log:      cfg.Logger,
+		fleet:    f,
+		stats:    st,
+		router:   rt,
+		pipeline: pipe,
+		tracer:   cfg.TracerProvider.Tracer("github.com/troupe-serving/troupe/orchestrator"),
+		calls:    callOptions(cfg),
 	}
 	for _, st := range cfg.Pipeline.Stages {
 		h.stageSpans = append(h.stageSpans, telemetry.StageSpanName(st.Name))
@@ -270,23 +301,51 @@ func New(cli *clientv3.Client, cfg Config) (*Head, error) {
 	if err := h.registerMetrics(routing); err != nil {
 		return nil, err
 	}
-	h.watcher = membership.NewWatcher(cli, membership.WatchConfig{
+	return h, nil
+}
+
+// callOptions are the options of every call to a replica: gRPC's default
+// would stop at 4 MiB received.
+func callOptions(cfg Config) []grpc.CallOption {
+	return []grpc.CallOption{grpc.MaxCallSendMsgSize(cfg.MaxMessageBytes), grpc.MaxCallRecvMsgSize(cfg.MaxMessageBytes)}
+}
+
+// newFleet builds the head's fleet and registers its metrics. It starts
+// nothing; Run does.
+func newFleet(cli *clientv3.Client, cfg Config, st *stats.Logger, rt *router.Router) (*fleet, error) {
+	f := &fleet{
+		cfg:         cfg,
+		log:         cfg.Logger,
+		stats:       st,
+		router:      rt,
+		etcd:        cli,
+		created:     time.Now(),
+		known:       map[router.Key]*tracked{},
+		subs:        map[router.Key]*cacheSub{},
+		loadSubs:    make([]int, len(cfg.Pipeline.Stages)),
+		firstProbes: make(chan struct{}, maxFirstProbes),
+		routed: routedIndex{
+			count: make([]int, len(cfg.Pipeline.Stages)),
+			io:    make([]stageIO, len(cfg.Pipeline.Stages)),
+			by:    map[string]router.Key{},
+		},
+		batch: loopBatch{dirty: map[router.Key]struct{}{}},
+	}
+	f.watcher = membership.NewWatcher(cli, membership.WatchConfig{
 		Cluster:           cfg.Cluster,
 		Stages:            cfg.Pipeline.StageNames(),
 		ReconcileInterval: cfg.ReconcileInterval,
-		OnInvalid:         func(string, error) { h.invalid.Inc() },
+		OnInvalid:         func(string, error) { f.m.invalid.Inc() },
 		Logger:            cfg.Logger,
 	})
-	h.view.Store(sortedseq.New(func(t *tracked) router.Key { return t.key }, compareKeys))
-	h.journal.Store(&viewChange{done: make(chan struct{})})
+	f.view.Store(sortedseq.New(func(t *tracked) router.Key { return t.key }, compareKeys))
+	f.journal.Store(&viewChange{done: make(chan struct{})})
 	outputs := make([]string, len(cfg.Pipeline.Stages))
-	h.outputs.Store(&outputs)
-	h.routedCount = make([]int, len(cfg.Pipeline.Stages))
-	h.routedIO = make([]stageIO, len(cfg.Pipeline.Stages))
-	h.routedBy = make(map[string]router.Key)
-	h.loadSubs = make([]int, len(cfg.Pipeline.Stages))
-	h.dirty = map[router.Key]struct{}{}
-	return h, nil
+	f.outputs.Store(&outputs)
+	if err := f.registerMetrics(); err != nil {
+		return nil, err
+	}
+	return f, nil
 }
 
 // withDefaults checks cfg and fills in its defaults.
@@ -370,22 +429,22 @@ func newStats(cfg Config) (*stats.Logger, *stats.Pipeline, error) {
 	return st, pipe, nil
 }
 
-// registerMetrics makes the head's own metrics, binds every child it
-// knows of at 0, and registers them on cfg.Metrics.
-func (h *Head) registerMetrics(routing []router.StageRouting) error {
-	h.events = prometheus.NewCounterVec(prometheus.CounterOpts{
+// registerMetrics makes the fleet's metrics, binds every child it knows
+// of at 0, and registers them on cfg.Metrics.
+func (f *fleet) registerMetrics() error {
+	f.m.events = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "troupe_membership_events_total",
 		Help: "Membership events applied by the head, by type.",
 	}, []string{"type"})
-	h.invalid = prometheus.NewCounter(prometheus.CounterOpts{
+	f.m.invalid = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "troupe_membership_invalid_records_total",
 		Help: "Malformed membership records skipped by the head.",
 	})
-	h.errors = prometheus.NewCounterVec(prometheus.CounterOpts{
+	f.m.errors = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "troupe_head_attach_errors_total",
 		Help: "Joins the head refused (index conflict, stats binding, dial, roles that do not fit the pipeline), by step.",
 	}, []string{"step"})
-	h.etcdUp = prometheus.NewGauge(prometheus.GaugeOpts{
+	f.m.etcdUp = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "troupe_etcd_up",
 		Help: "1 while the head's etcd client gets answers to a linearizable read (probed every 2s), else 0.",
 	})
@@ -393,18 +452,33 @@ func (h *Head) registerMetrics(routing []router.StageRouting) error {
 		Name: "troupe_membership_watch_lag_seconds",
 		Help: "Seconds since etcd last answered the head's membership watch (a list, an event or a progress notification, asked every 2s): how stale the head's view of the membership may be.",
 	}, func() float64 {
-		last := h.watcher.LastContact()
+		last := f.watcher.LastContact()
 		if last.IsZero() {
-			last = h.created
+			last = f.created
 		}
 		return time.Since(last).Seconds()
 	})
 	for _, t := range []string{"join", "leave"} {
-		h.events.WithLabelValues(t)
+		f.m.events.WithLabelValues(t)
 	}
 	for _, s := range []string{"attach", "stats", "dial", "router", "role"} {
-		h.errors.WithLabelValues(s)
+		f.m.errors.WithLabelValues(s)
 	}
+	f.m.cacheSnapshots = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "troupe_router_cache_snapshots_total",
+		Help: "Engine cache snapshots the head applied from SubscribeCache streams: one per replica subscribed, one more per subscription again (a seq gap, a subscriber that fell behind, a broken stream).",
+	})
+	for _, c := range []prometheus.Collector{f.m.events, f.m.invalid, f.m.errors, f.m.etcdUp, watchLag, leaseLostCollector{f}, stageReplicasCollector{f}, f.newDesiredReplicas(), f.m.cacheSnapshots} {
+		if err := f.cfg.Metrics.Register(c); err != nil {
+			return fmt.Errorf("orchestrator: register metrics: %w", err)
+		}
+	}
+	return nil
+}
+
+// registerMetrics makes the request path's metrics, binds every child it
+// knows of at 0, and registers them on cfg.Metrics.
+func (h *Head) registerMetrics(routing []router.StageRouting) error {
 	decisions := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "troupe_router_decisions_total",
 		Help: "Replicas chosen for stage attempts, by stage, the stage's policy, and why.",
@@ -428,12 +502,7 @@ func (h *Head) registerMetrics(routing []router.StageRouting) error {
 			h.decisions[i][r] = decisions.WithLabelValues(strconv.Itoa(i), st.Policy.Name(), r.String())
 		}
 	}
-	predictionError := h.deadlineMetrics(routing)
-	h.cacheSnapshots = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "troupe_router_cache_snapshots_total",
-		Help: "Engine cache snapshots the head applied from SubscribeCache streams: one per replica subscribed, one more per subscription again (a seq gap, a subscriber that fell behind, a broken stream).",
-	})
-	for _, c := range []prometheus.Collector{h.events, h.invalid, h.errors, decisions, ejections, h.etcdUp, watchLag, leaseLostCollector{h}, stageReplicasCollector{h}, h.newDesiredReplicas(), predictionError, h.cacheSnapshots} {
+	for _, c := range []prometheus.Collector{decisions, ejections, h.deadlineMetrics(routing)} {
 		if err := h.cfg.Metrics.Register(c); err != nil {
 			return fmt.Errorf("orchestrator: register metrics: %w", err)
 		}
@@ -448,7 +517,7 @@ var leaseLostDesc = prometheus.NewDesc("troupe_replica_lease_lost",
 
 // leaseLostCollector writes troupe_replica_lease_lost from the published
 // view at each scrape: a worker cut off from etcd, as the head sees it.
-type leaseLostCollector struct{ h *Head }
+type leaseLostCollector struct{ h *fleet }
 
 func (c leaseLostCollector) Describe(ch chan<- *prometheus.Desc) { ch <- leaseLostDesc }
 
@@ -481,7 +550,7 @@ var replicaStates = [...]ReplicaState{StateAttached, StateSleeping, StateUnhealt
 
 // stageReplicasCollector writes troupe_stage_replicas at each scrape from
 // the states of the rows of GET /v1/replicas (stateOf), so the two agree.
-type stageReplicasCollector struct{ h *Head }
+type stageReplicasCollector struct{ h *fleet }
 
 func (c stageReplicasCollector) Describe(ch chan<- *prometheus.Desc) { ch <- stageReplicasDesc }
 
@@ -519,9 +588,14 @@ type probeResult struct {
 	at     time.Time // when Health answered
 }
 
-// Run watches membership and applies it until ctx ends. It is the only
-// writer of the registry, the stat bindings and the router.
-func (h *Head) Run(ctx context.Context) error {
+// Run runs the head's fleet until ctx ends: it watches membership and
+// applies it, the only writer of the registry, the stat bindings and the
+// router.
+func (h *Head) Run(ctx context.Context) error { return h.fleet.run(ctx) }
+
+// run owns the fleet's goroutines: the watch, the etcd monitor, the
+// autoscaling signal and the loop; it returns once they all ended.
+func (f *fleet) run(ctx context.Context) error {
 	// Buffered: a list (a restart's, a re-list's) reaches the loop as
 	// fast as the watcher decodes it, and the loop applies it in batches
 	// (drain), instead of one scheduling round trip per record.
@@ -529,30 +603,30 @@ func (h *Head) Run(ctx context.Context) error {
 	probes := make(chan probeResult)
 	departures := make(chan departure)
 	var probing sync.WaitGroup
-	defer h.router.Close()
+	defer f.router.Close()
 	defer probing.Wait()
 
 	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error { return h.watcher.Run(gctx, events) })
+	g.Go(func() error { return f.watcher.Run(gctx, events) })
 	g.Go(func() error {
-		membership.MonitorEtcd(gctx, h.etcd, membership.HealthConfig{
+		membership.MonitorEtcd(gctx, f.etcd, membership.HealthConfig{
 			Who:    "troupe head",
-			Logger: h.log,
+			Logger: f.log,
 			OnChange: func(up bool) {
 				v := 0.0
 				if up {
 					v = 1
 				}
-				h.etcdUp.Set(v)
+				f.m.etcdUp.Set(v)
 			},
 		})
 		return nil
 	})
 	g.Go(func() error {
-		h.runAutoscale(gctx)
+		f.runAutoscale(gctx)
 		return nil
 	})
-	g.Go(func() error { return h.loop(gctx, events, probes, departures, &probing) })
+	g.Go(func() error { return f.loop(gctx, events, probes, departures, &probing) })
 	err := g.Wait()
 	if ctx.Err() != nil {
 		return nil
@@ -564,8 +638,8 @@ func (h *Head) Run(ctx context.Context) error {
 // events, probe answers and leave verdicts in batches, ends lease-loss
 // graces, checks the replicas' live states and sweeps long-detached
 // series, until ctx ends. Run's goroutine owns it.
-func (h *Head) loop(ctx context.Context, events <-chan membership.Event, probes chan probeResult, departures chan departure, probing *sync.WaitGroup) error {
-	sweep := time.NewTicker(sweepInterval(h.cfg.DetachedSeriesTTL))
+func (f *fleet) loop(ctx context.Context, events <-chan membership.Event, probes chan probeResult, departures chan departure, probing *sync.WaitGroup) error {
+	sweep := time.NewTicker(sweepInterval(f.cfg.DetachedSeriesTTL))
 	defer sweep.Stop()
 	graceTick := time.NewTicker(graceCheckInterval)
 	defer graceTick.Stop()
@@ -574,39 +648,39 @@ func (h *Head) loop(ctx context.Context, events <-chan membership.Event, probes 
 	for {
 		select {
 		case <-ctx.Done():
-			for _, t := range h.known {
+			for _, t := range f.known {
 				if t.cancel != nil {
 					t.cancel()
 				}
 			}
-			h.stopCacheSubs()
+			f.stopCacheSubs()
 			return ctx.Err()
 		case ev := <-events:
-			h.begin()
-			h.applyEvent(ctx, ev, probes, departures, probing)
-			h.drain(ctx, events, probes, departures, probing)
-			h.flush()
+			f.begin()
+			f.applyEvent(ctx, ev, probes, departures, probing)
+			f.drain(ctx, events, probes, departures, probing)
+			f.flush()
 		case pr := <-probes:
-			h.begin()
-			h.attach(pr)
-			h.drain(ctx, events, probes, departures, probing)
-			h.flush()
+			f.begin()
+			f.attach(pr)
+			f.drain(ctx, events, probes, departures, probing)
+			f.flush()
 		case d := <-departures:
-			h.begin()
-			h.departed(d)
-			h.drain(ctx, events, probes, departures, probing)
-			h.flush()
+			f.begin()
+			f.departed(d)
+			f.drain(ctx, events, probes, departures, probing)
+			f.flush()
 		case now := <-graceTick.C:
-			h.begin()
-			h.endGraces(now)
-			h.flush()
+			f.begin()
+			f.endGraces(now)
+			f.flush()
 		case <-liveTick.C:
-			h.begin()
-			h.checkLive()
-			h.flush()
+			f.begin()
+			f.checkLive()
+			f.flush()
 		case now := <-sweep.C:
-			if n := h.stats.Sweep(now); n > 0 {
-				h.log.Info("orchestrator: deleted series of long-detached replicas", "replicas", n)
+			if n := f.stats.Sweep(now); n > 0 {
+				f.log.Info("orchestrator: deleted series of long-detached replicas", "replicas", n)
 			}
 		}
 	}
@@ -626,18 +700,18 @@ const (
 // not per replica. A batch changes a key once: an input for a key it
 // already changed publishes the batch first (before), so every input
 // sees its own key's previous changes published.
-func (h *Head) drain(ctx context.Context, events <-chan membership.Event, probes chan probeResult, departures chan departure, probing *sync.WaitGroup) {
+func (f *fleet) drain(ctx context.Context, events <-chan membership.Event, probes chan probeResult, departures chan departure, probing *sync.WaitGroup) {
 	end := time.Now().Add(maxBatchAge)
 	for n := 1; n < maxBatch && time.Now().Before(end); n++ {
 		select {
 		case ev := <-events:
-			h.applyEvent(ctx, ev, probes, departures, probing)
+			f.applyEvent(ctx, ev, probes, departures, probing)
 		case pr := <-probes:
-			h.before(pr.key)
-			h.attach(pr)
+			f.before(pr.key)
+			f.attach(pr)
 		case d := <-departures:
-			h.before(d.key)
-			h.departed(d)
+			f.before(d.key)
+			f.departed(d)
 		default:
 			return
 		}
@@ -645,26 +719,26 @@ func (h *Head) drain(ctx context.Context, events <-chan membership.Event, probes
 }
 
 // applyEvent applies a membership event within the current batch.
-func (h *Head) applyEvent(ctx context.Context, ev membership.Event, probes chan<- probeResult, departures chan<- departure, probing *sync.WaitGroup) {
-	if stage := h.cfg.Pipeline.StageIndex(ev.Member.Stage); stage >= 0 {
-		h.before(router.Key{Stage: stage, Replica: ev.Member.ReplicaID})
+func (f *fleet) applyEvent(ctx context.Context, ev membership.Event, probes chan<- probeResult, departures chan<- departure, probing *sync.WaitGroup) {
+	if stage := f.cfg.Pipeline.StageIndex(ev.Member.Stage); stage >= 0 {
+		f.before(router.Key{Stage: stage, Replica: ev.Member.ReplicaID})
 	}
-	h.apply(ctx, ev, probes, departures, probing)
+	f.apply(ctx, ev, probes, departures, probing)
 }
 
 // begin starts a batch: the router holds its changes and publish stages
 // records until flush.
-func (h *Head) begin() {
-	h.batching = true
-	h.router.Hold()
+func (f *fleet) begin() {
+	f.batch.batching = true
+	f.router.Hold()
 }
 
 // before publishes the batch and starts a new one when it already changed
 // key.
-func (h *Head) before(key router.Key) {
-	if _, ok := h.dirty[key]; ok {
-		h.flush()
-		h.begin()
+func (f *fleet) before(key router.Key) {
+	if _, ok := f.batch.dirty[key]; ok {
+		f.flush()
+		f.begin()
 	}
 }
 
@@ -676,27 +750,27 @@ func sweepInterval(ttl time.Duration) time.Duration {
 }
 
 // apply handles one membership event on the loop goroutine.
-func (h *Head) apply(ctx context.Context, ev membership.Event, probes chan<- probeResult, departures chan<- departure, probing *sync.WaitGroup) {
-	stage := h.cfg.Pipeline.StageIndex(ev.Member.Stage)
+func (f *fleet) apply(ctx context.Context, ev membership.Event, probes chan<- probeResult, departures chan<- departure, probing *sync.WaitGroup) {
+	stage := f.cfg.Pipeline.StageIndex(ev.Member.Stage)
 	if stage < 0 {
 		// The watcher already filters unknown stages; this guards the head
 		// against a watcher bug rather than trusting it.
-		h.invalid.Inc()
-		h.log.Warn("orchestrator: event for unknown stage", "key", ev.Key, "stage", ev.Member.Stage)
+		f.m.invalid.Inc()
+		f.log.Warn("orchestrator: event for unknown stage", "key", ev.Key, "stage", ev.Member.Stage)
 		return
 	}
 	key := router.Key{Stage: stage, Replica: ev.Member.ReplicaID}
-	h.events.WithLabelValues(ev.Type.String()).Inc()
+	f.m.events.WithLabelValues(ev.Type.String()).Inc()
 	switch ev.Type {
 	case membership.Join:
-		if h.update(key, ev.Member, ev.Revision) {
+		if f.update(key, ev.Member, ev.Revision) {
 			break
 		}
-		h.join(ctx, key, ev.Member, ev.Revision, probes, probing)
+		f.join(ctx, key, ev.Member, ev.Revision, probes, probing)
 	case membership.Leave:
-		h.leave(ctx, key, departures, probing)
+		f.leave(ctx, key, departures, probing)
 	}
-	h.publish(key)
+	f.publish(key)
 }
 
 // update applies a changed record of a routed replica whose process is the
@@ -705,26 +779,26 @@ func (h *Head) apply(ctx context.Context, ev membership.Event, probes chan<- pro
 // connection, the engine index and every counter stay; only the record's
 // state is applied. It reports false when the record needs a full join (a
 // new process, or a replica not routed yet), which then probes it.
-func (h *Head) update(key router.Key, m membership.Member, rev int64) bool {
-	t := h.known[key]
+func (f *fleet) update(key router.Key, m membership.Member, rev int64) bool {
+	t := f.known[key]
 	if t == nil || t.detached || !t.routed || t.refused != "" || t.probeGen != 0 ||
 		t.member.Addr != m.Addr || !t.member.StartedAt.Equal(m.StartedAt) {
 		return false
 	}
-	rep, ok := h.router.Snapshot().Lookup(key)
+	rep, ok := f.router.Snapshot().Lookup(key)
 	if !ok {
 		return false
 	}
 	if !t.graceUntil.IsZero() || t.leaveGen != 0 {
-		h.log.Info("orchestrator: replica re-registered; its lease-loss grace ends", "stage", m.Stage, "replica", key.Replica)
+		f.log.Info("orchestrator: replica re-registered; its lease-loss grace ends", "stage", m.Stage, "replica", key.Replica)
 	}
 	t.graceUntil, t.leaveGen = time.Time{}, 0 // a pending leave probe's answer is now stale
 	t.member, t.modRev = m, rev
 	if m.SleepState != "" {
 		// Validated by the watcher: a known state name.
 		if st, err := stagepb.ParseSleepState(m.SleepState); err == nil && st != rep.SleepState() {
-			h.sleeps = append(h.sleeps, pendingSleep{rep, st}) // at flush, after the record
-			h.log.Info("orchestrator: replica sleep state changed", "stage", m.Stage, "replica", key.Replica, "sleep_state", st.Name())
+			f.batch.sleeps = append(f.batch.sleeps, pendingSleep{rep, st}) // at flush, after the record
+			f.log.Info("orchestrator: replica sleep state changed", "stage", m.Stage, "replica", key.Replica, "sleep_state", st.Name())
 		}
 	}
 	return true
@@ -739,30 +813,30 @@ type pendingSleep struct {
 
 // setSleepState applies a replica's sleep state to routing and to its
 // engine_sleep_state series. Only the loop calls it.
-func (h *Head) setSleepState(rep *router.Replica, st stagepb.SleepState) {
+func (f *fleet) setSleepState(rep *router.Replica, st stagepb.SleepState) {
 	rep.SetSleepState(st)
 	if st == stagepb.SleepState_SLEEP_STATE_DISCARD_ALL {
-		h.router.Forget(rep.Key) // its cache is gone
+		f.router.Forget(rep.Key) // its cache is gone
 	}
-	if err := h.stats.SetSleepState(rep.EngineIndex, st); err != nil {
-		h.log.Warn("orchestrator: sleep state not recorded", "err", err)
+	if err := f.stats.SetSleepState(rep.EngineIndex, st); err != nil {
+		f.log.Warn("orchestrator: sleep state not recorded", "err", err)
 	}
 }
 
 // join assigns the engine index, then probes the replica off the loop; the
 // loop binds its series and routes to it when the probe answers (attach).
-func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, rev int64, probes chan<- probeResult, probing *sync.WaitGroup) {
+func (f *fleet) join(ctx context.Context, key router.Key, m membership.Member, rev int64, probes chan<- probeResult, probing *sync.WaitGroup) {
 	now := time.Now()
-	t := h.known[key]
+	t := f.known[key]
 	if t == nil {
-		if h.nextIndex > stats.MaxEngineIndex {
-			h.errors.WithLabelValues("attach").Inc()
-			h.log.Error("orchestrator: refusing join: every engine index is in use", "stage", m.Stage, "replica", m.ReplicaID, "max", stats.MaxEngineIndex)
+		if f.nextIndex > stats.MaxEngineIndex {
+			f.m.errors.WithLabelValues("attach").Inc()
+			f.log.Error("orchestrator: refusing join: every engine index is in use", "stage", m.Stage, "replica", m.ReplicaID, "max", stats.MaxEngineIndex)
 			return
 		}
-		t = &tracked{key: key, index: h.nextIndex}
-		h.nextIndex++
-		h.known[key] = t
+		t = &tracked{key: key, index: f.nextIndex}
+		f.nextIndex++
+		f.known[key] = t
 	}
 	if t.cancel != nil {
 		t.cancel()
@@ -775,15 +849,15 @@ func (h *Head) join(ctx context.Context, key router.Key, m membership.Member, re
 	if t.joinedAt.IsZero() || t.detachedAt.After(t.joinedAt) {
 		t.joinedAt = now
 	}
-	h.gen++
-	t.probeGen = h.gen
+	f.gen++
+	t.probeGen = f.gen
 	pctx, cancel := context.WithCancel(ctx)
 	t.cancel = cancel
 	spec := router.ReplicaSpec{Key: key, StageName: m.Stage, EngineIndex: index, Addr: m.Addr, JoinedAt: t.joinedAt}
 	probing.Add(1)
 	go func(gen uint64) {
 		defer probing.Done()
-		h.probe(pctx, spec, gen, probes)
+		f.probe(pctx, spec, gen, probes)
 	}(t.probeGen)
 }
 
@@ -794,13 +868,13 @@ const maxFirstProbes = 128
 // probe dials the replica and asks its Health until it answers, then hands
 // the result to the loop. It gives up only when ctx ends (a leave, a newer
 // record, or shutdown).
-func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, probes chan<- probeResult) {
+func (f *fleet) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, probes chan<- probeResult) {
 	// The first dial and Health take a slot of firstProbes: a restart's
 	// list starts a probe per replica at once, and thousands of
 	// connections set up together answer their first Health late, all of
 	// them; a bounded number in flight answer in join order.
 	select {
-	case h.firstProbes <- struct{}{}:
+	case f.firstProbes <- struct{}{}:
 	case <-ctx.Done():
 		return
 	}
@@ -808,21 +882,21 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 	release := func() {
 		if held {
 			held = false
-			<-h.firstProbes
+			<-f.firstProbes
 		}
 	}
 	defer release()
-	rep, err := h.router.Dial(spec)
+	rep, err := f.router.Dial(spec)
 	if err != nil {
-		h.errors.WithLabelValues("dial").Inc()
-		h.log.Error("orchestrator: cannot dial replica", "stage", spec.StageName, "replica", spec.Key.Replica, "addr", spec.Addr, "err", err)
+		f.m.errors.WithLabelValues("dial").Inc()
+		f.log.Error("orchestrator: cannot dial replica", "stage", spec.StageName, "replica", spec.Key.Replica, "addr", spec.Addr, "err", err)
 		return
 	}
 	// Quick retries while a replica starts; after a minute, slow ones.
 	wait := backoff.ExponentialBackOff{InitialInterval: 100 * time.Millisecond, Multiplier: 2, MaxInterval: 2 * time.Second}
 	started := time.Now()
 	for attempt := 1; ; attempt++ {
-		pctx, cancel := context.WithTimeout(ctx, h.cfg.ProbeTimeout)
+		pctx, cancel := context.WithTimeout(ctx, f.cfg.ProbeTimeout)
 		health, err := rep.Client.Health(pctx, &stagepb.HealthRequest{})
 		cancel()
 		release()
@@ -830,7 +904,7 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 			select {
 			case probes <- probeResult{key: spec.Key, gen: gen, rep: rep, health: health, at: time.Now()}:
 			case <-ctx.Done():
-				h.router.Discard(rep)
+				f.router.Discard(rep)
 			}
 			return
 		}
@@ -838,7 +912,7 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 		// answers (a wrong --advertise) is visible as unhealthy in
 		// /v1/replicas without filling the log.
 		if attempt == 1 || isPowerOf10(attempt) {
-			h.log.Warn("orchestrator: replica not serving yet", "stage", spec.StageName, "replica", spec.Key.Replica, "addr", spec.Addr,
+			f.log.Warn("orchestrator: replica not serving yet", "stage", spec.StageName, "replica", spec.Key.Replica, "addr", spec.Addr,
 				"attempts", attempt, "status", health.GetStatus().String(), "err", err)
 		}
 		if time.Since(started) > time.Minute {
@@ -848,7 +922,7 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 		select {
 		case <-ctx.Done():
 			timer.Stop()
-			h.router.Discard(rep)
+			f.router.Discard(rep)
 			return
 		case <-timer.C:
 		}
@@ -856,30 +930,30 @@ func (h *Head) probe(ctx context.Context, spec router.ReplicaSpec, gen uint64, p
 }
 
 // attach finishes a join on the loop goroutine: bind series, then route.
-func (h *Head) attach(pr probeResult) {
-	t := h.known[pr.key]
+func (f *fleet) attach(pr probeResult) {
+	t := f.known[pr.key]
 	if t == nil || t.probeGen != pr.gen || t.detached {
-		h.router.Discard(pr.rep) // superseded by a newer record or a leave
+		f.router.Discard(pr.rep) // superseded by a newer record or a leave
 		return
 	}
 	t.probeGen, t.cancel = 0, nil
 	t.times.answered, t.times.attach = pr.at, time.Now()
 	t.io = ioOf(pr.health)
-	why := h.checkRoles(pr.key, t.io)
+	why := f.checkRoles(pr.key, t.io)
 	if s := pr.health.GetStage(); s != "" && s != t.member.Stage {
 		why = fmt.Sprintf("the record is for stage %s, but the worker at %s serves stage %s", t.member.Stage, t.member.Addr, s)
 	}
 	t.instance = pr.health.GetInstanceId()
 	t.capacity = pr.health.GetCacheConfig().GetMaxNumSeqs()
 	if why == "" {
-		why = h.checkIdentity(t, pr.health)
+		why = f.checkIdentity(t, pr.health)
 	}
 	if why != "" {
 		t.refused = why
-		h.errors.WithLabelValues("role").Inc()
-		h.log.Error("orchestrator: refusing replica: it does not fit the pipeline", "stage", t.member.Stage, "replica", pr.key.Replica, "addr", t.member.Addr, "roles", t.io.String(), "reason", why)
-		h.router.Discard(pr.rep)
-		h.publish(pr.key)
+		f.m.errors.WithLabelValues("role").Inc()
+		f.log.Error("orchestrator: refusing replica: it does not fit the pipeline", "stage", t.member.Stage, "replica", pr.key.Replica, "addr", t.member.Addr, "roles", t.io.String(), "reason", why)
+		f.router.Discard(pr.rep)
+		f.publish(pr.key)
 		return
 	}
 	sleep := pr.health.GetSleepState()
@@ -887,7 +961,7 @@ func (h *Head) attach(pr probeResult) {
 	if n := int(pr.health.GetNumSpeculativeTokens()); n > k {
 		k = n
 	}
-	err := h.stats.Register(t.index, stats.Replica{
+	err := f.stats.Register(t.index, stats.Replica{
 		Stage:                pr.key.Stage,
 		StageName:            t.member.Stage,
 		ReplicaID:            pr.key.Replica,
@@ -899,10 +973,10 @@ func (h *Head) attach(pr probeResult) {
 		Cache:                pr.health.GetCacheConfig(),
 	})
 	if err != nil {
-		h.errors.WithLabelValues("stats").Inc()
-		h.log.Error("orchestrator: cannot bind series; not routing", "stage", t.member.Stage, "replica", pr.key.Replica, "err", err)
-		h.router.Discard(pr.rep)
-		h.publish(pr.key)
+		f.m.errors.WithLabelValues("stats").Inc()
+		f.log.Error("orchestrator: cannot bind series; not routing", "stage", t.member.Stage, "replica", pr.key.Replica, "err", err)
+		f.router.Discard(pr.rep)
+		f.publish(pr.key)
 		return
 	}
 	t.times.bound = time.Now()
@@ -914,18 +988,18 @@ func (h *Head) attach(pr probeResult) {
 	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents(),
 		ContinuesChat: pr.health.GetContinuesChat(), RoutedSubscription: pr.health.GetRoutedSubscription(),
 		InputParts: pr.health.GetInputParts(), InputPartURLs: pr.health.GetInputPartUrls(), InputRole: pr.health.EffectiveInputRole()}
-	if err := h.router.Add(pr.rep); err != nil {
-		h.errors.WithLabelValues("router").Inc()
-		h.log.Error("orchestrator: cannot route", "err", err)
-		h.router.Discard(pr.rep)
-		h.publish(pr.key)
+	if err := f.router.Add(pr.rep); err != nil {
+		f.m.errors.WithLabelValues("router").Inc()
+		f.log.Error("orchestrator: cannot route", "err", err)
+		f.router.Discard(pr.rep)
+		f.publish(pr.key)
 		return
 	}
 	t.routed, t.times.routed = true, time.Time{}
 	t.live.state, t.live.reason = stateOf(t, pr.rep, true)
-	h.attached = append(h.attached, t)
-	h.startCacheSub(pr.rep, pr.health)
-	h.publish(pr.key)
+	f.batch.attached = append(f.batch.attached, t)
+	f.startCacheSub(pr.rep, pr.health)
+	f.publish(pr.key)
 }
 
 // checkIdentity says why a record that points at a worker is not that
@@ -936,15 +1010,15 @@ func (h *Head) attach(pr probeResult) {
 // address names them; a worker that reports none (an older one) is not
 // checked. It reads the routed records' index (routedBy), not every
 // record, so a storm of N joins stays O(N) on the loop.
-func (h *Head) checkIdentity(t *tracked, health *stagepb.HealthResponse) string {
+func (f *fleet) checkIdentity(t *tracked, health *stagepb.HealthResponse) string {
 	if health.GetInstanceId() != "" && health.GetReplicaId() != t.key.Replica {
 		return fmt.Sprintf("the record is for replica %d, but the worker at %s is replica %d", t.key.Replica, t.member.Addr, health.GetReplicaId())
 	}
 	if t.instance == "" {
 		return ""
 	}
-	if key, ok := h.routedBy[t.instance]; ok && key != t.key {
-		stage := h.cfg.Pipeline.StageNames()[key.Stage]
+	if key, ok := f.routed.by[t.instance]; ok && key != t.key {
+		stage := f.cfg.Pipeline.StageNames()[key.Stage]
 		return fmt.Sprintf("the worker at %s already serves %s/%d", t.member.Addr, stage, key.Replica)
 	}
 	return ""
@@ -983,8 +1057,8 @@ const graceCheckInterval = 250 * time.Millisecond
 // leave handles a vanished record. A replica that was never routed is
 // detached at once; a routed one is asked for its Health off the loop, and
 // departed acts on the answer.
-func (h *Head) leave(ctx context.Context, key router.Key, departures chan<- departure, probing *sync.WaitGroup) {
-	t := h.known[key]
+func (f *fleet) leave(ctx context.Context, key router.Key, departures chan<- departure, probing *sync.WaitGroup) {
+	t := f.known[key]
 	if t == nil {
 		return
 	}
@@ -992,19 +1066,19 @@ func (h *Head) leave(ctx context.Context, key router.Key, departures chan<- depa
 		t.cancel()
 		t.cancel, t.probeGen = nil, 0
 	}
-	rep, routed := h.router.Snapshot().Lookup(key)
+	rep, routed := f.router.Snapshot().Lookup(key)
 	if !routed || t.detached {
-		h.detach(t, "left before it was routed")
+		f.detach(t, "left before it was routed")
 		return
 	}
 	if !rep.Healthy() {
 		// Its connection already failed (the process is gone): no probe
 		// needed, and one would only wait for its timeout.
-		h.abortAndDetach(t, rep)
+		f.abortAndDetach(t, rep)
 		return
 	}
-	h.gen++
-	t.leaveGen = h.gen
+	f.gen++
+	t.leaveGen = f.gen
 	probing.Add(1)
 	go func(gen uint64) {
 		defer probing.Done()
@@ -1030,73 +1104,73 @@ func (h *Head) leave(ctx context.Context, key router.Key, departures chan<- depa
 
 // departed finishes a leave on the loop goroutine, unless a newer record
 // arrived meanwhile.
-func (h *Head) departed(d departure) {
-	t := h.known[d.key]
+func (f *fleet) departed(d departure) {
+	t := f.known[d.key]
 	if t == nil || t.leaveGen != d.gen || t.detached {
 		return
 	}
 	t.leaveGen = 0
 	switch d.verdict {
 	case verdictAlive:
-		t.graceUntil = time.Now().Add(h.cfg.LeaseLossGrace)
-		h.log.Warn("orchestrator: replica's record is gone but it still serves; routing to it while it re-registers",
-			"stage", t.member.Stage, "replica", d.key.Replica, "grace", h.cfg.LeaseLossGrace)
-		h.publish(d.key)
+		t.graceUntil = time.Now().Add(f.cfg.LeaseLossGrace)
+		f.log.Warn("orchestrator: replica's record is gone but it still serves; routing to it while it re-registers",
+			"stage", t.member.Stage, "replica", d.key.Replica, "grace", f.cfg.LeaseLossGrace)
+		f.publish(d.key)
 	case verdictGone:
-		rep, _ := h.router.Snapshot().Lookup(d.key)
+		rep, _ := f.router.Snapshot().Lookup(d.key)
 		if d.notServing != "" {
-			h.abortAndDetachWhy(t, rep, "left: not serving: "+d.notServing)
+			f.abortAndDetachWhy(t, rep, "left: not serving: "+d.notServing)
 			return
 		}
-		h.abortAndDetach(t, rep)
+		f.abortAndDetach(t, rep)
 	default:
-		h.detach(t, "drained")
+		f.detach(t, "drained")
 	}
 }
 
 // abortAndDetach detaches a replica that left and does not answer, and
 // cancels its in-flight attempts so they are retried elsewhere at once. rep
 // may be nil.
-func (h *Head) abortAndDetach(t *tracked, rep *router.Replica) {
-	h.abortAndDetachWhy(t, rep, "left and does not answer")
+func (f *fleet) abortAndDetach(t *tracked, rep *router.Replica) {
+	f.abortAndDetachWhy(t, rep, "left and does not answer")
 }
 
 // abortAndDetachWhy is abortAndDetach for a replica that left for the
 // reason why (e.g. it answers but its upstream engine is down).
-func (h *Head) abortAndDetachWhy(t *tracked, rep *router.Replica, why string) {
+func (f *fleet) abortAndDetachWhy(t *tracked, rep *router.Replica, why string) {
 	if rep != nil {
 		if n := rep.Abort(errReplicaGone); n > 0 {
-			h.log.Warn("orchestrator: replica left; retrying its requests elsewhere",
+			f.log.Warn("orchestrator: replica left; retrying its requests elsewhere",
 				"stage", t.member.Stage, "replica", t.key.Replica, "reason", why, "requests", n)
 		}
 	}
-	h.detach(t, why)
+	f.detach(t, why)
 }
 
 // endGraces detaches the replicas whose lease-loss grace ran out without a
 // new record.
-func (h *Head) endGraces(now time.Time) {
-	for _, t := range h.known {
+func (f *fleet) endGraces(now time.Time) {
+	for _, t := range f.known {
 		if !t.graceUntil.IsZero() && !t.detached && now.After(t.graceUntil) {
-			h.detach(t, "did not re-register within its grace")
+			f.detach(t, "did not re-register within its grace")
 		}
 	}
 }
 
 // detach stops routing first, then detaches the series.
-func (h *Head) detach(t *tracked, why string) {
+func (f *fleet) detach(t *tracked, why string) {
 	t.graceUntil, t.leaveGen = time.Time{}, 0
-	h.stopCacheSub(t.key)
-	h.router.Remove(t.key)
+	f.stopCacheSub(t.key)
+	f.router.Remove(t.key)
 	if !t.detached {
-		if err := h.stats.Detach(t.index); err != nil {
-			h.log.Debug("orchestrator: detach", "err", err) // a replica whose probe never answered was never bound
+		if err := f.stats.Detach(t.index); err != nil {
+			f.log.Debug("orchestrator: detach", "err", err) // a replica whose probe never answered was never bound
 		}
 	}
 	t.detached, t.detachedAt = true, time.Now()
 	t.routed, t.refused = false, ""
-	h.log.Info("orchestrator: replica detached", "stage", t.member.Stage, "replica", t.key.Replica, "engine_index", t.index, "reason", why)
-	h.publish(t.key)
+	f.log.Info("orchestrator: replica detached", "stage", t.member.Stage, "replica", t.key.Replica, "engine_index", t.index, "reason", why)
+	f.publish(t.key)
 }
 
 // publish makes the loop's record of key, which it just changed, visible
@@ -1107,14 +1181,14 @@ func (h *Head) detach(t *tracked, why string) {
 // together; outside one, it flushes at once. The join checks' indexes
 // (noteRouted) follow each change at once, so a batch's later joins see
 // its earlier ones.
-func (h *Head) publish(key router.Key) {
-	if t := h.known[key]; t != nil {
-		h.noteRouted(t)
-		h.dirty[key] = struct{}{}
+func (f *fleet) publish(key router.Key) {
+	if t := f.known[key]; t != nil {
+		f.noteRouted(t)
+		f.batch.dirty[key] = struct{}{}
 	}
-	h.wake = true
-	if !h.batching {
-		h.flush()
+	f.batch.wake = true
+	if !f.batch.batching {
+		f.flush()
 	}
 }
 
@@ -1125,46 +1199,46 @@ func (h *Head) publish(key router.Key) {
 // joins costs O(N) per batch, not per join), the sleep states of the
 // records it applied, the stage outputs, and the journal's entry, which
 // wakes the waiters on changed and the watches.
-func (h *Head) flush() {
-	h.batching = false
-	h.router.Commit()
+func (f *fleet) flush() {
+	f.batch.batching = false
+	f.router.Commit()
 	now := time.Now()
-	for _, t := range h.attached {
+	for _, t := range f.batch.attached {
 		if !t.routed || !t.times.routed.IsZero() {
 			continue
 		}
 		t.times.routed = now
-		h.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", t.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "roles", t.io.String(),
+		f.log.Info("orchestrator: replica attached", "stage", t.member.Stage, "replica", t.key.Replica, "engine_index", t.index, "addr", t.member.Addr, "roles", t.io.String(),
 			"probe", t.times.answered.Sub(t.times.event), "join", t.times.routed.Sub(t.times.event))
 	}
-	clear(h.attached)
-	h.attached = h.attached[:0]
+	clear(f.batch.attached)
+	f.batch.attached = f.batch.attached[:0]
 	var keys []router.Key
-	if len(h.dirty) > 0 {
-		keys = slices.SortedFunc(maps.Keys(h.dirty), compareKeys)
-		h.view.Store(h.mergeView(h.view.Load(), keys))
-		clear(h.dirty)
+	if len(f.batch.dirty) > 0 {
+		keys = slices.SortedFunc(maps.Keys(f.batch.dirty), compareKeys)
+		f.view.Store(f.mergeView(f.view.Load(), keys))
+		clear(f.batch.dirty)
 	}
 	// Routing takes the batch's sleep states once the view holds their
 	// records: whoever sees a replica asleep or awake finds the record
 	// that says so (changeSleep compares records from before its call).
-	for _, s := range h.sleeps {
-		h.setSleepState(s.rep, s.state)
+	for _, s := range f.batch.sleeps {
+		f.setSleepState(s.rep, s.state)
 	}
-	clear(h.sleeps)
-	h.sleeps = h.sleeps[:0]
-	if h.outs != nil {
-		h.outputs.Store(h.outs)
-		h.outs = nil
+	clear(f.batch.sleeps)
+	f.batch.sleeps = f.batch.sleeps[:0]
+	if f.batch.outs != nil {
+		f.outputs.Store(f.batch.outs)
+		f.batch.outs = nil
 	}
-	if h.wake {
-		h.wake = false
-		h.journal.Load().append(keys, &h.journal)
+	if f.batch.wake {
+		f.batch.wake = false
+		f.journal.Load().append(keys, &f.journal)
 	}
 }
 
 // changed is closed by the loop's next publish.
-func (h *Head) changed() <-chan struct{} { return h.journal.Load().done }
+func (f *fleet) changed() <-chan struct{} { return f.journal.Load().done }
 
 // recordView is the API's view of the records: copies, by key, that
 // the loop publishes and readers share (see Head.view).
@@ -1172,10 +1246,10 @@ type recordView = sortedseq.Seq[router.Key, *tracked]
 
 // mergeView is old with the records of keys (sorted) copied from the
 // loop's: the chunks of the view that hold them are copied, not the view.
-func (h *Head) mergeView(old *recordView, keys []router.Key) *recordView {
+func (f *fleet) mergeView(old *recordView, keys []router.Key) *recordView {
 	changes := make([]sortedseq.Change[router.Key, *tracked], len(keys))
 	for i, k := range keys {
-		c := *h.known[k]
+		c := *f.known[k]
 		c.cancel = nil
 		changes[i] = sortedseq.Change[router.Key, *tracked]{Key: k, Value: &c}
 	}
@@ -1188,8 +1262,8 @@ func compareKeys(a, b router.Key) int {
 }
 
 // lookup returns the published record of a replica.
-func (h *Head) lookup(key router.Key) (tracked, bool) {
-	if t, ok := h.view.Load().Find(key); ok {
+func (f *fleet) lookup(key router.Key) (tracked, bool) {
+	if t, ok := f.view.Load().Find(key); ok {
 		return *t, true
 	}
 	return tracked{}, false
@@ -1258,20 +1332,22 @@ func (h *Head) MetricFamilyNames() []string { return h.stats.MetricFamilyNames()
 func (h *Head) WriteMetrics(w io.Writer, f expfmt.Format) error { return h.stats.WriteMetrics(w, f) }
 
 // Replicas lists every replica the head knows, detached ones included.
-func (h *Head) Replicas() []ReplicaStatus {
-	snap := h.router.Snapshot()
-	view := h.view.Load()
+func (h *Head) Replicas() []ReplicaStatus { return h.fleet.replicas() }
+
+func (f *fleet) replicas() []ReplicaStatus {
+	snap := f.router.Snapshot()
+	view := f.view.Load()
 	now := time.Now()
 	out := make([]ReplicaStatus, 0, view.Len())
 	for t := range view.All() {
-		out = append(out, h.statusOf(t, snap, now))
+		out = append(out, f.statusOf(t, snap, now))
 	}
 	return out
 }
 
 // statusOf is the GET /v1/replicas row of the published record t, read
 // against snap.
-func (h *Head) statusOf(t *tracked, snap *router.Snapshot, now time.Time) ReplicaStatus {
+func (f *fleet) statusOf(t *tracked, snap *router.Snapshot, now time.Time) ReplicaStatus {
 	s := ReplicaStatus{
 		Stage: t.key.Stage, StageName: t.member.Stage, Replica: t.key.Replica,
 		EngineIndex: t.index, Addr: t.member.Addr, MetricsAddr: t.member.MetricsAddr, JoinedAt: t.joinedAt.UTC().Truncate(time.Second),
@@ -1283,7 +1359,7 @@ func (h *Head) statusOf(t *tracked, snap *router.Snapshot, now time.Time) Replic
 	rep, ok := snap.Lookup(t.key)
 	if ok {
 		s.Load, s.LoadAgeSeconds, s.CacheReportAgeSeconds = signalAges(rep, now)
-		s.PredictedFirstOutputSeconds, s.RTF = h.predictionOf(rep)
+		s.PredictedFirstOutputSeconds, s.RTF = f.predictionOf(rep)
 		s.Addr = rep.Addr // the address traffic goes to, whatever a newer record says
 	}
 	s.State, s.Reason = stateOf(t, rep, ok)
@@ -1341,7 +1417,7 @@ func signalAges(rep *router.Replica, now time.Time) (load *int64, loadAge, cache
 
 // Known is how many replica records the head knows (routed, joining,
 // refused or detached): the size of its view, O(1).
-func (h *Head) Known() int { return h.view.Load().Len() }
+func (h *Head) Known() int { return h.fleet.view.Load().Len() }
 
 // Ready reports whether every stage has a routable replica; otherwise it
 // names the first stage that has none.

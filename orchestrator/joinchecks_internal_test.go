@@ -31,14 +31,14 @@ func bareHead(t testing.TB) *Head {
 // route makes the loop's record of key routed, with roles io and the
 // worker's instance id, and publishes it, as attach does.
 func (h *Head) routeForTest(key router.Key, io stageIO, instance string) {
-	t := h.known[key]
+	t := h.fleet.known[key]
 	if t == nil {
-		t = &tracked{key: key, index: len(h.known)}
-		h.known[key] = t
+		t = &tracked{key: key, index: len(h.fleet.known)}
+		h.fleet.known[key] = t
 	}
 	t.member = membership.Member{Stage: h.cfg.Pipeline.StageNames()[key.Stage], ReplicaID: key.Replica}
 	t.io, t.instance, t.routed, t.detached = io, instance, true, false
-	h.publish(key)
+	h.fleet.publish(key)
 }
 
 var (
@@ -56,22 +56,22 @@ func TestJoinChecksFollowRoutedRecords(t *testing.T) {
 
 	joining := &tracked{key: b, instance: "proc-1", member: membership.Member{Addr: "10.0.0.9:7000"}}
 	health := &stagepb.HealthResponse{InstanceId: "proc-1", ReplicaId: 2}
-	assert.Contains(t, h.checkIdentity(joining, health), "already serves thinker/1", "one process, one routed record")
-	assert.Contains(t, h.checkRoles(b, codesIO), "stage thinker serves text → text, but this replica is text → codes")
-	assert.Empty(t, h.checkRoles(b, textIO))
+	assert.Contains(t, h.fleet.checkIdentity(joining, health), "already serves thinker/1", "one process, one routed record")
+	assert.Contains(t, h.fleet.checkRoles(b, codesIO), "stage thinker serves text → text, but this replica is text → codes")
+	assert.Empty(t, h.fleet.checkRoles(b, textIO))
 
 	// a leaves: unrouted (detach does this, then publishes).
-	h.known[a].routed, h.known[a].detached = false, true
-	h.publish(a)
-	assert.Empty(t, h.checkIdentity(joining, health), "the instance is free once its record left")
-	assert.Empty(t, h.checkRoles(b, codesIO), "no routed replica of the stage: the next one sets its roles")
+	h.fleet.known[a].routed, h.fleet.known[a].detached = false, true
+	h.fleet.publish(a)
+	assert.Empty(t, h.fleet.checkIdentity(joining, health), "the instance is free once its record left")
+	assert.Empty(t, h.fleet.checkRoles(b, codesIO), "no routed replica of the stage: the next one sets its roles")
 
 	// A record re-routed under the same key keeps its own instance.
 	h.routeForTest(a, textIO, "proc-1")
 	h.routeForTest(b, textIO, "proc-2")
-	h.known[b].routed = false
-	h.publish(b)
-	assert.Contains(t, h.checkIdentity(joining, health), "already serves thinker/1", "b's leave does not free a's instance")
+	h.fleet.known[b].routed = false
+	h.fleet.publish(b)
+	assert.Contains(t, h.fleet.checkIdentity(joining, health), "already serves thinker/1", "b's leave does not free a's instance")
 }
 
 // BenchmarkJoinChecks is the loop's role and identity checks of one join
@@ -88,7 +88,7 @@ func BenchmarkJoinChecks(b *testing.B) {
 			health := &stagepb.HealthResponse{InstanceId: "new-proc", ReplicaId: key.Replica}
 			b.ResetTimer()
 			for range b.N {
-				if h.checkRoles(key, textIO) != "" || h.checkIdentity(joining, health) != "" {
+				if h.fleet.checkRoles(key, textIO) != "" || h.fleet.checkIdentity(joining, health) != "" {
 					b.Fatal("refused")
 				}
 			}

@@ -22,7 +22,7 @@ func TestJoinTimesFollowTheJoin(t *testing.T) {
 	h := startHead(t, cli, Pipeline{Model: "m", Stages: []Stage{{Name: "thinker"}}})
 	key := router.Key{Stage: 0, Replica: 1}
 	times := func() joinTimes {
-		tr, ok := h.lookup(key)
+		tr, ok := h.fleet.lookup(key)
 		require.True(t, ok)
 		return tr.times
 	}
@@ -30,7 +30,7 @@ func TestJoinTimesFollowTheJoin(t *testing.T) {
 	slow := &probeServer{gate: make(chan struct{})}
 	r := register(t, cli, "thinker", 1, startProbeServer(t, slow))
 	waitFor(t, "join applied, probe held", func() bool {
-		_, ok := h.lookup(key)
+		_, ok := h.fleet.lookup(key)
 		return ok && slow.probes.Load() > 0
 	})
 	held := times()
@@ -62,7 +62,7 @@ func TestJoinTimesFollowTheJoin(t *testing.T) {
 	rejoin := times()
 	assert.True(t, rejoin.answered.IsZero() && rejoin.routed.IsZero(), "the first join's stamps are not kept: %+v", rejoin)
 	close(wrong.gate)
-	waitFor(t, "refused", func() bool { tr, _ := h.lookup(key); return tr.refused != "" })
+	waitFor(t, "refused", func() bool { tr, _ := h.fleet.lookup(key); return tr.refused != "" })
 	refused := times()
 	assert.False(t, refused.answered.IsZero())
 	assert.True(t, refused.bound.IsZero() && refused.routed.IsZero(), "a refused replica is not bound or routed: %+v", refused)

@@ -14,10 +14,10 @@ import (
 // a chunk's stats do, so every head reads every replica's load as the
 // engine reports it, also of a replica this head sends nothing (live once
 // the first report arrived).
-func (h *Head) subscribeLoad(ctx context.Context, rep *router.Replica) (live bool, _ error) {
+func (f *fleet) subscribeLoad(ctx context.Context, rep *router.Replica) (live bool, _ error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	stream, err := rep.Client.SubscribeLoad(ctx, &stagepb.SubscribeLoadRequest{}, h.calls...)
+	stream, err := rep.Client.SubscribeLoad(ctx, &stagepb.SubscribeLoadRequest{}, callOptions(f.cfg)...)
 	if err != nil {
 		return false, fmt.Errorf("orchestrator: subscribe to load: %w", err)
 	}
@@ -28,8 +28,8 @@ func (h *Head) subscribeLoad(ctx context.Context, rep *router.Replica) (live boo
 		}
 		live = true
 		setLoad(rep, s)
-		if err := h.stats.Record(rep.EngineIndex, s); err != nil {
-			h.log.Debug("orchestrator: record load", "err", err)
+		if err := f.stats.Record(rep.EngineIndex, s); err != nil {
+			f.log.Debug("orchestrator: record load", "err", err)
 		}
 	}
 }

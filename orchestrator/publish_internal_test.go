@@ -36,20 +36,20 @@ func TestPublishCopiesOnlyTheChangedRecord(t *testing.T) {
 
 	published := map[router.Key]*tracked{} // the copy readers got for each key
 	for i, k := range keys {
-		changed := h.changed()
-		h.known[k] = &tracked{key: k, index: i}
-		h.publish(k)
+		changed := h.fleet.changed()
+		h.fleet.known[k] = &tracked{key: k, index: i}
+		h.fleet.publish(k)
 		select {
 		case <-changed:
 		default:
 			t.Fatalf("publish of %v did not wake the waiters", k)
 		}
-		view := slices.Collect(h.view.Load().All())
+		view := slices.Collect(h.fleet.view.Load().All())
 		require.Len(t, view, i+1)
 		require.True(t, slices.IsSortedFunc(view, func(a, b *tracked) int { return compareKeys(a.key, b.key) }), "view sorted by key after %v", k)
 		for _, e := range view {
-			assert.Equal(t, h.known[e.key].index, e.index)
-			assert.NotSame(t, h.known[e.key], e, "the view holds copies, not the loop's records")
+			assert.Equal(t, h.fleet.known[e.key].index, e.index)
+			assert.NotSame(t, h.fleet.known[e.key], e, "the view holds copies, not the loop's records")
 			if p, ok := published[e.key]; ok {
 				assert.Same(t, p, e, "publishing %v copied %v again", k, e.key)
 			}
@@ -58,27 +58,27 @@ func TestPublishCopiesOnlyTheChangedRecord(t *testing.T) {
 	}
 
 	k := keys[7]
-	h.known[k].index = 1000 // a change on the loop, not published yet
-	got, ok := h.lookup(k)
+	h.fleet.known[k].index = 1000 // a change on the loop, not published yet
+	got, ok := h.fleet.lookup(k)
 	require.True(t, ok)
 	assert.Equal(t, 7, got.index, "an unpublished change is not visible")
-	h.publish(k)
-	got, ok = h.lookup(k)
+	h.fleet.publish(k)
+	got, ok = h.fleet.lookup(k)
 	require.True(t, ok)
 	assert.Equal(t, 1000, got.index)
-	assert.Equal(t, len(keys), h.view.Load().Len(), "republishing a key replaces its record")
+	assert.Equal(t, len(keys), h.fleet.view.Load().Len(), "republishing a key replaces its record")
 	assert.Equal(t, len(keys), h.Known(), "Known counts the published records")
 
-	before := h.view.Load()
-	changed := h.changed()
-	h.publish(router.Key{Stage: 0, Replica: 99}) // an event for a key the head never tracked
-	assert.Same(t, before, h.view.Load(), "nothing to copy")
+	before := h.fleet.view.Load()
+	changed := h.fleet.changed()
+	h.fleet.publish(router.Key{Stage: 0, Replica: 99}) // an event for a key the head never tracked
+	assert.Same(t, before, h.fleet.view.Load(), "nothing to copy")
 	select {
 	case <-changed:
 	default:
 		t.Fatal("publish of an untracked key did not wake the waiters")
 	}
-	_, ok = h.lookup(router.Key{Stage: 0, Replica: 99})
+	_, ok = h.fleet.lookup(router.Key{Stage: 0, Replica: 99})
 	assert.False(t, ok)
 }
 
@@ -94,33 +94,33 @@ func TestBatchPublishesAtFlush(t *testing.T) {
 	})
 	require.NoError(t, err)
 	keys := []router.Key{{Stage: 0, Replica: 3}, {Stage: 0, Replica: 1}, {Stage: 1, Replica: 2}}
-	changed := h.changed()
-	h.begin()
+	changed := h.fleet.changed()
+	h.fleet.begin()
 	for i, k := range keys {
-		h.known[k] = &tracked{key: k, index: i}
-		h.publish(k)
+		h.fleet.known[k] = &tracked{key: k, index: i}
+		h.fleet.publish(k)
 	}
-	assert.Zero(t, h.view.Load().Len(), "nothing published within the batch")
+	assert.Zero(t, h.fleet.view.Load().Len(), "nothing published within the batch")
 	select {
 	case <-changed:
 		t.Fatal("waiters woken before the batch was published")
 	default:
 	}
-	h.before(keys[2]) // the batch changed it: published first
-	require.Equal(t, 3, h.view.Load().Len())
+	h.fleet.before(keys[2]) // the batch changed it: published first
+	require.Equal(t, 3, h.fleet.view.Load().Len())
 	<-changed
-	assert.True(t, h.batching, "a new batch started")
-	h.known[keys[2]].index = 100
-	h.publish(keys[2])
-	got, _ := h.lookup(keys[2])
+	assert.True(t, h.fleet.batch.batching, "a new batch started")
+	h.fleet.known[keys[2]].index = 100
+	h.fleet.publish(keys[2])
+	got, _ := h.fleet.lookup(keys[2])
 	assert.Equal(t, 2, got.index, "the new batch is not published yet")
-	h.before(keys[0]) // not changed in this batch: nothing published
-	got, _ = h.lookup(keys[2])
+	h.fleet.before(keys[0]) // not changed in this batch: nothing published
+	got, _ = h.fleet.lookup(keys[2])
 	assert.Equal(t, 2, got.index)
-	h.flush()
-	got, _ = h.lookup(keys[2])
+	h.fleet.flush()
+	got, _ = h.fleet.lookup(keys[2])
 	assert.Equal(t, 100, got.index)
-	assert.False(t, h.batching)
-	view := slices.Collect(h.view.Load().All())
+	assert.False(t, h.fleet.batch.batching)
+	view := slices.Collect(h.fleet.view.Load().All())
 	assert.True(t, slices.IsSortedFunc(view, func(a, b *tracked) int { return compareKeys(a.key, b.key) }))
 }

@@ -42,17 +42,17 @@ const liveCheckInterval = time.Second
 // and watches follow the loop's publishes only. The loop's goroutine
 // only, within a batch. O(N) map lookups and atomic loads, once a second
 // whatever the watches.
-func (h *Head) checkLive() {
-	snap := h.router.Snapshot()
-	for stage := range h.cfg.Pipeline.Stages {
+func (f *fleet) checkLive() {
+	snap := f.router.Snapshot()
+	for stage := range f.cfg.Pipeline.Stages {
 		for rep := range snap.Stage(stage).All() {
-			t := h.known[rep.Key]
+			t := f.known[rep.Key]
 			if t == nil || !t.routed {
 				continue
 			}
 			if state, reason := stateOf(t, rep, true); state != t.live.state || reason != t.live.reason {
 				t.live = rowState{state, reason}
-				h.publish(t.key)
+				f.publish(t.key)
 			}
 		}
 	}
@@ -65,7 +65,7 @@ func (h *Head) checkLive() {
 // fleet's, and a quiet fleet costs it nothing. One goroutine calls Next
 // at a time; watches are independent.
 type ReplicaWatch struct {
-	h     *Head
+	h     *fleet
 	stage int // the stage it follows; -1: every stage
 	at    *viewChange
 	sent  map[router.Key]rowMark
@@ -94,11 +94,15 @@ func markOf(s *ReplicaStatus) rowMark {
 // WatchReplicas starts a watch of stage's rows (-1: every stage's) and
 // returns it with the rows as they are now, in key order.
 func (h *Head) WatchReplicas(stage int) (*ReplicaWatch, []ReplicaStatus) {
+	return h.fleet.watchReplicas(stage)
+}
+
+func (f *fleet) watchReplicas(stage int) (*ReplicaWatch, []ReplicaStatus) {
 	// The journal's entry first: a publish after it is news to the
 	// watch, even when the rows below already show it (then its marks
 	// match and nothing is sent twice).
-	w := &ReplicaWatch{h: h, stage: stage, at: h.journal.Load()}
-	w.sent = make(map[router.Key]rowMark, h.view.Load().Len())
+	w := &ReplicaWatch{h: f, stage: stage, at: f.journal.Load()}
+	w.sent = make(map[router.Key]rowMark, f.view.Load().Len())
 	return w, w.readAll()
 }
 

@@ -39,17 +39,17 @@ func routedHead(tb testing.TB, n int) (*Head, []*router.Replica) {
 	require.NoError(tb, err)
 	tb.Cleanup(h.router.Close)
 	reps := make([]*router.Replica, n)
-	h.begin()
+	h.fleet.begin()
 	for i := range n {
 		key := router.Key{Stage: 0, Replica: uint32(i + 1)}
 		rep, err := h.router.Dial(router.ReplicaSpec{Key: key, StageName: "thinker", EngineIndex: i, Addr: fmt.Sprintf("127.0.0.1:%d", 1+i%1000)})
 		require.NoError(tb, err)
 		require.NoError(tb, h.router.Add(rep))
-		h.known[key] = &tracked{key: key, index: i, routed: true, live: rowState{state: StateAttached}}
-		h.publish(key)
+		h.fleet.known[key] = &tracked{key: key, index: i, routed: true, live: rowState{state: StateAttached}}
+		h.fleet.publish(key)
 		reps[i] = rep
 	}
-	h.flush()
+	h.fleet.flush()
 	return h, reps
 }
 
@@ -58,10 +58,10 @@ func routedHead(tb testing.TB, n int) (*Head, []*router.Replica) {
 // watch, which follows publishes, sees them), and nothing when none did.
 func TestCheckLivePublishesChangedStates(t *testing.T) {
 	h, reps := routedHead(t, 50)
-	check := func() { h.begin(); h.checkLive(); h.flush() } // as the loop runs it
-	entry := h.journal.Load()
+	check := func() { h.fleet.begin(); h.fleet.checkLive(); h.fleet.flush() } // as the loop runs it
+	entry := h.fleet.journal.Load()
 	check()
-	assert.Same(t, entry, h.journal.Load(), "nothing changed: nothing published")
+	assert.Same(t, entry, h.fleet.journal.Load(), "nothing changed: nothing published")
 
 	reps[7].MarkDraining()
 	reps[20].SetSleepState(stagepb.SleepState_SLEEP_STATE_WEIGHTS_OFFLOADED)
@@ -72,12 +72,12 @@ func TestCheckLivePublishesChangedStates(t *testing.T) {
 		t.Fatal("a changed state was not published")
 	}
 	assert.Equal(t, []router.Key{reps[7].Key, reps[20].Key}, entry.keys)
-	got, ok := h.lookup(reps[7].Key)
+	got, ok := h.fleet.lookup(reps[7].Key)
 	require.True(t, ok)
 	assert.True(t, strings.HasPrefix(got.live.reason, "draining:"), "the view holds the state the check saw")
-	next := h.journal.Load()
+	next := h.fleet.journal.Load()
 	check()
-	assert.Same(t, next, h.journal.Load(), "a state is published once")
+	assert.Same(t, next, h.fleet.journal.Load(), "a state is published once")
 }
 
 // BenchmarkCheckLive is the loop's check each liveCheckInterval, nothing
@@ -87,9 +87,9 @@ func BenchmarkCheckLive(b *testing.B) {
 		b.Run(fmt.Sprintf("replicas=%d", n), func(b *testing.B) {
 			h, _ := routedHead(b, n)
 			for b.Loop() {
-				h.begin()
-				h.checkLive()
-				h.flush()
+				h.fleet.begin()
+				h.fleet.checkLive()
+				h.fleet.flush()
 			}
 		})
 	}

@@ -34,16 +34,16 @@ func (s stageIO) String() string { return s.in + " → " + s.out }
 // and all routed replicas of a stage have the same roles, so it compares
 // with each neighbouring stage's roles (routedIO), not with every record:
 // a storm of N joins stays O(N) on the loop. It runs on the loop goroutine.
-func (h *Head) checkRoles(key router.Key, io stageIO) string {
-	names := h.cfg.Pipeline.StageNames()
+func (f *fleet) checkRoles(key router.Key, io stageIO) string {
+	names := f.cfg.Pipeline.StageNames()
 	if key.Stage == 0 && io.in != stagepb.RoleText && io.in != stagepb.RoleAudio {
 		return fmt.Sprintf("stage %s is the first stage, which takes text from the client, but this replica takes %s (a first stage takes text, or audio for speech recognition)", names[0], io.in)
 	}
 	routed := func(st int) (stageIO, bool) {
-		if st < 0 || st >= len(h.routedCount) || h.routedCount[st] == 0 {
+		if st < 0 || st >= len(f.routed.count) || f.routed.count[st] == 0 {
 			return stageIO{}, false
 		}
-		return h.routedIO[st], true
+		return f.routed.io[st], true
 	}
 	if o, ok := routed(key.Stage); ok && o != io {
 		return fmt.Sprintf("stage %s serves %s, but this replica is %s", names[key.Stage], o, io)
@@ -66,7 +66,7 @@ func (h *Head) checkRoles(key router.Key, io stageIO) string {
 // replicas of a stage give the same (checkRoles), so the output is the
 // latest routed one's. It runs on the loop goroutine; flush publishes the
 // outputs.
-func (h *Head) noteRouted(t *tracked) {
+func (f *fleet) noteRouted(t *tracked) {
 	was, is := t.noted, t.routed
 	if was == is {
 		return
@@ -74,24 +74,24 @@ func (h *Head) noteRouted(t *tracked) {
 	t.noted = is
 	st := t.key.Stage
 	if is {
-		h.routedCount[st]++
-		h.routedIO[st] = t.io
+		f.routed.count[st]++
+		f.routed.io[st] = t.io
 		t.notedInst = t.instance
 		if t.instance != "" {
-			h.routedBy[t.instance] = t.key
+			f.routed.by[t.instance] = t.key
 		}
 	} else {
-		h.routedCount[st]--
-		if t.notedInst != "" && h.routedBy[t.notedInst] == t.key {
-			delete(h.routedBy, t.notedInst)
+		f.routed.count[st]--
+		if t.notedInst != "" && f.routed.by[t.notedInst] == t.key {
+			delete(f.routed.by, t.notedInst)
 		}
 	}
-	out := h.outs
+	out := f.batch.outs
 	if out == nil {
-		out = h.outputs.Load()
+		out = f.outputs.Load()
 	}
 	want := ""
-	if h.routedCount[st] > 0 {
+	if f.routed.count[st] > 0 {
 		want = (*out)[st]
 		if is {
 			want = t.io.out
@@ -100,7 +100,7 @@ func (h *Head) noteRouted(t *tracked) {
 	if (*out)[st] != want {
 		next := slices.Clone(*out)
 		next[st] = want
-		h.outs = &next
+		f.batch.outs = &next
 	}
 }
 

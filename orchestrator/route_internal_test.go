@@ -110,7 +110,7 @@ stages:
 
 	assert.Equal(t, 2*time.Second, p.Stages[1].Deadline.RTFWindow)
 
-	h := &Head{deadlineStage: []bool{true, true}, admits: []bool{true, false}, targets: []Targets{p.targets(0), p.targets(1)}}
+	h := &Head{deadline: stageDeadlines{on: []bool{true, true}, admits: []bool{true, false}, targets: []Targets{p.targets(0), p.targets(1)}}}
 	at := time.Unix(1000, 0)
 	sr := &stageRun{req: Request{Received: at}, stage: 0, n: 2, route: &router.Request{}}
 	h.setDeadline(sr)

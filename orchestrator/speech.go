@@ -18,7 +18,7 @@ func (h *Head) SpeechStages() int {
 	if n == 1 {
 		return 0
 	}
-	outputs := *h.outputs.Load()
+	outputs := *h.fleet.outputs.Load()
 	for i := n - 2; i >= 0; i-- {
 		if outputs[i] == stagepb.RoleText {
 			return i + 1
@@ -32,7 +32,7 @@ func (h *Head) SpeechStages() int {
 // runs, as executeStreamed does after stage 0. The last stage's audio goes
 // to req.OnAudio as it is made. The result's usage is the first stage's.
 func (h *Head) executeFrom(ctx context.Context, req Request, first, n int, in *stagepb.GenerateRequest) (*Result, time.Duration, error) {
-	if out := (*h.outputs.Load())[n-1]; out != "" && out != stagepb.RoleAudio {
+	if out := (*h.fleet.outputs.Load())[n-1]; out != "" && out != stagepb.RoleAudio {
 		return nil, 0, newError(ErrBadRequest, nil, "the pipeline makes no speech: its last stage %q gives %s, not audio", h.cfg.Pipeline.Stages[n-1].Name, out)
 	}
 	in.OutputCodesPerChunk = h.segmentUnits(first, n, stagepb.RoleCodes)

@@ -151,7 +151,7 @@ func (run *streamedRun) forwarder(ctx context.Context, stage int) forwarder {
 // for only when the client does not read the text as it is made: the
 // caller's rule.
 func (h *Head) segmentUnits(stage, n int, role string) uint32 {
-	if stage+1 >= n || (*h.outputs.Load())[stage] != role || h.cfg.StallTimeout < 2*stagepb.MaxHeldOutput {
+	if stage+1 >= n || (*h.fleet.outputs.Load())[stage] != role || h.cfg.StallTimeout < 2*stagepb.MaxHeldOutput {
 		return 0
 	}
 	if units := h.cfg.Pipeline.Stages[stage+1].InputChunk; units > 0 {
@@ -341,7 +341,7 @@ func (h *Head) openStreamed(ctx context.Context, a *attemptRun, stall *stallWatc
 func (h *Head) sendInput(ctx context.Context, a *attemptRun, stream stagepb.StageService_GenerateStreamClient, stall *stallWatch) {
 	in, stage := a.sr.input, a.sr.stage
 	units := uint32(max(h.cfg.Pipeline.Stages[stage].InputChunk, 0))
-	role := (*h.outputs.Load())[stage-1] // what the stage before gives
+	role := (*h.fleet.outputs.Load())[stage-1] // what the stage before gives
 	for i := 0; ; {
 		ps, ok, err := in.availableWaiting(ctx, i, stall, &a.wait)
 		if err != nil {
