@@ -1,23 +1,27 @@
 package bench
 
 import (
-	"bufio"
-	"bytes"
 	"encoding/json"
+	"errors"
 	"io"
+
+	"github.com/troupe-serving/troupe/pkg/sse"
 )
 
 // ReadDeltas reads a streamed chat completion (server-sent events) from r
 // and calls onDelta with each non-empty content delta as it arrives. done
 // reports whether the stream ended with "data: [DONE]".
 func ReadDeltas(r io.Reader, onDelta func(content string)) (done bool, err error) {
-	sc := bufio.NewScanner(r)
-	for sc.Scan() {
-		data, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
-		if !ok {
-			continue
+	events := sse.NewReader(r)
+	for {
+		data, err := events.Next()
+		if errors.Is(err, io.EOF) {
+			return done, nil
 		}
-		if string(data) == "[DONE]" {
+		if err != nil {
+			return done, err
+		}
+		if string(data) == sse.Done {
 			done = true
 			continue
 		}
@@ -35,5 +39,4 @@ func ReadDeltas(r io.Reader, onDelta func(content string)) (done bool, err error
 			onDelta(ev.Choices[0].Delta.Content)
 		}
 	}
-	return done, sc.Err()
 }

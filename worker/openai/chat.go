@@ -1,8 +1,6 @@
 package openai
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -13,6 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/troupe-serving/troupe/pkg/sse"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
@@ -201,9 +200,9 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 		count       tokenCounter
 		deltas      int
 	)
-	events := newSSEReader(resp.Body)
+	events := sse.NewReader(resp.Body)
 	for {
-		data, err := events.next()
+		data, err := events.Next()
 		if errors.Is(err, io.EOF) {
 			break
 		}
@@ -213,7 +212,7 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 			}
 			return status.Errorf(codes.Unavailable, "openai: upstream stream broken after %d deltas: %v", deltas, err)
 		}
-		if string(data) == "[DONE]" {
+		if string(data) == sse.Done {
 			done = true
 			break
 		}
@@ -359,52 +358,4 @@ func finishReason(s string) stagepb.FinishReason {
 		return stagepb.FinishReason_FINISH_REASON_ABORT
 	}
 	return stagepb.FinishReason_FINISH_REASON_STOP
-}
-
-// sseReader reads the data of server-sent events.
-type sseReader struct {
-	sc   *bufio.Scanner
-	data bytes.Buffer
-}
-
-// maxEventBytes bounds one SSE line.
-const maxEventBytes = 8 << 20
-
-func newSSEReader(r io.Reader) *sseReader {
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 0, 64<<10), maxEventBytes)
-	return &sseReader{sc: sc}
-}
-
-// next returns the data of the next event (its data lines joined by
-// "\n"). Comments and other fields are skipped. At the end of the stream
-// an unterminated event is still returned; then io.EOF. Transport errors
-// (a connection cut mid-stream) are returned as they are.
-func (r *sseReader) next() ([]byte, error) {
-	r.data.Reset()
-	has := false
-	for r.sc.Scan() {
-		line := r.sc.Bytes()
-		switch {
-		case len(line) == 0:
-			if has {
-				return r.data.Bytes(), nil
-			}
-		case line[0] == ':':
-		case bytes.HasPrefix(line, []byte("data:")):
-			v := bytes.TrimPrefix(line[5:], []byte(" "))
-			if has {
-				r.data.WriteByte('\n')
-			}
-			r.data.Write(v)
-			has = true
-		}
-	}
-	if err := r.sc.Err(); err != nil {
-		return nil, err
-	}
-	if has {
-		return r.data.Bytes(), nil
-	}
-	return nil, io.EOF
 }

@@ -176,6 +176,32 @@ func TestStreamCut(t *testing.T) {
 	}
 }
 
+// TestStreamEventEdges: the stream is read by pkg/sse's rules. A last
+// event that no blank line ends is still read (an upstream that closes
+// after its last line loses nothing); a bare "data" line is an empty data
+// field, as "data:" is, so an event of it alone is malformed.
+func TestStreamEventEdges(t *testing.T) {
+	f := newFake(t)
+	f.route("POST /v1/chat/completions", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: "+delta("one")+"\n\n: ping\r\ndata:"+delta(" two")+"\r\n\r\ndata: "+finish("stop"))
+	})
+	e := startText(t, openai.Config{URL: f.URL})
+	chunks, err := collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
+	require.NoError(t, err)
+	assert.Equal(t, "one two", joinText(chunks))
+	assert.Equal(t, stagepb.FinishReason_FINISH_REASON_STOP, chunks[len(chunks)-1].GetFinishReason())
+
+	for _, empty := range []string{"data:", "data"} {
+		f.route("POST /v1/chat/completions", func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			_, _ = io.WriteString(w, "data: "+delta("one")+"\n\n"+empty+"\n\ndata: [DONE]\n\n")
+		})
+		_, err := collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
+		assert.Equal(t, codes.Internal, status.Code(err), "%s: %v", empty, err)
+	}
+}
+
 // TestStatusCodes: upstream errors keep their meaning as gRPC codes, with
 // the upstream's message.
 func TestStatusCodes(t *testing.T) {

@@ -43,6 +43,10 @@ func (e *TranscriptionEngine) Health() *stagepb.HealthResponse {
 	return h
 }
 
+// maxAnswerBytes bounds the upstream's transcription answer, so that an
+// upstream cannot make the worker buffer without bound.
+const maxAnswerBytes = 8 << 20
+
 // transcriptionAnswer is the upstream's json answer.
 type transcriptionAnswer struct {
 	Text  string `json:"text"`
@@ -93,7 +97,7 @@ func (e *TranscriptionEngine) Generate(ctx context.Context, req *stagepb.Generat
 		return statusError(resp)
 	}
 	var ans transcriptionAnswer
-	if err := json.NewDecoder(io.LimitReader(resp.Body, maxEventBytes)).Decode(&ans); err != nil {
+	if err := json.NewDecoder(io.LimitReader(resp.Body, maxAnswerBytes)).Decode(&ans); err != nil {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}

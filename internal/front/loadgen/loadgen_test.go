@@ -113,6 +113,27 @@ func TestStreamErrorEventFails(t *testing.T) {
 	}
 }
 
+// TestStreamEventEdges: the stream is read by pkg/sse's rules, not line by
+// line: "data:" without a space, comments, CRLF, data lines joined into
+// one event, a delta over bufio.Scanner's default 64 KiB, and a [DONE]
+// that no blank line ends all read as the server meant them.
+func TestStreamEventEdges(t *testing.T) {
+	long := strings.Repeat("x", 100<<10)
+	stream := ": ping\r\n" +
+		"data:{\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\r\n\r\n" +
+		"data: {\"choices\":[{\"delta\":\ndata: {\"content\":\"b\"}}]}\n\n" +
+		"data: {\"choices\":[{\"delta\":{\"content\":\"" + long + "\"}}]}\n\n" +
+		"data: [DONE]"
+	var rec Record
+	now := 0.0
+	err := (&client{sampleRate: 24000}).readStream(strings.NewReader(stream), &rec, func() float64 { now++; return now })
+	require.NoError(t, err)
+	assert.Equal(t, 3, rec.Deltas)
+
+	err = (&client{sampleRate: 24000}).readStream(strings.NewReader("data: {\"choices\":[]}\n\ndata:\n\n"), &Record{}, func() float64 { return 0 })
+	assert.ErrorContains(t, err, "loadgen: decoding an event")
+}
+
 // A stream that a troupe head stopped at its target after the text began
 // (a deadline_missed error event: the first audio was late), or that a
 // later stage's admission refused (deadline_unmeetable), is shed, not

@@ -1,7 +1,6 @@
 package loadgen
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/base64"
@@ -13,6 +12,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/troupe-serving/troupe/pkg/sse"
 )
 
 // Outcome is how a request ended.
@@ -214,18 +215,20 @@ type player struct {
 
 // readStream reads server-sent events: text deltas and PCM16 audio deltas.
 func (c *client) readStream(r io.Reader, rec *Record, since func() float64) error {
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 64*1024), 16*1024*1024)
+	events := sse.NewReader(r)
 	var text strings.Builder
 	var lastDelta, firstAudio float64
 	var p player
 	done := false
-	for sc.Scan() {
-		data, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
-		if !ok {
-			continue
+	for {
+		data, err := events.Next()
+		if errors.Is(err, io.EOF) {
+			break
 		}
-		if string(data) == "[DONE]" {
+		if err != nil {
+			return fmt.Errorf("loadgen: reading the stream: %w", err)
+		}
+		if string(data) == sse.Done {
 			done = true
 			continue
 		}
@@ -289,9 +292,6 @@ func (c *client) readStream(r io.Reader, rec *Record, since func() float64) erro
 			p.buffered += sec * 1000
 			rec.AudioSeconds += sec
 		}
-	}
-	if err := sc.Err(); err != nil {
-		return fmt.Errorf("loadgen: reading the stream: %w", err)
 	}
 	if !done {
 		return fmt.Errorf("loadgen: the stream ended without [DONE]")

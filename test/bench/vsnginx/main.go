@@ -23,7 +23,6 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -39,6 +38,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/troupe-serving/troupe/pkg/sse"
 	"github.com/troupe-serving/troupe/test/bench"
 )
 
@@ -350,14 +350,16 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 func checkStreamedAudio(r io.Reader) error {
 	var audioBytes, transcript int
 	done := false
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 64<<10), 16<<20)
-	for sc.Scan() {
-		data, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
-		if !ok {
-			continue
+	events := sse.NewReader(r)
+	for {
+		data, err := events.Next()
+		if errors.Is(err, io.EOF) {
+			break
 		}
-		if string(data) == "[DONE]" {
+		if err != nil {
+			return fmt.Errorf("vsnginx: %w", err)
+		}
+		if string(data) == sse.Done {
 			done = true
 			continue
 		}
@@ -378,9 +380,6 @@ func checkStreamedAudio(r io.Reader) error {
 			audioBytes += len(ev.Choices[0].Delta.Audio.Data)
 			transcript += len(ev.Choices[0].Delta.Audio.Transcript)
 		}
-	}
-	if err := sc.Err(); err != nil {
-		return fmt.Errorf("vsnginx: %w", err)
 	}
 	if !done || audioBytes == 0 || transcript == 0 {
 		return fmt.Errorf("vsnginx: streamed audio ended without audio (%d), transcript (%d) or [DONE]", audioBytes, transcript)
