@@ -11,7 +11,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/internal/core/stats"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
@@ -89,21 +88,19 @@ type Result struct {
 	pcmBytes       int // the audio's length, in PCM or not
 }
 
-// Execute walks req through the pipeline: each stage's output is the next
-// stage's input, chosen by the role the stage gives (text or codes; see
-// nextInput). With a streaming pipeline (the default) every stage runs at
-// once and each chunk of output is forwarded to the next stage as it is
-// made; otherwise each stage starts when the one before it finished.
-// onText receives stage 0's text as it arrives and req.OnAudio the last
-// stage's audio; either may be nil, and an error from either aborts the
-// request. Execute is safe for concurrent use.
+// Execute runs req through the pipeline as its plan says (planOf): each
+// stage's output is the next stage's input, chosen by the role the stage
+// gives (text or codes; see nextInput). With a streaming pipeline (the
+// default) every stage runs at once and each chunk of output is forwarded
+// to the next stage as it is made; otherwise each stage starts when the
+// one before it finished. onText receives the text stage's text as it
+// arrives and req.OnAudio the last stage's audio; either may be nil, and
+// an error from either aborts the request. Execute is safe for concurrent
+// use.
 func (h *Head) Execute(ctx context.Context, req Request, onText func(delta string) error) (res *Result, err error) {
-	n, first := req.Stages, 0
-	if n <= 0 {
-		n = 1
-	}
+	n := max(req.Stages, 1)
 	if req.Speech {
-		n, first = len(h.cfg.Pipeline.Stages), h.SpeechStages()
+		n = len(h.cfg.Pipeline.Stages)
 		req.Messages = nil
 	}
 	if n > len(h.cfg.Pipeline.Stages) {
@@ -136,8 +133,8 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 	}
 
 	// Fail fast: every needed stage must have a replica before any work.
-	sh := &requestShape{first: first, n: n}
-	if err := h.checkShape(h.router.Snapshot(), req, sh); err != nil {
+	p, err := h.planOf(h.router.Snapshot(), req)
+	if err != nil {
 		span.SetStatus(codes.Error, err.Error())
 		return nil, err
 	}
@@ -154,7 +151,8 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		span.SetStatus(codes.Error, err.Error())
 		return nil, err
 	}
-	res, ttfa, err = h.runShaped(ctx, span, req, sh, in, onText)
+	p.mark(span)
+	res, ttfa, err = h.run(ctx, req, p, in, onText)
 	if err != nil {
 		span.RecordError(err)
 		span.SetStatus(codes.Error, err.Error())
@@ -164,91 +162,6 @@ func (h *Head) Execute(ctx context.Context, req Request, onText func(delta strin
 		span.SetAttributes(telemetry.GenAIUsageAttributes(int64(res.PromptTokens), int64(res.CompletionTokens), res.FinishReason)...)
 	}
 	return res, nil
-}
-
-// requestShape is how a request runs: its stages first..n-1, and whether
-// as a cascade (executeCascade).
-type requestShape struct {
-	first, n int
-	cascade  bool
-}
-
-// checkShape refuses, before any work, a request that the routable
-// replicas cannot serve as shaped, and completes its shape: a
-// transcription runs stage 0 alone; a chat to a pipeline whose stage 0
-// recognizes speech is a cascade of at least the recognizer and the text
-// stage.
-func (h *Head) checkShape(snap *router.Snapshot, req Request, sh *requestShape) error {
-	stages := h.cfg.Pipeline.Stages
-	for i := sh.first; i < sh.n; i++ {
-		if err := snap.CheckRoutable(i); err != nil {
-			return newError(ErrNoReplica, err, "stage %q has no routable replica", stages[i].Name)
-		}
-	}
-	if req.Transcribe {
-		sh.n = 1
-		if err := checkTranscriber(snap, stages[0].Name); err != nil {
-			return err
-		}
-	}
-	sh.cascade = !req.Transcribe && !req.Speech && len(req.Messages) > 0 && len(stages) > 1 && recognizesSpeech(snap)
-	if sh.cascade && sh.n < 2 {
-		sh.n = 2 // text only: the recognizer, then the text stage
-		if err := snap.CheckRoutable(1); err != nil {
-			return newError(ErrNoReplica, err, "stage %q has no routable replica", stages[1].Name)
-		}
-	}
-	return checkParts(snap, req.Messages, stages[0].Name)
-}
-
-// runShaped runs req's stages as sh says, marking the way on span.
-func (h *Head) runShaped(ctx context.Context, span trace.Span, req Request, sh *requestShape, in *stagepb.GenerateRequest, onText func(string) error) (*Result, time.Duration, error) {
-	switch {
-	case req.Speech:
-		span.SetAttributes(attribute.Int("troupe.request.first_stage", sh.first))
-		return h.executeFrom(ctx, req, sh.first, sh.n, in)
-	case sh.cascade:
-		span.SetAttributes(attribute.Bool("troupe.request.cascade", true))
-		return h.executeCascade(ctx, req, sh.n, in, onText)
-	case sh.n > 1 && h.cfg.Pipeline.StreamsBetweenStages():
-		span.SetAttributes(attribute.Bool("troupe.request.streamed", true))
-		return h.executeStreamed(ctx, req, sh.n, in, onText)
-	}
-	return h.executeSequential(ctx, req, sh.n, in, onText)
-}
-
-// executeSequential runs the stages one after the other; the last stage's
-// audio still reaches req.OnAudio as it is made.
-func (h *Head) executeSequential(ctx context.Context, req Request, n int, in *stagepb.GenerateRequest, onText func(string) error) (*Result, time.Duration, error) {
-	audio := newFirstAudio()
-	res := &Result{}
-	for i := range n {
-		sr := &stageRun{req: req, stage: i, n: n, in: in, route: routeOf(in, req.SessionKey),
-			forward: sequentialForwarder(req, onText, i, n, audio), audioToClient: i == n-1 && i > 0 && req.OnAudio != nil}
-		// One stage after another: what the client does not read as it is
-		// made, nobody reads before the stage ends.
-		if readByClient(req, onText, i, n) {
-			sr.flush = req.Flush
-		} else {
-			in.HoldOutputMs = h.holdOutputMs()
-		}
-		out, err := h.runStage(ctx, sr)
-		if err != nil {
-			return nil, 0, err
-		}
-		res.add(i, out)
-		if i == n-1 {
-			break
-		}
-		next, err := nextInput((*h.fleet.outputs.Load())[i], out)
-		if err != nil {
-			return nil, 0, err
-		}
-		next.RequestId, next.Voice = req.ID, req.Voice
-		next.Sampling = &stagepb.SamplingParams{Seed: seedOf(req.Sampling)}
-		in = next
-	}
-	return res, audio.since(), nil
 }
 
 // sequentialForwarder is stage's forwarder (of n) in a sequential request:

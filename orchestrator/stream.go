@@ -18,43 +18,21 @@ import (
 // goroutines.
 type streamedRun struct {
 	req    Request
+	first  int // the stage that gets the request's input whole
 	n      int
 	onText func(string) error
 	// text is the stage whose text the client reads through onText and
-	// whose usage is the request's: 0, or 1 after a cascade's recognizer.
+	// whose usage is the request's (plan.text).
 	text   int
-	inputs []*stageInput // by stage; nil for stage 0, whose input is the prompt
+	inputs []*stageInput // by stage; nil up to first, whose input is whole
 	audio  *firstAudio
 }
 
-// executeStreamed runs every stage at once: each stage's output chunks are
-// forwarded to the next stage while it is still generating, and the last
-// stage's audio goes to req.OnAudio as it is made. The first stage to fail
-// cancels the others; its error is the request's.
-func (h *Head) executeStreamed(ctx context.Context, req Request, n int, prompt *stagepb.GenerateRequest, onText func(string) error) (*Result, time.Duration, error) {
-	prompt.OutputCodesPerChunk = h.segmentUnits(0, n, stagepb.RoleCodes)
-	if !readByClient(req, onText, 0, n) {
-		prompt.OutputWordsPerChunk = h.segmentUnits(0, n, stagepb.RoleText)
-	}
-	run := newStreamedRun(req, 0, n, onText)
-	outputs, err := h.runStreamed(ctx, run, 0, func(gctx context.Context, i int) *stageRun {
-		return h.streamedStage(gctx, run, i, prompt)
-	})
-	if err != nil {
-		return nil, 0, err
-	}
-	res := &Result{}
-	for i, out := range outputs {
-		res.add(i, out)
-	}
-	return res, run.audio.since(), nil
-}
-
-// newStreamedRun makes the run of stages first..n-1 of req, each after the
-// first fed by the one before it.
-func newStreamedRun(req Request, first, n int, onText func(string) error) *streamedRun {
-	run := &streamedRun{req: req, n: n, onText: onText, inputs: make([]*stageInput, n), audio: newFirstAudio()}
-	for i := first + 1; i < n; i++ {
+// newStreamedRun makes the run of p's stages, each after the first fed by
+// the one before it.
+func newStreamedRun(req Request, p plan, onText func(string) error, audio *firstAudio) *streamedRun {
+	run := &streamedRun{req: req, first: p.first, n: p.n, onText: onText, text: p.text, inputs: make([]*stageInput, p.n), audio: audio}
+	for i := p.first + 1; i < p.n; i++ {
 		run.inputs[i] = newStageInput()
 	}
 	return run
@@ -65,11 +43,11 @@ func newStreamedRun(req Request, first, n int, onText func(string) error) *strea
 // owned by an errgroup: the first stage to fail cancels the others, and
 // runStreamed returns once every one has ended. A stage that ends closes
 // the next one's input. outputs is indexed by stage (nil before first).
-func (h *Head) runStreamed(ctx context.Context, run *streamedRun, first int, stageOf func(gctx context.Context, stage int) *stageRun) (outputs []*stageOutput, err error) {
+func (h *Head) runStreamed(ctx context.Context, run *streamedRun, stageOf func(gctx context.Context, stage int) *stageRun) (outputs []*stageOutput, err error) {
 	n := run.n
 	outputs = make([]*stageOutput, n)
 	g, gctx := errgroup.WithContext(ctx)
-	for i := first; i < n; i++ {
+	for i := run.first; i < n; i++ {
 		sr := stageOf(gctx, i)
 		g.Go(func() error {
 			out, err := h.runStage(gctx, sr)
@@ -90,24 +68,24 @@ func (h *Head) runStreamed(ctx context.Context, run *streamedRun, first int, sta
 }
 
 // streamedStage describes stage of a streamed request for the attempt
-// loop. Stage 0 is a Generate of the prompt, routed on its text; a later
-// stage is fed by the stage before, routed on the session key and load
-// only (its input is not known when it starts).
-func (h *Head) streamedStage(ctx context.Context, run *streamedRun, stage int, prompt *stagepb.GenerateRequest) *stageRun {
+// loop. Stage first is a Generate of in, routed on it; a later stage is
+// fed by the stage before, routed on the session key and load only (its
+// input is not known when it starts).
+func (h *Head) streamedStage(ctx context.Context, run *streamedRun, stage int, in *stagepb.GenerateRequest) *stageRun {
 	req := run.req
-	sr := &stageRun{req: req, stage: stage, n: run.n, in: prompt, route: &router.Request{SessionKey: req.SessionKey},
+	sr := &stageRun{req: req, stage: stage, n: run.n, in: in, route: &router.Request{SessionKey: req.SessionKey},
 		forward: run.forwarder(ctx, stage), streamed: true}
 	read := readByClient(req, run.onText, stage-run.text, run.n-run.text)
 	if read {
 		sr.flush = req.Flush
 	}
 	sr.audioToClient = read && stage == run.n-1
-	if stage == 0 {
-		sr.route = routeOf(prompt, req.SessionKey)
+	if stage == run.first {
+		sr.route = routeOf(in, req.SessionKey)
 		return sr
 	}
 	sr.input = run.inputs[stage]
-	sr.in = &stagepb.GenerateRequest{RequestId: req.ID, Voice: req.Voice, Sampling: &stagepb.SamplingParams{Seed: seedOf(prompt.GetSampling())}}
+	sr.in = &stagepb.GenerateRequest{RequestId: req.ID, Voice: req.Voice, Sampling: &stagepb.SamplingParams{Seed: seedOf(in.GetSampling())}}
 	if stage == run.n-1 && !read {
 		sr.in.HoldOutputMs = h.holdOutputMs() // the last stage's output: read when it ends
 	}
