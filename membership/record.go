@@ -280,16 +280,13 @@ func (r *leased) run(ctx context.Context, lease clientv3.LeaseID) {
 }
 
 // keepAlive returns when the lease is no longer refreshed or ctx ends.
-// Meanwhile it writes updated values, and guards the record: one deleted
-// or overwritten by someone else (an operator's etcdctl, a stray script) is
-// written back, since the head stops routing to a replica whose record is
-// gone. The guard is a watch on the key itself and one read of it once
-// the watch is created (and again after the watch breaks), so that it costs etcd
-// nothing while nothing happens: the read every third of the TTL it
-// replaces doubled etcd's requests at rest (docs/benchmarks.md). The
-// keepalive does not depend on the watch: a watch that holds back or
-// breaks delays only the guard, and the keepalive's own deadline (below)
-// still ends a lease that goes unanswered.
+// Meanwhile it writes updated values and guards the record: one deleted or
+// overwritten by someone else (an operator's etcdctl) is written back, since
+// the head stops routing to a replica whose record is gone. The guard is a
+// watch on the key plus one read once the watch is created (and after it
+// breaks), so that at rest a record costs etcd its keepalives alone. A watch
+// that holds back or breaks delays only the guard: the keepalive's own
+// deadline (below) still ends a lease that goes unanswered.
 func (r *leased) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 	kac, err := r.cli.KeepAlive(ctx, lease)
 	if err != nil {
@@ -338,9 +335,9 @@ func (r *leased) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 	// Drain: the client closes kac when the lease expires, is revoked, or
 	// no answer came within the TTL. It may miss closing kac when the
 	// client is closed while KeepAlive runs (clientv3 v3.7), hence the
-	// other two cases; and it was seen not to close it, once, while a
-	// write of the record was pending with etcd down, hence our own
-	// deadline: no answer for twice the TTL (and a second) is a lost lease.
+	// other two cases, and it can fail to close it while a write is
+	// pending with etcd down, hence our own deadline: no answer for
+	// twice the TTL (and a second) is a lost lease.
 	// A lease that in fact lived is taken over by the re-registration.
 	silence := 2*time.Duration(r.ttlSecs)*time.Second + time.Second
 	deadline := time.NewTimer(silence)
@@ -364,9 +361,8 @@ func (r *leased) keepAlive(ctx context.Context, lease clientv3.LeaseID) {
 			// Watch from now, then (once created) read and guard what the
 			// read shows: a change before the watch is in the read, a
 			// change after it comes through the watch. A watch from a
-			// past revision would wait for etcd's next resync of slow
-			// watchers, and a storm of registrations made thousands of
-			// them for etcd to catch up.
+			// past revision would wait for etcd's resync of slow
+			// watchers, of which a registration storm makes thousands.
 			gctx, cancel := context.WithCancel(wctx)
 			stopGuard = cancel
 			opening.Go(func() { opened <- r.cli.Watch(gctx, r.key, clientv3.WithCreatedNotify()) })

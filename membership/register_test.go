@@ -414,8 +414,8 @@ func TestRecordDeletedOrOverwrittenIsRestored(t *testing.T) {
 
 // TestRecordGuardCostsNoReadAtRest: a live registration reads its record
 // once, when its keepalive starts, and then only watches it: across
-// several keepalive periods at rest it sends etcd no Range (a Get of its
-// own key every TTL/3 doubled etcd's requests at rest).
+// several keepalive periods at rest it sends etcd no Range, so that at rest
+// a registration costs etcd its keepalives alone.
 func TestRecordGuardCostsNoReadAtRest(t *testing.T) {
 	e := membershiptest.Start(t)
 	var ranges atomic.Int64

@@ -38,10 +38,9 @@ type WatchConfig struct {
 // the revision C the watch was created at, sends the difference to what it
 // knew, then sends the watch's events after C (those at or before C are
 // the list's), so no change is missed and none is applied twice. The watch
-// opens first so that etcd counts it in sync at once: a watch that starts
-// at a past revision waits for etcd's next resync (every 100 ms) before it
-// delivers anything, which delayed every join around a head's start and
-// each re-list by up to 100 ms. When the watch is compacted or breaks it
+// opens first so that etcd counts it in sync at once: a watch from a past
+// revision waits for etcd's next resync of slow watchers (every 100 ms)
+// before it delivers anything. When the watch is compacted or breaks it
 // watches and lists again and sends the difference; every
 // ReconcileInterval it does so anyway, to repair any silent drift. While
 // etcd is unreachable it keeps the last known membership (no Leave is
@@ -257,12 +256,10 @@ const listPage = 1000
 
 // list reads every record under the prefix at revision rev, listPage at a
 // time, so that the pages make one consistent list. Each page has its own
-// listTimeout: a large membership is a series of bounded requests that a
-// busy etcd answers one by one, not one answer of every record that it may
-// never give in time (five heads re-listing 10,000 records did not, and
-// retried, and kept etcd saturated). A page that fails fails the list,
-// which Run retries with backoff; a revision compacted meanwhile fails it
-// too.
+// listTimeout: a busy etcd answers bounded requests one by one, where one
+// answer of a large membership may never come in time and its retries keep
+// etcd saturated. A failed page or a revision compacted meanwhile fails the
+// list, which Run retries with backoff.
 func (w *Watcher) list(ctx context.Context, rev int64) ([]*mvccpb.KeyValue, error) {
 	end := clientv3.GetPrefixRangeEnd(w.prefix)
 	from := w.prefix
