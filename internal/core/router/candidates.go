@@ -10,7 +10,8 @@ import (
 // loadSample is how many replicas a large pick draws at random for their
 // load. The least loaded of k uniform draws is, in expectation, at rank
 // N/(k+1) of N (about the least loaded 3% for 32), and is outside the
-// least loaded 10% with probability 0.9^32 ≈ 3.4% (TestLargeStageQuality).
+// least loaded 10% with probability 0.9^32 ≈ 3.4% (see
+// TestLargeStageLoadQuality).
 const loadSample = 32
 
 // sampleTries bounds the draws of one sample: a stage where most replicas

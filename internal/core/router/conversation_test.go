@@ -55,8 +55,8 @@ func TestConversationKey(t *testing.T) {
 // headsSim routes a multi-turn chat workload through heads prefix_aware
 // policies in the head-side mode, each with its own replicas of the same
 // keys (as each head's router has), turn i through head i%heads as a
-// round-robin balancer sends them, one every 25 ms; each turn is the next of a conversation
-// drawn at random (seeded). Each request runs for the next 12
+// round-robin balancer sends them, one every 25 ms; each turn is the next
+// of a conversation drawn at random (seeded), and runs for the next 12
 // picks; every head reads the same reported load (the engine's running
 // count). It returns each turn's replica id, in order, how many turns went
 // where the conversation's previous turn went, and the requests each

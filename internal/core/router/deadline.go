@@ -94,8 +94,8 @@ const DeadlineProbeAfter = time.Second
 // the mean round trip (RFC 6298): a replica whose first outputs vary is
 // trusted with a target only with room to spare. One, not more: without
 // admission a replica left out falls back to the one predicted soonest,
-// whose queue then grows and teaches it late answers; BenchmarkDeadline
-// measured 18–25% late with 2 against about 1% with 1 (docs/benchmarks.md).
+// whose queue then grows and teaches it late answers (BenchmarkDeadline
+// compares margins with TROUPE_DEADLINE_MARGIN).
 const DeadlineMargin = 1
 
 // Deadline routes each stage attempt to a replica predicted to give its

@@ -103,8 +103,8 @@ func TestSnapshotInputCountsMatchAScan(t *testing.T) {
 
 // BenchmarkEveryReplicaTakes is a request's check that stage 0 takes its
 // input (a transcription's audio, a chat's image) at each stage size: the
-// snapshot's counts against the scan of every replica that the head ran
-// on each request before (the "scan" rows, in the same run).
+// snapshot's counts against a scan of every replica (the "scan" rows: the
+// baseline, in the same run).
 func BenchmarkEveryReplicaTakes(b *testing.B) {
 	for _, n := range []int{10, 1000, 10000} {
 		reps := make([]*Replica, n)

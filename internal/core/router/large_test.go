@@ -314,10 +314,9 @@ func TestPickAllocsFlat(t *testing.T) {
 // TestOrderTopExact: the order's shortcuts (group logarithms pruned by a
 // bound, a group's head ranked from inline keys before any replica is
 // read, argmax leaving out the groups heaviest skipped, a key's head
-// memoized by the order) change no
-// result: for stages of several sizes with a share of replicas out and
-// some excluded, top, argmax and weight equal a plain computation that
-// scores every group and reads every member.
+// memoized by the order) change no result: for stages of several sizes
+// with a share of replicas out and some excluded, top, argmax and weight
+// equal a plain computation that scores every group and reads every member.
 func TestOrderTopExact(t *testing.T) {
 	for _, tc := range []struct {
 		n   int
@@ -437,8 +436,9 @@ func keysOf(c []*Replica) []Key {
 }
 
 // TestOrderHeadMemo: a key's order head, memoized by the stage's order on
-// its first pick (an empty slot) or its second (a slot another key held), gives the plain computation's top on later picks while
-// replicas go out and come back (the memo holds no eligibility), and a
+// its first pick (an empty slot) or its second (a slot another key held),
+// gives the plain computation's top on later picks while replicas go out
+// and come back (the memo holds no eligibility), and a
 // join or a leave (a new order) starts from an empty memo: a replica that
 // joins at the head of a key's order is read, one that leaves is not.
 func TestOrderHeadMemo(t *testing.T) {

@@ -10,8 +10,8 @@ import (
 
 // LargeStage is the size of a stage (replicas in the snapshot, routable or
 // not) above which Pick reads a bounded set of replicas instead of all of
-// them (docs/routing.md, Large stages). Up to it every policy decides
-// exactly as it always has.
+// them (docs/routing.md, Large stages). Up to it every policy reads every
+// replica.
 const LargeStage = 64
 
 // orderGroups is how many groups a large stage's replicas are hashed

@@ -372,16 +372,11 @@ func (s scorer) score(r *Replica) int64 {
 
 // scoreSinceReport is score counting, on top of a fresh report, only this
 // head's requests started since that report (at most those still in
-// flight): the report already holds the earlier ones. prefix_aware's
-// balance checks compare loads against thresholds (overloaded, bound), so
-// a head that counted its own running requests twice (report and in
-// flight) would see one head's imbalances twice as large as several
-// heads' (each holding a share of the requests in flight) and leave the
-// cache for load about twice as often.
-//
-// A report that was already old when it arrived (a scraped engine's,
-// gauges_age_ms) may miss any of the requests this head has in flight, so
-// it counts them all, as score does: better twice than not at all.
+// flight): the report already holds the earlier ones, and prefix_aware's
+// balance thresholds would see a head that counts them twice as twice as
+// imbalanced as several heads sharing the load. A report already old when
+// it arrived (a scraped engine's, gauges_age_ms) may miss any of them, so
+// it counts all in flight, as score does: better twice than not at all.
 func (s scorer) scoreSinceReport(r *Replica) int64 {
 	at := r.sentAtLoad.Load()
 	if r.loadAt.Load() == 0 || at < 0 || !s.fresh(r) {

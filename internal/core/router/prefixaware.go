@@ -470,16 +470,11 @@ func (p *PrefixAware) conversationOf(req *Request, cs []cand) (uint64, bool) {
 }
 
 // conversationKey names the conversation of a chat rendered as
-// tokenizers.ChatText renders it (one "role: content" line per message,
-// joined by "\n"): the FNV-1a hash of its opening, the text before its
-// first assistant message (the system prompt and the first user message),
-// which every later turn of one conversation starts with and which another
-// conversation shares only if it opens with the same words. ok is false
-// for a first turn (no assistant message yet: it goes by the index, with
-// the other users of its system prompt, and its conversation goes home
-// from its second turn), for a text that does not start with a system,
-// developer or user message, and for one whose opening has no user
-// message.
+// tokenizers.ChatText renders it: the FNV-1a hash of its opening (the text
+// before the first assistant message), which every later turn starts with.
+// ok is false for a first turn (no assistant message yet: the index places
+// it), for a text that does not start with a system, developer or user
+// message, and for one whose opening has no user message.
 func conversationKey(text string) (uint64, bool) {
 	if !strings.HasPrefix(text, "system: ") && !strings.HasPrefix(text, "developer: ") && !strings.HasPrefix(text, "user: ") {
 		return 0, false
@@ -498,22 +493,12 @@ func conversationKey(text string) (uint64, bool) {
 }
 
 // homeOf is the home of conversation conv among cs (head-side mode): the
-// first replica in conv's rendezvous order whose smoothed shared load is
-// within conv's own bound, lightest + (0.5 + 2u)·max((ReplicateFactor−1)·avg,
-// ReplicateSlack), where lightest and avg are the least and the average
-// smoothed load of the candidates and u in [0, 1) is a hash of conv; and
-// that is not overloaded (its shared load now against the least one's,
-// see overloaded; fallback then says the first one within the bound was).
-// Every input of the rule is the same on every head: the keys, and loads
-// that the engines report to every head, smoothed over HomeLoadWindow, so
-// heads that sample them at different moments read about the same, a
-// momentary burst moves nothing, and a conversation that moved stays
-// moved while the load that moved it lasts. The per-conversation bound
-// moves a busy replica's conversations a few at a time, those with the
-// lowest bound first, to their next replica in rendezvous order, and the
-// lightest replica is always within every bound. No bound is below half
-// the margin: a conversation that must sit on the lightest replica would
-// move whenever the heads' views of which one that is differ.
+// first replica in conv's rendezvous order whose load, smoothed over
+// HomeLoadWindow, is within conv's own bound, lightest + (0.5 + 2u)·
+// max((ReplicateFactor−1)·avg, ReplicateSlack) with u in [0, 1) a hash of
+// conv, and that is not overloaded now (fallback: the first within the
+// bound was). Every input is the same on every head, so heads agree without
+// talking; the why of each term is in docs/routing.md, prefix_aware, step 6.
 func (p *PrefixAware) homeOf(conv uint64, cs []cand, sc scorer, sp *pickScratch) (home int, fallback bool) {
 	loads := slices.Grow(sp.loads[:0], len(cs))[:len(cs)]
 	sp.loads = loads

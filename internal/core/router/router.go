@@ -199,8 +199,8 @@ func (r *Replica) Routable() bool {
 // MarkDraining takes the replica out of routing for good: it refused a
 // call because it drains (a worker shutting down), so every request
 // after it skips the replica at once rather than each meeting its own
-// refusal until the head learns of the drain from etcd (a leave storm of
-// half a fleet exhausted some requests' refusals that way). One way: a
+// refusal until the head learns of the drain from etcd, which in a leave
+// storm can use up a request's retries. One way: a
 // drained worker exits, and a new process is a new Replica. Safe for
 // concurrent use.
 func (r *Replica) MarkDraining() { r.draining.Store(true) }
@@ -272,7 +272,7 @@ type EngineInfo struct {
 // A stage's replicas are a sortedseq.Seq by replica id (chunks of at
 // most a few hundred), and Lookup is a binary search in it: a join or a
 // leave copies the chunk it changes and the stage's chunk index, not the
-// stage (see BenchmarkSnapshotJoin), nor a rebuilt map and a sort.
+// stage (see BenchmarkSnapshotJoin).
 type Snapshot struct {
 	stages []*Replicas // by stage index
 	// inputs count what each stage's replicas take (stageInputs), kept
@@ -767,8 +767,8 @@ func (r *Router) Discard(rep *Replica) {
 }
 
 // Hold makes Add and Remove collect their changes until Commit, which
-// publishes them all in one snapshot: a burst of N joins then costs one
-// copy of the stage, not N (see docs/benchmarks.md, fleet simulation).
+// publishes them all in one snapshot: a burst of N joins then copies each
+// chunk it touches and the stage's chunk index once, not once per join.
 // Until Commit, readers see the snapshot before Hold. Only the writer
 // (the head's loop) calls Hold and Commit.
 func (r *Router) Hold() {

@@ -9,9 +9,9 @@ import (
 // checking only the replicas it reads for eligibility (routable, not
 // excluded), instead of from candidates Pick filtered out of every
 // replica: O(1) reads a pick rather than O(N). ok is false when it found
-// nothing eligible where it looked; Pick then filters and asks Pick, which
-// decides as the policy always has. A sampled decision is one Pick of the
-// policy could have made from the filtered candidates.
+// nothing eligible where it looked; Pick then filters and asks the
+// policy's Pick. A sampled decision is one the policy's Pick could have
+// made from the filtered candidates.
 type sampler interface {
 	pickSampled(req *Request, all *Replicas, exclude []*Replica) (d Decision, ok bool)
 }

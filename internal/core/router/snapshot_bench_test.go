@@ -7,9 +7,8 @@ import (
 	"testing"
 )
 
-// mapSnapshot is the snapshot as it was before BenchmarkFleet (issue #30):
-// a map by key beside the sorted stages, both copied whole and the stage
-// re-sorted on every join. Kept here only as the benchmark's baseline.
+// mapSnapshot is a map by key beside the sorted stages, both copied whole
+// and the stage re-sorted on every join: BenchmarkSnapshotJoin's baseline.
 type mapSnapshot struct {
 	stages [][]*Replica
 	byKey  map[Key]*Replica
@@ -31,10 +30,9 @@ func (s *mapSnapshot) with(rep *Replica) *mapSnapshot {
 // BenchmarkSnapshotJoin is a join storm on the router alone: N replicas
 // added one by one, each publishing a new snapshot, as the head's loop
 // does (in a random id order, as registrations arrive). "map" is the
-// former snapshot (map copy and sort per join, O(N) hashing each),
-// "sorted" the current one (one memmove of the stage's pointers); both
-// run in the same process, so compare their ratio. ns/op is the whole
-// storm of N joins.
+// baseline (mapSnapshot: map copy and sort per join), "sorted" the
+// Snapshot (a copy of the chunk changed and the chunk index); both run in
+// the same process, so compare their ratio. ns/op is the whole storm.
 //
 //	go test -run '^$' -bench SnapshotJoin ./internal/core/router/
 func BenchmarkSnapshotJoin(b *testing.B) {

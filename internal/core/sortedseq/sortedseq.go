@@ -3,7 +3,7 @@
 // and the chunk index, not the sequence: the head's views of a stage
 // (the router's snapshot, the API's list of records) change by one
 // replica at a time, and at 10,000 replicas a copy of the whole sequence
-// per join was most of a lone join's cost on the loop.
+// per join would be most of a lone join's cost on the head's loop.
 //
 // A Seq is safe for concurrent reads; With returns a new Seq and never
 // changes the one it is called on, so readers of an older Seq keep a

@@ -114,8 +114,8 @@ func BenchmarkRecordFinished(b *testing.B) {
 // case; the records are in the timing, and cost ~1% of it):
 //
 //   - fast-text, fast-openmetrics: WriteMetrics, the /metrics path;
-//   - gather-text: Gather of the Collector and expfmt text encoding, as
-//     promhttp does; this was the /metrics path before WriteMetrics.
+//   - gather-text, gather-protobuf: Gather of the Collector and expfmt
+//     encoding, as promhttp does: the reference WriteMetrics is held to.
 //
 // It reports ms/scrape, the bytes of text (text-MB) and the lines per
 // replica; -benchmem's B/op is what one scrape allocates.

@@ -86,16 +86,12 @@ func constMetric(desc *prometheus.Desc, t prometheus.ValueType, v float64, ct ti
 	return m
 }
 
-// collectHistogram is one replica's histogram with both its classic buckets
-// and its native ones (nativeHistogram), which the protobuf exposition
-// carries and the text formats leave out.
-//
-// The classic buckets are read first, then the native ones, then the sum.
-// observe counts the native bucket before the classic one, so the native
-// total is at least every classic bucket; it is the sample count (the +Inf
-// bucket), which therefore equals the native buckets' total exactly (as
-// Prometheus requires of a native histogram) and never falls below a
-// classic bucket. Without records running, both totals are the same.
+// collectHistogram is one replica's histogram with its classic buckets and
+// its native ones (nativeHistogram), which only the protobuf exposition
+// carries. It reads the classic buckets, then the native ones, then the
+// sum; observe counts native before classic, so the native total, used as
+// the sample count, is never below a classic bucket and equals the native
+// buckets' total exactly, as Prometheus requires.
 func collectHistogram(f *family, e *engine) prometheus.Metric {
 	h := &e.hists[f.hist]
 	counts := make([]uint64, len(h.counts))

@@ -32,8 +32,8 @@ type histogram struct {
 	// nativeRange): zero bucket first, then one count per exponential
 	// bucket of the family's range. The native buckets of all of a
 	// replica's histograms are one allocation, apart from the classic
-	// counts, so the text scrape, which reads only the classic ones, walks
-	// as much memory as it did before native buckets existed.
+	// counts, so the text scrape, which reads only the classic ones, does
+	// not walk them.
 	native []atomic.Uint64
 	nr     nativeRange
 }

@@ -1,6 +1,7 @@
 // Package stats is the head's Prometheus stat logger: the families of vLLM's
 // PrometheusStatLogger under the troupe_ namespace, with one set of series
-// per stage replica, keyed by the replica's engine index (package registry).
+// per stage replica, keyed by the replica's engine index, which the head's
+// loop assigns (docs/stats.md, "Engine indices").
 //
 // Unlike vLLM's logger, which builds its per-engine tables once for the
 // engines it starts with (and rebuilds them, resetting every series, on
@@ -12,8 +13,8 @@
 // serves them two ways: as a prometheus.Collector registered on the
 // Registerer given to New (Gather: complete and slow, a dto.Metric per
 // series), and through WriteMetrics, which writes the same families in the
-// text format or OpenMetrics straight from the atomics (the /metrics path:
-// a scrape of 1,000 replicas in tens of milliseconds, see docs/stats.md).
+// text format or OpenMetrics straight from the atomics (the /metrics path;
+// docs/stats.md, "Scrapes: the fast path").
 //
 // Concurrency:
 //   - Register, Detach and Sweep change membership. The head calls them from
