@@ -15,14 +15,14 @@ const LogFlushInterval = 100 * time.Millisecond
 // requests a second, the request log fills it about every 50 ms.
 const logBufferSize = 64 << 10
 
-// NewBufferedLogger is NewLogger writing to w in batches: a head at a few
-// thousand requests a second would otherwise pay one write system call per
-// request log line, a few percent of its CPU (docs/benchmarks.md), where
-// nginx's access log can buffer too. A record is written at most
-// LogFlushInterval after it was logged; one at Warn or above is written at
-// once, with every record before it. flush writes what is held, and must be
-// called before the process exits (records logged after it are written
-// unbuffered). The logger and flush may be used concurrently.
+// NewBufferedLogger is NewLogger writing to w in batches, so that a busy
+// head does not pay one write system call per request log line, as nginx's
+// access log need not (docs/architecture.md, "The per-request hot path").
+// A record is written at most LogFlushInterval after it was logged; one at
+// Warn or above is written at once, with every record before it. flush
+// writes what is held, and must be called before the process exits
+// (records logged after it are written unbuffered). The logger and flush
+// may be used concurrently.
 func NewBufferedLogger(w io.Writer, level slog.Leveler, json bool) (log *slog.Logger, flush func()) {
 	b := &logBuffer{w: w}
 	return slog.New(traceHandler{inner: formatHandler(b, level, json), flush: b.flushNow}), b.close

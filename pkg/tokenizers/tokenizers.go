@@ -20,10 +20,11 @@ import (
 // ChatText is a conversation as an engine without a chat template reads it
 // (the sim does): one "role: content" line per message, joined by "\n". A
 // message with a media part reads as its parts in order, joined by " ":
-// a text part its text, a media part its MediaWords, so the head routes a
-// repeated image or audio clip as a repeated prefix. The head routes a chat
-// request on it, so its blocks are the ones the sim caches; a chat input
-// and the text input ChatText(messages) give the same output.
+// a text part its text, a media part MediaTokens words named by its
+// MediaHash, so the head routes a repeated image or audio clip as a
+// repeated prefix. The head routes a chat request on it, so its blocks are
+// the ones the sim caches; a chat input and the text input
+// ChatText(messages) give the same output.
 func ChatText(msgs []*stagepb.ChatMessage) string {
 	n := 0
 	for _, m := range msgs {
