@@ -74,6 +74,7 @@ for target in \
   "FuzzTranscriptionForm ./internal/front/httpapi 30000x" \
   "FuzzAdminPath ./internal/front/httpapi 10000x" \
   "FuzzEncodeWAV ./internal/front/httpapi 30000x" \
+  "FuzzReadWAV ./internal/front/httpapi 30000x" \
   "FuzzDecodeMember ./membership 200000x" \
   "FuzzParsePipeline ./orchestrator 40000x" \
   "FuzzSimMatchesReference ./pkg/tokenizers 60000x"; do

@@ -5,6 +5,7 @@ package e2e
 import (
 	"bytes"
 	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"testing"
 
@@ -38,7 +39,7 @@ func TestMediaThroughUpstreamTroupe(t *testing.T) {
 	b.waitState(ctx, t, "thinker", wb.replica, "attached")
 
 	png := append([]byte("\x89PNG\r\n\x1a\n"), bytes.Repeat([]byte{0, 0xff, 0x10, 0x7f}, 900)...)
-	wav := append([]byte("RIFF\x24\x00\x00\x00WAVEfmt "), bytes.Repeat([]byte{1, 0x80, 0x33}, 1700)...)
+	wav := pcm16WAV(bytes.Repeat([]byte{1, 0x80, 0x33}, 1700), 16000) // the heads take only well-formed WAV files
 	params := func(png, wav []byte) oa.ChatCompletionNewParams {
 		return oa.ChatCompletionNewParams{
 			Model:     modelName,
@@ -93,6 +94,19 @@ func TestMediaThroughUpstreamTroupe(t *testing.T) {
 		assert.NotEqual(t, direct.Choices[0].Message.Content, th.Choices[0].Message.Content, "%s: one byte changed the answer", name)
 		assert.Equal(t, direct.Usage.PromptTokens, th.Usage.PromptTokens, "%s: the same sizes", name)
 	}
+}
+
+// pcm16WAV is a WAV file of PCM16 mono samples at rate.
+func pcm16WAV(pcm []byte, rate uint32) []byte {
+	le := binary.LittleEndian
+	b := []byte("RIFF\x00\x00\x00\x00WAVEfmt \x10\x00\x00\x00\x01\x00\x01\x00")
+	b = le.AppendUint32(b, rate)
+	b = le.AppendUint32(b, 2*rate)
+	b = append(b, "\x02\x00\x10\x00data"...)
+	b = le.AppendUint32(b, uint32(len(pcm)))
+	b = append(b, pcm...)
+	le.PutUint32(b[4:8], uint32(len(b)-8))
+	return b
 }
 
 // flipped is a copy of b with byte i changed.

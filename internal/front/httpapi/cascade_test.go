@@ -33,7 +33,7 @@ func TestCascade(t *testing.T) {
 	client := a.openai()
 	ctx := testCtx(t)
 
-	audio := bytes.Repeat([]byte{7, 0, 9, 0}, 3000)
+	audio := wavFile(wavFormatPCM, 1, 16000, 16, 0, bytes.Repeat([]byte{7, 0, 9, 0}, 3000))
 	transcript := sim.Transcript(audio, 5)
 	want, _, _ := sim.ExpectedText(tokenizers.ChatText([]*stagepb.ChatMessage{{Role: "system", Content: "be brief"}, {Role: "user", Content: transcript}}), 5, 10)
 	params := openai.ChatCompletionNewParams{
@@ -71,7 +71,7 @@ func TestCascade(t *testing.T) {
 // the other and the first audio comes only after the last text delta;
 // both give the same text.
 func TestCascadeStreamsSpeech(t *testing.T) {
-	audio := bytes.Repeat([]byte{3, 0, 5, 0}, 2000)
+	audio := wavFile(wavFormatPCM, 1, 16000, 16, 0, bytes.Repeat([]byte{3, 0, 5, 0}, 2000))
 	var texts []string
 	for _, streaming := range []bool{true, false} {
 		t.Run(fmt.Sprintf("streaming=%v", streaming), func(t *testing.T) {

@@ -176,6 +176,9 @@ func inputAudioPart(param string, a *inputAudio) (*stagepb.ContentPart, *apiErro
 	if len(data) == 0 {
 		return nil, badRequest(param+".data", "invalid_value", "%q holds no audio", param+".data")
 	}
+	if err := checkAudio(*a.Format, data); err != nil {
+		return nil, invalidAudio(param+".data", err)
+	}
 	return &stagepb.ContentPart{Kind: stagepb.PartAudio, Data: data, Format: *a.Format}, nil
 }
 
@@ -196,6 +199,11 @@ func urlPart(param, kind string, m *mediaURL) (*stagepb.ContentPart, *apiError) 
 		mime, data, err := decodeDataURL(u)
 		if err != nil {
 			return nil, badRequest(param+".url", "invalid_value", "%q is not a valid data: URL: %v", param+".url", err)
+		}
+		if kind == stagepb.PartAudio {
+			if err := checkAudio(audioFormatOfMIME(mime), data); err != nil {
+				return nil, invalidAudio(param+".url", err)
+			}
 		}
 		return &stagepb.ContentPart{Kind: kind, Data: data, MimeType: mime}, nil
 	case "http", "https":

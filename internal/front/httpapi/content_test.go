@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"fmt"
 	"net/http"
+	"net/url"
 	"strings"
 	"testing"
 
@@ -21,14 +22,17 @@ import (
 // their bytes (data: URLs, input_audio's base64) or kept as http(s) URLs,
 // in order with the text parts; content stays the text parts joined.
 func TestParseChatMediaParts(t *testing.T) {
-	img, audio := []byte("\x89PNG\x00\x01"), []byte("RIFF\x00WAVE")
+	img, audio := []byte("\x89PNG\x00\x01"), wavFile(wavFormatPCM, 1, 16000, 16, 0, []byte{1, 0, 2, 0})
+	// The audio_url's data is percent-encoded, a WAV file's header and a
+	// sample.
+	escaped := url.PathEscape(string(wavFile(wavFormatPCM, 1, 8000, 16, 0, []byte{0, 'x'})))
 	body := fmt.Sprintf(`{"model":"troupe-omni-sim","messages":[{"role":"user","content":"hi"},{"role":"user","content":[
 		{"type":"text","text":"look"},
 		{"type":"image_url","image_url":{"url":"data:image/png;base64,%s","detail":"low"}},
 		{"type":"input_audio","input_audio":{"data":"%s","format":"wav"}},
 		{"type":"video_url","video_url":{"url":"https://example.com/v.mp4"}},
-		{"type":"audio_url","audio_url":{"url":"data:audio/wav,RIFF%%00x"}},
-		{"type":"text","text":"and listen"}]}]}`, base64.StdEncoding.EncodeToString(img), base64.StdEncoding.EncodeToString(audio))
+		{"type":"audio_url","audio_url":{"url":"data:audio/wav,%s"}},
+		{"type":"text","text":"and listen"}]}]}`, base64.StdEncoding.EncodeToString(img), base64.StdEncoding.EncodeToString(audio), escaped)
 	j, e := parseChat([]byte(body), testModel)
 	require.Nil(t, e)
 	require.Len(t, j.messages, 2)
@@ -40,7 +44,7 @@ func TestParseChatMediaParts(t *testing.T) {
 		{Kind: "image", Data: img, MimeType: "image/png"},
 		{Kind: "audio", Data: audio, Format: "wav"},
 		{Kind: "video", Url: "https://example.com/v.mp4"},
-		{Kind: "audio", Data: []byte("RIFF\x00x"), MimeType: "audio/wav"},
+		{Kind: "audio", Data: wavFile(wavFormatPCM, 1, 8000, 16, 0, []byte{0, 'x'}), MimeType: "audio/wav"},
 		{Kind: "text", Text: "and listen"},
 	}
 	require.Len(t, m.GetParts(), len(want))
@@ -80,7 +84,7 @@ func TestMediaPartsSim(t *testing.T) {
 	ctx := testCtx(t)
 
 	img := bytes.Repeat([]byte{0x89, 'P', 'N', 'G'}, 1250)
-	audio := bytes.Repeat([]byte{1, 0}, 4500)
+	audio := wavFile(wavFormatPCM, 1, 16000, 16, 0, bytes.Repeat([]byte{1, 0}, 4500))
 	params := openai.ChatCompletionNewParams{
 		Model: model,
 		Messages: []openai.ChatCompletionMessageParamUnion{
@@ -132,7 +136,7 @@ func TestMediaPartsSim(t *testing.T) {
 	assert.Contains(t, d.Message, "http(s) URL")
 	assertNoInternals(t, d.Message)
 
-	part := `{"type":"input_audio","input_audio":{"data":"AAAA","format":"wav"}}`
+	part := `{"type":"input_audio","input_audio":{"data":"` + base64.StdEncoding.EncodeToString(wavFile(wavFormatPCM, 1, 16000, 16, 0, []byte{0, 0})) + `","format":"wav"}}`
 	resp, body = a.post(t, "/v1/chat/completions", `{"model":"troupe-omni-sim","messages":[{"role":"user","content":[`+strings.Repeat(part+",", 3)+part+`]}]}`)
 	d = wantError(t, resp, body, http.StatusBadRequest, typeInvalidRequest, "invalid_value")
 	assert.Equal(t, "messages[0].content[3]", *d.Param)

@@ -1,6 +1,7 @@
 package httpapi
 
 import (
+	"bytes"
 	"encoding/binary"
 	"log/slog"
 	"net/http"
@@ -132,6 +133,56 @@ func FuzzEncodeWAV(f *testing.F) {
 		}
 		if string(out[44:]) != string(pcm[:kept]) {
 			t.Fatal("samples changed")
+		}
+	})
+}
+
+// FuzzReadWAV: the WAV reader never panics, whatever the bytes; what it
+// takes is 16-bit PCM within its limits, whose data is whole frames lying
+// in the file; and it takes every file appendWAV writes, samples intact.
+func FuzzReadWAV(f *testing.F) {
+	pcm := []byte{1, 2, 3, 4, 5, 6}
+	good, err := appendWAV(nil, pcm, 24000)
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(good)
+	f.Add(good[:10])
+	f.Add([]byte{})
+	f.Add([]byte("RIFF\xff\xff\xff\xffWAVEfmt \x10\x00\x00\x00\x01\x00\xff\xff\x00\x00\x00\x00"))
+	f.Add(append(bytes.Clone(good[:36]), "LIST\x03\x00\x00\x00abc\x00data\x02\x00\x00\x00\x01\x02"...))
+	f.Add(extensibleWAV(wavFormatPCM, pcm))
+	f.Add(extensibleWAV(3, pcm))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		w, err := readWAV(b)
+		if err == nil {
+			switch {
+			case w.sampleRate < minInputSampleRate || w.sampleRate > maxInputSampleRate:
+				t.Fatalf("took %d Hz", w.sampleRate)
+			case w.channels < 1 || w.channels > maxInputChannels:
+				t.Fatalf("took %d channels", w.channels)
+			case len(w.data) == 0 || len(w.data)%(2*w.channels) != 0:
+				t.Fatalf("took %d bytes of data for %d channels", len(w.data), w.channels)
+			}
+			if len(w.data) > len(b)-44 || !bytes.Contains(b, w.data) {
+				t.Fatalf("%d bytes of data, not after a header in the %d bytes of the file", len(w.data), len(b))
+			}
+		} else if _, ok := err.(*audioError); !ok {
+			t.Fatalf("error %T: %v", err, err)
+		}
+		if len(b) < 2 {
+			return
+		}
+		wav, err := appendWAV(nil, b, 24000)
+		if err != nil {
+			t.Fatal(err)
+		}
+		back, err := readWAV(wav)
+		if err != nil {
+			t.Fatalf("appendWAV's file refused: %v", err)
+		}
+		if !bytes.Equal(back.data, b[:len(b)&^1]) || back.sampleRate != 24000 || back.channels != 1 {
+			t.Fatalf("read back %d Hz, %d channels, %d bytes of %d", back.sampleRate, back.channels, len(back.data), len(b)&^1)
 		}
 	})
 }

@@ -596,14 +596,15 @@ func (c *rtSessionConn) itemCreate(ctx context.Context, ev *clientEvent) {
 				return
 			}
 			b, err := base64.StdEncoding.DecodeString(p.Audio)
-			switch {
-			case err != nil:
+			if err != nil {
 				c.fail(ctx, ev, "invalid_base64", fmt.Sprintf("item.content[%d].audio", i), "audio is not valid base64: %v", err)
 				return
-			case len(b) == 0 || len(b)%2 != 0:
-				c.fail(ctx, ev, "invalid_value", fmt.Sprintf("item.content[%d].audio", i), "audio must be PCM16 mono at %d Hz: a non-empty, even number of bytes (got %d)", realtimeSampleRate, len(b))
+			}
+			if code, msg := rtAudioProblem(b); code != "" {
+				c.fail(ctx, ev, code, fmt.Sprintf("item.content[%d].audio", i), "%s", msg)
 				return
-			case audioBytes+len(b) > maxInputAudioBytes:
+			}
+			if audioBytes+len(b) > maxInputAudioBytes {
 				c.fail(ctx, ev, "invalid_value", fmt.Sprintf("item.content[%d].audio", i), "an item holds at most %d bytes of audio", maxInputAudioBytes)
 				return
 			}
@@ -700,6 +701,10 @@ func (c *rtSessionConn) audioAppend(ctx context.Context, ev *clientEvent) {
 		c.fail(ctx, ev, "invalid_base64", "audio", "audio is not valid base64: %v", err)
 		return
 	}
+	if code, msg := rtAudioProblem(pcm); code != "" {
+		c.fail(ctx, ev, code, "audio", "%s", msg)
+		return
+	}
 	c.mu.Lock()
 	if len(c.audioIn)+len(pcm) > maxInputAudioBytes {
 		c.mu.Unlock()
@@ -735,6 +740,20 @@ func (c *rtSessionConn) audioAppend(ctx context.Context, ev *clientEvent) {
 			}
 		}
 	}
+}
+
+// rtAudioProblem checks audio a session takes as raw PCM16 (an append, an
+// input_audio item part): the error event's code and message, or "" when
+// it is whole samples. A WAV (or other audio) file is refused rather than
+// heard header and all.
+func rtAudioProblem(b []byte) (code, msg string) {
+	switch c := containerOf(b); {
+	case c != "":
+		return "invalid_audio", fmt.Sprintf("audio must be PCM16 mono at %d Hz (audio/pcm), not a %s file: send the samples without the file's header", realtimeSampleRate, c)
+	case len(b) == 0 || len(b)%2 != 0:
+		return "invalid_value", fmt.Sprintf("audio must be PCM16 mono at %d Hz (audio/pcm): a non-empty, even number of bytes (got %d)", realtimeSampleRate, len(b))
+	}
+	return "", ""
 }
 
 // audioCommit commits the input audio buffer (ev is nil for server VAD's

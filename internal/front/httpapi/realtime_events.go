@@ -45,6 +45,28 @@ type rtAudioIn struct {
 	TurnDetection **rtTurnDetection `json:"turn_detection,omitempty"`
 }
 
+// UnmarshalJSON tells turn_detection null (detection off) from an absent
+// one (unchanged): encoding/json decodes both into a nil pointer.
+func (a *rtAudioIn) UnmarshalJSON(b []byte) error {
+	type plain rtAudioIn
+	var in struct {
+		plain
+		TurnDetection json.RawMessage `json:"turn_detection"`
+	}
+	if err := json.Unmarshal(b, &in); err != nil {
+		return err
+	}
+	*a = rtAudioIn(in.plain)
+	if in.TurnDetection != nil {
+		var td *rtTurnDetection
+		if err := json.Unmarshal(in.TurnDetection, &td); err != nil {
+			return err
+		}
+		a.TurnDetection = &td
+	}
+	return nil
+}
+
 type rtAudioOut struct {
 	Format *rtFormat `json:"format,omitempty"`
 	Voice  *string   `json:"voice,omitempty"`

@@ -104,6 +104,9 @@ func parseTranscription(body []byte, contentType, model string, maxFileBytes int
 	case j.format != "json" && j.format != "text":
 		return transcriptionJob{}, unsupported("response_format", "response_format %q is not supported: \"json\" (the default) and \"text\" are", j.format)
 	}
+	if err := checkAudio(j.audioFormat, j.audio); err != nil {
+		return transcriptionJob{}, invalidAudio("file", err)
+	}
 	slices.Sort(j.ignored)
 	return j, nil
 }

@@ -43,7 +43,7 @@ func TestTranscriptions(t *testing.T) {
 	a := startAPI(t, c, Config{MaxPartBytes: 1 << 20}, nil, nil)
 	client := a.openai()
 	ctx := testCtx(t)
-	audio := append([]byte("RIFF\x00\x00\x00\x00WAVE"), bytes.Repeat([]byte{3, 1, 4, 1, 5, 9}, 4000)...)
+	audio := wavFile(wavFormatPCM, 1, 16000, 16, 0, bytes.Repeat([]byte{3, 1, 4, 1, 5, 9}, 4000))
 	want := sim.Transcript(audio, 0)
 	require.Len(t, strings.Fields(want), sim.TranscriptWords(audio))
 
@@ -115,7 +115,7 @@ func TestTranscriptions(t *testing.T) {
 func TestTranscriptionsNeedRecognizer(t *testing.T) {
 	c := startCluster(t, orchestratortest.Options{})
 	a := startAPI(t, c, Config{}, nil, nil)
-	ct, body := form(t, map[string]string{"model": model}, []byte("RIFF...."), "a.wav")
+	ct, body := form(t, map[string]string{"model": model}, wavFile(wavFormatPCM, 1, 16000, 16, 0, []byte{1, 0}), "a.wav")
 	resp, data := a.do(t, http.MethodPost, "/v1/audio/transcriptions", body, http.Header{"Content-Type": {ct}})
 	d := wantError(t, resp, data, http.StatusBadRequest, typeInvalidRequest, "invalid_request")
 	assert.Contains(t, d.Message, "no speech recognition")
