@@ -16,7 +16,7 @@ import (
 // TestHelpMatchesFlags renders every command's help and holds each flag's
 // line to the flag itself: a boolean flag shows no value name (Go's flag
 // package takes the first back-quoted word of a usage string as one, so
-// "the `user` field" on a boolean once read "-session-user user"), and a
+// "the `user` field" on a boolean would read "-session-user user"), and a
 // flag that takes a value names it by more than the generic "value".
 func TestHelpMatchesFlags(t *testing.T) {
 	for _, c := range commands {

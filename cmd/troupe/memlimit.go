@@ -14,21 +14,20 @@ import (
 // headGCPercent is the head's GOGC unless the environment sets one. The
 // head's live heap is small (snapshots, series, in-flight requests) and its
 // garbage is per request and per token, so collecting at 4× the live heap
-// instead of 2× halves the GC work for a few more MB (docs/benchmarks.md).
+// instead of 2× halves the GC work for a few more MB (docs/architecture.md,
+// "The per-request hot path").
 const headGCPercent = 400
 
 // headMemoryLimit is the head's soft memory limit (GOMEMLIMIT) when the
 // environment sets none and the head's cgroup has no memory limit. At
-// headGCPercent the heap grows to 5× the live heap between collections;
-// that is cheap while the live heap is small, but with many streams in
-// flight (each holds about 0.3 MiB live while its client does not read:
-// windows between the stages, input logs kept for a retry) it multiplies:
-// 200 unread audio streams took the head to 365 MiB of RSS over a 69 MiB
-// live heap. The limit makes the collector run more often as the heap
-// nears it, so the head's memory follows its live heap, not 5× it
-// (docs/reliability.md, "Memory of streams nobody reads"). It is soft: a
-// live heap above it is not refused, only collected harder (the runtime
-// caps that at half the CPU).
+// headGCPercent the heap grows to 5× the live heap between collections:
+// cheap while the live heap is small, not when many streams in flight hold
+// memory while their clients do not read (windows between the stages, input
+// logs kept for a retry). Near the limit the collector runs more often, so
+// the head's memory follows its live heap, not 5× it (docs/reliability.md,
+// "Memory of streams nobody reads"). It is soft: a live heap above it is
+// not refused, only collected harder (the runtime caps that at half the
+// CPU).
 const headMemoryLimit = 512 << 20
 
 // cgroupMemoryShare is the part of a cgroup's memory limit the head takes
@@ -46,20 +45,16 @@ var cgroupMemoryFiles = []string{
 
 // headLimitPerReplica is what the default soft limit grows by for each
 // replica record the head knows: about 60% of a replica's live memory on
-// the head (~54 KiB at 10,000: its connection, gRPC's goroutines and
-// stacks, its record), so with the 512 MiB base a head of 10,000 has
-// ~1.5× its live memory (824 MiB) from the moment it lists them, and the
-// collector runs when the garbage reaches half of it. It was 128 KiB: a
-// restart about a sixth cheaper in CPU, but 104–121 KiB of RSS a replica
-// at 10,000 against 80 KiB (docs/benchmarks.md).
+// the head (its connection, gRPC's goroutines and stacks, its record), so a
+// head of 10,000 has about 1.5× its live memory from the moment it lists
+// them. A larger allowance buys a cheaper restart with more RSS a replica
+// (docs/benchmarks.md, "The head's memory per replica").
 const headLimitPerReplica = 32 << 10
 
 // liveHeadroom is the least the default soft limit lies above the head's
 // live memory (live heap and goroutine stacks as of the last collection):
 // past ~20,000 replicas the per-replica allowance falls behind the live
-// memory, and a limit at the live memory collects without pause (a head
-// restarted against 10,000 replicas at a fixed 512 MiB spent a third of
-// its CPU in the collector).
+// memory, and a limit at the live memory collects without pause.
 const liveHeadroom = 1.25
 
 // softLimit is the default soft limit of a head that knows n replica
