@@ -147,8 +147,8 @@ func (x *exposer) count(n uint64) {
 	x.b = appendFloat(x.b, float64(n), false)
 }
 
-// Exposition formats the Logger writes: the text format 0.0.4 and
-// OpenMetrics (1.0.0 and 0.0.1 are written alike, as expfmt does).
+// formatOf is the index of exposition format f: the Logger writes the text
+// format 0.0.4 and OpenMetrics (1.0.0 and 0.0.1 alike, as expfmt does).
 func formatOf(f expfmt.Format) (int, error) {
 	switch f.FormatType() {
 	case expfmt.TypeTextPlain:
