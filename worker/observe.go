@@ -10,9 +10,9 @@ import (
 )
 
 // Observer sees the replica's own Generate and GenerateStream calls as
-// this worker serves them (Config.Observer): troupe worker serves them on --metrics-listen
-// as the head's per-replica families (docs/stats.md). It is called from
-// request goroutines, concurrently; it must not block.
+// this worker serves them (Config.Observer): troupe worker serves them on
+// --metrics-listen as the head's per-replica families (docs/stats.md). It
+// is called from request goroutines, concurrently; it must not block.
 type Observer interface {
 	// ObserveChunk gets every chunk's engine stats (nil: none), before the
 	// chunk is sent.

@@ -376,10 +376,10 @@ func (s *Server) Close() error {
 // unchanged) or serving fails; a first registration that etcd did not
 // answer (unreachable, no leader, too many requests) is retried with
 // backoff (0.5 s to 10 s, each attempt bounded by 5 s), logged at every
-// failure, until it succeeds or ctx ends. With an engine that implements Availability, the replica
-// is registered only while the engine is available (see Availability); a
-// later registration that fails is retried with backoff, never fatal.
-// Run may be called once.
+// failure, until it succeeds or ctx ends. With an engine that implements
+// Availability, the replica is registered only while the engine is
+// available (see Availability); a later registration that fails is retried
+// with backoff, never fatal. Run may be called once.
 func (s *Server) Run(ctx context.Context) error {
 	if !s.ran.CompareAndSwap(false, true) {
 		return errors.New("worker: Run called twice, or after Close")

@@ -140,10 +140,6 @@ func (e *Engine) Voice(v string) (string, error) {
 	return v, nil
 }
 
-// Generate speaks the request's text and streams the audio as espeak-ng
-// makes it; the final chunk carries finish stop and the timings (prefill:
-// until the first audio; decode: the rest). Cancelling ctx kills the
-// process.
 // ContinuesInput: in a streaming pipeline espeak speaks each sentence as
 // soon as the stage before has written it, instead of waiting for the whole
 // text (worker.Continuer). The audio of the whole is the sentences' audio
@@ -155,6 +151,10 @@ func (e *Engine) ContinuesInput() bool { return true }
 // spoken with a break in it (worker.SentenceSegmenter).
 func (e *Engine) SegmentsBySentence() bool { return true }
 
+// Generate speaks the request's text and streams the audio as espeak-ng
+// makes it; the final chunk carries finish stop and the timings (prefill:
+// until the first audio; decode: the rest). Cancelling ctx kills the
+// process.
 func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
 	text, ok := req.SpeechText()
 	if !ok {

@@ -48,11 +48,6 @@ type speechRequest struct {
 	StreamFormat string `json:"stream_format"`
 }
 
-// Generate speaks the request's text (its text input, or the last chat
-// message) with its voice (the configured one when it names none; none at
-// all leaves the choice to the upstream) and streams the audio as it
-// arrives (stream_format audio). Empty text gives no audio. A response
-// cut short is an Unavailable error.
 // ContinuesInput: in a streaming pipeline the speech stage asks the TTS
 // server for each sentence as soon as the stage before has written it,
 // instead of waiting for the whole text (worker.Continuer).
@@ -62,6 +57,11 @@ func (e *SpeechEngine) ContinuesInput() bool { return true }
 // spoken with a break in it (worker.SentenceSegmenter).
 func (e *SpeechEngine) SegmentsBySentence() bool { return true }
 
+// Generate speaks the request's text (its text input, or the last chat
+// message) with its voice (the configured one when it names none; none at
+// all leaves the choice to the upstream) and streams the audio as it
+// arrives (stream_format audio). Empty text gives no audio. A response
+// cut short is an Unavailable error.
 func (e *SpeechEngine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
 	if err := e.admit(); err != nil {
 		return err

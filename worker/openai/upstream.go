@@ -421,7 +421,8 @@ func unwrapURLError(err error) error {
 // upstream's message (the client gets a 400 carrying it); 408, 429, 502,
 // 503 and 504 are Unavailable (the head may retry elsewhere); 401 and 403
 // are Unauthenticated and PermissionDenied; other statuses (404
-// included: the model went away at runtime) are Internal. It reads (a bounded part of) the body.
+// included: the model went away at runtime) are Internal. It reads (a
+// bounded part of) the body.
 func statusError(resp *http.Response) error {
 	body, _ := io.ReadAll(io.LimitReader(resp.Body, errorBodyLimit))
 	msg := errorMessage(body)
