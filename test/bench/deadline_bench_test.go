@@ -97,11 +97,14 @@ type deadlineResult struct {
 // BenchmarkDeadline compares least_loaded with the deadline policy, with
 // and without admission, on a heterogeneous fleet, through the HTTP API
 // driven by the loadgen package as `troupe bench` drives it (see
-// docs/benchmarks.md). One op is one whole run; run it once:
+// docs/benchmarks.md, "Deadline-aware routing"). One op is one whole run;
+// run it once:
 //
 //	go test -run '^$' -bench BenchmarkDeadline -benchtime 1x ./test/bench
 //
-// TROUPE_DEADLINE_RATE, _TTFT and _DURATION override the load.
+// TROUPE_DEADLINE_RATE, _TTFT and _DURATION override the load, _CAPACITY
+// and _PREFILL_TPS the replicas, _MARGIN (without admission) and
+// _ADMIT_MARGIN the policy.
 func BenchmarkDeadline(b *testing.B) {
 	var results []deadlineResult
 	for _, dc := range deadlineCases {
@@ -220,8 +223,9 @@ func runDeadline(b *testing.B, dc deadlineCase) deadlineResult {
 	return res
 }
 
-// deadlineTable renders the results as the table of docs/benchmarks.md,
-// with goodput as a multiple of the first case's (least_loaded).
+// deadlineTable renders the results as a Markdown table, goodput as a
+// multiple of the first case's (least_loaded); docs/benchmarks.md,
+// "Deadline-aware routing", condenses it.
 func deadlineTable(rs []deadlineResult) string {
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "TTFT target %s, %.0f req/s Poisson for %s, admission margin %.2g\n\n", deadlineTTFT, deadlineRate, deadlineDuration, deadlineAdmitMargin)

@@ -83,8 +83,8 @@ type ttfaResult struct {
 //
 //	go test -run '^$' -bench BenchmarkDeadlineTTFA -benchtime 1x ./test/bench
 //
-// TROUPE_TTFA_TARGET, _RATE, _OPEN, _DURATION, _STEP, _SLOW, _LEVELS and
-// _CASES override the defaults (one more case: deadline+admission-last,
+// TROUPE_TTFA_TARGET, _RATE, _OPEN, _DURATION, _STEP, _SLOW, _SLOW_OF,
+// _LEVELS and _CASES override the defaults (one more case: deadline+admission-last,
 // admission on the last stage only).
 func BenchmarkDeadlineTTFA(b *testing.B) {
 	var results []ttfaResult
@@ -250,8 +250,9 @@ func stageIndex(p orchestrator.Pipeline, name string) int {
 	return -1
 }
 
-// ttfaTable renders the results as the tables of docs/benchmarks.md, with
-// goodput as a multiple of the first case's (least_loaded).
+// ttfaTable renders the results as Markdown tables, goodput as a multiple
+// of the first case's (least_loaded); docs/benchmarks.md, "Time to first
+// audio", condenses them.
 func ttfaTable(rs []ttfaResult) string {
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "TTFA target %s, open loop %.0f req/s Poisson for %s, one %s of %d 3x slower\n\n", ttfaTarget, ttfaRate, ttfaOpen, ttfaSlow, ttfaReplicas[ttfaSlow])

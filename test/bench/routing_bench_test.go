@@ -310,9 +310,10 @@ func serveRoutingHTTP(b *testing.B, h *orchestrator.Head) string {
 	return serveHTTPWith(b, h, httpapi.Config{Logger: slog.New(slog.DiscardHandler), SessionHeader: "X-Session-ID"})
 }
 
-// routingTable renders the results as the markdown table of
-// docs/benchmarks.md, with the ratios to round robin (NaN when round robin
-// did not run); a case is compared with the round robin of its workload.
+// routingTable renders the results as a Markdown table with the ratios to
+// round robin (NaN when round robin did not run), a case compared with the
+// round robin of its workload; docs/benchmarks.md, "Routing policies",
+// condenses it.
 func routingTable(rs []routingResult) string {
 	bases := map[string]routingResult{}
 	for _, r := range rs {

@@ -246,7 +246,8 @@ func scaleUpDesired(b *testing.B, c *orchestratortest.Cluster) map[string]int {
 	return out
 }
 
-// scaleUpTable renders the results as the table of docs/benchmarks.md.
+// scaleUpTable renders the results as the table of docs/benchmarks.md,
+// "Applying the recommendation".
 func scaleUpTable(rs []scaleUpResult) string {
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "max_num_seqs %d, decode step thinker %s, talker %s, vocoder %s; constant arrivals for %s, the first %s not counted; target: p90 ≤ max(%g× unloaded p90, unloaded p90 + %g ms)\n\n",

@@ -76,11 +76,10 @@ func runChild() int {
 // (one sim engine) and follows the parent's lines on in: "join" registers
 // every record (a real lease each, registerParallel at a time) and prints
 // "joined ID UNIX_NANOS" as each Register returns, then "joined-all
-// RETRIES";
-// "leave" drains the servers (Health says DRAINING, as a worker on SIGTERM)
-// and revokes every lease at once, then prints "left FAILED", FAILED the
-// revokes etcd did not answer in time. At EOF it exits
-// without revoking: the leases end with etcd, which the parent stops next.
+// RETRIES"; "leave" drains the servers (Health says DRAINING, as a worker
+// on SIGTERM) and revokes every lease at once, then prints "left FAILED",
+// FAILED the revokes etcd did not answer in time. At EOF it exits without
+// revoking: the leases end with etcd, which the parent stops next.
 func child(in io.Reader, out io.Writer) error {
 	cfg, err := childConfigFromEnv()
 	if err != nil {

@@ -15,10 +15,9 @@ import (
 )
 
 // BenchmarkEtcdHeads measures what a fleet and its heads cost etcd, at
-// sizes and head counts whose heads this 2-core machine could not also run
-// (five heads at 10,000 replicas are 50,000 connections, probes and
-// keepalive pings besides etcd; BenchmarkFleetProcs did not complete
-// there). The etcd process and the replica children are BenchmarkFleetProcs'
+// sizes and head counts whose full heads a small machine could not also
+// run (five heads at 10,000 replicas are 50,000 connections, probes and
+// keepalive pings besides etcd). The etcd process and the replica children are BenchmarkFleetProcs'
 // (real leases and records, written with membership.Register, kept alive
 // by each child's etcd client). Each "head" is what a head runs against
 // etcd: a membership.Watcher (the head's own watch: one list, then a

@@ -308,8 +308,7 @@ func pollInterval(n int) time.Duration {
 // watchHead polls the head at base until cond holds for its attached
 // replicas, recording in first (when not nil) the time each replica was
 // first seen attached (the poll's answer: late by at most one poll), n
-// the fleet's size.
-// It returns the time from start until cond held.
+// the fleet's size. It returns the time from start until cond held.
 func watchHead(ctx context.Context, base string, n int, start time.Time, first map[uint32]time.Time, cond func(map[uint32]bool) bool) (time.Duration, error) {
 	tick := time.NewTicker(pollInterval(n))
 	defer tick.Stop()

@@ -1,7 +1,7 @@
 // Command vsnginx is the two halves of scripts/bench-vs-nginx.sh:
 //
 //	vsnginx backend -listen 127.0.0.1:9100 [-audio-body answer.json]
-//	vsnginx load -url http://127.0.0.1:8080 -c 32 -d 10s -pids 12,13 [-stream | -audio]
+//	vsnginx load -target troupe -url http://127.0.0.1:8080 -c 32 -d 10s -pids 12,13 [-stream] [-audio]
 //	vsnginx report < runs.jsonl
 //
 // backend is a minimal OpenAI-compatible server: POST /v1/chat/completions
@@ -14,12 +14,14 @@
 // load posts chat completions (16 tokens, ignore_eos; with -audio, text
 // and a WAV, which troupe makes through all three stages) from -c
 // concurrent keep-alive clients for -d, checks each answer, and prints one
-// line of JSON: requests, req/s, p50/p99 latency, and the CPU the processes
+// line of JSON labelled -target (nginx, troupe, baseline): requests, req/s,
+// p50/p99 latency, and the CPU the processes
 // named by -pids (the proxy) spent per request, read from /proc/PID/stat
 // (utime+stime of the process, its threads included) before and after.
 //
-// report turns load's lines into the Markdown tables of docs/benchmarks.md:
-// means per mode and proxy over the runs, and troupe/nginx ratios.
+// report turns load's lines into two Markdown tables: means per mode and
+// target over the runs, and the troupe/nginx, baseline/nginx and
+// troupe/baseline ratios (docs/benchmarks.md, "Against nginx", quotes them).
 package main
 
 import (
