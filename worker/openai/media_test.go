@@ -3,6 +3,7 @@ package openai_test
 import (
 	"bytes"
 	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -48,7 +49,7 @@ func TestMediaPartsReachUpstream(t *testing.T) {
 	client := oa.NewClient(option.WithBaseURL(base+"/v1/"), option.WithAPIKey("unused"), option.WithHTTPClient(httpClient), option.WithMaxRetries(0))
 
 	png := append([]byte("\x89PNG\r\n\x1a\n"), bytes.Repeat([]byte{0, 0xff, 0x10}, 3000)...)
-	wav := append([]byte("RIFF\x24\x00\x00\x00WAVEfmt "), bytes.Repeat([]byte{1, 0x80}, 5000)...)
+	wav := pcm16WAV(bytes.Repeat([]byte{1, 0x80}, 5000), 16000) // the head checks the header
 	pngURL := "data:image/png;base64," + base64.StdEncoding.EncodeToString(png)
 	res, err := client.Chat.Completions.New(testCtx(t), oa.ChatCompletionNewParams{
 		Model: "troupe-omni-sim",
@@ -198,4 +199,17 @@ func TestMMCacheCountersReachHead(t *testing.T) {
 	ask()
 	assert.Equal(t, 7.0, counter("troupe_mm_cache_queries_total"), "counted once")
 	assert.Equal(t, 5.0, counter("troupe_mm_cache_hits_total"))
+}
+
+// pcm16WAV is pcm in a WAV file: PCM16 mono at rate.
+func pcm16WAV(pcm []byte, rate uint32) []byte {
+	le := binary.LittleEndian
+	b := []byte("RIFF\x00\x00\x00\x00WAVEfmt \x10\x00\x00\x00\x01\x00\x01\x00")
+	b = le.AppendUint32(b, rate)
+	b = le.AppendUint32(b, 2*rate)
+	b = append(b, "\x02\x00\x10\x00data"...)
+	b = le.AppendUint32(b, uint32(len(pcm)))
+	b = append(b, pcm...)
+	le.PutUint32(b[4:8], uint32(len(b)-8))
+	return b
 }
