@@ -38,8 +38,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# SCRAPE1000: a prebuilt target (docs/benchmarks.md measured the version
-# before the fast path with one built from that revision).
+# SCRAPE1000: a prebuilt target, such as one built from another revision to
+# compare with.
 if [ -n "${SCRAPE1000:-}" ]; then
 	cp "$SCRAPE1000" "$tmp/scrape1000"
 else

@@ -14,10 +14,10 @@
 #
 # and the same client (test/bench/vsnginx load: C concurrent keep-alive
 # clients, 16 tokens with ignore_eos) loads each in turn, alternating,
-# ROUNDS times per mode (non-stream, stream, audio: text and a WAV, not
-# streamed). It prints req/s, p50/p99 and the proxy's CPU per request
-# (utime+stime from /proc: nginx's workers summed, the head process), and
-# the troupe/nginx ratios.
+# ROUNDS times per mode (MODES, default all of non-stream, stream, audio:
+# text and a WAV, not streamed). It prints req/s, p50/p99 and the proxy's
+# CPU per request (utime+stime from /proc: nginx's workers summed, the head
+# process), and the troupe/nginx ratios (with BASELINE, baseline's too).
 #
 #   scripts/bench-vs-nginx.sh                # about 3 minutes
 #   DURATION=4s ROUNDS=1 scripts/bench-vs-nginx.sh

@@ -2,8 +2,8 @@
 # End-to-end tracing: builds Jaeger (cached in bin/jaeger), then runs
 # test/tracing, which starts Jaeger, etcd, a head and one worker per stage as
 # processes, sends one audio request and checks its trace in Jaeger. It
-# also runs the Jaeger smoke test of internal/front/jaeger (both OTLP protocols and
-# `troupe trace`).
+# also runs the Jaeger smoke test of internal/front/jaeger (both OTLP
+# protocols and `troupe trace`).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
