@@ -152,8 +152,7 @@ func (h *Head) runStage(ctx context.Context, sr *stageRun) (*stageOutput, error)
 			return tr.moved.prepend(out), nil
 		}
 		failed = append(failed, d.Replica)
-		if refusedDraining(ctx, err, a.produced) {
-			d.Replica.MarkDraining() // no request routes to it again
+		if refusedDraining(ctx, err, a.produced) { // its Done marked the replica draining
 			if refusals < maxDrainRefusals {
 				refusals++
 				lastErr = err
@@ -389,6 +388,7 @@ func (a *attemptRun) gotText() string {
 // flushing to the client) or for input not yet made does not count
 // (stallWatch).
 func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err error) {
+	stage := ctx
 	ctx = h.startAttemptSpan(ctx, a)
 	defer a.span.End()
 	ctx, cancel := context.WithCancelCause(ctx)
@@ -400,7 +400,7 @@ func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err 
 
 	a.call = h.router.Begin(a.d, a.sr.input != nil && !a.sr.input.started(), cancel)
 	h.startAccounting(a)
-	defer func() { h.finishAttempt(a, err) }()
+	defer func() { h.finishAttempt(a, err, refusedDraining(stage, err, a.produced)) }()
 
 	stream, w, err := h.open(ctx, a, stall)
 	wait = w
@@ -592,12 +592,14 @@ func (h *Head) startAccounting(a *attemptRun) {
 
 // finishAttempt records the ended attempt in the stats and on its span,
 // and reports its outcome through its call.
-func (h *Head) finishAttempt(a *attemptRun, err error) {
+func (h *Head) finishAttempt(a *attemptRun, err error, draining bool) {
 	out, fin := a.out, &a.fin
 	fin.E2E = time.Since(a.start)
 	fin.PromptTokens, fin.GenerationTokens = out.promptTokens, out.generationTokens
 	fin.PrefillComputedTokens = out.computedTokens
-	h.logOutcome(a, err, a.call.Done(h.outcome(a, err)))
+	o := h.outcome(a, err)
+	o.Draining = draining
+	h.logOutcome(a, err, a.call.Done(o))
 	if rerr := h.stats.RecordFinished(a.rep.EngineIndex, *fin); rerr != nil {
 		h.log.Debug("orchestrator: record finished", "err", rerr)
 	}
@@ -700,13 +702,11 @@ func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb
 	}
 }
 
-// account applies what a chunk tells of the replica: its KV events to the
-// prefix index, its stats to the stat logger, the replica's load and the
-// attempt's token counts.
+// account applies what a chunk tells of the replica: its KV events and
+// load to the router (through the attempt's call), its stats to the stat
+// logger, and the attempt's token counts.
 func (h *Head) account(a *attemptRun, chunk *stagepb.GenerateChunk) {
-	if ev := chunk.GetKvEvents(); ev != nil {
-		h.router.ApplyKVEvents(a.rep, ev)
-	}
+	a.call.Chunk(chunk)
 	s := chunk.GetStats()
 	if s == nil {
 		return
@@ -714,7 +714,6 @@ func (h *Head) account(a *attemptRun, chunk *stagepb.GenerateChunk) {
 	if err := h.stats.Record(a.rep.EngineIndex, s); err != nil {
 		h.log.Debug("orchestrator: record stats", "err", err)
 	}
-	setLoad(a.rep, s)
 	a.out.promptTokens += int(s.GetPromptTokens())
 	a.out.generationTokens += int(s.GetGenerationTokens())
 	a.out.computedTokens += int(s.GetPromptTokensLocalCompute())

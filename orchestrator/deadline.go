@@ -293,7 +293,7 @@ func (h *Head) behind(a *attemptRun) bool {
 	}) {
 		return false
 	}
-	h.router.ObserveRate(a.rep, rate)
+	a.call.ObserveRate(rate)
 	h.countDecision(st, router.Decision{Policy: router.PolicyDeadline, Reason: router.ReasonRTFMigrate})
 	a.span.AddEvent("rtf_migrate", trace.WithAttributes(attribute.Float64("troupe.rtf", rate), attribute.Float64("troupe.rtf.target", min)))
 	h.log.Info("orchestrator: audio fell behind real time; moving the stream to another replica",

@@ -678,7 +678,7 @@ func (f *fleet) attach(pr probeResult) {
 	t.times.bound = time.Now()
 	pr.rep.SetSleepState(sleep)
 	if g := pr.health.GetGauges(); g != nil {
-		setLoad(pr.rep, g)
+		pr.rep.SetLoadFrom(g)
 	}
 	cache := pr.health.GetCacheConfig()
 	pr.rep.Engine = router.EngineInfo{Name: pr.health.GetEngine(), BlockSize: int(cache.GetBlockSize()), KVEvents: cache.GetKvEvents(),

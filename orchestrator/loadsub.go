@@ -3,7 +3,6 @@ package orchestrator
 import (
 	"context"
 	"fmt"
-	"time"
 
 	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
@@ -27,18 +26,9 @@ func (f *fleet) subscribeLoad(ctx context.Context, rep *router.Replica) (live bo
 			return live, fmt.Errorf("orchestrator: load reports: %w", err)
 		}
 		live = true
-		setLoad(rep, s)
+		rep.SetLoadFrom(s)
 		if err := f.stats.Record(rep.EngineIndex, s); err != nil {
 			f.log.Debug("orchestrator: record load", "err", err)
 		}
 	}
-}
-
-// setLoad sets rep's load signal from an engine's snapshot (running plus
-// waiting), dated when the engine measured it: gauges_age_ms before now.
-// A worker relays a scraped engine's last good load, so the relay's time
-// alone would keep a load fresh whose source stopped answering.
-func setLoad(rep *router.Replica, s *stagepb.EngineStats) {
-	at := time.Now().Add(-time.Duration(s.GetGaugesAgeMs()) * time.Millisecond)
-	rep.SetLoadAt(int64(s.GetNumRequestsRunning())+int64(s.GetNumRequestsWaitingCapacity())+int64(s.GetNumRequestsWaitingDeferred()), at)
 }

@@ -3,6 +3,8 @@ package router
 import (
 	"context"
 	"time"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
 // Call is one attempt on a picked replica, from Begin to Done, in the
@@ -47,10 +49,28 @@ func (c *Call) FirstOutput() { c.pending.Done() }
 // of its attempts (the latest load report a chunk brought).
 func (c *Call) Alive() time.Time { return c.rep.HeardAt() }
 
+// Chunk applies what one of the attempt's chunks tells of the replica:
+// its cache report to the stage's prefix index, its load to the replica.
+func (c *Call) Chunk(chunk *stagepb.GenerateChunk) {
+	if ev := chunk.GetKvEvents(); ev != nil {
+		c.rt.ApplyKVEvents(c.rep, ev)
+	}
+	if s := chunk.GetStats(); s != nil {
+		c.rep.SetLoadFrom(s)
+	}
+}
+
+// ObserveRate hands a deadline policy the attempt's audio rate when the
+// attempt is moved for falling behind real time, before it ends.
+func (c *Call) ObserveRate(rtf float64) { c.rt.ObserveRate(c.rep, rtf) }
+
 // Outcome is how an attempt ended, as its Call's Done takes it.
 type Outcome struct {
 	Err   error // nil: the attempt succeeded
 	Fault bool  // Err was the replica's doing: it counts towards the breaker
+	// Draining: the replica refused the call because it drains; no
+	// request routes to it again.
+	Draining bool
 	// Elapsed is the whole attempt, from Begin.
 	Elapsed time.Duration
 	// FirstOutput is when, after Begin, the first output reached the head;
@@ -81,6 +101,9 @@ func (c *Call) Done(o Outcome) Report {
 		rep.Recovered = c.rt.RecordSuccess(c.rep)
 	case o.Fault:
 		rep.Ejection = c.rt.RecordFailure(c.rep)
+	}
+	if o.Draining {
+		c.rep.MarkDraining()
 	}
 	c.untrack()
 	c.rep.Release()

@@ -9,6 +9,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
 // TestCallOutcomePath: a pick's call holds the replica's slot and lets
@@ -58,6 +60,17 @@ func TestCallOutcomePath(t *testing.T) {
 	assert.False(t, rep.Routable())
 	rep.ejectedUntil.Store(time.Now().Add(-time.Second).UnixNano())
 	c = r.Begin(Decision{Replica: rep}, false, func(error) {})
+	c.Chunk(&stagepb.GenerateChunk{Stats: &stagepb.EngineStats{NumRequestsRunning: 3, NumRequestsWaitingCapacity: 2}})
+	assert.EqualValues(t, 5, rep.Load(), "a chunk's stats set the replica's load")
 	assert.True(t, c.Done(Outcome{}).Recovered)
 	assert.True(t, rep.Routable())
+
+	// A draining refusal marks the replica: no request routes to it again.
+	c = r.Begin(Decision{Replica: rep}, false, func(error) {})
+	report = c.Done(Outcome{Err: errors.New("draining"), Draining: true})
+	assert.Zero(t, report.Failures, "a refusal is not a failure")
+	assert.True(t, rep.Draining())
+	d, err := r.Pick(0, &Request{}, nil)
+	require.NoError(t, err)
+	assert.NotSame(t, rep, d.Replica)
 }

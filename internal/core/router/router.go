@@ -142,6 +142,15 @@ func (r *Replica) Abort(cause error) int {
 // InFlight is the number of requests currently on the replica.
 func (r *Replica) InFlight() int64 { return r.inFlight.Load() }
 
+// SetLoadFrom sets the replica's load from an engine's snapshot (running
+// plus waiting), dated when the engine measured it: gauges_age_ms before
+// now. A worker relays a scraped engine's last good load, so the relay's
+// time alone would keep a load fresh whose source stopped answering.
+func (r *Replica) SetLoadFrom(s *stagepb.EngineStats) {
+	at := time.Now().Add(-time.Duration(s.GetGaugesAgeMs()) * time.Millisecond)
+	r.SetLoadAt(int64(s.GetNumRequestsRunning())+int64(s.GetNumRequestsWaitingCapacity())+int64(s.GetNumRequestsWaitingDeferred()), at)
+}
+
 // Load is running+waiting from the replica's latest stats.
 func (r *Replica) Load() int64 { return r.load.Load() }
 
