@@ -297,9 +297,8 @@ var internalSpan = trace.WithSpanKind(trace.SpanKindInternal)
 // maxHoldOutput is how long a worker may hold a stage's output that
 // nothing reads before the stage ends (GenerateRequest.hold_output_ms).
 // The end is never held and every output is dated by its age, so only the
-// number of messages changes: a short answer at zero delay comes in one
-// message instead of one per output, a long one in one per 100 ms. It stays well below the
-// stall timeout, which a held stage must not trip.
+// number of messages changes. It stays well below the stall timeout,
+// which a held stage must not trip.
 const maxHoldOutput = 100 * time.Millisecond
 
 // holdOutputMs is GenerateRequest.hold_output_ms for a stage whose output

@@ -9,8 +9,8 @@ import (
 )
 
 // The answers of every request (a whole chat answer, a streamed chunk) are
-// encoded by hand rather than by encoding/json's reflection, which was a
-// twentieth of the head's CPU per request (docs/benchmarks.md). The output
+// encoded by hand rather than by encoding/json's reflection, a visible
+// share of the head's CPU per request. The output
 // is byte for byte what encoding/json writes for the same value, escaping
 // included (TestAppendJSONIsEncodingJSON, whose values are drawn field by
 // field from the response structs); other responses, rarer, go through

@@ -146,11 +146,10 @@ func acceptsGzip(h http.Header) bool {
 }
 
 var (
-	// BestSpeed: a scrape of 1,000 replicas is ~42 MB of text, which
-	// BestSpeed compresses to 1.4 MB in ~45 ms on the benchmark machine,
-	// the default level to 1.2 MB in ~400 ms (docs/stats.md). klauspost's
-	// gzip (already in the build, for promhttp's zstd) takes 30 % less
-	// time than compress/gzip's for the same size.
+	// BestSpeed: a scrape of a large fleet is tens of MB of text, which
+	// the default level compresses hardly smaller and many times slower
+	// (docs/stats.md); klauspost's gzip is already in the build (promhttp's
+	// zstd) and faster than compress/gzip's.
 	gzipPool = sync.Pool{New: func() any {
 		gz, _ := gzip.NewWriterLevel(nil, gzip.BestSpeed)
 		return gz
