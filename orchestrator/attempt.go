@@ -394,7 +394,8 @@ func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err 
 	ctx, cancel := context.WithCancelCause(ctx)
 	wait := func() {}
 	defer func() { cancel(context.Canceled); wait() }()
-	stall := newStallWatch(h.cfg.StallTimeout, cancel, a.replicaAlive)
+	stall := newStallWatch(h.cfg.StallTimeout, cancel, a.replicaAlive,
+		func(d time.Duration) bool { return a.call.Answers(ctx, d, h.callOptions()...) })
 	defer stall.stop()
 	defer a.sr.gate.arm(cancel)()
 
@@ -445,10 +446,12 @@ func (a *attemptRun) sampling() *stagepb.SamplingParams {
 
 // stallWatch cancels an attempt that makes no progress for the stall
 // timeout. Its clock starts with the first sign of work (a chunk, or input
-// sent to a streamed stage): before it a replica may rightly be busy for
-// long (a queue, the prefill of a huge prompt). A replica that dies or
-// freezes before its first chunk is caught by its lease instead: the leave
-// probe finds it does not answer and aborts its attempts.
+// sent to a streamed stage). Before it a replica may rightly be busy for
+// long (a queue, the prefill of a huge prompt), so an attempt still waiting
+// for its first sign of work fails only when the replica, silent on every
+// request for the stall timeout, also leaves a Health call unanswered
+// (probe): a frozen replica releases its attempts within the stall
+// timeout, not its lease's TTL, and a busy one keeps them.
 //
 // The clock measures the replica only: it stands while the attempt waits
 // for whoever reads its output (the client, or the next stage's input
@@ -474,28 +477,43 @@ type stallWatch struct {
 	timeout time.Duration
 	cancel  context.CancelCauseFunc
 	alive   func() time.Time // when the replica last showed life; nil: never asked
-	since   time.Time        // when the clock last (re)started
-	started bool             // the replica has shown work: the clock runs
-	waits   int              // waits on others under way: the clock stands
-	stopped bool             // the attempt ended: nothing restarts the clock
+	// probe asks the replica for Health within the given time, before its
+	// first sign of work: whether it answered.
+	probe   func(time.Duration) bool
+	since   time.Time // when the clock last (re)started
+	started bool      // the replica has shown work: the clock runs
+	waits   int       // waits on others under way: the clock stands
+	stopped bool      // the attempt ended: nothing restarts the clock
 }
 
-func newStallWatch(timeout time.Duration, cancel context.CancelCauseFunc, alive func() time.Time) *stallWatch {
-	s := &stallWatch{timeout: timeout, cancel: cancel, alive: alive}
-	s.timer = time.AfterFunc(timeout, s.fire)
-	s.timer.Stop()
+func newStallWatch(timeout time.Duration, cancel context.CancelCauseFunc, alive func() time.Time, probe func(time.Duration) bool) *stallWatch {
+	s := &stallWatch{timeout: timeout, cancel: cancel, alive: alive, probe: probe, since: time.Now()}
+	s.timer = time.AfterFunc(timeout-probeWindow(timeout), s.fire)
 	return s
 }
+
+// probeWindow is how long, of the stall timeout, a Health probe before
+// the first sign of work may take: the probe starts that long before the
+// timeout, so a frozen replica is given up within it.
+func probeWindow(timeout time.Duration) time.Duration { return min(timeout/4, time.Second) }
 
 // fire is the clock running out: the attempt is cancelled with errStalled
 // unless the clock was restarted or stopped meanwhile (a timer that fires
 // as it is reset) or the replica showed life within the stall timeout;
 // then the clock is set to run out a stall timeout after the later of
-// the two.
+// the two. Before the first sign of work it probes the replica instead
+// (waiting).
 func (s *stallWatch) fire() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.stopped || s.waits > 0 || !s.started {
+	if s.stopped {
+		return
+	}
+	if !s.started {
+		s.waiting()
+		return
+	}
+	if s.waits > 0 {
 		return
 	}
 	last := s.since
@@ -509,6 +527,30 @@ func (s *stallWatch) fire() {
 		return
 	}
 	s.cancel(errStalled)
+}
+
+// waiting is fire before the attempt's first sign of work, s.mu held: a
+// replica heard from within the stall timeout, or an attempt waiting on
+// its input, is looked at again a stall timeout later; a silent replica is
+// probed, off the lock, and the attempt fails as stalled unless it
+// answers or the attempt made progress meanwhile.
+func (s *stallWatch) waiting() {
+	window := probeWindow(s.timeout)
+	again := s.timeout - window
+	if s.waits > 0 || s.probe == nil || (s.alive != nil && time.Since(s.alive()) < s.timeout) {
+		s.timer.Reset(again)
+		return
+	}
+	s.mu.Unlock()
+	answered := s.probe(window)
+	s.mu.Lock()
+	switch {
+	case s.stopped || s.started:
+	case answered:
+		s.timer.Reset(again)
+	default:
+		s.cancel(errStalled)
+	}
 }
 
 // restartLocked starts the clock in full.
@@ -541,8 +583,12 @@ func (s *stallWatch) resume() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.waits--
-	if s.waits == 0 && s.started && !s.stopped {
+	switch {
+	case s.waits > 0 || s.stopped:
+	case s.started:
 		s.restartLocked()
+	default:
+		s.timer.Reset(s.timeout - probeWindow(s.timeout)) // still waiting for its first sign of work
 	}
 }
 

@@ -130,3 +130,67 @@ func TestFrozenReplicaIsAStall(t *testing.T) {
 	failed, _ := value(t, c.Metrics, "troupe_request_success_total", map[string]string{"stage": "0", "replica": "0", "finished_reason": "error"})
 	assert.Positive(t, failed, "the frozen replica's attempts failed as stalls")
 }
+
+// frozenHealth is a sim engine that freezes whole, as SIGSTOP freezes a
+// worker: from frozen on, no request gets a chunk and Health (the head's
+// probe, the worker's load reports) answers only once thawed.
+type frozenHealth struct {
+	*sim.Engine
+	frozen, thawed chan struct{}
+}
+
+func (f *frozenHealth) Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
+	select {
+	case <-f.frozen:
+		<-ctx.Done()
+		return ctx.Err()
+	default:
+		return f.Engine.Generate(ctx, req, emit)
+	}
+}
+
+func (f *frozenHealth) Health() *stagepb.HealthResponse {
+	select {
+	case <-f.frozen:
+		<-f.thawed
+	default:
+	}
+	return f.Engine.Health()
+}
+
+// TestFrozenBeforeFirstTokenIsAStall: a replica frozen before it made a
+// first token for its requests releases them within the stall timeout,
+// not its lease's TTL: silent on every request, it does not answer the
+// head's Health probe either, so its attempts fail as stalls and are
+// retried on the other replica.
+func TestFrozenBeforeFirstTokenIsAStall(t *testing.T) {
+	const stall = 300 * time.Millisecond
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1, StallTimeout: stall, LeaseTTL: time.Minute})
+	f := &frozenHealth{frozen: make(chan struct{}), thawed: make(chan struct{})}
+	zero := uint32(0)
+	c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{ReplicaID: &zero,
+		Engine: func(e *sim.Engine) worker.Engine { f.Engine = e; return f }})
+	c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
+	c.WaitState(t, "thinker", 0, "attached")
+	c.WaitState(t, "thinker", 1, "attached")
+	t.Cleanup(func() { close(f.thawed) }) // before the cluster stops
+	close(f.frozen)
+
+	// Well within the lease (a minute): without the probe the frozen
+	// replica's requests would wait for it.
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var g errgroup.Group
+	for i := range 8 {
+		g.Go(func() error {
+			res, err := c.Head.Execute(ctx, orchestrator.Request{ID: fmt.Sprint("frozen-", i), Prompt: "are you there", Sampling: sampling(8, int64(i))}, nil)
+			if err == nil && res.CompletionTokens == 0 {
+				err = fmt.Errorf("request %d: no tokens", i)
+			}
+			return err
+		})
+	}
+	require.NoError(t, g.Wait(), "every request is served by the live replica")
+	failed, _ := value(t, c.Metrics, "troupe_request_success_total", map[string]string{"stage": "0", "replica": "0", "finished_reason": "error"})
+	assert.Positive(t, failed, "the frozen replica's attempts failed as stalls")
+}

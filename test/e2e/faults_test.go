@@ -72,6 +72,48 @@ func TestFrozenWorkerRequestsRetried(t *testing.T) {
 	t.Logf("replica 0 detached %s after SIGSTOP (lease TTL 3s)", time.Since(frozen).Round(10*time.Millisecond))
 }
 
+// TestFrozenBeforeFirstTokenReleasedWithinStall: a worker frozen by
+// SIGSTOP before it made a first token of its requests releases them
+// within the head's stall timeout, not its lease's TTL: the head finds it
+// silent, probes its Health, gets no answer, and retries the requests on
+// the other replica. Clients see every answer well before the lease (a
+// minute) could lapse.
+func TestFrozenBeforeFirstTokenReleasedWithinStall(t *testing.T) {
+	requireBinary(t)
+	ctx := testCtx(t)
+	etcd := startEtcd(t)
+	const stall = 2 * time.Second
+	h := startHead(t, etcd, "--pipeline", thinkerOnly(t), "--stall-timeout", stall.String())
+	victim := startWorker(t, etcd, "thinker", "--replica-id", "0", "--lease-ttl", "60s")
+	startWorker(t, etcd, "thinker", "--replica-id", "1", "--lease-ttl", "60s")
+	h.waitState(ctx, t, "thinker", 0, "attached")
+	h.waitState(ctx, t, "thinker", 1, "attached")
+	victim.signal(t, syscall.SIGSTOP)
+	t.Cleanup(func() { _ = victim.cmd.Process.Signal(syscall.SIGCONT) })
+
+	reqCtx, cancel := context.WithTimeout(ctx, 30*time.Second) // half the lease
+	defer cancel()
+	var g errgroup.Group
+	for i := range 8 {
+		g.Go(func() error {
+			req := seeded(userPrompt(modelName, "are you there?", 8), int64(i))
+			req.IgnoreEOS = true
+			res, err := h.chat(reqCtx, req)
+			if err != nil {
+				return fmt.Errorf("request %d: %w", i, err)
+			}
+			if res.Usage.CompletionTokens != 8 {
+				return fmt.Errorf("request %d: %d completion tokens, want 8", i, res.Usage.CompletionTokens)
+			}
+			return nil
+		})
+	}
+	require.NoError(t, g.Wait(), "every request is answered while the frozen replica's lease lives")
+	r, _, err := h.replica(ctx, "thinker", 0)
+	require.NoError(t, err)
+	assert.NotEqual(t, "detached", r.State, "the lease still lives: the requests were released by the stall probe")
+}
+
 // TestEtcdFreezeIsNotAnOutage: etcd frozen for longer than the lease TTL
 // expires every lease when it resumes; the replicas still serve, so the
 // head keeps routing to them while they re-register, and no request fails.

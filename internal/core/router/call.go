@@ -4,6 +4,8 @@ import (
 	"context"
 	"time"
 
+	"google.golang.org/grpc"
+
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 )
 
@@ -48,6 +50,19 @@ func (c *Call) FirstOutput() { c.pending.Done() }
 // Alive is when the replica last showed this head that it works, on any
 // of its attempts (the latest load report a chunk brought).
 func (c *Call) Alive() time.Time { return c.rep.HeardAt() }
+
+// Answers reports whether the replica answers Health within d, and counts
+// an answer as a sign of life (Alive) for every attempt on it: a replica
+// busy with a queue or a long prefill answers, a frozen one does not.
+func (c *Call) Answers(ctx context.Context, d time.Duration, opts ...grpc.CallOption) bool {
+	ctx, cancel := context.WithTimeout(ctx, d)
+	defer cancel()
+	if _, err := c.rep.Client.Health(ctx, &stagepb.HealthRequest{}, opts...); err != nil {
+		return false
+	}
+	c.rep.heardAt.Store(time.Now().UnixNano())
+	return true
+}
 
 // Chunk applies what one of the attempt's chunks tells of the replica:
 // its cache report to the stage's prefix index, its load to the replica.
