@@ -1,6 +1,8 @@
 package membership
 
 import (
+	"context"
+	"net"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -32,3 +34,15 @@ func NextBackoffs(initial, maxDelay time.Duration, n int) []time.Duration {
 
 // SetListPage sets how many records one request of a list reads.
 func SetListPage(w *Watcher, n int64) { w.listPage = n }
+
+// RegisterWithTakeOverHook is Register with beforeTakeOver run between
+// reading a predecessor's record and the txn that takes it over, so a
+// test can line two takers up on the same read.
+func RegisterWithTakeOverHook(ctx context.Context, cli *clientv3.Client, cfg RegisterConfig, beforeTakeOver func()) (*Registration, error) {
+	return register(ctx, cli, cfg, beforeTakeOver)
+}
+
+// ListensOn is listensOn.
+func ListensOn(ctx context.Context, bound net.Addr, addr string) error {
+	return listensOn(ctx, bound, addr)
+}

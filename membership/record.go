@@ -231,15 +231,20 @@ func holderAddr(resps []*etcdserverpb.ResponseOp) string {
 		if rr == nil || len(rr.Kvs) == 0 {
 			continue
 		}
-		var rec struct {
-			Addr string `json:"addr"`
-		}
-		if err := json.Unmarshal(rr.Kvs[0].Value, &rec); err == nil && rec.Addr != "" {
-			return rec.Addr
-		}
-		return "an unreadable record"
+		return recordAddr(rr.Kvs[0].Value)
 	}
 	return "an unknown holder" // deleted between the compare and the get: cannot happen in one txn
+}
+
+// recordAddr is the addr a record names, as a refusal reports it.
+func recordAddr(value []byte) string {
+	var rec struct {
+		Addr string `json:"addr"`
+	}
+	if err := json.Unmarshal(value, &rec); err == nil && rec.Addr != "" {
+		return rec.Addr
+	}
+	return "an unreadable record"
 }
 
 // run keeps the lease alive and re-registers when it is lost, until ctx

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"math"
+	"net"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -48,6 +49,15 @@ type RegisterConfig struct {
 	AutoID  bool          // take the smallest free id of the stage (ids start at 0)
 	TTL     time.Duration // lease TTL, default 10s, at least 1s, rounded up to seconds
 	Logger  *slog.Logger
+	// Listener, when set, is the listener this process serves Member.Addr
+	// on, opened without SO_REUSEPORT (as net.Listen does). Holding it
+	// proves that no other live process serves that addr, so a valid
+	// record of the same replica at the same addr, under a lease this
+	// registration does not hold, is this replica's previous process,
+	// killed before its lease expired: Register takes the record over
+	// instead of refusing. The addr must reach the listener directly (see
+	// listensOn). Ignored with AutoID.
+	Listener net.Listener
 }
 
 // RegistrationEventType says what happened to a live registration.
@@ -95,17 +105,25 @@ type RegistrationEvent struct {
 type Registration struct {
 	*leased
 	member Member // guarded by leased.mu once the keepalive runs
+
+	beforeTakeOver func() // tests only: between the read and the takeover's txn
 }
 
 // Register writes the member record under a fresh lease, in a txn that
 // succeeds only when the key is absent, and keeps the lease alive until
 // Close. A key with a live holder fails at once with an
 // *AlreadyRegisteredError; Register never overwrites and never waits for the
-// holder. With AutoID it takes the smallest free id of the stage, retrying
-// when a concurrent joiner takes the same id first.
+// holder. The one exception is this replica's previous process at the same
+// addr (see RegisterConfig.Listener), whose record is taken over in a
+// compare-and-swap. With AutoID it takes the smallest free id of the stage,
+// retrying when a concurrent joiner takes the same id first.
 //
 // ctx bounds only the registration itself; the keepalive runs until Close.
 func Register(ctx context.Context, cli *clientv3.Client, cfg RegisterConfig) (*Registration, error) {
+	return register(ctx, cli, cfg, nil)
+}
+
+func register(ctx context.Context, cli *clientv3.Client, cfg RegisterConfig, beforeTakeOver func()) (*Registration, error) {
 	if cli == nil {
 		return nil, errors.New("membership: register: nil etcd client")
 	}
@@ -123,7 +141,7 @@ func Register(ctx context.Context, cli *clientv3.Client, cfg RegisterConfig) (*R
 	if err != nil {
 		return nil, err
 	}
-	r := &Registration{leased: l, member: cfg.Member}
+	r := &Registration{leased: l, member: cfg.Member, beforeTakeOver: beforeTakeOver}
 	r.member.Labels = maps.Clone(cfg.Member.Labels)
 
 	grant, err := cli.Grant(ctx, r.ttlSecs)
@@ -141,12 +159,7 @@ func Register(ctx context.Context, cli *clientv3.Client, cfg RegisterConfig) (*R
 	} else {
 		err = r.setID(cluster, cfg.Member.ReplicaID)
 		if err == nil {
-			var ok bool
-			var holder string
-			ok, holder, err = r.create(ctx, lease)
-			if err == nil && !ok {
-				err = &AlreadyRegisteredError{Stage: r.member.Stage, ReplicaID: r.member.ReplicaID, Addr: holder}
-			}
+			err = r.claim(ctx, cluster, lease, cfg.Listener)
 		}
 	}
 	if err != nil {

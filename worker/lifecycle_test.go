@@ -112,6 +112,45 @@ func TestDuplicateReplicaIDFailsAtOnce(t *testing.T) {
 	assert.Error(t, err)
 }
 
+// TestRestartWithinLeaseTakesItsRecordBack (issue 47, item 5): a worker
+// whose predecessor at the same address died within its lease (its etcd
+// client gone, the lease never revoked) takes the record back instead of
+// exiting with "already registered by" its own address.
+func TestRestartWithinLeaseTakesItsRecordBack(t *testing.T) {
+	etcd := membershiptest.Start(t)
+	cli := etcd.Client(t)
+	ctx := testCtx(t)
+	key := membership.MemberKey(membership.DefaultCluster, "thinker", 0)
+
+	deadCli := etcd.Client(t)
+	first := start(t, worker.Config{Stage: "thinker", EtcdClient: deadCli, LeaseTTL: time.Minute, Engine: newSim(t, sim.Config{})})
+	first.waitRegistered(t)
+	before, err := cli.Get(ctx, key)
+	require.NoError(t, err)
+	require.Len(t, before.Kvs, 1)
+	// Its client goes first, so nothing revokes the lease; then its listener.
+	require.NoError(t, deadCli.Close())
+	require.NoError(t, first.stop(t))
+
+	second := start(t, worker.Config{Stage: "thinker", Listen: first.Addr().String(), EtcdClient: cli, LeaseTTL: time.Minute, Engine: newSim(t, sim.Config{})})
+	second.waitRegistered(t)
+	assert.Equal(t, first.Advertise(), second.Advertise())
+	after, err := cli.Get(ctx, key)
+	require.NoError(t, err)
+	require.Len(t, after.Kvs, 1)
+	assert.NotEqual(t, before.Kvs[0].Lease, after.Kvs[0].Lease, "under the new process's lease")
+	m, err := membership.DecodeMember(membership.DefaultCluster, key, after.Kvs[0].Value)
+	require.NoError(t, err)
+	assert.Equal(t, second.Member(), m, "the new process's record")
+	ttl, err := cli.TimeToLive(ctx, clientv3.LeaseID(before.Kvs[0].Lease))
+	require.NoError(t, err)
+	assert.Positive(t, ttl.TTL, "the old lease is left to expire")
+	h, err := dial(t, m.Addr).Health(ctx, &stagepb.HealthRequest{})
+	require.NoError(t, err)
+	assert.Equal(t, stagepb.ServingStatus_SERVING_STATUS_SERVING, h.GetStatus())
+	assert.NoError(t, second.stop(t))
+}
+
 func TestShutdownDeregistersThenFinishesInFlight(t *testing.T) {
 	cli := membershiptest.Start(t).Client(t)
 	g := newGated(newSim(t, sim.Config{}))

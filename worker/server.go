@@ -373,10 +373,12 @@ func (s *Server) Close() error {
 // Run serves until ctx ends, then drains and returns nil (see the package
 // doc). It returns an error when the first registration fails for good (a
 // duplicate replica id returns membership's *AlreadyRegisteredError
-// unchanged) or serving fails; a first registration that etcd did not
-// answer (unreachable, no leader, too many requests) is retried with
-// backoff (0.5 s to 10 s, each attempt bounded by 5 s), logged at every
-// failure, until it succeeds or ctx ends. With an engine that implements
+// unchanged; the record of this replica's previous process at the same
+// address, killed within its lease, is taken back instead: see
+// membership.RegisterConfig.Listener) or serving fails; a first
+// registration that etcd did not answer (unreachable, no leader, too many
+// requests) is retried with backoff (0.5 s to 10 s, each attempt bounded
+// by 5 s), logged at every failure, until it succeeds or ctx ends. With an engine that implements
 // Availability, the replica is registered only while the engine is
 // available (see Availability); a later registration that fails is retried
 // with backoff, never fatal. Run may be called once.
@@ -567,6 +569,8 @@ func (s *Server) register(ctx context.Context) (*membership.Registration, error)
 		AutoID:  auto,
 		TTL:     s.cfg.LeaseTTL,
 		Logger:  s.cfg.Logger,
+		// A record left at this addr by a killed predecessor is taken back.
+		Listener: s.lis,
 	})
 }
 

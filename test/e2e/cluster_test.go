@@ -5,6 +5,7 @@ package e2e
 import (
 	"fmt"
 	"net"
+	"regexp"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -353,6 +354,49 @@ func TestDuplicateReplicaIDExits(t *testing.T) {
 	rows, err := h.replicas(ctx)
 	require.NoError(t, err)
 	assert.Len(t, rows, 1, "the duplicate never joined")
+}
+
+// TestWorkerRestartedWithinLeaseTakesItsRecordBack (issue 47, item 5): a
+// worker killed with SIGKILL and started again at the same --listen
+// address while its lease lives takes its record back (it used to exit 1,
+// "already registered by" its own address). The head sees a record with
+// another started_at, a new process: one more Join and no Leave, and it
+// probes and routes to it under the same engine index.
+func TestWorkerRestartedWithinLeaseTakesItsRecordBack(t *testing.T) {
+	requireBinary(t)
+	ctx := testCtx(t)
+	etcd := startEtcd(t)
+	h := startHead(t, etcd, "--pipeline", thinkerOnly(t))
+	// A TTL the whole test fits in: no expiry can free the key.
+	const ttl = time.Minute
+	args := []string{"--replica-id", "0", "--lease-ttl", ttl.String()}
+	old := startWorker(t, etcd, "thinker", args...)
+	idx := h.waitState(ctx, t, "thinker", 0, "attached").EngineIndex
+	_, err := h.chat(ctx, userPrompt(modelName, "before the crash", 3))
+	require.NoError(t, err)
+
+	old.kill(t)
+	killed := time.Now()
+	require.Equal(t, -1, old.exitCode(t, wait), "killed by a signal")
+	restarted := startWorker(t, etcd, "thinker", append(args, "--listen", old.addr, "--log-level", "info")...)
+	assert.Equal(t, old.addr, restarted.addr)
+	restarted.waitLine(t, restarted.stderr, regexp.MustCompile(`membership: took over the record of this replica's previous process`))
+
+	eventually(ctx, t, "a request served after the restart", func() (bool, string, error) {
+		_, err := h.chat(ctx, userPrompt(modelName, "after the restart", 3))
+		return err == nil, fmt.Sprint(err), nil
+	})
+	row := h.waitState(ctx, t, "thinker", 0, "attached")
+	assert.Equal(t, idx, row.EngineIndex, "same key, same engine index")
+	assert.Equal(t, old.addr, row.Addr)
+	m, err := h.scrape(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, 2.0, mustValue(t, m, "troupe_membership_events_total", map[string]string{"type": "join"}), "a join per process")
+	leaves, _, err := m.value("troupe_membership_events_total", map[string]string{"type": "leave"})
+	require.NoError(t, err)
+	assert.Zero(t, leaves, "no leave: the key was never free")
+	require.Less(t, time.Since(killed), ttl, "all within the killed worker's lease")
+	assert.Zero(t, mustValue(t, m, unregistered, nil))
 }
 
 // TestSIGTERMDrainsInFlight: SIGTERM to a worker with slow requests
