@@ -125,10 +125,11 @@ func (e *Engine) body(req *stagepb.GenerateRequest) (path string, body chatReque
 		LogitBias:     sp.GetLogitBias(),
 		MinTokens:     sp.GetMinTokens(),
 	}
+	// Every OpenAI-compatible server reads max_tokens (Ollama reads no
+	// other); the client's own name goes along when it used it.
+	body.MaxTokens = sp.GetMaxTokens()
 	if sp.GetMaxCompletionTokens() {
 		body.MaxCompletionTokens = sp.GetMaxTokens()
-	} else {
-		body.MaxTokens = sp.GetMaxTokens()
 	}
 	if sp != nil {
 		body.Temperature, body.Seed, body.TopP, body.TopK, body.MinP = sp.Temperature, sp.Seed, sp.TopP, sp.TopK, sp.MinP
@@ -171,8 +172,13 @@ func (e *Engine) body(req *stagepb.GenerateRequest) (path string, body chatReque
 // upstream's final usage adds to the counts sent before it, and timings
 // measured here (prefill: until the first delta; decode: from the first
 // delta to the last). Token ids are not sent. Cancelling ctx aborts the
-// upstream HTTP request. A stream cut before its end ([DONE] or a finish
-// reason) is an Unavailable error, never a short success.
+// upstream HTTP request.
+//
+// max_tokens holds even where the upstream ignores it: text past the
+// limit is not sent, the upstream request is cancelled and the answer
+// ends with length. A stream broken before its end is an Unavailable
+// error, never a short success; one read to its end after text ended
+// normally, with or without [DONE] and a finish reason.
 func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
 	if err := e.admit(); err != nil {
 		return err
@@ -181,10 +187,14 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 	if err != nil {
 		return err
 	}
+	limit := uint64(req.GetSampling().GetMaxTokens()) // 0: none
 	untrack := e.track()
 	defer untrack()
+	// upCtx also ends the upstream request when the answer reaches its limit.
+	upCtx, cancelUp := context.WithCancel(ctx)
+	defer cancelUp()
 	start := time.Now()
-	resp, err := e.postJSON(ctx, path, body)
+	resp, err := e.postJSON(upCtx, path, body)
 	if err != nil {
 		return err
 	}
@@ -198,7 +208,6 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 		finish      string
 		done        bool // [DONE]: the upstream ended the stream itself
 		count       tokenCounter
-		deltas      int
 	)
 	events := sse.NewReader(resp.Body)
 	for {
@@ -210,7 +219,7 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			return status.Errorf(codes.Unavailable, "openai: upstream stream broken after %d deltas: %v", deltas, err)
+			return status.Errorf(codes.Unavailable, "openai: upstream stream broken after %d deltas: %v", count.deltas, err)
 		}
 		if string(data) == sse.Done {
 			done = true
@@ -221,7 +230,7 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 			return status.Errorf(codes.Internal, "openai: malformed stream event %.200q: %v", data, err)
 		}
 		if len(ev.Error) > 0 || ev.Object == "error" {
-			return status.Errorf(codes.Unavailable, "openai: upstream failed mid-stream after %d deltas: %s", deltas, errorMessage(data))
+			return status.Errorf(codes.Unavailable, "openai: upstream failed mid-stream after %d deltas: %s", count.deltas, errorMessage(data))
 		}
 		text := ""
 		for _, c := range ev.Choices {
@@ -240,11 +249,19 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 			count.usage(ev.Usage)
 			continue
 		}
+		if limit > 0 && count.generated >= limit {
+			// Text past the limit: the upstream reads neither name it
+			// was sent under. Acting here rather than at the last token
+			// the limit allows lets an upstream that keeps it end its
+			// answer itself, with its own reason and usage, unaborted.
+			cancelUp()
+			finish = "length"
+			break
+		}
 		last = time.Now()
 		if first.IsZero() {
 			first = last
 		}
-		deltas++
 		stats := e.gauges()
 		count.delta(ev.Usage, stats)
 		if err := emit(&stagepb.GenerateChunk{Text: text, Stats: stats}); err != nil {
@@ -255,11 +272,13 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 		return ctx.Err()
 	}
 	if finish == "" {
-		if !done {
-			return status.Errorf(codes.Unavailable, "openai: upstream stream ended after %d deltas without a finish reason or [DONE]", deltas)
+		if !done && count.deltas == 0 {
+			return status.Errorf(codes.Unavailable, "openai: upstream stream ended without text, a finish reason or [DONE]")
 		}
-		// A normal end without a reason (Ollama sends null): the answer
-		// ended as the model chose, which is a stop.
+		// The upstream ended the stream itself, with [DONE] and a null
+		// reason or, after text, by ending the response (Ollama, when it
+		// stops a generation that repeats itself): the answer ended as
+		// the upstream chose, which is a stop.
 		finish = "stop"
 	}
 	end := time.Now()
@@ -295,9 +314,19 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 // what it adds to the counts already sent (prompt tokens included). An
 // upstream that reports no usage at all counts one token per delta and no
 // prompt tokens.
+//
+// Usage is believed only while it is consistent: a chunk's usage must add
+// at least one token to the count sent so far (Ollama puts zeros on every
+// /v1/completions chunk), or the stream is counted one token per delta
+// from that chunk on; and the final usage must count at least the tokens
+// sent, or it is ignored.
 type tokenCounter struct {
 	generated, prompt uint64 // sent so far
-	use               *usage // the latest usage the upstream reported
+	deltas            int    // text chunks
+	perDelta          bool   // a chunk's usage contradicted its text
+	// use is the latest usage that may be the final count: one that came
+	// after the last text chunk, or that chunk's own when it was believed.
+	use *usage
 }
 
 // usage notes a usage report that came without text (the final one).
@@ -309,30 +338,36 @@ func (t *tokenCounter) usage(u *usage) {
 
 // delta counts a text chunk into s.
 func (t *tokenCounter) delta(u *usage, s *stagepb.EngineStats) {
+	t.deltas++
+	t.use = nil
 	n := uint64(1)
-	if u != nil {
+	switch {
+	case u == nil:
+	case !t.perDelta && u.CompletionTokens > t.generated:
 		t.use = u
-		n = u.CompletionTokens - min(u.CompletionTokens, t.generated)
-		t.promptInto(s)
+		n = u.CompletionTokens - t.generated
+		t.promptInto(u, s)
+	default:
+		t.perDelta = true
 	}
 	t.generated += n
 	s.GenerationTokens = n
 }
 
 // final puts on the final chunk what the last usage adds to the counts
-// sent before.
+// sent before, when that usage is consistent with them.
 func (t *tokenCounter) final(s *stagepb.EngineStats) {
-	if t.use == nil {
+	u := t.use
+	if u == nil || u.CompletionTokens < t.generated {
 		return
 	}
-	s.GenerationTokens = t.use.CompletionTokens - min(t.use.CompletionTokens, t.generated)
-	t.generated += s.GenerationTokens
-	t.promptInto(s)
+	s.GenerationTokens = u.CompletionTokens - t.generated
+	t.generated = u.CompletionTokens
+	t.promptInto(u, s)
 }
 
-// promptInto adds the prompt tokens to s the first time usage has them.
-func (t *tokenCounter) promptInto(s *stagepb.EngineStats) {
-	u := t.use
+// promptInto adds u's prompt tokens to s the first time usage has them.
+func (t *tokenCounter) promptInto(u *usage, s *stagepb.EngineStats) {
 	if t.prompt > 0 || u.PromptTokens == 0 {
 		return
 	}

@@ -3,6 +3,7 @@ package openai_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -39,6 +40,7 @@ func TestRequestBody(t *testing.T) {
 	assert.Equal(t, map[string]any{"include_usage": true}, b["stream_options"])
 	assert.Equal(t, []any{map[string]any{"role": "system", "content": "be brief"}, map[string]any{"role": "user", "content": "hello"}}, b["messages"])
 	assert.EqualValues(t, 9, b["max_tokens"])
+	assert.NotContains(t, b, "max_completion_tokens", "the client did not name it")
 	assert.Contains(t, b, "temperature", "temperature 0 is sent: it is set")
 	assert.EqualValues(t, 0, b["temperature"])
 	assert.EqualValues(t, -4, b["seed"])
@@ -48,10 +50,19 @@ func TestRequestBody(t *testing.T) {
 	assert.Equal(t, "Bearer sk-secret", f.headers[len(f.headers)-1].Get("Authorization"))
 	f.mu.Unlock()
 
+	// The client named the limit max_completion_tokens: it goes under
+	// that name and as max_tokens, the one every server reads (Ollama
+	// ignores the other).
+	_, err = collect(testCtx(t), e, chatReq(&stagepb.SamplingParams{MaxTokens: 9, MaxCompletionTokens: true}, msg("user", "hello")))
+	require.NoError(t, err)
+	b = f.lastBody()
+	assert.EqualValues(t, 9, b["max_completion_tokens"])
+	assert.EqualValues(t, 9, b["max_tokens"])
+
 	_, err = collect(testCtx(t), e, chatReq(nil, msg("user", "hello")))
 	require.NoError(t, err)
 	b = f.lastBody()
-	for _, k := range []string{"max_tokens", "temperature", "seed", "stop", "ignore_eos", "prompt", "continue_final_message", "add_generation_prompt"} {
+	for _, k := range []string{"max_tokens", "max_completion_tokens", "temperature", "seed", "stop", "ignore_eos", "prompt", "continue_final_message", "add_generation_prompt"} {
 		assert.NotContains(t, b, k)
 	}
 
@@ -143,29 +154,47 @@ func TestNullFinishIsStop(t *testing.T) {
 	}
 }
 
-// TestStreamCut: an upstream that dies mid-answer, or ends its stream
-// without finishing, is a stage failure (Unavailable), never a truncated
-// success: no chunk with a finish reason is emitted.
+// TestStreamCut: an upstream that dies mid-answer (the connection killed
+// or reset, a chunk of the response cut short), sends an error event, or
+// ends its response before any text is a stage failure (Unavailable),
+// never a truncated success: no chunk with a finish reason is emitted.
+// (A response read to its end after text ended normally:
+// TestCleanEndWithoutFinishIsStop.)
 func TestStreamCut(t *testing.T) {
-	for name, handler := range map[string]http.HandlerFunc{
-		"connection killed": func(w http.ResponseWriter, _ *http.Request) {
+	for name, tc := range map[string]struct {
+		handler http.HandlerFunc
+		want    string // the text streamed before the failure
+		prefix  bool   // want may arrive cut short (a reset can drop what the client had not read yet)
+	}{
+		"connection killed": {handler: func(w http.ResponseWriter, _ *http.Request) {
 			sse(w, delta("one"), delta(" two"))
 			panic(http.ErrAbortHandler) // the server drops the connection
-		},
-		"ends without finish": func(w http.ResponseWriter, _ *http.Request) {
-			sse(w, delta("one"), delta(" two"))
-		},
-		"error event": func(w http.ResponseWriter, _ *http.Request) {
+		}, want: "one two"},
+		"truncated chunk": {handler: func(w http.ResponseWriter, _ *http.Request) {
+			hijacked(w, httpChunk("data: "+delta("one")+"\n\n")+httpChunk("data: "+delta(" two")+"\n\n")+
+				"40\r\ndata: {\"choi", false) // a chunk of 64 bytes, cut after 12
+		}, want: "one two"},
+		"connection reset": {handler: func(w http.ResponseWriter, _ *http.Request) {
+			hijacked(w, httpChunk("data: "+delta("one")+"\n\n")+httpChunk("data: "+delta(" two")+"\n\n"), true)
+		}, want: "one two", prefix: true},
+		"ends before any text": {handler: func(w http.ResponseWriter, _ *http.Request) {
+			sse(w, `{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}`)
+		}},
+		"error event": {handler: func(w http.ResponseWriter, _ *http.Request) {
 			sse(w, delta("one"), delta(" two"), `{"error":{"message":"engine died","type":"InternalServerError","code":500}}`)
-		},
+		}, want: "one two"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			f := newFake(t)
-			f.route("POST /v1/chat/completions", handler)
+			f.route("POST /v1/chat/completions", tc.handler)
 			e := startText(t, openai.Config{URL: f.URL})
 			chunks, err := collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
 			assert.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
-			assert.Equal(t, "one two", joinText(chunks), "what came before the cut was streamed")
+			if tc.prefix {
+				assert.True(t, strings.HasPrefix(tc.want, joinText(chunks)), "%q", joinText(chunks))
+			} else {
+				assert.Equal(t, tc.want, joinText(chunks), "what came before the cut was streamed")
+			}
 			for _, c := range chunks {
 				assert.Equal(t, stagepb.FinishReason_FINISH_REASON_UNSPECIFIED, c.GetFinishReason())
 			}
@@ -175,6 +204,24 @@ func TestStreamCut(t *testing.T) {
 		})
 	}
 }
+
+// hijacked answers 200 with a chunked event stream whose body is raw
+// (chunks as httpChunk makes them), written on the bare connection, and
+// then closes the connection: with a reset (RST) when reset is set.
+func hijacked(w http.ResponseWriter, raw string, reset bool) {
+	c, _, err := http.NewResponseController(w).Hijack()
+	if err != nil {
+		panic(http.ErrAbortHandler)
+	}
+	_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"+raw)
+	if reset {
+		_ = c.(*net.TCPConn).SetLinger(0) // Close sends RST
+	}
+	_ = c.Close()
+}
+
+// httpChunk is s as one chunk of a chunked HTTP/1.1 body.
+func httpChunk(s string) string { return fmt.Sprintf("%x\r\n%s\r\n", len(s), s) }
 
 // TestStreamEventEdges: the stream is read by pkg/sse's rules. A last
 // event that no blank line ends is still read (an upstream that closes
@@ -397,34 +444,59 @@ func contUsage(s string, prompt, completion int) string {
 	return string(b)
 }
 
+// ollamaText is a /v1/completions chunk as Ollama sends it: its text and
+// a usage of zeros.
+func ollamaText(s string) string {
+	b, _ := json.Marshal(map[string]any{"object": "text_completion",
+		"choices": []any{map[string]any{"index": 0, "text": s, "finish_reason": nil}},
+		"usage":   map[string]any{"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}})
+	return string(b)
+}
+
 // TestTokenAccounting: every text chunk carries the tokens it holds, so
 // the counts are right when the answer is cut, and they add up to the
 // upstream's final usage: one token per delta; several per delta reported
 // on every chunk (vLLM's continuous usage); several per delta with usage
-// only at the end (the final chunk makes up the difference).
+// only at the end (the final chunk makes up the difference). Usage that
+// contradicts the text sent is not believed: zeros on chunks of text
+// (Ollama's /v1/completions), a count that goes back, a final count below
+// what was sent; the chunks then count one token per delta.
 func TestTokenAccounting(t *testing.T) {
 	for _, tc := range []struct {
-		name      string
-		vllm      bool
-		events    []string
-		perChunk  []uint64 // generation tokens of the text chunks
-		final     uint64
-		prompt    uint64 // on the first text chunk
-		wantTotal uint64
+		name        string
+		vllm        bool
+		completions bool // a text prompt, to /v1/completions
+		events      []string
+		perChunk    []uint64 // generation tokens of the text chunks
+		final       uint64
+		prompt      uint64 // on the first text chunk
+		wantTotal   uint64
+		wantPrompt  uint64
 	}{
-		{"one per delta", false, []string{delta("a"), delta("b"), delta("c"), finish("stop"), usageEvent(7, 3, 0), "[DONE]"}, []uint64{1, 1, 1}, 0, 0, 3},
-		{"several per delta, usage on each", true, []string{contUsage("ab", 7, 2), contUsage("cde", 7, 5), contUsage("f", 7, 6), finish("length"), usageEvent(7, 6, 0), "[DONE]"}, []uint64{2, 3, 1}, 0, 7, 6},
-		{"several per delta, usage at the end", false, []string{delta("ab"), delta("cde"), finish("stop"), usageEvent(7, 5, 0), "[DONE]"}, []uint64{1, 1}, 3, 0, 5},
-		{"no usage at all", false, []string{delta("ab"), delta("cd"), finish("stop"), "[DONE]"}, []uint64{1, 1}, 0, 0, 2},
+		{"one per delta", false, false, []string{delta("a"), delta("b"), delta("c"), finish("stop"), usageEvent(7, 3, 0), "[DONE]"}, []uint64{1, 1, 1}, 0, 0, 3, 7},
+		{"several per delta, usage on each", true, false, []string{contUsage("ab", 7, 2), contUsage("cde", 7, 5), contUsage("f", 7, 6), finish("length"), usageEvent(7, 6, 0), "[DONE]"}, []uint64{2, 3, 1}, 0, 7, 6, 7},
+		{"several per delta, usage at the end", false, false, []string{delta("ab"), delta("cde"), finish("stop"), usageEvent(7, 5, 0), "[DONE]"}, []uint64{1, 1}, 3, 0, 5, 7},
+		{"no usage at all", false, false, []string{delta("ab"), delta("cd"), finish("stop"), "[DONE]"}, []uint64{1, 1}, 0, 0, 2, 0},
+		{"zeros on every chunk, then the final usage", false, true, []string{ollamaText("a"), ollamaText("bc"), ollamaText("d"), usageEvent(7, 5, 0), "[DONE]"}, []uint64{1, 1, 1}, 2, 0, 5, 7},
+		{"zeros on every chunk and at the end", false, true, []string{ollamaText("a"), ollamaText("b"), ollamaText("c"), usageEvent(0, 0, 0), "[DONE]"}, []uint64{1, 1, 1}, 0, 0, 3, 0},
+		{"zeros on every chunk, no final usage", false, true, []string{ollamaText("a"), ollamaText("b"), "[DONE]"}, []uint64{1, 1}, 0, 0, 2, 0},
+		{"usage that goes back", true, false, []string{contUsage("ab", 7, 2), contUsage("c", 7, 1), contUsage("d", 7, 4), finish("stop"), usageEvent(7, 5, 0), "[DONE]"}, []uint64{2, 1, 1}, 1, 7, 5, 7},
+		{"final usage below what was sent", false, false, []string{delta("a"), delta("b"), delta("c"), finish("stop"), usageEvent(7, 1, 0), "[DONE]"}, []uint64{1, 1, 1}, 0, 0, 3, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFake(t)
 			if tc.vllm {
 				f = newVLLM(t)
 			}
-			f.route("POST /v1/chat/completions", func(w http.ResponseWriter, _ *http.Request) { sse(w, tc.events...) })
+			req := chatReq(nil, msg("user", "x"))
+			route := "POST /v1/chat/completions"
+			if tc.completions {
+				req = &stagepb.GenerateRequest{Input: &stagepb.GenerateRequest_Text{Text: "x"}}
+				route = "POST /v1/completions"
+			}
+			f.route(route, func(w http.ResponseWriter, _ *http.Request) { sse(w, tc.events...) })
 			e := startText(t, openai.Config{URL: f.URL})
-			chunks, err := collect(testCtx(t), e, chatReq(nil, msg("user", "x")))
+			chunks, err := collect(testCtx(t), e, req)
 			require.NoError(t, err)
 			require.Len(t, chunks, len(tc.perChunk)+1)
 			for i, want := range tc.perChunk {
@@ -434,9 +506,7 @@ func TestTokenAccounting(t *testing.T) {
 			assert.Equal(t, tc.final, chunks[len(chunks)-1].GetStats().GetGenerationTokens(), "the final chunk adds what the usage says beyond")
 			prompt, generated := sumStats(chunks)
 			assert.Equal(t, tc.wantTotal, generated)
-			if tc.name != "no usage at all" {
-				assert.Equal(t, uint64(7), prompt, "the prompt is counted once")
-			}
+			assert.Equal(t, tc.wantPrompt, prompt, "the prompt is counted once, from usage that is believed")
 		})
 	}
 }
