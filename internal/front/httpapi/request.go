@@ -702,12 +702,13 @@ func (f *samplingFields) job(model string) (job, *apiError) {
 			return job{}, badRequest(mt.name, "invalid_value", "%s must be between 1 and %d, got %d", mt.name, MaxTokensLimit, *mt.v)
 		}
 	}
-	switch {
-	case f.MaxCompletionTokens != nil:
-		sp.MaxTokens = uint32(*f.MaxCompletionTokens)
-		sp.MaxCompletionTokens = true
-	case f.MaxTokens != nil:
+	// Both bound the answer: the smaller wins.
+	if f.MaxTokens != nil {
 		sp.MaxTokens = uint32(*f.MaxTokens)
+	}
+	if m := f.MaxCompletionTokens; m != nil && (f.MaxTokens == nil || *m <= *f.MaxTokens) {
+		sp.MaxTokens = uint32(*m)
+		sp.MaxCompletionTokens = true
 	}
 	if f.Temperature != nil {
 		if t := *f.Temperature; t < 0 || t > maxTemperature {

@@ -30,7 +30,22 @@ func TestParseChatMapsFields(t *testing.T) {
 	j, e := parseChat([]byte(body), testModel)
 	require.Nil(t, e)
 	assert.Equal(t, "system: be brief\nuser: hello\nworld\nassistant: ", j.prompt)
-	assert.Equal(t, uint32(9), j.sampling.GetMaxTokens(), "max_completion_tokens wins over max_tokens")
+	assert.Equal(t, uint32(7), j.sampling.GetMaxTokens(), "the smaller of max_tokens and max_completion_tokens wins")
+	for _, c := range []struct {
+		body       string
+		max        uint32
+		completion bool
+	}{
+		{`"max_tokens": 32, "max_completion_tokens": 5`, 5, true},
+		{`"max_tokens": 5, "max_completion_tokens": 32`, 5, false},
+		{`"max_completion_tokens": 32`, 32, true},
+		{`"max_tokens": 32`, 32, false},
+	} {
+		j, e := parseChat([]byte(`{"model":"`+testModel+`","messages":[{"role":"user","content":"hi"}],`+c.body+`}`), testModel)
+		require.Nil(t, e, c.body)
+		assert.Equal(t, c.max, j.sampling.GetMaxTokens(), c.body)
+		assert.Equal(t, c.completion, j.sampling.GetMaxCompletionTokens(), c.body)
+	}
 	assert.InDelta(t, 0.5, j.sampling.GetTemperature(), 1e-6)
 	assert.Equal(t, int64(42), j.sampling.GetSeed())
 	assert.NotNil(t, j.sampling.Seed)
