@@ -169,8 +169,12 @@ func (s *Server) realtime(w http.ResponseWriter, r *http.Request) {
 	defer conn.CloseNow()
 	c := &rtSessionConn{s: s, conn: conn, cfg: cfg, id: "sess_" + newResponseID()[:24], voice: "alloy",
 		modalities: []string{"audio"}, away: make(chan struct{}), turnDetection: &rtTurnDetection{Type: "server_vad"}}
-	if !s.rt.add(c, cfg.MaxSessions) {
-		_ = conn.Close(closeTryAgain, fmt.Sprintf("the head is at its limit of %d realtime sessions; retry shortly", cfg.MaxSessions))
+	if ok, draining := s.rt.add(c, cfg.MaxSessions); !ok {
+		why := fmt.Sprintf("the head is at its limit of %d realtime sessions; retry shortly", cfg.MaxSessions)
+		if draining {
+			why = "the head is draining (stopping); connect again, to another head"
+		}
+		_ = conn.Close(closeTryAgain, why)
 		return
 	}
 	defer s.rt.remove(c)
@@ -199,17 +203,17 @@ func (s *Server) rtMetrics() *realtimeMetrics {
 	return s.cfg.Metrics.realtime
 }
 
-func (h *realtimeHub) add(c *rtSessionConn, limit int) bool {
+func (h *realtimeHub) add(c *rtSessionConn, limit int) (ok, draining bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.draining || len(h.sessions) >= limit {
-		return false
+		return false, h.draining
 	}
 	if h.sessions == nil {
 		h.sessions = map[*rtSessionConn]struct{}{}
 	}
 	h.sessions[c] = struct{}{}
-	return true
+	return true, false
 }
 
 func (h *realtimeHub) remove(c *rtSessionConn) {

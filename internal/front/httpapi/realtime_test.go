@@ -595,6 +595,9 @@ func TestRealtimeLimits(t *testing.T) {
 	require.NoError(t, err)
 	_, _, err = second.Read(testCtx(t))
 	assert.Equal(t, websocket.StatusCode(closeTryAgain), websocket.CloseStatus(err), "%v", err)
+	var ce websocket.CloseError
+	require.ErrorAs(t, err, &ce)
+	assert.Contains(t, ce.Reason, "limit of 1 realtime sessions")
 
 	require.NoError(t, conn.Write(testCtx(t), websocket.MessageText, []byte(`{"type":"x","pad":"`+strings.Repeat("a", 2000)+`"}`)))
 	_, _, err = conn.Read(testCtx(t))
@@ -613,6 +616,8 @@ func TestRealtimeLimits(t *testing.T) {
 	require.NoError(t, err)
 	_, _, err = refused.Read(testCtx(t))
 	assert.Equal(t, websocket.StatusCode(closeTryAgain), websocket.CloseStatus(err), "a draining head takes no session")
+	require.ErrorAs(t, err, &ce)
+	assert.Contains(t, ce.Reason, "draining", "it says why, not that it is full")
 }
 
 // TestRealtimeDrainBusy: a session whose response runs when the head
