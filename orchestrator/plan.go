@@ -42,7 +42,9 @@ type plan struct {
 //     req.Prompt, always streamed;
 //   - Transcribe: stage 0 alone, which must recognize speech;
 //   - a chat to a pipeline whose stage 0 recognizes speech: the asr
-//     cascade, the recognizer then at least the text stage.
+//     cascade, the recognizer then at least the text stage; without audio
+//     (a typed turn, a text completion) the recognizer is skipped and the
+//     text stage reads the input as it is.
 func (h *Head) planOf(snap *router.Snapshot, req Request) (plan, error) {
 	stages := h.cfg.Pipeline.Stages
 	p := plan{n: max(req.Stages, 1), streamed: h.cfg.Pipeline.StreamsBetweenStages()}
@@ -65,8 +67,8 @@ func (h *Head) planOf(snap *router.Snapshot, req Request) (plan, error) {
 		if err := checkTranscriber(snap, stages[0].Name); err != nil {
 			return p, err
 		}
-	case len(req.Messages) > 0 && len(stages) > 1 && recognizesSpeech(snap):
-		p.recognize, p.first, p.text = true, 1, 1
+	case len(stages) > 1 && recognizesSpeech(snap):
+		p.recognize, p.first, p.text = hasAudio(req.Messages), 1, 1
 		if p.n < 2 {
 			p.n = 2 // text only: the recognizer, then the text stage
 			if err := snap.CheckRoutable(1); err != nil {
@@ -83,7 +85,7 @@ func (p plan) mark(span trace.Span) {
 	switch {
 	case p.textGiven:
 		span.SetAttributes(attribute.Int("troupe.request.first_stage", p.first))
-	case p.recognize:
+	case p.first > 0:
 		span.SetAttributes(attribute.Bool("troupe.request.cascade", true))
 	case p.streamed:
 		span.SetAttributes(attribute.Bool("troupe.request.streamed", true))
@@ -182,6 +184,18 @@ func (p plan) result(in *stagepb.GenerateRequest, outputs []*stageOutput) *Resul
 		res.add(stage, outputs[i])
 	}
 	return res
+}
+
+// hasAudio reports whether a conversation carries audio to recognize.
+func hasAudio(msgs []*stagepb.ChatMessage) bool {
+	for _, m := range msgs {
+		for _, p := range m.GetParts() {
+			if p.GetKind() == stagepb.PartAudio {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // recognizesSpeech reports whether stage 0 is a speech recognizer: every

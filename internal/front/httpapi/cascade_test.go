@@ -61,6 +61,18 @@ func TestCascade(t *testing.T) {
 	assert.NotEmpty(t, pcm, "spoken")
 
 	assert.Equal(t, 2, c.Head.SpeechStages(), "the speech endpoint starts at the talker, after the thinker")
+
+	// A typed turn to the same pipeline skips the recognizer: the thinker
+	// reads it as it is, and the speech stages speak the answer.
+	typed := []*stagepb.ChatMessage{{Role: "system", Content: "be brief"}, {Role: "user", Content: "hello there"}}
+	wantTyped, _, _ := sim.ExpectedText(tokenizers.ChatText(typed), 5, 10)
+	params.Messages = []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("be brief"), openai.UserMessage("hello there")}
+	res, err = client.Chat.Completions.New(ctx, params)
+	require.NoError(t, err, "a text turn to a pipeline that starts with asr")
+	assert.Equal(t, wantTyped, res.Choices[0].Message.Content)
+	pcm, err = base64.StdEncoding.DecodeString(res.Choices[0].Message.Audio.Data)
+	require.NoError(t, err)
+	assert.NotEmpty(t, pcm, "spoken")
 }
 
 // TestCascadeStreamsSpeech: in a streamed chat through a cascade, the
