@@ -146,3 +146,31 @@ func quote(s string) string {
 	b, _ := json.Marshal(s)
 	return string(b)
 }
+
+// TestSpeechWithoutTheThinker: /v1/audio/speech runs the speech stages
+// alone, so it answers while the thinker has no replica.
+func TestSpeechWithoutTheThinker(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{})
+	a := startAPI(t, c, Config{}, nil, nil)
+	client := a.openai()
+	ctx := testCtx(t)
+	params := openai.AudioSpeechNewParams{Model: model, Input: "rivers run to the sea", Voice: openai.AudioSpeechNewParamsVoiceUnion{OfString: openai.String("alloy")},
+		ResponseFormat: openai.AudioSpeechNewParamsResponseFormatPCM}
+	speak := func() []byte {
+		resp, err := client.Audio.Speech.New(ctx, params)
+		require.NoError(t, err)
+		pcm, err := io.ReadAll(resp.Body)
+		require.NoError(t, resp.Body.Close())
+		require.NoError(t, err)
+		return pcm
+	}
+	want := speak()
+	require.NotEmpty(t, want)
+	for _, w := range c.Workers() {
+		if w.Stage == "thinker" {
+			w.Stop(t)
+			c.WaitState(t, "thinker", w.ReplicaID(), "detached")
+		}
+	}
+	assert.Equal(t, want, speak(), "the same speech without a thinker")
+}
