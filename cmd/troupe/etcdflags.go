@@ -2,6 +2,8 @@ package main
 
 import (
 	"flag"
+	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/troupe-serving/troupe/membership"
@@ -24,6 +26,18 @@ func addEtcdFlags(fs *flag.FlagSet) *etcdFlags {
 	fs.StringVar(&f.password, "etcd-password", "", "etcd password")
 	fs.DurationVar(&f.dialTimeout, "etcd-dial-timeout", membership.DefaultDialTimeout, "how long to wait for etcd at start-up")
 	return f
+}
+
+// warnArgvPassword warns when fs took etcd's password from the command
+// line (--etcd-password, or --etcd-user user:password), where ps shows
+// it to every user of the host; parseFlags leaves the environment's out
+// of fs.Visit.
+func (f *etcdFlags) warnArgvPassword(fs *flag.FlagSet, log *slog.Logger) {
+	fs.Visit(func(fl *flag.Flag) {
+		if fl.Name == "etcd-password" || (fl.Name == "etcd-user" && strings.Contains(f.user, ":")) {
+			log.Warn(fs.Name() + ": --" + fl.Name + " on the command line shows etcd's password to every user of this host (ps); use TROUPE_ETCD_PASSWORD")
+		}
+	})
 }
 
 func (f *etcdFlags) config() membership.ClientConfig {

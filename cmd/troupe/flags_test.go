@@ -1,8 +1,10 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"io"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"testing"
@@ -71,4 +73,23 @@ func TestHeadRefusesBadRoutingBeforeEtcd(t *testing.T) {
 	src := write("src.yaml", "model: m\nstages:\n  - name: thinker\n    prefix_source: head\n")
 	err = runHead(ctx, append(etcd, "--pipeline", src, "--policy", "least_loaded"), io.Discard)
 	require.ErrorContains(t, err, "prefix_source applies to policy prefix_aware only")
+}
+
+// TestEtcdPasswordOnArgvWarns: etcd's password on the command line (alone
+// or in --etcd-user user:password) draws a warning; from the environment
+// it does not.
+func TestEtcdPasswordOnArgvWarns(t *testing.T) {
+	warns := func(args ...string) string {
+		fs := newFlagSet("worker")
+		ef := addEtcdFlags(fs)
+		require.NoError(t, parseFlags(fs, args))
+		var logs bytes.Buffer
+		ef.warnArgvPassword(fs, slog.New(slog.NewTextHandler(&logs, nil)))
+		return logs.String()
+	}
+	assert.Contains(t, warns("--etcd-user", "troupe", "--etcd-password", "secret"), "--etcd-password on the command line")
+	assert.Contains(t, warns("--etcd-user", "troupe:secret"), "--etcd-user on the command line")
+	assert.Empty(t, warns("--etcd-user", "troupe"))
+	t.Setenv("TROUPE_ETCD_PASSWORD", "secret")
+	assert.Empty(t, warns("--etcd-user", "troupe"), "the environment is not argv")
 }

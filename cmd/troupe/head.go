@@ -253,6 +253,7 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	log, flushLog := hf.log.logger()
 	defer flushLog()
+	ef.warnArgvPassword(fs, log)
 	hf.followLimit = setHeadGC(log)
 	// Grow the descriptor table now, not at the join or request that
 	// crosses 256, 512, 1024... descriptors (see internal/core/fdtable).

@@ -117,6 +117,7 @@ func runWorker(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	log, flushLog := wf.log.logger()
 	defer flushLog()
+	ef.warnArgvPassword(fs, log)
 	// Refuse bad flags before waiting on etcd.
 	if _, _, err := parseReplicaID(wf.replicaID); err != nil {
 		return err
