@@ -201,7 +201,7 @@ func (h *Head) pick(sr *stageRun, failed []*router.Replica, lastErr error) (rout
 		if lastErr != nil {
 			return d, lastErr
 		}
-		return d, newError(ErrNoReplica, err, "stage %q has no routable replica", h.cfg.Pipeline.Stages[sr.stage].Name)
+		return d, h.noReplica(sr.stage, err)
 	}
 	if d.Reason == router.ReasonDeadlineShed {
 		if lastErr == nil {

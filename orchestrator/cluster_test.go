@@ -638,3 +638,28 @@ func TestStageReplicasCountsStates(t *testing.T) {
 	c.WaitState(t, "thinker", workers[1].ReplicaID(), "detached")
 	assert.Equal(t, map[string]float64{"attached": 0, "sleeping": 1, "unhealthy": 0, "detached": 1}, counts())
 }
+
+// TestStartingHeadSaysSo: a head that has not yet routed every stage since
+// it started says it is starting, in its requests' errors and in Ready;
+// once it has, a stage without a replica is just that.
+func TestStartingHeadSaysSo(t *testing.T) {
+	c := orchestratortest.Start(t, orchestratortest.Options{Pipeline: thinkerOnly, ReplicasPerStage: -1})
+	ctx := ctxT(t)
+	_, err := c.Head.Execute(ctx, orchestrator.Request{ID: "early", Prompt: "hi", Sampling: sampling(2, 1)}, nil)
+	require.ErrorIs(t, err, orchestrator.ErrNoReplica)
+	assert.Contains(t, err.Error(), `the head is starting: stage "thinker" has no routable replica`)
+	ok, why := c.Head.Ready()
+	assert.False(t, ok)
+	assert.Contains(t, why, "the head is starting")
+
+	w := c.AddWorker(t, "thinker", orchestratortest.WorkerOptions{})
+	c.WaitReady(t)
+	_, err = c.Head.Execute(ctx, orchestrator.Request{ID: "served", Prompt: "hi", Sampling: sampling(2, 1)}, nil)
+	require.NoError(t, err)
+
+	w.Stop(t)
+	c.WaitState(t, "thinker", w.ReplicaID(), "detached")
+	_, err = c.Head.Execute(ctx, orchestrator.Request{ID: "late", Prompt: "hi", Sampling: sampling(2, 1)}, nil)
+	require.ErrorIs(t, err, orchestrator.ErrNoReplica)
+	assert.NotContains(t, err.Error(), "starting", "it served: a stage without replicas is not a start")
+}

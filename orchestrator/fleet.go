@@ -48,6 +48,9 @@ type fleet struct {
 	// admin calls can wait for the loop to apply a record (changed) and
 	// ReplicaWatch follows the changes without reading the whole view.
 	journal atomic.Pointer[viewChange]
+	// served: every stage has had a routable replica since the head
+	// started; until then a request without one is told the head starts.
+	served atomic.Bool
 
 	// Owned by the loop goroutine only. known is the one owner of the
 	// mapping from replica key to engine index: an index is handed out on a
@@ -898,6 +901,9 @@ func (f *fleet) publish(key router.Key) {
 func (f *fleet) flush() {
 	f.batch.batching = false
 	f.router.Commit()
+	if !f.served.Load() && f.everyStageRoutable() {
+		f.served.Store(true)
+	}
 	now := time.Now()
 	for _, t := range f.batch.attached {
 		if !t.routed || !t.times.routed.IsZero() {
@@ -931,6 +937,18 @@ func (f *fleet) flush() {
 		f.batch.wake = false
 		f.journal.Load().append(keys, &f.journal)
 	}
+}
+
+// everyStageRoutable reports whether the published snapshot routes every
+// stage (its counts: no replica is read).
+func (f *fleet) everyStageRoutable() bool {
+	snap := f.router.Snapshot()
+	for i := range f.cfg.Pipeline.Stages {
+		if snap.CheckRoutable(i) != nil {
+			return false
+		}
+	}
+	return true
 }
 
 // changed is closed by the loop's next publish.

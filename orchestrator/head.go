@@ -338,13 +338,28 @@ func (h *Head) Replicas() []ReplicaStatus { return h.fleet.replicas() }
 func (h *Head) Known() int { return h.fleet.view.Load().Len() }
 
 // Ready reports whether every stage has a routable replica; otherwise it
-// names the first stage that has none.
+// names the first stage that has none, and says the head is starting
+// while no stage has been routable since it started.
 func (h *Head) Ready() (bool, string) {
 	snap := h.router.Snapshot()
 	for i, st := range h.cfg.Pipeline.Stages {
 		if snap.CheckRoutable(i) != nil {
-			return false, fmt.Sprintf("stage %d (%s) has no routable replica", i, st.Name)
+			return false, h.starting() + fmt.Sprintf("stage %d (%s) has no routable replica", i, st.Name)
 		}
 	}
 	return true, ""
+}
+
+// starting prefixes why a stage has no replica while the head has not yet
+// routed every stage since it started (its first joins are under way).
+func (h *Head) starting() string {
+	if h.fleet.served.Load() {
+		return ""
+	}
+	return "the head is starting: "
+}
+
+// noReplica is ErrNoReplica for stage, whose snapshot said err.
+func (h *Head) noReplica(stage int, err error) error {
+	return newError(ErrNoReplica, err, "%sstage %q has no routable replica", h.starting(), h.cfg.Pipeline.Stages[stage].Name)
 }

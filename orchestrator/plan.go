@@ -54,7 +54,7 @@ func (h *Head) planOf(snap *router.Snapshot, req Request) (plan, error) {
 	}
 	for i := p.first; i < p.n; i++ {
 		if err := snap.CheckRoutable(i); err != nil {
-			return p, newError(ErrNoReplica, err, "stage %q has no routable replica", stages[i].Name)
+			return p, h.noReplica(i, err)
 		}
 	}
 	switch {
@@ -72,7 +72,7 @@ func (h *Head) planOf(snap *router.Snapshot, req Request) (plan, error) {
 		if p.n < 2 {
 			p.n = 2 // text only: the recognizer, then the text stage
 			if err := snap.CheckRoutable(1); err != nil {
-				return p, newError(ErrNoReplica, err, "stage %q has no routable replica", stages[1].Name)
+				return p, h.noReplica(1, err)
 			}
 		}
 	}
