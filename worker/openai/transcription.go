@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"mime/multipart"
 	"net/http"
+	"net/textproto"
 	"strings"
 	"time"
 
@@ -120,8 +122,9 @@ func (e *TranscriptionEngine) Generate(ctx context.Context, req *stagepb.Generat
 }
 
 // transcriptionForm is the multipart body of a transcription: the audio as
-// file audio.<format> (wav when the format is unknown), the model, and the
-// prompt and language when given.
+// file audio.<format> (wav when the format is unknown) with its media type
+// (servers that sniff by it refuse application/octet-stream), the model,
+// and the prompt and language when given.
 func transcriptionForm(model string, audio *stagepb.ContentPart, prompt, language string) ([]byte, string, error) {
 	var b bytes.Buffer
 	mw := multipart.NewWriter(&b)
@@ -129,7 +132,10 @@ func transcriptionForm(model string, audio *stagepb.ContentPart, prompt, languag
 	if format == "" || strings.ContainsAny(format, "/\\\"\r\n") {
 		format = "wav"
 	}
-	fw, err := mw.CreateFormFile("file", "audio."+format)
+	h := make(textproto.MIMEHeader)
+	h.Set("Content-Disposition", fmt.Sprintf(`form-data; name="file"; filename="audio.%s"`, format))
+	h.Set("Content-Type", audioMediaType(audio.GetMimeType(), format))
+	fw, err := mw.CreatePart(h)
 	if err != nil {
 		return nil, "", err
 	}
@@ -148,4 +154,26 @@ func transcriptionForm(model string, audio *stagepb.ContentPart, prompt, languag
 		return nil, "", err
 	}
 	return b.Bytes(), mw.FormDataContentType(), nil
+}
+
+// audioMediaType is the media type of audio in format: the client's own
+// (a data: URL's) when it gave one, else the format's, else
+// application/octet-stream.
+func audioMediaType(given, format string) string {
+	if given != "" && !strings.ContainsAny(given, "\r\n") {
+		return given
+	}
+	switch format {
+	case "wav":
+		return "audio/wav"
+	case "mp3":
+		return "audio/mpeg"
+	case "pcm16":
+		return "audio/L16"
+	case "m4a", "aac":
+		return "audio/mp4"
+	case "flac", "ogg", "opus", "webm":
+		return "audio/" + format
+	}
+	return "application/octet-stream"
 }

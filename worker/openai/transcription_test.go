@@ -45,6 +45,7 @@ func TestTranscriptionThroughHead(t *testing.T) {
 			mu.Lock()
 			file = data
 			got["filename"] = h.Filename
+			got["content_type"] = h.Header.Get("Content-Type")
 			for _, k := range []string{"model", "language", "prompt", "response_format"} {
 				got[k] = r.FormValue(k)
 			}
@@ -80,5 +81,5 @@ func TestTranscriptionThroughHead(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	assert.Equal(t, audio, file, "the file byte for byte")
-	assert.Equal(t, map[string]string{"filename": "audio.mp3", "model": "whisper", "language": "de", "prompt": "Flüsse", "response_format": "json"}, got)
+	assert.Equal(t, map[string]string{"filename": "audio.mp3", "content_type": "audio/mpeg", "model": "whisper", "language": "de", "prompt": "Flüsse", "response_format": "json"}, got)
 }
