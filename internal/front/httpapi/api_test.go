@@ -772,3 +772,20 @@ func TestSlowUploadsTakeNoSlot(t *testing.T) {
 	}
 	assert.Zero(t, testutil.ToFloat64(m.requests.WithLabelValues("/v1/chat/completions", "post", "429")))
 }
+
+// TestSmallerTokenLimitWins: a client that sends both max_tokens and
+// max_completion_tokens gets an answer no longer than the smaller, either
+// way round (as OpenAI specifies), through the official client.
+func TestSmallerTokenLimitWins(t *testing.T) {
+	c := startCluster(t, orchestratortest.Options{Pipeline: orchestrator.Pipeline{Model: model, Stages: []orchestrator.Stage{{Name: "thinker"}}}})
+	a := startAPI(t, c, Config{}, nil, nil)
+	client := a.openai()
+	for _, lim := range []struct{ maxTokens, maxCompletion int64 }{{3, 32}, {32, 3}} {
+		params := chatParams("tell me a long story", 1, lim.maxCompletion)
+		params.MaxTokens = openai.Int(lim.maxTokens)
+		res, err := client.Chat.Completions.New(testCtx(t), params, option.WithJSONSet("ignore_eos", true))
+		require.NoError(t, err)
+		assert.EqualValues(t, 3, res.Usage.CompletionTokens, "max_tokens %d, max_completion_tokens %d", lim.maxTokens, lim.maxCompletion)
+		assert.Equal(t, "length", string(res.Choices[0].FinishReason))
+	}
+}
