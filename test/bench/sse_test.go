@@ -29,3 +29,21 @@ func TestReadDeltas(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, done, "no [DONE]")
 }
+
+// TestReadChunks: each chunk's first delta, audio and its transcript
+// included, as it arrives.
+func TestReadChunks(t *testing.T) {
+	stream := "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n" +
+		"data: {\"choices\":[{\"delta\":{\"audio\":{\"data\":\"AAAA\",\"transcript\":\"hi\"}}}]}\n\n" +
+		"data: [DONE]\n\n"
+	var got []Delta
+	done, err := ReadChunks(strings.NewReader(stream), func(d Delta) { got = append(got, d) })
+	require.NoError(t, err)
+	assert.True(t, done)
+	require.Len(t, got, 2)
+	assert.Equal(t, "hi", got[0].Content)
+	assert.Nil(t, got[0].Audio)
+	require.NotNil(t, got[1].Audio)
+	assert.Equal(t, "AAAA", got[1].Audio.Data)
+	assert.Equal(t, "hi", got[1].Audio.Transcript)
+}

@@ -40,7 +40,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/troupe-serving/troupe/pkg/sse"
 	"github.com/troupe-serving/troupe/test/bench"
 )
 
@@ -351,37 +350,14 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 // brought audio data and a transcript before [DONE].
 func checkStreamedAudio(r io.Reader) error {
 	var audioBytes, transcript int
-	done := false
-	events := sse.NewReader(r)
-	for {
-		data, err := events.Next()
-		if errors.Is(err, io.EOF) {
-			break
+	done, err := bench.ReadChunks(r, func(d bench.Delta) {
+		if d.Audio != nil {
+			audioBytes += len(d.Audio.Data)
+			transcript += len(d.Audio.Transcript)
 		}
-		if err != nil {
-			return fmt.Errorf("vsnginx: %w", err)
-		}
-		if string(data) == sse.Done {
-			done = true
-			continue
-		}
-		var ev struct {
-			Choices []struct {
-				Delta struct {
-					Audio *struct {
-						Data       string `json:"data"`
-						Transcript string `json:"transcript"`
-					} `json:"audio"`
-				} `json:"delta"`
-			} `json:"choices"`
-		}
-		if err := json.Unmarshal(data, &ev); err != nil {
-			return fmt.Errorf("vsnginx: %w", err)
-		}
-		if len(ev.Choices) > 0 && ev.Choices[0].Delta.Audio != nil {
-			audioBytes += len(ev.Choices[0].Delta.Audio.Data)
-			transcript += len(ev.Choices[0].Delta.Audio.Transcript)
-		}
+	})
+	if err != nil {
+		return fmt.Errorf("vsnginx: %w", err)
 	}
 	if !done || audioBytes == 0 || transcript == 0 {
 		return fmt.Errorf("vsnginx: streamed audio ended without audio (%d), transcript (%d) or [DONE]", audioBytes, transcript)
