@@ -152,7 +152,7 @@ func (h *Head) runStage(ctx context.Context, sr *stageRun) (*stageOutput, error)
 			return tr.moved.prepend(out), nil
 		}
 		failed = append(failed, d.Replica)
-		if refusedDraining(ctx, err, a.produced) { // its Done marked the replica draining
+		if a.refused { // its Done marked the replica draining
 			if refusals < maxDrainRefusals {
 				refusals++
 				lastErr = err
@@ -342,6 +342,7 @@ type attemptRun struct {
 	gotBytes  int
 	gotTokens int
 	produced  bool // text reached the client: a retry would repeat it
+	refused   bool // a draining replica refused the call before it ran (refusedDraining)
 	fault     bool // the attempt failed through the replica: it feeds the circuit breaker
 
 	span      trace.Span
@@ -388,7 +389,7 @@ func (a *attemptRun) gotText() string {
 // flushing to the client) or for input not yet made does not count
 // (stallWatch).
 func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err error) {
-	stage := ctx
+	parent := ctx
 	ctx = h.startAttemptSpan(ctx, a)
 	defer a.span.End()
 	ctx, cancel := context.WithCancelCause(ctx)
@@ -401,7 +402,10 @@ func (h *Head) attempt(ctx context.Context, a *attemptRun) (_ *stageOutput, err 
 
 	a.call = h.router.Begin(a.d, a.sr.input != nil && !a.sr.input.started(), cancel)
 	h.startAccounting(a)
-	defer func() { h.finishAttempt(a, err, refusedDraining(stage, err, a.produced)) }()
+	defer func() {
+		a.refused = refusedDraining(parent, err, a.produced)
+		h.finishAttempt(a, err)
+	}()
 
 	stream, w, err := h.open(ctx, a, stall)
 	wait = w
@@ -638,14 +642,12 @@ func (h *Head) startAccounting(a *attemptRun) {
 
 // finishAttempt records the ended attempt in the stats and on its span,
 // and reports its outcome through its call.
-func (h *Head) finishAttempt(a *attemptRun, err error, draining bool) {
+func (h *Head) finishAttempt(a *attemptRun, err error) {
 	out, fin := a.out, &a.fin
 	fin.E2E = time.Since(a.start)
 	fin.PromptTokens, fin.GenerationTokens = out.promptTokens, out.generationTokens
 	fin.PrefillComputedTokens = out.computedTokens
-	o := h.outcome(a, err)
-	o.Draining = draining
-	h.logOutcome(a, err, a.call.Done(o))
+	h.logOutcome(a, err, a.call.Done(h.outcome(a, err)))
 	if rerr := h.stats.RecordFinished(a.rep.EngineIndex, *fin); rerr != nil {
 		h.log.Debug("orchestrator: record finished", "err", rerr)
 	}
@@ -871,7 +873,7 @@ func (a *attemptRun) ended(ctx context.Context) (*stageOutput, error) {
 }
 
 // stageError classifies a gRPC failure of attempt a and sets its finish
-// reason, and its fault when the replica is to blame (see recordOutcome).
+// reason, and its fault when the replica is to blame (router.Outcome.Fault).
 func (h *Head) stageError(ctx context.Context, a *attemptRun, err error) error {
 	rep := a.rep
 	// gRPC enforces the request's deadline with its own timer (and the

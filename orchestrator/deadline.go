@@ -353,7 +353,7 @@ func (h *Head) shed(sr *stageRun, d router.Decision) error {
 // when its first output reached the head), and observes the prediction's
 // error in troupe_router_deadline_prediction_error_seconds.
 func (h *Head) outcome(a *attemptRun, err error) router.Outcome {
-	o := router.Outcome{Err: err, Fault: a.fault, Elapsed: a.fin.E2E}
+	o := router.Outcome{Err: err, Fault: a.fault, Draining: a.refused, Elapsed: a.fin.E2E}
 	if !h.deadline.on[a.sr.stage] {
 		return o
 	}
