@@ -6,13 +6,17 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
-# Debian packages the checks need, installed only when missing: protoc
-# (generated code), espeak-ng (the espeak speech engine, which its tests run
+# Debian packages the checks need, installed only when missing: protoc and
+# gRPC's Python generator (generated code), Python's gRPC (Python engines), espeak-ng (the espeak speech engine, which its tests run
 # for real), promtool with the prometheus binary (rules, metrics lint, the
 # compose profile monitoring's image), and haproxy (the compose profile ha's
 # balancer image).
 missing=()
 command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
+command -v grpc_python_plugin >/dev/null 2>&1 || missing+=(protobuf-compiler-grpc)
+# Debian's Python with gRPC, protobuf and numpy: the Python engine package
+# (worker/python) and its example pipeline, run for real by the tests.
+/usr/bin/python3 -c 'import grpc, google.protobuf, numpy' >/dev/null 2>&1 || missing+=(python3-grpcio python3-protobuf python3-numpy)
 command -v espeak-ng >/dev/null 2>&1 || missing+=(espeak-ng)
 { command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; } || missing+=(prometheus)
 [ -x /usr/sbin/haproxy ] || command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
@@ -48,7 +52,16 @@ haproxy="$(command -v haproxy || echo /usr/sbin/haproxy)"
 "$haproxy" -c -q -f deploy/haproxy/haproxy.cfg
 
 step "go test -race (all packages)"
-go test -race -count=1 -timeout 15m ./...
+# The log is kept so that a failure ends this script with the failing
+# tests' own lines (CI shows only the tail, and a package's logs can bury
+# them), not with whatever the last test happened to log.
+gotest_log="$(mktemp)"
+if ! go test -race -count=1 -timeout 15m ./... 2>&1 | tee "$gotest_log"; then
+  echo "=== failing tests (the lines around each --- FAIL and panic):" >&2
+  grep -n -B3 -A25 -E -- '^\s*--- FAIL|^panic:|^FAIL\s|goleak|DATA RACE' "$gotest_log" | grep -v '"level":"' | tail -200 >&2
+  exit 1
+fi
+rm -f "$gotest_log"
 
 # The Helm chart's test is its own module (Helm's and Kubernetes' libraries
 # stay out of troupe's): it renders deploy/helm/troupe with Helm's library

@@ -1,0 +1,1 @@
+"""Generated Open Inference Protocol stubs (scripts/gen-proto.sh); do not edit."""
