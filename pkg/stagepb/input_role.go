@@ -12,6 +12,10 @@ const (
 	RoleText  = "text"  // text out; as input: text, chat or token_ids
 	RoleCodes = "codes" // codec codes
 	RoleAudio = "audio" // PCM16 audio out; no engine takes it as input
+	// RoleTensors is an input role only: the engine takes the named tensors
+	// (HealthResponse.input_tensors) that the stage before gives
+	// (output_tensors), worker to worker, beside that stage's role.
+	RoleTensors = "tensors"
 )
 
 // Roles lists every role, in pipeline order.

@@ -28,6 +28,68 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// Tensor element types.
+type DType int32
+
+const (
+	DType_DTYPE_UNSPECIFIED DType = 0
+	DType_DTYPE_FLOAT32     DType = 1
+	DType_DTYPE_FLOAT16     DType = 2
+	DType_DTYPE_BFLOAT16    DType = 3
+	DType_DTYPE_INT32       DType = 4
+	DType_DTYPE_INT64       DType = 5
+	DType_DTYPE_UINT8       DType = 6
+)
+
+// Enum value maps for DType.
+var (
+	DType_name = map[int32]string{
+		0: "DTYPE_UNSPECIFIED",
+		1: "DTYPE_FLOAT32",
+		2: "DTYPE_FLOAT16",
+		3: "DTYPE_BFLOAT16",
+		4: "DTYPE_INT32",
+		5: "DTYPE_INT64",
+		6: "DTYPE_UINT8",
+	}
+	DType_value = map[string]int32{
+		"DTYPE_UNSPECIFIED": 0,
+		"DTYPE_FLOAT32":     1,
+		"DTYPE_FLOAT16":     2,
+		"DTYPE_BFLOAT16":    3,
+		"DTYPE_INT32":       4,
+		"DTYPE_INT64":       5,
+		"DTYPE_UINT8":       6,
+	}
+)
+
+func (x DType) Enum() *DType {
+	p := new(DType)
+	*p = x
+	return p
+}
+
+func (x DType) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (DType) Descriptor() protoreflect.EnumDescriptor {
+	return file_stage_proto_enumTypes[0].Descriptor()
+}
+
+func (DType) Type() protoreflect.EnumType {
+	return &file_stage_proto_enumTypes[0]
+}
+
+func (x DType) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use DType.Descriptor instead.
+func (DType) EnumDescriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{0}
+}
+
 type FinishReason int32
 
 const (
@@ -67,11 +129,11 @@ func (x FinishReason) String() string {
 }
 
 func (FinishReason) Descriptor() protoreflect.EnumDescriptor {
-	return file_stage_proto_enumTypes[0].Descriptor()
+	return file_stage_proto_enumTypes[1].Descriptor()
 }
 
 func (FinishReason) Type() protoreflect.EnumType {
-	return &file_stage_proto_enumTypes[0]
+	return &file_stage_proto_enumTypes[1]
 }
 
 func (x FinishReason) Number() protoreflect.EnumNumber {
@@ -80,7 +142,7 @@ func (x FinishReason) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use FinishReason.Descriptor instead.
 func (FinishReason) EnumDescriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{0}
+	return file_stage_proto_rawDescGZIP(), []int{1}
 }
 
 type SleepState int32
@@ -116,11 +178,11 @@ func (x SleepState) String() string {
 }
 
 func (SleepState) Descriptor() protoreflect.EnumDescriptor {
-	return file_stage_proto_enumTypes[1].Descriptor()
+	return file_stage_proto_enumTypes[2].Descriptor()
 }
 
 func (SleepState) Type() protoreflect.EnumType {
-	return &file_stage_proto_enumTypes[1]
+	return &file_stage_proto_enumTypes[2]
 }
 
 func (x SleepState) Number() protoreflect.EnumNumber {
@@ -129,7 +191,7 @@ func (x SleepState) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use SleepState.Descriptor instead.
 func (SleepState) EnumDescriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{1}
+	return file_stage_proto_rawDescGZIP(), []int{2}
 }
 
 type ServingStatus int32
@@ -168,11 +230,11 @@ func (x ServingStatus) String() string {
 }
 
 func (ServingStatus) Descriptor() protoreflect.EnumDescriptor {
-	return file_stage_proto_enumTypes[2].Descriptor()
+	return file_stage_proto_enumTypes[3].Descriptor()
 }
 
 func (ServingStatus) Type() protoreflect.EnumType {
-	return &file_stage_proto_enumTypes[2]
+	return &file_stage_proto_enumTypes[3]
 }
 
 func (x ServingStatus) Number() protoreflect.EnumNumber {
@@ -181,7 +243,7 @@ func (x ServingStatus) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use ServingStatus.Descriptor instead.
 func (ServingStatus) EnumDescriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{2}
+	return file_stage_proto_rawDescGZIP(), []int{3}
 }
 
 type SubscribeCacheRequest struct {
@@ -680,7 +742,14 @@ type GenerateRequest struct {
 	// subscribers (every head), so every head's head-side index learns what
 	// every head routed. Empty: the pick recorded nothing (other policies,
 	// the engine-reported mode, a worker without routed_subscription).
-	RoutedBlocks  []uint64 `protobuf:"fixed64,14,rep,packed,name=routed_blocks,json=routedBlocks,proto3" json:"routed_blocks,omitempty"`
+	RoutedBlocks []uint64 `protobuf:"fixed64,14,rep,packed,name=routed_blocks,json=routedBlocks,proto3" json:"routed_blocks,omitempty"`
+	// tensors are named input tensors (a tensor-input stage's segment, or a
+	// request's own), little-endian.
+	Tensors []*Tensor `protobuf:"bytes,15,rep,name=tensors,proto3" json:"tensors,omitempty"`
+	// tensor_ticket, on a tensor-input stage's request, names this attempt
+	// to the producing worker: its tensors arrive through PushTensors with
+	// this ticket, and the input ends with the push marked last.
+	TensorTicket  string `protobuf:"bytes,16,opt,name=tensor_ticket,json=tensorTicket,proto3" json:"tensor_ticket,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -828,6 +897,20 @@ func (x *GenerateRequest) GetRoutedBlocks() []uint64 {
 	return nil
 }
 
+func (x *GenerateRequest) GetTensors() []*Tensor {
+	if x != nil {
+		return x.Tensors
+	}
+	return nil
+}
+
+func (x *GenerateRequest) GetTensorTicket() string {
+	if x != nil {
+		return x.TensorTicket
+	}
+	return ""
+}
+
 type isGenerateRequest_Input interface {
 	isGenerateRequest_Input()
 }
@@ -856,22 +939,267 @@ func (*GenerateRequest_Codes) isGenerateRequest_Input() {}
 
 func (*GenerateRequest_Chat) isGenerateRequest_Input() {}
 
+// A named tensor: row-major little-endian elements, no padding; data holds
+// exactly the product of shape elements of dtype's size.
+type Tensor struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Dtype         DType                  `protobuf:"varint,2,opt,name=dtype,proto3,enum=troupe.stage.v1.DType" json:"dtype,omitempty"`
+	Shape         []int64                `protobuf:"varint,3,rep,packed,name=shape,proto3" json:"shape,omitempty"`
+	Data          []byte                 `protobuf:"bytes,4,opt,name=data,proto3" json:"data,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Tensor) Reset() {
+	*x = Tensor{}
+	mi := &file_stage_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Tensor) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Tensor) ProtoMessage() {}
+
+func (x *Tensor) ProtoReflect() protoreflect.Message {
+	mi := &file_stage_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Tensor.ProtoReflect.Descriptor instead.
+func (*Tensor) Descriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *Tensor) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Tensor) GetDtype() DType {
+	if x != nil {
+		return x.Dtype
+	}
+	return DType_DTYPE_UNSPECIFIED
+}
+
+func (x *Tensor) GetShape() []int64 {
+	if x != nil {
+		return x.Shape
+	}
+	return nil
+}
+
+func (x *Tensor) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+// Where a producing stage's tensors go: the consuming worker's address and
+// the ticket of its attempt.
+type TensorSink struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Addr          string                 `protobuf:"bytes,1,opt,name=addr,proto3" json:"addr,omitempty"`
+	Ticket        string                 `protobuf:"bytes,2,opt,name=ticket,proto3" json:"ticket,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TensorSink) Reset() {
+	*x = TensorSink{}
+	mi := &file_stage_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TensorSink) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TensorSink) ProtoMessage() {}
+
+func (x *TensorSink) ProtoReflect() protoreflect.Message {
+	mi := &file_stage_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TensorSink.ProtoReflect.Descriptor instead.
+func (*TensorSink) Descriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *TensorSink) GetAddr() string {
+	if x != nil {
+		return x.Addr
+	}
+	return ""
+}
+
+func (x *TensorSink) GetTicket() string {
+	if x != nil {
+		return x.Ticket
+	}
+	return ""
+}
+
+// TensorPush is one message of PushTensors. The first carries the ticket.
+// seq counts the pushes of a request from 1, across consumers: a new
+// consumer gets the unacknowledged pushes again with their seq.
+type TensorPush struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Ticket        string                 `protobuf:"bytes,1,opt,name=ticket,proto3" json:"ticket,omitempty"`
+	Seq           uint64                 `protobuf:"varint,2,opt,name=seq,proto3" json:"seq,omitempty"`
+	Tensors       []*Tensor              `protobuf:"bytes,3,rep,name=tensors,proto3" json:"tensors,omitempty"`
+	Last          bool                   `protobuf:"varint,4,opt,name=last,proto3" json:"last,omitempty"` // the producer's output is complete
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TensorPush) Reset() {
+	*x = TensorPush{}
+	mi := &file_stage_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TensorPush) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TensorPush) ProtoMessage() {}
+
+func (x *TensorPush) ProtoReflect() protoreflect.Message {
+	mi := &file_stage_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TensorPush.ProtoReflect.Descriptor instead.
+func (*TensorPush) Descriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *TensorPush) GetTicket() string {
+	if x != nil {
+		return x.Ticket
+	}
+	return ""
+}
+
+func (x *TensorPush) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *TensorPush) GetTensors() []*Tensor {
+	if x != nil {
+		return x.Tensors
+	}
+	return nil
+}
+
+func (x *TensorPush) GetLast() bool {
+	if x != nil {
+		return x.Last
+	}
+	return false
+}
+
+// TensorAck says the consumer has consumed every push up to seq and sent
+// what its engine made of them.
+type TensorAck struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Seq           uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TensorAck) Reset() {
+	*x = TensorAck{}
+	mi := &file_stage_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TensorAck) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TensorAck) ProtoMessage() {}
+
+func (x *TensorAck) ProtoReflect() protoreflect.Message {
+	mi := &file_stage_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TensorAck.ProtoReflect.Descriptor instead.
+func (*TensorAck) Descriptor() ([]byte, []int) {
+	return file_stage_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *TensorAck) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
 // StreamInput is one message of GenerateStream's input.
 type StreamInput struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Request *GenerateRequest       `protobuf:"bytes,1,opt,name=request,proto3" json:"request,omitempty"` // first message only
 	// First message only: how many input units (words of text, codes) the
 	// worker gathers before it runs a segment; 0 means the worker's default.
-	SegmentUnits  uint32   `protobuf:"varint,2,opt,name=segment_units,json=segmentUnits,proto3" json:"segment_units,omitempty"`
-	Text          string   `protobuf:"bytes,3,opt,name=text,proto3" json:"text,omitempty"`           // text appended to the input
-	Codes         []uint32 `protobuf:"varint,4,rep,packed,name=codes,proto3" json:"codes,omitempty"` // codes appended to the input
+	SegmentUnits uint32   `protobuf:"varint,2,opt,name=segment_units,json=segmentUnits,proto3" json:"segment_units,omitempty"`
+	Text         string   `protobuf:"bytes,3,opt,name=text,proto3" json:"text,omitempty"`           // text appended to the input
+	Codes        []uint32 `protobuf:"varint,4,rep,packed,name=codes,proto3" json:"codes,omitempty"` // codes appended to the input
+	// tensor_sink, to a producing stage: push the request's tensors there
+	// from now on (it replaces any sink before it: the consumer's attempt
+	// moved), starting with the first push the new sink has not acknowledged.
+	TensorSink    *TensorSink `protobuf:"bytes,5,opt,name=tensor_sink,json=tensorSink,proto3" json:"tensor_sink,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StreamInput) Reset() {
 	*x = StreamInput{}
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -883,7 +1211,7 @@ func (x *StreamInput) String() string {
 func (*StreamInput) ProtoMessage() {}
 
 func (x *StreamInput) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[8]
+	mi := &file_stage_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -896,7 +1224,7 @@ func (x *StreamInput) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamInput.ProtoReflect.Descriptor instead.
 func (*StreamInput) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{8}
+	return file_stage_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *StreamInput) GetRequest() *GenerateRequest {
@@ -923,6 +1251,13 @@ func (x *StreamInput) GetText() string {
 func (x *StreamInput) GetCodes() []uint32 {
 	if x != nil {
 		return x.Codes
+	}
+	return nil
+}
+
+func (x *StreamInput) GetTensorSink() *TensorSink {
+	if x != nil {
+		return x.TensorSink
 	}
 	return nil
 }
@@ -971,7 +1306,7 @@ type EngineStats struct {
 
 func (x *EngineStats) Reset() {
 	*x = EngineStats{}
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -983,7 +1318,7 @@ func (x *EngineStats) String() string {
 func (*EngineStats) ProtoMessage() {}
 
 func (x *EngineStats) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[9]
+	mi := &file_stage_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -996,7 +1331,7 @@ func (x *EngineStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineStats.ProtoReflect.Descriptor instead.
 func (*EngineStats) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{9}
+	return file_stage_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *EngineStats) GetPromptTokens() uint64 {
@@ -1191,7 +1526,7 @@ type KvEvents struct {
 
 func (x *KvEvents) Reset() {
 	*x = KvEvents{}
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1203,7 +1538,7 @@ func (x *KvEvents) String() string {
 func (*KvEvents) ProtoMessage() {}
 
 func (x *KvEvents) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[10]
+	mi := &file_stage_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1216,7 +1551,7 @@ func (x *KvEvents) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvEvents.ProtoReflect.Descriptor instead.
 func (*KvEvents) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{10}
+	return file_stage_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *KvEvents) GetSeq() uint64 {
@@ -1273,7 +1608,7 @@ type Timings struct {
 
 func (x *Timings) Reset() {
 	*x = Timings{}
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1285,7 +1620,7 @@ func (x *Timings) String() string {
 func (*Timings) ProtoMessage() {}
 
 func (x *Timings) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[11]
+	mi := &file_stage_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1298,7 +1633,7 @@ func (x *Timings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Timings.ProtoReflect.Descriptor instead.
 func (*Timings) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{11}
+	return file_stage_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Timings) GetQueueSeconds() float64 {
@@ -1338,14 +1673,21 @@ type GenerateChunk struct {
 	// chunk was sent the engine made it, in microseconds. The head dates each
 	// output by it (time to first token, inter-token latencies), as if it had
 	// come alone. Empty: the chunk is one output, sent as it was made.
-	OutputAgesUs  []uint32 `protobuf:"varint,10,rep,packed,name=output_ages_us,json=outputAgesUs,proto3" json:"output_ages_us,omitempty"`
+	OutputAgesUs []uint32 `protobuf:"varint,10,rep,packed,name=output_ages_us,json=outputAgesUs,proto3" json:"output_ages_us,omitempty"`
+	// tensors are named output tensors: a producing stage's (hidden states,
+	// embeddings), sent worker to worker through PushTensors, never to the
+	// head.
+	Tensors []*Tensor `protobuf:"bytes,11,rep,name=tensors,proto3" json:"tensors,omitempty"`
+	// tensor_bytes, on a chunk to the head, counts the tensor bytes this
+	// chunk's output sent worker to worker.
+	TensorBytes   uint64 `protobuf:"varint,12,opt,name=tensor_bytes,json=tensorBytes,proto3" json:"tensor_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateChunk) Reset() {
 	*x = GenerateChunk{}
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1357,7 +1699,7 @@ func (x *GenerateChunk) String() string {
 func (*GenerateChunk) ProtoMessage() {}
 
 func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[12]
+	mi := &file_stage_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1370,7 +1712,7 @@ func (x *GenerateChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateChunk.ProtoReflect.Descriptor instead.
 func (*GenerateChunk) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{12}
+	return file_stage_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *GenerateChunk) GetText() string {
@@ -1443,6 +1785,20 @@ func (x *GenerateChunk) GetOutputAgesUs() []uint32 {
 	return nil
 }
 
+func (x *GenerateChunk) GetTensors() []*Tensor {
+	if x != nil {
+		return x.Tensors
+	}
+	return nil
+}
+
+func (x *GenerateChunk) GetTensorBytes() uint64 {
+	if x != nil {
+		return x.TensorBytes
+	}
+	return 0
+}
+
 type HealthRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1451,7 +1807,7 @@ type HealthRequest struct {
 
 func (x *HealthRequest) Reset() {
 	*x = HealthRequest{}
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1463,7 +1819,7 @@ func (x *HealthRequest) String() string {
 func (*HealthRequest) ProtoMessage() {}
 
 func (x *HealthRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[13]
+	mi := &file_stage_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1476,7 +1832,7 @@ func (x *HealthRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthRequest.ProtoReflect.Descriptor instead.
 func (*HealthRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{13}
+	return file_stage_proto_rawDescGZIP(), []int{17}
 }
 
 type CacheConfig struct {
@@ -1492,7 +1848,7 @@ type CacheConfig struct {
 
 func (x *CacheConfig) Reset() {
 	*x = CacheConfig{}
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1504,7 +1860,7 @@ func (x *CacheConfig) String() string {
 func (*CacheConfig) ProtoMessage() {}
 
 func (x *CacheConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[14]
+	mi := &file_stage_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1517,7 +1873,7 @@ func (x *CacheConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CacheConfig.ProtoReflect.Descriptor instead.
 func (*CacheConfig) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{14}
+	return file_stage_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CacheConfig) GetBlockSize() uint32 {
@@ -1611,13 +1967,17 @@ type HealthResponse struct {
 	// (older workers): a head sends no routed_blocks and each head's
 	// head-side index holds only its own picks.
 	RoutedSubscription bool `protobuf:"varint,19,opt,name=routed_subscription,json=routedSubscription,proto3" json:"routed_subscription,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// output_tensors names the tensors the engine gives beside its role's
+	// output; input_tensors those it takes (its input_role is then tensors).
+	OutputTensors []string `protobuf:"bytes,20,rep,name=output_tensors,json=outputTensors,proto3" json:"output_tensors,omitempty"`
+	InputTensors  []string `protobuf:"bytes,21,rep,name=input_tensors,json=inputTensors,proto3" json:"input_tensors,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *HealthResponse) Reset() {
 	*x = HealthResponse{}
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1629,7 +1989,7 @@ func (x *HealthResponse) String() string {
 func (*HealthResponse) ProtoMessage() {}
 
 func (x *HealthResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[15]
+	mi := &file_stage_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1642,7 +2002,7 @@ func (x *HealthResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthResponse.ProtoReflect.Descriptor instead.
 func (*HealthResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{15}
+	return file_stage_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *HealthResponse) GetStatus() ServingStatus {
@@ -1771,6 +2131,20 @@ func (x *HealthResponse) GetRoutedSubscription() bool {
 	return false
 }
 
+func (x *HealthResponse) GetOutputTensors() []string {
+	if x != nil {
+		return x.OutputTensors
+	}
+	return nil
+}
+
+func (x *HealthResponse) GetInputTensors() []string {
+	if x != nil {
+		return x.InputTensors
+	}
+	return nil
+}
+
 type SleepRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Level         uint32                 `protobuf:"varint,1,opt,name=level,proto3" json:"level,omitempty"`
@@ -1780,7 +2154,7 @@ type SleepRequest struct {
 
 func (x *SleepRequest) Reset() {
 	*x = SleepRequest{}
-	mi := &file_stage_proto_msgTypes[16]
+	mi := &file_stage_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1792,7 +2166,7 @@ func (x *SleepRequest) String() string {
 func (*SleepRequest) ProtoMessage() {}
 
 func (x *SleepRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[16]
+	mi := &file_stage_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1805,7 +2179,7 @@ func (x *SleepRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepRequest.ProtoReflect.Descriptor instead.
 func (*SleepRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{16}
+	return file_stage_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *SleepRequest) GetLevel() uint32 {
@@ -1824,7 +2198,7 @@ type SleepResponse struct {
 
 func (x *SleepResponse) Reset() {
 	*x = SleepResponse{}
-	mi := &file_stage_proto_msgTypes[17]
+	mi := &file_stage_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1836,7 +2210,7 @@ func (x *SleepResponse) String() string {
 func (*SleepResponse) ProtoMessage() {}
 
 func (x *SleepResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[17]
+	mi := &file_stage_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1849,7 +2223,7 @@ func (x *SleepResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepResponse.ProtoReflect.Descriptor instead.
 func (*SleepResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{17}
+	return file_stage_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *SleepResponse) GetSleepState() SleepState {
@@ -1867,7 +2241,7 @@ type WakeUpRequest struct {
 
 func (x *WakeUpRequest) Reset() {
 	*x = WakeUpRequest{}
-	mi := &file_stage_proto_msgTypes[18]
+	mi := &file_stage_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1879,7 +2253,7 @@ func (x *WakeUpRequest) String() string {
 func (*WakeUpRequest) ProtoMessage() {}
 
 func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[18]
+	mi := &file_stage_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1892,7 +2266,7 @@ func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpRequest.ProtoReflect.Descriptor instead.
 func (*WakeUpRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{18}
+	return file_stage_proto_rawDescGZIP(), []int{22}
 }
 
 type WakeUpResponse struct {
@@ -1904,7 +2278,7 @@ type WakeUpResponse struct {
 
 func (x *WakeUpResponse) Reset() {
 	*x = WakeUpResponse{}
-	mi := &file_stage_proto_msgTypes[19]
+	mi := &file_stage_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1916,7 +2290,7 @@ func (x *WakeUpResponse) String() string {
 func (*WakeUpResponse) ProtoMessage() {}
 
 func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[19]
+	mi := &file_stage_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1929,7 +2303,7 @@ func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpResponse.ProtoReflect.Descriptor instead.
 func (*WakeUpResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{19}
+	return file_stage_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *WakeUpResponse) GetSleepState() SleepState {
@@ -1947,7 +2321,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_stage_proto_msgTypes[20]
+	mi := &file_stage_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1959,7 +2333,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[20]
+	mi := &file_stage_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1972,7 +2346,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{20}
+	return file_stage_proto_rawDescGZIP(), []int{24}
 }
 
 type DrainResponse struct {
@@ -1984,7 +2358,7 @@ type DrainResponse struct {
 
 func (x *DrainResponse) Reset() {
 	*x = DrainResponse{}
-	mi := &file_stage_proto_msgTypes[21]
+	mi := &file_stage_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1996,7 +2370,7 @@ func (x *DrainResponse) String() string {
 func (*DrainResponse) ProtoMessage() {}
 
 func (x *DrainResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[21]
+	mi := &file_stage_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2009,7 +2383,7 @@ func (x *DrainResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainResponse.ProtoReflect.Descriptor instead.
 func (*DrainResponse) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{21}
+	return file_stage_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *DrainResponse) GetInFlight() uint32 {
@@ -2037,7 +2411,7 @@ type ContentPart struct {
 
 func (x *ContentPart) Reset() {
 	*x = ContentPart{}
-	mi := &file_stage_proto_msgTypes[22]
+	mi := &file_stage_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2049,7 +2423,7 @@ func (x *ContentPart) String() string {
 func (*ContentPart) ProtoMessage() {}
 
 func (x *ContentPart) ProtoReflect() protoreflect.Message {
-	mi := &file_stage_proto_msgTypes[22]
+	mi := &file_stage_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2062,7 +2436,7 @@ func (x *ContentPart) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ContentPart.ProtoReflect.Descriptor instead.
 func (*ContentPart) Descriptor() ([]byte, []int) {
-	return file_stage_proto_rawDescGZIP(), []int{22}
+	return file_stage_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ContentPart) GetKind() string {
@@ -2155,7 +2529,7 @@ const file_stage_proto_rawDesc = "" +
 	"\acontent\x18\x02 \x01(\tR\acontent\x122\n" +
 	"\x05parts\x18\x03 \x03(\v2\x1c.troupe.stage.v1.ContentPartR\x05parts\"@\n" +
 	"\x04Chat\x128\n" +
-	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xc8\x04\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xa0\x05\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -2172,13 +2546,34 @@ const file_stage_proto_rawDesc = "" +
 	"\x16output_codes_per_chunk\x18\v \x01(\rR\x13outputCodesPerChunk\x123\n" +
 	"\x16output_words_per_chunk\x18\f \x01(\rR\x13outputWordsPerChunk\x12\x1a\n" +
 	"\blanguage\x18\r \x01(\tR\blanguage\x12#\n" +
-	"\rrouted_blocks\x18\x0e \x03(\x06R\froutedBlocksB\a\n" +
-	"\x05input\"\x98\x01\n" +
+	"\rrouted_blocks\x18\x0e \x03(\x06R\froutedBlocks\x121\n" +
+	"\atensors\x18\x0f \x03(\v2\x17.troupe.stage.v1.TensorR\atensors\x12#\n" +
+	"\rtensor_ticket\x18\x10 \x01(\tR\ftensorTicketB\a\n" +
+	"\x05input\"t\n" +
+	"\x06Tensor\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12,\n" +
+	"\x05dtype\x18\x02 \x01(\x0e2\x16.troupe.stage.v1.DTypeR\x05dtype\x12\x14\n" +
+	"\x05shape\x18\x03 \x03(\x03R\x05shape\x12\x12\n" +
+	"\x04data\x18\x04 \x01(\fR\x04data\"8\n" +
+	"\n" +
+	"TensorSink\x12\x12\n" +
+	"\x04addr\x18\x01 \x01(\tR\x04addr\x12\x16\n" +
+	"\x06ticket\x18\x02 \x01(\tR\x06ticket\"}\n" +
+	"\n" +
+	"TensorPush\x12\x16\n" +
+	"\x06ticket\x18\x01 \x01(\tR\x06ticket\x12\x10\n" +
+	"\x03seq\x18\x02 \x01(\x04R\x03seq\x121\n" +
+	"\atensors\x18\x03 \x03(\v2\x17.troupe.stage.v1.TensorR\atensors\x12\x12\n" +
+	"\x04last\x18\x04 \x01(\bR\x04last\"\x1d\n" +
+	"\tTensorAck\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\"\xd6\x01\n" +
 	"\vStreamInput\x12:\n" +
 	"\arequest\x18\x01 \x01(\v2 .troupe.stage.v1.GenerateRequestR\arequest\x12#\n" +
 	"\rsegment_units\x18\x02 \x01(\rR\fsegmentUnits\x12\x12\n" +
 	"\x04text\x18\x03 \x01(\tR\x04text\x12\x14\n" +
-	"\x05codes\x18\x04 \x03(\rR\x05codes\"\xd6\t\n" +
+	"\x05codes\x18\x04 \x03(\rR\x05codes\x12<\n" +
+	"\vtensor_sink\x18\x05 \x01(\v2\x1b.troupe.stage.v1.TensorSinkR\n" +
+	"tensorSink\"\xd6\t\n" +
 	"\vEngineStats\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\x04R\fpromptTokens\x12+\n" +
 	"\x11generation_tokens\x18\x02 \x01(\x04R\x10generationTokens\x120\n" +
@@ -2214,7 +2609,7 @@ const file_stage_proto_rawDesc = "" +
 	"\aTimings\x12#\n" +
 	"\rqueue_seconds\x18\x01 \x01(\x01R\fqueueSeconds\x12'\n" +
 	"\x0fprefill_seconds\x18\x02 \x01(\x01R\x0eprefillSeconds\x12%\n" +
-	"\x0edecode_seconds\x18\x03 \x01(\x01R\rdecodeSeconds\"\xa2\x03\n" +
+	"\x0edecode_seconds\x18\x03 \x01(\x01R\rdecodeSeconds\"\xf8\x03\n" +
 	"\rGenerateChunk\x12\x12\n" +
 	"\x04text\x18\x01 \x01(\tR\x04text\x12\x1b\n" +
 	"\ttoken_ids\x18\x02 \x03(\rR\btokenIds\x12\x14\n" +
@@ -2228,7 +2623,9 @@ const file_stage_proto_rawDesc = "" +
 	"\atimings\x18\b \x01(\v2\x18.troupe.stage.v1.TimingsR\atimings\x126\n" +
 	"\tkv_events\x18\t \x01(\v2\x19.troupe.stage.v1.KvEventsR\bkvEvents\x12$\n" +
 	"\x0eoutput_ages_us\x18\n" +
-	" \x03(\rR\foutputAgesUs\"\x0f\n" +
+	" \x03(\rR\foutputAgesUs\x121\n" +
+	"\atensors\x18\v \x03(\v2\x17.troupe.stage.v1.TensorR\atensors\x12!\n" +
+	"\ftensor_bytes\x18\f \x01(\x04R\vtensorBytes\"\x0f\n" +
 	"\rHealthRequest\"\xc3\x01\n" +
 	"\vCacheConfig\x12\x1d\n" +
 	"\n" +
@@ -2237,7 +2634,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x15enable_prefix_caching\x18\x03 \x01(\bR\x13enablePrefixCaching\x12 \n" +
 	"\fmax_num_seqs\x18\x04 \x01(\rR\n" +
 	"maxNumSeqs\x12\x1b\n" +
-	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\x89\x06\n" +
+	"\tkv_events\x18\x05 \x01(\bR\bkvEvents\"\xd5\x06\n" +
 	"\x0eHealthResponse\x126\n" +
 	"\x06status\x18\x01 \x01(\x0e2\x1e.troupe.stage.v1.ServingStatusR\x06status\x12<\n" +
 	"\vsleep_state\x18\x02 \x01(\x0e2\x1b.troupe.stage.v1.SleepStateR\n" +
@@ -2262,7 +2659,9 @@ const file_stage_proto_rawDesc = "" +
 	"\x0finput_part_urls\x18\x10 \x01(\bR\rinputPartUrls\x12-\n" +
 	"\x12cache_subscription\x18\x11 \x01(\bR\x11cacheSubscription\x12+\n" +
 	"\x11load_subscription\x18\x12 \x01(\bR\x10loadSubscription\x12/\n" +
-	"\x13routed_subscription\x18\x13 \x01(\bR\x12routedSubscriptionJ\x04\b\v\x10\fR\tmultiplex\"$\n" +
+	"\x13routed_subscription\x18\x13 \x01(\bR\x12routedSubscription\x12%\n" +
+	"\x0eoutput_tensors\x18\x14 \x03(\tR\routputTensors\x12#\n" +
+	"\rinput_tensors\x18\x15 \x03(\tR\finputTensorsJ\x04\b\v\x10\fR\tmultiplex\"$\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\"M\n" +
 	"\rSleepResponse\x12<\n" +
@@ -2281,7 +2680,15 @@ const file_stage_proto_rawDesc = "" +
 	"\x04data\x18\x03 \x01(\fR\x04data\x12\x10\n" +
 	"\x03url\x18\x04 \x01(\tR\x03url\x12\x1b\n" +
 	"\tmime_type\x18\x05 \x01(\tR\bmimeType\x12\x16\n" +
-	"\x06format\x18\x06 \x01(\tR\x06format*\x91\x01\n" +
+	"\x06format\x18\x06 \x01(\tR\x06format*\x8b\x01\n" +
+	"\x05DType\x12\x15\n" +
+	"\x11DTYPE_UNSPECIFIED\x10\x00\x12\x11\n" +
+	"\rDTYPE_FLOAT32\x10\x01\x12\x11\n" +
+	"\rDTYPE_FLOAT16\x10\x02\x12\x12\n" +
+	"\x0eDTYPE_BFLOAT16\x10\x03\x12\x0f\n" +
+	"\vDTYPE_INT32\x10\x04\x12\x0f\n" +
+	"\vDTYPE_INT64\x10\x05\x12\x0f\n" +
+	"\vDTYPE_UINT8\x10\x06*\x91\x01\n" +
 	"\fFinishReason\x12\x1d\n" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n" +
 	"\x12FINISH_REASON_STOP\x10\x01\x12\x18\n" +
@@ -2297,7 +2704,7 @@ const file_stage_proto_rawDesc = "" +
 	"\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16SERVING_STATUS_SERVING\x10\x01\x12\x1e\n" +
 	"\x1aSERVING_STATUS_NOT_SERVING\x10\x02\x12\x1b\n" +
-	"\x17SERVING_STATUS_DRAINING\x10\x032\x87\x05\n" +
+	"\x17SERVING_STATUS_DRAINING\x10\x032\xd3\x05\n" +
 	"\fStageService\x12N\n" +
 	"\bGenerate\x12 .troupe.stage.v1.GenerateRequest\x1a\x1e.troupe.stage.v1.GenerateChunk0\x01\x12I\n" +
 	"\x06Health\x12\x1e.troupe.stage.v1.HealthRequest\x1a\x1f.troupe.stage.v1.HealthResponse\x12F\n" +
@@ -2306,7 +2713,8 @@ const file_stage_proto_rawDesc = "" +
 	"\x05Drain\x12\x1d.troupe.stage.v1.DrainRequest\x1a\x1e.troupe.stage.v1.DrainResponse\x12R\n" +
 	"\x0eGenerateStream\x12\x1c.troupe.stage.v1.StreamInput\x1a\x1e.troupe.stage.v1.GenerateChunk(\x010\x01\x12U\n" +
 	"\x0eSubscribeCache\x12&.troupe.stage.v1.SubscribeCacheRequest\x1a\x19.troupe.stage.v1.KvEvents0\x01\x12V\n" +
-	"\rSubscribeLoad\x12%.troupe.stage.v1.SubscribeLoadRequest\x1a\x1c.troupe.stage.v1.EngineStats0\x01B.Z,github.com/troupe-serving/troupe/pkg/stagepbb\x06proto3"
+	"\rSubscribeLoad\x12%.troupe.stage.v1.SubscribeLoadRequest\x1a\x1c.troupe.stage.v1.EngineStats0\x01\x12J\n" +
+	"\vPushTensors\x12\x1b.troupe.stage.v1.TensorPush\x1a\x1a.troupe.stage.v1.TensorAck(\x010\x01B.Z,github.com/troupe-serving/troupe/pkg/stagepbb\x06proto3"
 
 var (
 	file_stage_proto_rawDescOnce sync.Once
@@ -2320,77 +2728,89 @@ func file_stage_proto_rawDescGZIP() []byte {
 	return file_stage_proto_rawDescData
 }
 
-var file_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
+var file_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
 var file_stage_proto_goTypes = []any{
-	(FinishReason)(0),             // 0: troupe.stage.v1.FinishReason
-	(SleepState)(0),               // 1: troupe.stage.v1.SleepState
-	(ServingStatus)(0),            // 2: troupe.stage.v1.ServingStatus
-	(*SubscribeCacheRequest)(nil), // 3: troupe.stage.v1.SubscribeCacheRequest
-	(*SubscribeLoadRequest)(nil),  // 4: troupe.stage.v1.SubscribeLoadRequest
-	(*SamplingParams)(nil),        // 5: troupe.stage.v1.SamplingParams
-	(*TokenIds)(nil),              // 6: troupe.stage.v1.TokenIds
-	(*Codes)(nil),                 // 7: troupe.stage.v1.Codes
-	(*ChatMessage)(nil),           // 8: troupe.stage.v1.ChatMessage
-	(*Chat)(nil),                  // 9: troupe.stage.v1.Chat
-	(*GenerateRequest)(nil),       // 10: troupe.stage.v1.GenerateRequest
-	(*StreamInput)(nil),           // 11: troupe.stage.v1.StreamInput
-	(*EngineStats)(nil),           // 12: troupe.stage.v1.EngineStats
-	(*KvEvents)(nil),              // 13: troupe.stage.v1.KvEvents
-	(*Timings)(nil),               // 14: troupe.stage.v1.Timings
-	(*GenerateChunk)(nil),         // 15: troupe.stage.v1.GenerateChunk
-	(*HealthRequest)(nil),         // 16: troupe.stage.v1.HealthRequest
-	(*CacheConfig)(nil),           // 17: troupe.stage.v1.CacheConfig
-	(*HealthResponse)(nil),        // 18: troupe.stage.v1.HealthResponse
-	(*SleepRequest)(nil),          // 19: troupe.stage.v1.SleepRequest
-	(*SleepResponse)(nil),         // 20: troupe.stage.v1.SleepResponse
-	(*WakeUpRequest)(nil),         // 21: troupe.stage.v1.WakeUpRequest
-	(*WakeUpResponse)(nil),        // 22: troupe.stage.v1.WakeUpResponse
-	(*DrainRequest)(nil),          // 23: troupe.stage.v1.DrainRequest
-	(*DrainResponse)(nil),         // 24: troupe.stage.v1.DrainResponse
-	(*ContentPart)(nil),           // 25: troupe.stage.v1.ContentPart
-	nil,                           // 26: troupe.stage.v1.SamplingParams.LogitBiasEntry
+	(DType)(0),                    // 0: troupe.stage.v1.DType
+	(FinishReason)(0),             // 1: troupe.stage.v1.FinishReason
+	(SleepState)(0),               // 2: troupe.stage.v1.SleepState
+	(ServingStatus)(0),            // 3: troupe.stage.v1.ServingStatus
+	(*SubscribeCacheRequest)(nil), // 4: troupe.stage.v1.SubscribeCacheRequest
+	(*SubscribeLoadRequest)(nil),  // 5: troupe.stage.v1.SubscribeLoadRequest
+	(*SamplingParams)(nil),        // 6: troupe.stage.v1.SamplingParams
+	(*TokenIds)(nil),              // 7: troupe.stage.v1.TokenIds
+	(*Codes)(nil),                 // 8: troupe.stage.v1.Codes
+	(*ChatMessage)(nil),           // 9: troupe.stage.v1.ChatMessage
+	(*Chat)(nil),                  // 10: troupe.stage.v1.Chat
+	(*GenerateRequest)(nil),       // 11: troupe.stage.v1.GenerateRequest
+	(*Tensor)(nil),                // 12: troupe.stage.v1.Tensor
+	(*TensorSink)(nil),            // 13: troupe.stage.v1.TensorSink
+	(*TensorPush)(nil),            // 14: troupe.stage.v1.TensorPush
+	(*TensorAck)(nil),             // 15: troupe.stage.v1.TensorAck
+	(*StreamInput)(nil),           // 16: troupe.stage.v1.StreamInput
+	(*EngineStats)(nil),           // 17: troupe.stage.v1.EngineStats
+	(*KvEvents)(nil),              // 18: troupe.stage.v1.KvEvents
+	(*Timings)(nil),               // 19: troupe.stage.v1.Timings
+	(*GenerateChunk)(nil),         // 20: troupe.stage.v1.GenerateChunk
+	(*HealthRequest)(nil),         // 21: troupe.stage.v1.HealthRequest
+	(*CacheConfig)(nil),           // 22: troupe.stage.v1.CacheConfig
+	(*HealthResponse)(nil),        // 23: troupe.stage.v1.HealthResponse
+	(*SleepRequest)(nil),          // 24: troupe.stage.v1.SleepRequest
+	(*SleepResponse)(nil),         // 25: troupe.stage.v1.SleepResponse
+	(*WakeUpRequest)(nil),         // 26: troupe.stage.v1.WakeUpRequest
+	(*WakeUpResponse)(nil),        // 27: troupe.stage.v1.WakeUpResponse
+	(*DrainRequest)(nil),          // 28: troupe.stage.v1.DrainRequest
+	(*DrainResponse)(nil),         // 29: troupe.stage.v1.DrainResponse
+	(*ContentPart)(nil),           // 30: troupe.stage.v1.ContentPart
+	nil,                           // 31: troupe.stage.v1.SamplingParams.LogitBiasEntry
 }
 var file_stage_proto_depIdxs = []int32{
-	26, // 0: troupe.stage.v1.SamplingParams.logit_bias:type_name -> troupe.stage.v1.SamplingParams.LogitBiasEntry
-	25, // 1: troupe.stage.v1.ChatMessage.parts:type_name -> troupe.stage.v1.ContentPart
-	8,  // 2: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
-	6,  // 3: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
-	7,  // 4: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
-	9,  // 5: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
-	5,  // 6: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
-	10, // 7: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
-	0,  // 8: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
-	12, // 9: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
-	14, // 10: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
-	13, // 11: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
-	2,  // 12: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
-	1,  // 13: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	17, // 14: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
-	12, // 15: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
-	1,  // 16: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	1,  // 17: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
-	10, // 18: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
-	16, // 19: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
-	19, // 20: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
-	21, // 21: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
-	23, // 22: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
-	11, // 23: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
-	3,  // 24: troupe.stage.v1.StageService.SubscribeCache:input_type -> troupe.stage.v1.SubscribeCacheRequest
-	4,  // 25: troupe.stage.v1.StageService.SubscribeLoad:input_type -> troupe.stage.v1.SubscribeLoadRequest
-	15, // 26: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
-	18, // 27: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
-	20, // 28: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
-	22, // 29: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
-	24, // 30: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
-	15, // 31: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
-	13, // 32: troupe.stage.v1.StageService.SubscribeCache:output_type -> troupe.stage.v1.KvEvents
-	12, // 33: troupe.stage.v1.StageService.SubscribeLoad:output_type -> troupe.stage.v1.EngineStats
-	26, // [26:34] is the sub-list for method output_type
-	18, // [18:26] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	31, // 0: troupe.stage.v1.SamplingParams.logit_bias:type_name -> troupe.stage.v1.SamplingParams.LogitBiasEntry
+	30, // 1: troupe.stage.v1.ChatMessage.parts:type_name -> troupe.stage.v1.ContentPart
+	9,  // 2: troupe.stage.v1.Chat.messages:type_name -> troupe.stage.v1.ChatMessage
+	7,  // 3: troupe.stage.v1.GenerateRequest.token_ids:type_name -> troupe.stage.v1.TokenIds
+	8,  // 4: troupe.stage.v1.GenerateRequest.codes:type_name -> troupe.stage.v1.Codes
+	10, // 5: troupe.stage.v1.GenerateRequest.chat:type_name -> troupe.stage.v1.Chat
+	6,  // 6: troupe.stage.v1.GenerateRequest.sampling:type_name -> troupe.stage.v1.SamplingParams
+	12, // 7: troupe.stage.v1.GenerateRequest.tensors:type_name -> troupe.stage.v1.Tensor
+	0,  // 8: troupe.stage.v1.Tensor.dtype:type_name -> troupe.stage.v1.DType
+	12, // 9: troupe.stage.v1.TensorPush.tensors:type_name -> troupe.stage.v1.Tensor
+	11, // 10: troupe.stage.v1.StreamInput.request:type_name -> troupe.stage.v1.GenerateRequest
+	13, // 11: troupe.stage.v1.StreamInput.tensor_sink:type_name -> troupe.stage.v1.TensorSink
+	1,  // 12: troupe.stage.v1.GenerateChunk.finish_reason:type_name -> troupe.stage.v1.FinishReason
+	17, // 13: troupe.stage.v1.GenerateChunk.stats:type_name -> troupe.stage.v1.EngineStats
+	19, // 14: troupe.stage.v1.GenerateChunk.timings:type_name -> troupe.stage.v1.Timings
+	18, // 15: troupe.stage.v1.GenerateChunk.kv_events:type_name -> troupe.stage.v1.KvEvents
+	12, // 16: troupe.stage.v1.GenerateChunk.tensors:type_name -> troupe.stage.v1.Tensor
+	3,  // 17: troupe.stage.v1.HealthResponse.status:type_name -> troupe.stage.v1.ServingStatus
+	2,  // 18: troupe.stage.v1.HealthResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	22, // 19: troupe.stage.v1.HealthResponse.cache_config:type_name -> troupe.stage.v1.CacheConfig
+	17, // 20: troupe.stage.v1.HealthResponse.gauges:type_name -> troupe.stage.v1.EngineStats
+	2,  // 21: troupe.stage.v1.SleepResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	2,  // 22: troupe.stage.v1.WakeUpResponse.sleep_state:type_name -> troupe.stage.v1.SleepState
+	11, // 23: troupe.stage.v1.StageService.Generate:input_type -> troupe.stage.v1.GenerateRequest
+	21, // 24: troupe.stage.v1.StageService.Health:input_type -> troupe.stage.v1.HealthRequest
+	24, // 25: troupe.stage.v1.StageService.Sleep:input_type -> troupe.stage.v1.SleepRequest
+	26, // 26: troupe.stage.v1.StageService.WakeUp:input_type -> troupe.stage.v1.WakeUpRequest
+	28, // 27: troupe.stage.v1.StageService.Drain:input_type -> troupe.stage.v1.DrainRequest
+	16, // 28: troupe.stage.v1.StageService.GenerateStream:input_type -> troupe.stage.v1.StreamInput
+	4,  // 29: troupe.stage.v1.StageService.SubscribeCache:input_type -> troupe.stage.v1.SubscribeCacheRequest
+	5,  // 30: troupe.stage.v1.StageService.SubscribeLoad:input_type -> troupe.stage.v1.SubscribeLoadRequest
+	14, // 31: troupe.stage.v1.StageService.PushTensors:input_type -> troupe.stage.v1.TensorPush
+	20, // 32: troupe.stage.v1.StageService.Generate:output_type -> troupe.stage.v1.GenerateChunk
+	23, // 33: troupe.stage.v1.StageService.Health:output_type -> troupe.stage.v1.HealthResponse
+	25, // 34: troupe.stage.v1.StageService.Sleep:output_type -> troupe.stage.v1.SleepResponse
+	27, // 35: troupe.stage.v1.StageService.WakeUp:output_type -> troupe.stage.v1.WakeUpResponse
+	29, // 36: troupe.stage.v1.StageService.Drain:output_type -> troupe.stage.v1.DrainResponse
+	20, // 37: troupe.stage.v1.StageService.GenerateStream:output_type -> troupe.stage.v1.GenerateChunk
+	18, // 38: troupe.stage.v1.StageService.SubscribeCache:output_type -> troupe.stage.v1.KvEvents
+	17, // 39: troupe.stage.v1.StageService.SubscribeLoad:output_type -> troupe.stage.v1.EngineStats
+	15, // 40: troupe.stage.v1.StageService.PushTensors:output_type -> troupe.stage.v1.TensorAck
+	32, // [32:41] is the sub-list for method output_type
+	23, // [23:32] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_stage_proto_init() }
@@ -2410,8 +2830,8 @@ func file_stage_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_stage_proto_rawDesc), len(file_stage_proto_rawDesc)),
-			NumEnums:      3,
-			NumMessages:   24,
+			NumEnums:      4,
+			NumMessages:   28,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

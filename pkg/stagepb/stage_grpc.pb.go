@@ -34,6 +34,7 @@ const (
 	StageService_GenerateStream_FullMethodName = "/troupe.stage.v1.StageService/GenerateStream"
 	StageService_SubscribeCache_FullMethodName = "/troupe.stage.v1.StageService/SubscribeCache"
 	StageService_SubscribeLoad_FullMethodName  = "/troupe.stage.v1.StageService/SubscribeLoad"
+	StageService_PushTensors_FullMethodName    = "/troupe.stage.v1.StageService/PushTensors"
 )
 
 // StageServiceClient is the client API for StageService service.
@@ -83,6 +84,12 @@ type StageServiceClient interface {
 	// after a second without change, so a head that reads the stream always
 	// holds a fresh report of every replica, also of one it sends nothing.
 	SubscribeLoad(ctx context.Context, in *SubscribeLoadRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[EngineStats], error)
+	// PushTensors carries a producing stage's tensors to the attempt of the
+	// consuming stage that holds TensorPush.ticket (GenerateRequest
+	// tensor_ticket), worker to worker. The consumer acknowledges what its
+	// engine has consumed and answered for; the producer keeps the rest, so a
+	// new consumer attempt gets it again.
+	PushTensors(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[TensorPush, TensorAck], error)
 }
 
 type stageServiceClient struct {
@@ -203,6 +210,19 @@ func (c *stageServiceClient) SubscribeLoad(ctx context.Context, in *SubscribeLoa
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type StageService_SubscribeLoadClient = grpc.ServerStreamingClient[EngineStats]
 
+func (c *stageServiceClient) PushTensors(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[TensorPush, TensorAck], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &StageService_ServiceDesc.Streams[4], StageService_PushTensors_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[TensorPush, TensorAck]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type StageService_PushTensorsClient = grpc.BidiStreamingClient[TensorPush, TensorAck]
+
 // StageServiceServer is the server API for StageService service.
 // All implementations must embed UnimplementedStageServiceServer
 // for forward compatibility.
@@ -250,6 +270,12 @@ type StageServiceServer interface {
 	// after a second without change, so a head that reads the stream always
 	// holds a fresh report of every replica, also of one it sends nothing.
 	SubscribeLoad(*SubscribeLoadRequest, grpc.ServerStreamingServer[EngineStats]) error
+	// PushTensors carries a producing stage's tensors to the attempt of the
+	// consuming stage that holds TensorPush.ticket (GenerateRequest
+	// tensor_ticket), worker to worker. The consumer acknowledges what its
+	// engine has consumed and answered for; the producer keeps the rest, so a
+	// new consumer attempt gets it again.
+	PushTensors(grpc.BidiStreamingServer[TensorPush, TensorAck]) error
 	mustEmbedUnimplementedStageServiceServer()
 }
 
@@ -283,6 +309,9 @@ func (UnimplementedStageServiceServer) SubscribeCache(*SubscribeCacheRequest, gr
 }
 func (UnimplementedStageServiceServer) SubscribeLoad(*SubscribeLoadRequest, grpc.ServerStreamingServer[EngineStats]) error {
 	return status.Error(codes.Unimplemented, "method SubscribeLoad not implemented")
+}
+func (UnimplementedStageServiceServer) PushTensors(grpc.BidiStreamingServer[TensorPush, TensorAck]) error {
+	return status.Error(codes.Unimplemented, "method PushTensors not implemented")
 }
 func (UnimplementedStageServiceServer) mustEmbedUnimplementedStageServiceServer() {}
 func (UnimplementedStageServiceServer) testEmbeddedByValue()                      {}
@@ -417,6 +446,13 @@ func _StageService_SubscribeLoad_Handler(srv interface{}, stream grpc.ServerStre
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type StageService_SubscribeLoadServer = grpc.ServerStreamingServer[EngineStats]
 
+func _StageService_PushTensors_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(StageServiceServer).PushTensors(&grpc.GenericServerStream[TensorPush, TensorAck]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type StageService_PushTensorsServer = grpc.BidiStreamingServer[TensorPush, TensorAck]
+
 // StageService_ServiceDesc is the grpc.ServiceDesc for StageService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -462,6 +498,12 @@ var StageService_ServiceDesc = grpc.ServiceDesc{
 			StreamName:    "SubscribeLoad",
 			Handler:       _StageService_SubscribeLoad_Handler,
 			ServerStreams: true,
+		},
+		{
+			StreamName:    "PushTensors",
+			Handler:       _StageService_PushTensors_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
 		},
 	},
 	Metadata: "stage.proto",
