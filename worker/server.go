@@ -139,6 +139,19 @@ type Config struct {
 	// LoadInterval is the least time between two load reports of a
 	// SubscribeLoad stream (default DefaultLoadInterval).
 	LoadInterval time.Duration
+	// MaxTensorPushBytes caps the tensors of one engine chunk, sent worker
+	// to worker as one push (default DefaultMaxTensorPushBytes); the
+	// server also takes pushes this large.
+	MaxTensorPushBytes int64
+	// MaxRequestTensorBytes caps all the tensors of one request, which a
+	// producer keeps until its consumer has them all (default
+	// DefaultMaxRequestTensorBytes).
+	MaxRequestTensorBytes int64
+	// PeerDialOptions connect this worker to the workers its engine's
+	// tensors go to: the transport credentials (the worker's certificate
+	// as a client, with the cluster's CA) and the cluster token, as the
+	// head's. Empty: plaintext, as without TLS.
+	PeerDialOptions []grpc.DialOption
 }
 
 // Server is one stage replica. New binds its listener; Run serves it.
@@ -166,6 +179,10 @@ type Server struct {
 
 	// routed publishes the blocks heads routed here (routed.go).
 	routed *routedHub
+	// tensors holds the inboxes of consuming attempts; peers connects to
+	// the consumers of this engine's tensors (tensors.go).
+	tensors *tensorHub
+	peers   *peerDialer
 
 	// sleepMu serializes sleep state changes with their record updates, so
 	// the record always ends with the engine's latest state.
@@ -198,6 +215,18 @@ func New(cfg Config) (*Server, error) {
 	if cfg.MaxMessageBytes <= 0 {
 		cfg.MaxMessageBytes = stagepb.DefaultMaxMessageBytes
 	}
+	// A push travels as one gRPC message: its tensors and their framing
+	// must fit MaxMessageBytes.
+	pushRoom := int64(cfg.MaxMessageBytes) / 16 * 15
+	if cfg.MaxTensorPushBytes <= 0 {
+		cfg.MaxTensorPushBytes = min(DefaultMaxTensorPushBytes, pushRoom)
+	}
+	if cfg.MaxTensorPushBytes > pushRoom {
+		return nil, fmt.Errorf("worker: a tensor push of %d bytes (--max-tensor-push-bytes) needs --max-message-bytes of at least %d", cfg.MaxTensorPushBytes, cfg.MaxTensorPushBytes/15*16+16)
+	}
+	if cfg.MaxRequestTensorBytes <= 0 {
+		cfg.MaxRequestTensorBytes = DefaultMaxRequestTensorBytes
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -213,6 +242,8 @@ func New(cfg Config) (*Server, error) {
 		inputRole:  h.EffectiveInputRole(),
 		health:     health.NewServer(),
 		routed:     newRoutedHub(),
+		tensors:    newTensorHub(),
+		peers:      newPeerDialer(cfg.PeerDialOptions),
 		instance:   newInstanceID(),
 		idle:       make(chan struct{}),
 		registered: make(chan struct{}),
@@ -386,6 +417,7 @@ func (s *Server) Run(ctx context.Context) error {
 	if !s.ran.CompareAndSwap(false, true) {
 		return errors.New("worker: Run called twice, or after Close")
 	}
+	defer s.peers.Close()
 	served := make(chan error, 1)
 	go func() { served <- s.grpc.Serve(s.lis) }()
 	s.log.Info("worker: serving", "listen", s.lis.Addr().String(), "advertise", s.advertise)
@@ -700,13 +732,24 @@ func (svc *service) Generate(req *stagepb.GenerateRequest, stream grpc.ServerStr
 		return stagepb.DrainingError("worker: replica is draining and takes no new requests")
 	}
 	defer s.release()
+	return s.generate(stream.Context(), req, stream.Send, nil)
+}
+
+// generate runs a request whose input is whole, sending its chunks with
+// sendChunk. before, when set, sees each chunk first and may change it or
+// fail the request (the producer of tensors, GenerateStream).
+func (s *Server) generate(ctx context.Context, req *stagepb.GenerateRequest, sendChunk func(*stagepb.GenerateChunk) error, before func(*stagepb.GenerateChunk) error) error {
 	s.routed.publish(req.GetRoutedBlocks())
-	ctx := stream.Context()
 	start := time.Now()
 	var timings *stagepb.Timings
 	obs := s.observe(req, start)
-	send, flush := newOutputHolder(req, stream.Send)
+	send, flush := newOutputHolder(req, sendChunk)
 	err := s.cfg.Engine.Generate(ctx, req, func(c *stagepb.GenerateChunk) error {
+		if before != nil {
+			if err := before(c); err != nil {
+				return err
+			}
+		}
 		if c.GetTimings() != nil {
 			timings = c.GetTimings()
 		}
@@ -737,6 +780,9 @@ func (s *Server) checkInput(req *stagepb.GenerateRequest) error {
 	case *stagepb.GenerateRequest_Codes:
 		kind = "codes"
 	case nil:
+		if s.inputRole == stagepb.RoleTensors {
+			return nil // its input comes worker to worker (tensor_ticket)
+		}
 		return status.Error(codes.InvalidArgument, "request has no input (text, chat, token_ids or codes)")
 	}
 	want := ""

@@ -59,8 +59,21 @@ func (svc *service) GenerateStream(stream grpc.BidiStreamingServer[stagepb.Strea
 	}
 	defer s.release()
 
+	if sink := first.GetTensorSink(); sink != nil {
+		return s.produce(stream, req, sink)
+	}
+
 	ctx, cancel := context.WithCancel(stream.Context())
 	defer cancel()
+	var tensors *inbox
+	if s.inputRole == stagepb.RoleTensors {
+		in, closeInbox, err := s.tensors.open(req.GetTensorTicket(), s.cfg.MaxRequestTensorBytes)
+		if err != nil {
+			return err
+		}
+		defer closeInbox()
+		tensors = in
+	}
 	in := make(chan *stagepb.StreamInput)
 	inErr := make(chan error, 1) // the reader's last word: nil at the end of input
 	go func() {
@@ -82,6 +95,7 @@ func (svc *service) GenerateStream(stream grpc.BidiStreamingServer[stagepb.Strea
 	}()
 
 	seg := newSegmenter(req, first, s.cfg.Engine)
+	seg.tensors = tensors
 	seg.add(first)
 	start := time.Now()
 	var timings *stagepb.Timings
@@ -99,11 +113,57 @@ func (svc *service) GenerateStream(stream grpc.BidiStreamingServer[stagepb.Strea
 	if ferr := flush(); err == nil {
 		err = ferr
 	}
+	if err == nil && tensors != nil {
+		// Every output is out: the producer may forget the tensors.
+		tensors.ack(tensors.receivedSeq())
+	}
 	obs.end(ctx, err)
 	if timings != nil {
 		recordPhases(ctx, start, timings)
 	}
 	return toStatus(err)
+}
+
+// produce runs a request whose engine's tensors go worker to worker:
+// sink's attempt gets them (pusher), later messages of the stream each
+// move it. The request's input is whole. Its final chunk goes to the head
+// only once the consumer has acknowledged every push, so a consumer that
+// fails before can be replaced and sent them again.
+func (s *Server) produce(stream grpc.BidiStreamingServer[stagepb.StreamInput, stagepb.GenerateChunk], req *stagepb.GenerateRequest, sink *stagepb.TensorSink) error {
+	ctx, cancel := context.WithCancel(stream.Context())
+	p := newPusher(s.peers, sink, s.cfg.MaxTensorPushBytes, s.cfg.MaxRequestTensorBytes)
+	pushed := make(chan struct{})
+	go func() {
+		defer close(pushed)
+		p.run(ctx)
+	}()
+	defer func() { cancel(); <-pushed }()
+	// The reader ends when the stream does, which gRPC ends when this
+	// handler returns.
+	go func() {
+		for {
+			m, err := stream.Recv()
+			if err != nil {
+				return
+			}
+			if sk := m.GetTensorSink(); sk != nil {
+				p.setSink(sk)
+			}
+		}
+	}()
+	return s.generate(ctx, req, stream.Send, func(c *stagepb.GenerateChunk) error {
+		if ts := c.GetTensors(); len(ts) > 0 {
+			n, err := p.add(ts, false)
+			if err != nil {
+				return err
+			}
+			c.Tensors, c.TensorBytes = nil, uint64(n)
+		}
+		if c.GetFinishReason() != stagepb.FinishReason_FINISH_REASON_UNSPECIFIED {
+			return p.finish(ctx)
+		}
+		return nil
+	})
 }
 
 // segmenter gathers a streamed input and runs it through the engine one
@@ -120,6 +180,11 @@ type segmenter struct {
 	consumed strings.Builder // text already run: the next segment's context
 	pending  []uint32        // codes not yet run
 	ended    bool
+
+	// tensors, for an engine that takes tensors, is where its input comes
+	// from (worker to worker); the head's stream then carries none.
+	tensors *inbox
+	pushes  []*stagepb.TensorPush // received, not yet run
 
 	maxTokens int // 0: the engine's own limit per segment
 	produced  int
@@ -226,6 +291,16 @@ func (g *segmenter) run(ctx context.Context, in <-chan *stagepb.StreamInput, inE
 			// the input is cut off.
 			return send(&stagepb.GenerateChunk{FinishReason: stagepb.FinishReason_FINISH_REASON_LENGTH, Timings: g.timings()})
 		}
+		if g.tensors != nil {
+			done, err := g.tensorStep(ctx, in, inErr, generate, send)
+			if err != nil || done {
+				return err
+			}
+			if !g.ended || len(g.pushes) > 0 {
+				continue
+			}
+			break
+		}
 		text, cs, ok := g.next()
 		if !ok {
 			if g.ended {
@@ -245,7 +320,7 @@ func (g *segmenter) run(ctx context.Context, in <-chan *stagepb.StreamInput, inE
 			continue
 		}
 		g.ranAny = true
-		done, err := g.segment(text, cs, generate, send)
+		done, err := g.segment(text, cs, nil, generate, send)
 		if err != nil || done {
 			return err
 		}
@@ -253,12 +328,57 @@ func (g *segmenter) run(ctx context.Context, in <-chan *stagepb.StreamInput, inE
 	if !g.ranAny {
 		// The input was empty: run it once, so the engine says what an
 		// empty input makes (an error, or its natural output).
-		done, err := g.segment("", nil, generate, send)
+		done, err := g.segment("", nil, nil, generate, send)
 		if err != nil || done {
 			return err
 		}
 	}
 	return send(&stagepb.GenerateChunk{FinishReason: stagepb.FinishReason_FINISH_REASON_STOP, Timings: g.timings()})
+}
+
+// tensorStep takes the pushes that arrived and runs them as one segment
+// when the engine continues input (or when the last has come), or waits
+// for a change: a push, the head's stream's end, or ctx. A segment's
+// pushes are acknowledged once it ran, but for the last push, which the
+// handler acknowledges once every output is out.
+func (g *segmenter) tensorStep(ctx context.Context, in <-chan *stagepb.StreamInput, inErr <-chan error,
+	generate func(*stagepb.GenerateRequest, func(*stagepb.GenerateChunk) error) error, send func(*stagepb.GenerateChunk) error) (done bool, err error) {
+	ps, last, changed := g.tensors.take()
+	g.pushes = append(g.pushes, ps...)
+	g.ended = g.ended || last
+	if len(g.pushes) == 0 || (!g.continues && !g.ended) {
+		if g.ended {
+			return false, nil
+		}
+		select {
+		case <-changed:
+		case <-in: // the head sends nothing more to a stage that takes tensors
+		case err := <-inErr:
+			if err != nil {
+				return true, status.Errorf(streamCode(err), "worker: input stream: %v", status.Convert(err).Message())
+			}
+		case <-ctx.Done():
+			return true, ctx.Err()
+		}
+		return false, nil
+	}
+	ts, err := concatTensors(g.pushes)
+	if err != nil {
+		return true, err
+	}
+	seq := g.pushes[len(g.pushes)-1].GetSeq()
+	lastIn := g.pushes[len(g.pushes)-1].GetLast()
+	g.pushes = nil
+	if len(ts) > 0 || !g.ranAny && lastIn {
+		g.ranAny = true
+		if done, err := g.segment("", nil, ts, generate, send); err != nil || done {
+			return true, err
+		}
+	}
+	if !lastIn {
+		g.tensors.ack(seq)
+	}
+	return false, nil
 }
 
 // streamCode keeps a gRPC code of the client's stream, Canceled otherwise.
@@ -271,11 +391,14 @@ func streamCode(err error) codes.Code {
 
 // segment runs one segment. Its finish reason is held back unless it ends
 // the request (the output limit); its counters and outputs pass through.
-func (g *segmenter) segment(text string, codesIn []uint32, generate func(*stagepb.GenerateRequest, func(*stagepb.GenerateChunk) error) error, send func(*stagepb.GenerateChunk) error) (done bool, err error) {
+func (g *segmenter) segment(text string, codesIn []uint32, tensors []*stagepb.Tensor, generate func(*stagepb.GenerateRequest, func(*stagepb.GenerateChunk) error) error, send func(*stagepb.GenerateChunk) error) (done bool, err error) {
 	r := &stagepb.GenerateRequest{RequestId: g.req.GetRequestId(), Sampling: cloneSampling(g.req.GetSampling()), Voice: g.req.GetVoice()}
-	if g.codes {
+	switch {
+	case g.tensors != nil:
+		r.Tensors = tensors
+	case g.codes:
 		r.Input = &stagepb.GenerateRequest_Codes{Codes: &stagepb.Codes{Codes: codesIn}}
-	} else {
+	default:
 		r.Input = &stagepb.GenerateRequest_Text{Text: text}
 		r.Context = g.consumed.String()
 		g.consumed.WriteString(text)
