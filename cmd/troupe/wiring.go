@@ -68,6 +68,7 @@ func addOtelFlags(fs *flag.FlagSet) *otelFlags {
 func (f *otelFlags) setup(ctx context.Context, cfg telemetry.Config, log *slog.Logger) (*telemetry.Provider, func(), error) {
 	cfg.ServiceVersion = version
 	cfg.Endpoint, cfg.Protocol = f.endpoint, f.protocol
+	cfg.Logger = log
 	tp, err := telemetry.Setup(ctx, cfg)
 	if err != nil {
 		return nil, nil, err

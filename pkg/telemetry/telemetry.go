@@ -23,6 +23,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/url"
 	"os"
 	"strconv"
@@ -95,6 +96,13 @@ type Config struct {
 	// exactly the traces the head sampled and nothing of their own (health
 	// probes, for one).
 	ParentBasedOnly bool
+
+	// Logger receives the exporter's failures: the first, a reminder at
+	// most every ExportLogInterval, and the recovery (nil:
+	// slog.Default()). A failed batch is dropped and never reaches the
+	// SDK's global error handler, so a collector that is absent costs a
+	// line, and one more every ExportLogInterval, not a line a batch.
+	Logger *slog.Logger
 }
 
 // Provider owns the tracer provider and its exporter. Its methods are safe
@@ -113,7 +121,8 @@ var propagator = propagation.NewCompositeTextMapPropagator(propagation.TraceCont
 // instrumentation (otelhttp, otelgrpc). It returns an
 // error for configuration that cannot work (an unknown protocol, sampler or
 // exporter, a ratio out of range); connection problems are only reported
-// later, by the exporter, because the collector may come up after us.
+// later, to Config.Logger, because the collector may come up after us or
+// not at all (an optional tracing backend).
 // The caller must call Shutdown.
 func Setup(ctx context.Context, cfg Config) (*Provider, error) {
 	return setup(ctx, cfg, nil)
@@ -164,6 +173,7 @@ func setup(ctx context.Context, cfg Config, exporter sdktrace.SpanExporter) (*Pr
 			return nil, err
 		}
 	}
+	exp = newLoggedExporter(exp, cfg.Logger, endpoint)
 	tp := sdktrace.NewTracerProvider(
 		// Always passed: samplerFromEnv already honoured OTEL_TRACES_SAMPLER,
 		// and WithSampler would override the SDK's own reading of it anyway.

@@ -1,0 +1,150 @@
+package telemetry
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+)
+
+// syncBuffer is a log destination the exporter goroutine and the test
+// share.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) lines() []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return strings.Split(strings.TrimSpace(b.buf.String()), "\n")
+}
+
+// TestAbsentCollectorIsOneWarning: compose without its tracing profile
+// points the exporter at a name nothing answers to. Each flush fails,
+// quickly (the export timeout), returns no error to the caller, and only
+// the first failure is logged.
+func TestAbsentCollectorIsOneWarning(t *testing.T) {
+	cleanEnv(t)
+	t.Setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "300") // ms, as compose sets 5000
+	var logs syncBuffer
+	ctx := testCtx(t)
+	p, err := Setup(ctx, Config{
+		ServiceName: "troupe-head", Endpoint: "http://troupe-no-such-collector.invalid:4317", Protocol: ProtocolGRPC,
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	require.NoError(t, err)
+	for range 3 {
+		emitTree(ctx, p)
+		start := time.Now()
+		assert.NoError(t, p.ForceFlush(ctx), "a failed export is logged, not returned")
+		assert.Less(t, time.Since(start), 10*time.Second)
+	}
+	emitTree(ctx, p)
+	require.NoError(t, p.Shutdown(ctx))
+	lines := logs.lines()
+	require.Len(t, lines, 1, "one line for four failed exports: %q", lines)
+	assert.Contains(t, lines[0], "level=WARN")
+	assert.Contains(t, lines[0], "exporting spans failed")
+	assert.Contains(t, lines[0], "troupe-no-such-collector.invalid:4317")
+	assert.Contains(t, lines[0], "dropped_spans=2")
+}
+
+// TestCollectorComingBackIsLogged: a collector that refuses exports, then
+// takes them: one warning, then one line saying exports work again with
+// what was lost meanwhile, and the later spans arrive.
+func TestCollectorComingBackIsLogged(t *testing.T) {
+	cleanEnv(t)
+	var down atomic.Bool
+	down.Store(true)
+	var got atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		if down.Load() {
+			http.Error(w, "not yet", http.StatusBadRequest) // not retried by the exporter
+			return
+		}
+		got.Add(1)
+		w.Header().Set("Content-Type", "application/x-protobuf")
+	}))
+	defer srv.Close()
+	var logs syncBuffer
+	ctx := testCtx(t)
+	p, err := Setup(ctx, Config{ServiceName: "troupe-worker", Endpoint: srv.URL, Protocol: ProtocolHTTPProtobuf,
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	require.NoError(t, err)
+	for range 2 {
+		emitTree(ctx, p)
+		require.NoError(t, p.ForceFlush(ctx))
+	}
+	down.Store(false)
+	emitTree(ctx, p)
+	require.NoError(t, p.Shutdown(ctx))
+	assert.Equal(t, int64(1), got.Load(), "the export after the collector came back arrived")
+	lines := logs.lines()
+	require.Len(t, lines, 2, "%q", lines)
+	assert.Contains(t, lines[0], "level=WARN")
+	assert.Contains(t, lines[1], "level=INFO")
+	assert.Contains(t, lines[1], "exporting spans again")
+	assert.Contains(t, lines[1], "failed_exports=2 dropped_spans=4")
+}
+
+// failingExporter fails while fail is set.
+type failingExporter struct{ fail atomic.Bool }
+
+func (f *failingExporter) ExportSpans(context.Context, []sdktrace.ReadOnlySpan) error {
+	if f.fail.Load() {
+		return errors.New("connection refused")
+	}
+	return nil
+}
+
+func (f *failingExporter) Shutdown(context.Context) error { return nil }
+
+// TestExportFailureReminder: a collector that stays away is logged again
+// once every ExportLogInterval, with the failures since the last line.
+func TestExportFailureReminder(t *testing.T) {
+	inner := &failingExporter{}
+	inner.fail.Store(true)
+	var logs syncBuffer
+	e := newLoggedExporter(inner, slog.New(slog.NewTextHandler(&logs, nil)), "jaeger:4317")
+	clock := time.Unix(1700000000, 0)
+	e.now = func() time.Time { return clock }
+	ctx := context.Background()
+	spans := make([]sdktrace.ReadOnlySpan, 3)
+	for range 10 { // ten batches within the interval: one line
+		require.NoError(t, e.ExportSpans(ctx, spans))
+		clock = clock.Add(ExportLogInterval / 20)
+	}
+	require.Len(t, logs.lines(), 1)
+	clock = clock.Add(ExportLogInterval)
+	require.NoError(t, e.ExportSpans(ctx, spans))
+	lines := logs.lines()
+	require.Len(t, lines, 2)
+	assert.Contains(t, lines[1], "exporting spans still fails")
+	assert.Contains(t, lines[1], "failed_exports=10 dropped_spans=30", "the nine unsaid failures and this one")
+	inner.fail.Store(false)
+	require.NoError(t, e.ExportSpans(ctx, spans))
+	require.NoError(t, e.ExportSpans(ctx, spans))
+	lines = logs.lines()
+	require.Len(t, lines, 3, "one recovery line, none for later successes")
+	assert.Contains(t, lines[2], "failed_exports=11 dropped_spans=33")
+}
