@@ -281,7 +281,8 @@ type WaterfallOptions struct {
 
 // RenderWaterfall writes t as an indented waterfall: one line per span with
 // its service, name (children indented under their parent, siblings by start
-// time), replica (troupe.replica.id), duration, and a bar placed on a
+// time, except that a parent's stage spans follow the pipeline's order, see
+// orderSpans), replica (troupe.replica.id), duration, and a bar placed on a
 // timeline that spans the whole trace. Error spans are marked "!" in front of
 // their name, drawn with '!' and followed by ERROR and the status message.
 // Spans whose parent is not in the trace are shown at the top level.
@@ -357,6 +358,13 @@ type row struct {
 // orderSpans returns the spans depth first: roots (and orphans) by start
 // time, each followed by its children by start time. Spans caught in a
 // parent cycle, which no root reaches, come last at the top level.
+//
+// Among one parent's children, the spans of pipeline stages (those with a
+// troupe.stage.id) are listed in the pipeline's order, a stage's attempts
+// by start time: the stages of a streamed answer overlap, and a later
+// stage (a vocoder waiting for its input) may start before the earlier
+// ones. They keep the places the start times give the stage spans as a
+// whole, so the other children stay where their start times put them.
 func orderSpans(spans []Span) []row {
 	ids := make(map[string]bool, len(spans))
 	for _, s := range spans {
@@ -392,6 +400,7 @@ func orderSpans(spans []Span) []row {
 		out = append(out, row{span: spans[i], depth: depth})
 		kids := children[spans[i].SpanID]
 		slices.SortFunc(kids, byStart)
+		pipelineOrder(spans, kids)
 		for _, k := range kids {
 			walk(k, depth+1)
 		}
@@ -411,6 +420,39 @@ func orderSpans(spans []Span) []row {
 		walk(r, 0)
 	}
 	return out
+}
+
+// pipelineOrder reorders the stage spans among kids (sorted by start) by
+// their troupe.stage.id, stably, leaving every other span in its place.
+func pipelineOrder(spans []Span, kids []int) {
+	var at, stages []int // positions in kids, and the spans there
+	for pos, k := range kids {
+		if _, ok := stageID(spans[k]); ok {
+			at = append(at, pos)
+			stages = append(stages, k)
+		}
+	}
+	if len(stages) < 2 {
+		return
+	}
+	slices.SortStableFunc(stages, func(a, b int) int {
+		ia, _ := stageID(spans[a])
+		ib, _ := stageID(spans[b])
+		return cmp.Compare(ia, ib)
+	})
+	for n, pos := range at {
+		kids[pos] = stages[n]
+	}
+}
+
+// stageID is a span's troupe.stage.id: its stage's index in the pipeline.
+func stageID(s Span) (int, bool) {
+	v, ok := s.Attributes[string(telemetry.KeyStageID)]
+	if !ok {
+		return 0, false
+	}
+	id, err := strconv.Atoi(v)
+	return id, err == nil
 }
 
 // bar draws a span starting offset into a trace of length total as width

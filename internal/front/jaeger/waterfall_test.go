@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -186,4 +187,53 @@ func TestRenderWaterfallOptions(t *testing.T) {
 	assert.Equal(t, "troupe-head    POST /v1/chat/com...  -           100ms  |##########|", lines[2])
 	assert.Equal(t, "troupe-head        ! troupe.stag...  0          8.00ms  |!         |  ERROR: replica thinker/0 unavailable", lines[4])
 	assert.Equal(t, "troupe-worker            decode      -          22.0ms  |       ###|", lines[17])
+}
+
+// stageSpan is a `troupe.stage <name>` span of the stage at index id.
+func stageSpan(spanID, stage string, id, from, to int) Span {
+	s := synthetic(spanID, "r", "troupe.stage "+stage, from, to)
+	s.Attributes["troupe.stage.id"] = strconv.Itoa(id)
+	return s
+}
+
+// TestStagesInPipelineOrder: the stages of a streamed answer overlap, and
+// a later stage may start first (the vocoder waits for codes while the
+// thinker is still queued): the waterfall lists them in the pipeline's
+// order, a stage's attempts by start time, and every other child where its
+// start time puts it.
+func TestStagesInPipelineOrder(t *testing.T) {
+	tr := &Trace{TraceID: "0000000000000000000000000000000a", Spans: []Span{
+		synthetic("r", "", "troupe.request", 0, 100),
+		stageSpan("v", "vocoder", 2, 2, 99),
+		stageSpan("k", "talker", 1, 3, 98),
+		stageSpan("t2", "thinker", 0, 12, 60),
+		stageSpan("t1", "thinker", 0, 4, 10),
+		synthetic("a", "r", "admission", 1, 2),
+		synthetic("w", "r", "write answer", 99, 100),
+		synthetic("c", "t2", "troupe.stage.v1.StageService/Generate", 13, 59),
+	}}
+	var got []string
+	for _, r := range orderSpans(tr.Spans) {
+		got = append(got, strings.Repeat(".", r.depth)+r.span.Name+" "+r.span.SpanID)
+	}
+	assert.Equal(t, []string{
+		"troupe.request r",
+		".admission a",
+		".troupe.stage thinker t1",
+		".troupe.stage thinker t2",
+		"..troupe.stage.v1.StageService/Generate c",
+		".troupe.stage talker k",
+		".troupe.stage vocoder v",
+		".write answer w",
+	}, got)
+
+	var buf bytes.Buffer
+	require.NoError(t, RenderWaterfall(&buf, tr, WaterfallOptions{}))
+	var names []string
+	for _, line := range strings.Split(strings.TrimSpace(buf.String()), "\n")[2:] {
+		if f := strings.Fields(line); len(f) > 2 && f[1] == "troupe.stage" {
+			names = append(names, f[2])
+		}
+	}
+	assert.Equal(t, []string{"thinker", "thinker", "talker", "vocoder"}, names, buf.String())
 }
