@@ -56,6 +56,10 @@ type stageRun struct {
 	// gate, on a stage that admits to deadlines, stops the stage at its
 	// target when its first output has not come (firstGate); nil: none.
 	gate *firstGate
+	// tensorsOut, on a stage whose tensors go to the next stage, is where
+	// the next stage's attempt is; tensorsIn, on a stage that takes them,
+	// is where its attempts say they are (tensors.go).
+	tensorsOut, tensorsIn *tensorRoute
 }
 
 // forwarder passes the new part of an output chunk on (to the client, or to
@@ -161,11 +165,16 @@ func (h *Head) runStage(ctx context.Context, sr *stageRun) (*stageOutput, error)
 		}
 		finished, ok, err := h.migrate(ctx, sr, tr, a, failed, err)
 		lastErr = err
+		// A producer of tensors is retried from its start even after its
+		// text reached the client: its next stage needs every tensor again
+		// (a continuation would make only the rest), and the retry skips
+		// what was delivered.
+		produced := a.produced && sr.tensorsOut == nil
 		if ok {
 			if finished != nil {
 				return finished, nil
 			}
-		} else if !retryable(ctx, err, a.produced) {
+		} else if !retryable(ctx, err, produced) {
 			return nil, err
 		}
 	}
@@ -246,7 +255,7 @@ func retryable(ctx context.Context, err error, produced bool) bool {
 // migrate; so is it when no replica but those that failed could continue
 // the answer, and then the error returned says so (else it is err).
 func (h *Head) migrate(ctx context.Context, sr *stageRun, tr *stageTrail, a *attemptRun, failed []*router.Replica, err error) (finished *stageOutput, ok bool, _ error) {
-	if sr.stage != 0 || !a.produced || tr.moved.count >= h.cfg.MaxMigrations || ctx.Err() != nil || !errors.Is(err, ErrStageFailed) {
+	if sr.stage != 0 || !a.produced || tr.moved.count >= h.cfg.MaxMigrations || ctx.Err() != nil || !errors.Is(err, ErrStageFailed) || sr.tensorsOut != nil {
 		return nil, false, err
 	}
 	if !anyReplica(h.router.Snapshot().Stage(sr.stage), func(r *router.Replica) bool {
@@ -666,6 +675,9 @@ func (h *Head) finishAttempt(a *attemptRun, err error) {
 // wait, called after ctx is cancelled, waits for whatever goroutine the
 // call started. The input sender of a fed stage reports to stall.
 func (h *Head) open(ctx context.Context, a *attemptRun, stall *stallWatch) (stream chunkStream, wait func(), err error) {
+	if a.sr.tensorsOut != nil {
+		return h.openProducer(ctx, a)
+	}
 	if a.sr.input != nil {
 		return h.openStreamed(ctx, a, stall)
 	}

@@ -33,6 +33,9 @@ type plan struct {
 	// streamed: the stages run at once, each fed by the one before as it
 	// writes; otherwise each starts when the one before ended.
 	streamed bool
+	// tensors, by stage: the stage takes the tensors of the stage before,
+	// worker to worker. Such a plan is streamed: both run at once.
+	tensors []bool
 }
 
 // planOf is the plan of req, refused before any work when the routable
@@ -77,8 +80,23 @@ func (h *Head) planOf(snap *router.Snapshot, req Request) (plan, error) {
 		}
 	}
 	p.streamed = p.streamed && p.n-p.first > 1
+	for i := p.first + 1; i < p.n; i++ {
+		if !takesTensors(snap, i) {
+			continue
+		}
+		if p.tensors == nil {
+			p.tensors = make([]bool, p.n)
+		}
+		p.tensors[i], p.streamed = true, true
+		if i-1 != p.first {
+			return p, newError(ErrBadRequest, nil, "stage %q takes the tensors of stage %q, which this request does not run first: a stage that gives tensors must be the first stage a request runs", stages[i].Name, stages[i-1].Name)
+		}
+	}
 	return p, checkParts(snap, req.Messages, stages[0].Name)
 }
+
+// takesTensors reports whether stage takes the tensors of the stage before.
+func (p plan) takesTensors(stage int) bool { return stage < len(p.tensors) && p.tensors[stage] }
 
 // mark says on the request's span how it runs.
 func (p plan) mark(span trace.Span) {

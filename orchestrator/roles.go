@@ -9,16 +9,34 @@ import (
 )
 
 // stageIO is what a replica's engine takes and gives (Health's input_role
-// and role), e.g. text → audio for a speech stage.
+// and role), e.g. text → audio for a speech stage; tensors: it gives named
+// tensors too (output_tensors), for a next stage that takes tensors.
 type stageIO struct {
 	in, out string
+	tensors bool
 }
 
 func ioOf(h *stagepb.HealthResponse) stageIO {
-	return stageIO{in: h.EffectiveInputRole(), out: h.EffectiveRole()}
+	return stageIO{in: h.EffectiveInputRole(), out: h.EffectiveRole(), tensors: len(h.GetOutputTensors()) > 0}
 }
 
-func (s stageIO) String() string { return s.in + " → " + s.out }
+func (s stageIO) String() string { return s.in + " → " + s.gives() }
+
+// gives is what s gives, e.g. "text and tensors".
+func (s stageIO) gives() string {
+	if s.tensors {
+		return s.out + " and tensors"
+	}
+	return s.out
+}
+
+// feeds reports whether a stage that gives s feeds one that takes in.
+func (s stageIO) feeds(in string) bool {
+	if in == stagepb.RoleTensors {
+		return s.tensors
+	}
+	return s.out == in
+}
 
 // checkRoles decides whether a replica of stage with roles io fits the
 // pipeline as the head knows it now, and if not, why. The rules:
@@ -48,11 +66,11 @@ func (f *fleet) checkRoles(key router.Key, io stageIO) string {
 	if o, ok := routed(key.Stage); ok && o != io {
 		return fmt.Sprintf("stage %s serves %s, but this replica is %s", names[key.Stage], o, io)
 	}
-	if o, ok := routed(key.Stage - 1); ok && o.out != io.in {
-		return fmt.Sprintf("this replica takes %s, but stage %s before it gives %s", io.in, names[key.Stage-1], o.out)
+	if o, ok := routed(key.Stage - 1); ok && !o.feeds(io.in) {
+		return fmt.Sprintf("this replica takes %s, but stage %s before it gives %s", io.in, names[key.Stage-1], o.gives())
 	}
-	if o, ok := routed(key.Stage + 1); ok && o.in != io.out {
-		return fmt.Sprintf("this replica gives %s, but stage %s after it takes %s", io.out, names[key.Stage+1], o.in)
+	if o, ok := routed(key.Stage + 1); ok && !io.feeds(o.in) {
+		return fmt.Sprintf("this replica gives %s, but stage %s after it takes %s", io.gives(), names[key.Stage+1], o.in)
 	}
 	return ""
 }

@@ -25,6 +25,9 @@ type streamedRun struct {
 	// whose usage is the request's (plan.text).
 	text   int
 	inputs []*stageInput // by stage; nil up to first, whose input is whole
+	// routes, by stage, say where the attempt of a stage that takes the
+	// tensors of the stage before is; nil for other stages.
+	routes []*tensorRoute
 	audio  *firstAudio
 }
 
@@ -32,8 +35,12 @@ type streamedRun struct {
 // the one before it.
 func newStreamedRun(req Request, p plan, onText func(string) error, audio *firstAudio) *streamedRun {
 	run := &streamedRun{req: req, first: p.first, n: p.n, onText: onText, text: p.text, inputs: make([]*stageInput, p.n), audio: audio}
+	run.routes = make([]*tensorRoute, p.n)
 	for i := p.first + 1; i < p.n; i++ {
 		run.inputs[i] = newStageInput()
+		if p.takesTensors(i) {
+			run.routes[i] = newTensorRoute()
+		}
 	}
 	return run
 }
@@ -80,6 +87,10 @@ func (h *Head) streamedStage(ctx context.Context, run *streamedRun, stage int, i
 		sr.flush = req.Flush
 	}
 	sr.audioToClient = read && stage == run.n-1
+	if stage+1 < run.n {
+		sr.tensorsOut = run.routes[stage+1]
+	}
+	sr.tensorsIn = run.routes[stage]
 	if stage == run.first {
 		sr.route = routeOf(in, req.SessionKey)
 		return sr
@@ -109,6 +120,9 @@ func (run *streamedRun) forwarder(ctx context.Context, stage int) forwarder {
 			}
 		}
 		if !last {
+			if run.routes[stage+1] != nil {
+				return visible, nil // the next stage takes this one's tensors, worker to worker
+			}
 			return visible, run.inputs[stage+1].append(ctx, piece{text: o.text, codes: o.codes, at: time.Now()})
 		}
 		if len(o.pcm) > 0 {
@@ -306,6 +320,10 @@ func (h *Head) openStreamed(ctx context.Context, a *attemptRun, stall *stallWatc
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
+		if a.sr.tensorsIn != nil {
+			h.sendTicket(ctx, a, stream)
+			return
+		}
 		h.sendInput(ctx, a, stream, stall)
 	}()
 	return stream, func() { <-done }, nil
