@@ -371,6 +371,8 @@ type attemptRun struct {
 	wait inputWait
 	// stopped: the stage's first output missed its target (Head.missed).
 	stopped bool
+	// tensorBytes: what the attempt's chunks sent worker to worker.
+	tensorBytes uint64
 }
 
 // newAttempt is attempt number of sr on the replica d chose.
@@ -661,6 +663,9 @@ func (h *Head) finishAttempt(a *attemptRun, err error) {
 		h.log.Debug("orchestrator: record finished", "err", rerr)
 	}
 	if a.recording {
+		if a.tensorBytes > 0 {
+			a.span.SetAttributes(telemetry.KeyTensorBytes.Int64(int64(a.tensorBytes)))
+		}
 		a.span.SetAttributes(telemetry.GenAIUsageAttributes(int64(out.promptTokens), int64(out.generationTokens), fin.Reason.Name())...)
 		a.span.AddEvent("finish", trace.WithAttributes(attribute.String("finish_reason", fin.Reason.Name())))
 	}
@@ -767,6 +772,7 @@ func (h *Head) receive(ctx context.Context, a *attemptRun, recv func() (*stagepb
 // logger, and the attempt's token counts.
 func (h *Head) account(a *attemptRun, chunk *stagepb.GenerateChunk) {
 	a.call.Chunk(chunk)
+	a.tensorBytes += chunk.GetTensorBytes()
 	s := chunk.GetStats()
 	if s == nil {
 		return

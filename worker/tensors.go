@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/telemetry"
 )
 
 // Tensors go worker to worker (docs/contracts.md, "Tensors between
@@ -475,12 +476,12 @@ func (p *pusher) run(ctx context.Context) {
 // acknowledged (nil), the stream fails, or the sink changes.
 func (p *pusher) pushTo(ctx context.Context, sink *stagepb.TensorSink) (err error) {
 	tracer := trace.SpanFromContext(ctx).TracerProvider().Tracer("github.com/troupe-serving/troupe/worker")
-	ctx, span := tracer.Start(ctx, "troupe.tensors.push", trace.WithSpanKind(trace.SpanKindClient),
+	ctx, span := tracer.Start(ctx, telemetry.SpanTensorPush, trace.WithSpanKind(trace.SpanKindClient),
 		trace.WithAttributes(attribute.String("server.address", sink.GetAddr())))
 	var sentBytes int64
 	var sentPushes int
 	defer func() {
-		span.SetAttributes(attribute.Int64("troupe.tensors.bytes", sentBytes), attribute.Int("troupe.tensors.pushes", sentPushes))
+		span.SetAttributes(telemetry.KeyTensorBytes.Int64(sentBytes), telemetry.KeyTensorPushes.Int(sentPushes))
 		if err != nil && !errors.Is(err, errSinkMoved) {
 			span.RecordError(err)
 		}

@@ -7,11 +7,15 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/troupe-serving/troupe/pkg/stagepb"
+	"github.com/troupe-serving/troupe/pkg/telemetry"
 	"github.com/troupe-serving/troupe/worker"
 	"github.com/troupe-serving/troupe/worker/omnisim"
 )
@@ -72,7 +76,11 @@ func codesOf(chunks []*stagepb.GenerateChunk) []uint32 {
 // bytes), and the talker's codes are those of the rows chained directly.
 func TestTensorsGoWorkerToWorker(t *testing.T) {
 	ctx := testCtx(t)
-	thinker := start(t, worker.Config{Stage: "thinker", Engine: &omnisim.Thinker{Width: hiddenWidth}})
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	thinker := start(t, worker.Config{Stage: "thinker", Engine: &omnisim.Thinker{Width: hiddenWidth},
+		ServerOptions: []grpc.ServerOption{grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(tp)))}})
 	talker := start(t, worker.Config{Stage: "talker", Engine: &omnisim.Talker{}})
 	thinker.waitRegistered(t)
 	talker.waitRegistered(t)
@@ -95,6 +103,22 @@ func TestTensorsGoWorkerToWorker(t *testing.T) {
 	assert.Equal(t, uint64(16*hiddenWidth*4), bytes)
 	assert.Equal(t, wantCodes, codesOf(spoken))
 	assert.Equal(t, stagepb.FinishReason_FINISH_REASON_STOP, spoken[len(spoken)-1].GetFinishReason())
+
+	// The transfer is its own span, under the producer's RPC, with its bytes.
+	var push sdktrace.ReadOnlySpan
+	for _, s := range rec.Ended() {
+		if s.Name() == telemetry.SpanTensorPush {
+			push = s
+		}
+	}
+	require.NotNil(t, push, "a %s span", telemetry.SpanTensorPush)
+	attrs := map[string]int64{}
+	for _, kv := range push.Attributes() {
+		attrs[string(kv.Key)] = kv.Value.AsInt64()
+	}
+	assert.Equal(t, int64(bytes), attrs[string(telemetry.KeyTensorBytes)])
+	assert.Equal(t, int64(17), attrs[string(telemetry.KeyTensorPushes)], "16 rows and the last push")
+	assert.True(t, push.Parent().IsValid(), "under the producer's GenerateStream span")
 }
 
 // TestTensorConsumerReplaced: a talker that dies mid-request is replaced by

@@ -15,6 +15,9 @@ const (
 	SpanQueue   = "queue"
 	SpanPrefill = "prefill"
 	SpanDecode  = "decode"
+	// SpanTensorPush is a producing worker's transfer of a request's
+	// tensors to one consuming attempt (KeyTensorBytes, KeyTensorPushes).
+	SpanTensorPush = "troupe.tensors.push"
 )
 
 // StageSpanName is the name of the span of one attempt at stage name.
@@ -28,6 +31,10 @@ const (
 	KeyEngineIndex = attribute.Key("troupe.engine.index") // int: assigned by the head's registry
 	KeyAttempt     = attribute.Key("troupe.attempt")      // int: 1 for the first try of a stage
 	KeyRequestID   = attribute.Key("troupe.request.id")   // string: the X-Request-Id
+	// Tensors sent worker to worker: bytes and pushes, on the producer's
+	// transfer span and (bytes) on its stage attempt's span.
+	KeyTensorBytes  = attribute.Key("troupe.tensors.bytes")  // int
+	KeyTensorPushes = attribute.Key("troupe.tensors.pushes") // int
 
 	// Routing of a stage attempt (docs/routing.md).
 	KeyRoutePolicy = attribute.Key("troupe.route.policy") // string: the stage's policy
