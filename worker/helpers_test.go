@@ -51,7 +51,7 @@ type running struct {
 }
 
 // start runs a Server until the test ends (or stop is called).
-func start(t *testing.T, cfg worker.Config) *running {
+func start(t testing.TB, cfg worker.Config) *running {
 	t.Helper()
 	if cfg.Logger == nil {
 		cfg.Logger = quietLogger()
@@ -98,7 +98,7 @@ func (r *running) waitRegistered(t *testing.T) {
 	}
 }
 
-func dialWith(t *testing.T, addr string, creds credentials.TransportCredentials) *grpc.ClientConn {
+func dialWith(t testing.TB, addr string, creds credentials.TransportCredentials) *grpc.ClientConn {
 	t.Helper()
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(creds))
 	require.NoError(t, err)
@@ -106,7 +106,7 @@ func dialWith(t *testing.T, addr string, creds credentials.TransportCredentials)
 	return conn
 }
 
-func dial(t *testing.T, addr string) stagepb.StageServiceClient {
+func dial(t testing.TB, addr string) stagepb.StageServiceClient {
 	return stagepb.NewStageServiceClient(dialWith(t, addr, insecure.NewCredentials()))
 }
 

@@ -100,6 +100,9 @@ func CheckTensor(t *stagepb.Tensor) error {
 // name. Tensors of one name must agree in dtype and in every dimension but
 // the first.
 func concatTensors(pushes []*stagepb.TensorPush) ([]*stagepb.Tensor, error) {
+	if len(pushes) == 1 {
+		return pushes[0].GetTensors(), nil // nothing to join: no copy
+	}
 	var out []*stagepb.Tensor
 	byName := map[string]*stagepb.Tensor{}
 	for _, p := range pushes {
