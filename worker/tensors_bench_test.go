@@ -47,7 +47,7 @@ func (e *stampedProducer) Health() *stagepb.HealthResponse {
 	return &stagepb.HealthResponse{Status: stagepb.ServingStatus_SERVING_STATUS_SERVING, Role: stagepb.RoleText, OutputTensors: []string{"hidden"}}
 }
 func (e *stampedProducer) Sleep(context.Context, int) (stagepb.SleepState, error) { return 0, nil }
-func (e *stampedProducer) WakeUp(context.Context) (stagepb.SleepState, error)  { return 0, nil }
+func (e *stampedProducer) WakeUp(context.Context) (stagepb.SleepState, error)     { return 0, nil }
 
 // stampReader takes the rows and records, per row, the time from when it
 // was made to when its engine got it.
@@ -75,7 +75,7 @@ func (e *stampReader) Health() *stagepb.HealthResponse {
 	return &stagepb.HealthResponse{Status: stagepb.ServingStatus_SERVING_STATUS_SERVING, Role: stagepb.RoleCodes, InputRole: stagepb.RoleTensors, InputTensors: []string{"hidden"}}
 }
 func (e *stampReader) Sleep(context.Context, int) (stagepb.SleepState, error) { return 0, nil }
-func (e *stampReader) WakeUp(context.Context) (stagepb.SleepState, error)  { return 0, nil }
+func (e *stampReader) WakeUp(context.Context) (stagepb.SleepState, error)     { return 0, nil }
 
 func (e *stampReader) report(b *testing.B) {
 	e.mu.Lock()
