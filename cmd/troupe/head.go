@@ -69,6 +69,11 @@ type headFlags struct {
 	realtimeMaxSessions     int
 	realtimeIdleTimeout     time.Duration
 	realtimeMaxMessageBytes byteSize
+	// realtimeMaxItems, realtimeMaxItemsBytes, realtimeMaxInputAudio,
+	// realtimeBudget bound what realtime sessions hold (docs/api.md,
+	// "Realtime memory").
+	realtimeMaxItems                                             int
+	realtimeMaxItemsBytes, realtimeMaxInputAudio, realtimeBudget byteSize
 
 	// autoscaleTarget, autoscaleCooldown, autoscaleInterval: the
 	// recommendation of troupe_stage_desired_replicas (see autoscale).
@@ -82,7 +87,9 @@ type headFlags struct {
 
 func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	f := &headFlags{maxBody: httpapi.DefaultMaxBodyBytes, maxPartBytes: httpapi.DefaultMaxPartBytes,
-		realtimeMaxMessageBytes: httpapi.DefaultRealtimeMaxMessageBytes, bodyMinRate: httpapi.DefaultBodyMinRate}
+		realtimeMaxMessageBytes: httpapi.DefaultRealtimeMaxMessageBytes, bodyMinRate: httpapi.DefaultBodyMinRate,
+		realtimeMaxItemsBytes: httpapi.DefaultRealtimeMaxItemsBytes, realtimeMaxInputAudio: httpapi.DefaultRealtimeMaxInputAudioBytes,
+		realtimeBudget: httpapi.DefaultRealtimeMemoryBudget}
 	fs.StringVar(&f.http, "http", "127.0.0.1:8000", "address of the HTTP API")
 	fs.StringVar(&f.adminHTTP, "admin-http", "", "serve admin routes and /metrics on this separate address")
 	fs.StringVar(&f.pipeline, "pipeline", "", "pipeline YAML file (default: thinker → talker → vocoder, model troupe-omni-sim)")
@@ -102,6 +109,10 @@ func addHeadFlags(fs *flag.FlagSet) *headFlags {
 	fs.IntVar(&f.realtimeMaxSessions, "realtime-max-sessions", httpapi.DefaultRealtimeMaxSessions, "most realtime (WebSocket) sessions the head holds at once; one more is closed with 1013")
 	fs.DurationVar(&f.realtimeIdleTimeout, "realtime-idle-timeout", httpapi.DefaultRealtimeIdleTimeout, "close (4000) a realtime session that sent no event for this long")
 	fs.Var(&f.realtimeMaxMessageBytes, "realtime-max-message-bytes", "largest client message of a realtime session, a `size` such as 1MiB; a bigger one closes the session with 1009")
+	fs.IntVar(&f.realtimeMaxItems, "realtime-max-items", httpapi.DefaultRealtimeMaxItems, "most conversation items a realtime session holds; a new one drops the oldest (conversation.item.deleted)")
+	fs.Var(&f.realtimeMaxItemsBytes, "realtime-max-items-bytes", "most bytes of conversation items (text, and audio as WAV) a realtime session holds, a `size` such as 16MiB; a new item drops the oldest (conversation.item.deleted); at least --realtime-max-input-audio-bytes plus 44")
+	fs.Var(&f.realtimeMaxInputAudio, "realtime-max-input-audio-bytes", "largest input audio buffer of a realtime session, a `size` such as 15MiB; an append past it is an error event (input_audio_buffer_full)")
+	fs.Var(&f.realtimeBudget, "realtime-memory-budget", "most bytes every realtime session of the head holds together (items and input audio buffers), a `size` such as 256MiB; past it an event is refused (memory_budget_exceeded)")
 	fs.DurationVar(&f.detachedTTL, "detached-series-ttl", 0, "delete the series of replicas detached longer than this (0: keep forever)")
 	fs.StringVar(&f.replicaSeries, "replica-series", string(stats.ReplicaSeriesFull), "per-replica stat series on /metrics: full (every family per replica) or minimal (gauges and cache info per replica; counters and histograms per stage, with replica=\"\"); docs/stats.md")
 	fs.DurationVar(&f.reconcile, "reconcile-interval", membership.DefaultReconcileInterval, "period of the full membership re-list that repairs drift")
@@ -200,7 +211,9 @@ func readKeyFile(flagName, path string) (string, error) {
 // validate refuses, never reach it.
 func (f *headFlags) realtime() httpapi.RealtimeConfig {
 	return httpapi.RealtimeConfig{MaxSessions: f.realtimeMaxSessions, IdleTimeout: f.realtimeIdleTimeout,
-		MaxMessageBytes: int64(f.realtimeMaxMessageBytes)}
+		MaxMessageBytes: int64(f.realtimeMaxMessageBytes), MaxItems: f.realtimeMaxItems,
+		MaxItemsBytes: int(f.realtimeMaxItemsBytes), MaxInputAudioBytes: int(f.realtimeMaxInputAudio),
+		MemoryBudget: int64(f.realtimeBudget)}
 }
 
 // validateLimits refuses --realtime-* limits and a --body-idle-timeout
@@ -213,6 +226,14 @@ func (f *headFlags) validateLimits() error {
 		return fmt.Errorf("troupe head: --realtime-idle-timeout must be positive, got %s", f.realtimeIdleTimeout)
 	case f.realtimeMaxMessageBytes <= 0:
 		return errors.New("troupe head: --realtime-max-message-bytes must be positive")
+	case f.realtimeMaxItems <= 0:
+		return fmt.Errorf("troupe head: --realtime-max-items must be at least 1, got %d", f.realtimeMaxItems)
+	case f.realtimeMaxInputAudio < 2 || f.realtimeMaxInputAudio > math.MaxInt32:
+		return fmt.Errorf("troupe head: --realtime-max-input-audio-bytes must be from 2 bytes to 2GiB, got %d", f.realtimeMaxInputAudio)
+	case f.realtimeMaxItemsBytes < f.realtimeMaxInputAudio+44 || f.realtimeMaxItemsBytes > math.MaxInt32:
+		return fmt.Errorf("troupe head: --realtime-max-items-bytes (%d) must hold a full input audio buffer's commit: at least --realtime-max-input-audio-bytes plus 44 (%d), at most 2GiB", f.realtimeMaxItemsBytes, f.realtimeMaxInputAudio+44)
+	case f.realtimeBudget <= 0:
+		return errors.New("troupe head: --realtime-memory-budget must be positive")
 	case f.bodyIdleTimeout <= 0:
 		return fmt.Errorf("troupe head: --body-idle-timeout must be positive, got %s", f.bodyIdleTimeout)
 	}

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/binary"
 	"io"
 	"math"
@@ -124,16 +125,23 @@ func TestTalkAgainstUp(t *testing.T) {
 // TestUpRealtimeLimits: troupe up's --realtime-* flags reach the head's
 // realtime endpoint: the second session of --realtime-max-sessions 1 is
 // closed with 1013, a message over --realtime-max-message-bytes with 1009,
-// a session idle for --realtime-idle-timeout with 4000; non-positive
-// limits are refused before anything starts.
+// a session idle for --realtime-idle-timeout with 4000, an append past
+// --realtime-max-input-audio-bytes with an error event; non-positive
+// limits, and an items limit that cannot hold a full buffer's commit, are
+// refused before anything starts.
 func TestUpRealtimeLimits(t *testing.T) {
-	for _, bad := range [][]string{{"--realtime-max-sessions", "0"}, {"--realtime-idle-timeout", "0s"}} {
+	for _, bad := range [][]string{{"--realtime-max-sessions", "0"}, {"--realtime-idle-timeout", "0s"},
+		{"--realtime-max-items", "0"}, {"--realtime-max-input-audio-bytes", "1"},
+		{"--realtime-max-items-bytes", "1MiB"}} {
 		err := runUp(context.Background(), bad, io.Discard)
 		assert.ErrorContains(t, err, bad[0], "%v", bad)
 	}
-	assert.Error(t, runUp(context.Background(), []string{"--realtime-max-message-bytes", "0"}, io.Discard), "a size is positive")
+	for _, size := range []string{"--realtime-max-message-bytes", "--realtime-memory-budget"} {
+		assert.Error(t, runUp(context.Background(), []string{size, "0"}, io.Discard), "a size is positive")
+	}
 	up := background(t, "up", runUp, "--http", "127.0.0.1:0", "--log-level", "error",
-		"--realtime-max-sessions", "1", "--realtime-max-message-bytes", "1KiB", "--realtime-idle-timeout", "500ms")
+		"--realtime-max-sessions", "1", "--realtime-max-message-bytes", "1KiB", "--realtime-idle-timeout", "500ms",
+		"--realtime-max-input-audio-bytes", "256")
 	base := up.wait(t, apiRE)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -150,6 +158,13 @@ func TestUpRealtimeLimits(t *testing.T) {
 	require.Contains(t, string(data), `"session.created"`)
 	_, _, err = dial().Read(ctx)
 	assert.Equal(t, websocket.StatusCode(1013), websocket.CloseStatus(err), "%v", err)
+
+	pcm := base64.StdEncoding.EncodeToString(make([]byte, 300))
+	require.NoError(t, first.Write(ctx, websocket.MessageText, []byte(`{"type":"input_audio_buffer.append","audio":"`+pcm+`"}`)))
+	_, data, err = first.Read(ctx)
+	require.NoError(t, err)
+	assert.Contains(t, string(data), `"code":"input_audio_buffer_full"`)
+	assert.Contains(t, string(data), "at most 256 bytes")
 
 	require.NoError(t, first.Write(ctx, websocket.MessageText, []byte(`{"type":"x","pad":"`+strings.Repeat("a", 1100)+`"}`)))
 	_, _, err = first.Read(ctx)

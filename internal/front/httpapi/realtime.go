@@ -30,10 +30,19 @@ const (
 	DefaultRealtimeIdleTimeout     = 10 * time.Minute
 	DefaultRealtimeMaxMessageBytes = 1 << 20
 	DefaultRealtimeHistoryBytes    = 32 << 10
+	// DefaultRealtimeMaxInputAudioBytes bounds a session's input audio
+	// buffer: OpenAI's 15 MiB.
+	DefaultRealtimeMaxInputAudioBytes = 15 << 20
+	// DefaultRealtimeMaxItems and DefaultRealtimeMaxItemsBytes bound a
+	// session's conversation; the bytes hold a full input audio buffer's
+	// commit (its WAV file) with room to spare.
+	DefaultRealtimeMaxItems      = 1024
+	DefaultRealtimeMaxItemsBytes = 16 << 20
+	// DefaultRealtimeMemoryBudget bounds what every session of a head
+	// holds together: half the head's default soft memory limit.
+	DefaultRealtimeMemoryBudget = 256 << 20
 	// realtimeSampleRate is the rate of troupe's audio/pcm, in and out.
 	realtimeSampleRate = 24000
-	// maxInputAudioBytes bounds the input audio buffer (OpenAI's 15 MiB).
-	maxInputAudioBytes = 15 << 20
 	// realtimeSubprotocol is the subprotocol browsers offer, and the
 	// prefix of the one that carries the API key.
 	realtimeSubprotocol = "realtime"
@@ -66,6 +75,22 @@ type RealtimeConfig struct {
 	// a second); the oldest items are dropped first, the
 	// newest user item always kept. <= 0: DefaultRealtimeHistoryBytes.
 	HistoryBytes int
+	// MaxItems and MaxItemsBytes bound the conversation a session holds
+	// (MaxItemsBytes counts items' text and their audio's WAV files): an
+	// item that would pass either drops the oldest items first, each
+	// announced with conversation.item.deleted. <= 0: DefaultRealtimeMaxItems,
+	// DefaultRealtimeMaxItemsBytes.
+	MaxItems      int
+	MaxItemsBytes int
+	// MaxInputAudioBytes bounds a session's input audio buffer; an append
+	// past it is refused (input_audio_buffer_full) and the buffer kept. At
+	// most MaxItemsBytes less a WAV header, so that a full buffer's commit
+	// fits the conversation. <= 0: DefaultRealtimeMaxInputAudioBytes.
+	MaxInputAudioBytes int
+	// MemoryBudget bounds the bytes of every session of the Server
+	// together (their items and input buffers); what would pass it is
+	// refused (memory_budget_exceeded). <= 0: DefaultRealtimeMemoryBudget.
+	MemoryBudget int64
 }
 
 func (c RealtimeConfig) withDefaults() RealtimeConfig {
@@ -81,12 +106,26 @@ func (c RealtimeConfig) withDefaults() RealtimeConfig {
 	if c.HistoryBytes <= 0 {
 		c.HistoryBytes = DefaultRealtimeHistoryBytes
 	}
+	if c.MaxItems <= 0 {
+		c.MaxItems = DefaultRealtimeMaxItems
+	}
+	if c.MaxItemsBytes <= 0 {
+		c.MaxItemsBytes = DefaultRealtimeMaxItemsBytes
+	}
+	if c.MaxInputAudioBytes <= 0 {
+		c.MaxInputAudioBytes = DefaultRealtimeMaxInputAudioBytes
+	}
+	c.MaxInputAudioBytes = max(2, min(c.MaxInputAudioBytes, c.MaxItemsBytes-wavHeaderSize))
+	if c.MemoryBudget <= 0 {
+		c.MemoryBudget = DefaultRealtimeMemoryBudget
+	}
 	return c
 }
 
-// realtimeHub is a Server's realtime sessions: their count and, for the
-// drain, a way to close each.
+// realtimeHub is a Server's realtime sessions: their count, their memory
+// budget and, for the drain, a way to close each.
 type realtimeHub struct {
+	budget   rtBudget // realtime_memory.go
 	mu       sync.Mutex
 	sessions map[*rtSessionConn]struct{}
 	draining bool
@@ -101,6 +140,8 @@ type realtimeMetrics struct {
 	bargeIns      prometheus.Counter
 	cancelLatency prometheus.Histogram
 	firstAudio    prometheus.Histogram
+	buffered      prometheus.Gauge
+	limitHits     *prometheus.CounterVec
 }
 
 func newRealtimeMetrics() *realtimeMetrics {
@@ -117,6 +158,13 @@ func newRealtimeMetrics() *realtimeMetrics {
 		firstAudio: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "troupe_realtime_time_to_first_audio_seconds",
 			Help:    "Time from response.create to the response's first audio delta sent.",
 			Buckets: httpDurationBuckets}),
+		buffered: prometheus.NewGauge(prometheus.GaugeOpts{Name: "troupe_realtime_buffered_bytes",
+			Help: "Bytes realtime sessions hold now (conversation items and input audio buffers), against --realtime-memory-budget."}),
+		limitHits: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "troupe_realtime_limit_hits_total",
+			Help: "Realtime memory limits acting: items dropped to make room (item_dropped), and events refused (input_audio, item_too_large, budget)."}, []string{"limit"}),
+	}
+	for _, limit := range []string{limitDropped, limitInputAudio, limitItemTooLarge, limitBudget} {
+		m.limitHits.WithLabelValues(limit)
 	}
 	for _, status := range []string{"completed", "cancelled", "failed"} {
 		m.turns.WithLabelValues(status) // every status exists from the start, at 0
@@ -125,7 +173,7 @@ func newRealtimeMetrics() *realtimeMetrics {
 }
 
 func (m *realtimeMetrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.active, m.turns, m.bargeIns, m.cancelLatency, m.firstAudio}
+	return []prometheus.Collector{m.active, m.turns, m.bargeIns, m.cancelLatency, m.firstAudio, m.buffered, m.limitHits}
 }
 
 // realtimeKey returns the API key a browser sends as the subprotocol
@@ -193,6 +241,7 @@ func (s *Server) realtime(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	c.run(ctx)
+	c.release() // every response has ended (run waits for them)
 }
 
 // rtMetrics is nil without Config.Metrics.
@@ -298,8 +347,12 @@ type rtSessionConn struct {
 	lastDone  chan struct{}
 	goingAway bool          // drain: close once no response runs
 	away      chan struct{} // closed by goAway
-	audioIn   []byte
-	vad       *vad
+	// audioIn is the input audio buffer; its capacity is taken from the
+	// budget (growBufferLocked).
+	audioIn []byte
+	vad     *vad
+	// itemBytes is the sum of items' held bytes (realtime_memory.go).
+	itemBytes int
 }
 
 // historyItem is one message of the conversation.
@@ -313,6 +366,11 @@ type historyItem struct {
 	parts []*stagepb.ContentPart
 	// audioMs is the audio the client received of an assistant item.
 	audioMs int64
+	// held is the bytes the session counts for the item (memBytes when it
+	// was admitted), and in whether it is in the conversation; both are
+	// the session's, under its mu.
+	held int
+	in   bool
 }
 
 // rtTurn is a running response.
@@ -454,6 +512,8 @@ func (c *rtSessionConn) handle(ctx context.Context, data []byte) {
 		c.itemCreate(ctx, &ev)
 	case "conversation.item.truncate":
 		c.itemTruncate(ctx, &ev)
+	case "conversation.item.delete":
+		c.itemDelete(ctx, &ev)
 	case "response.create":
 		c.responseCreate(ctx, &ev)
 	case "response.cancel":
@@ -471,10 +531,7 @@ func (c *rtSessionConn) handle(ctx context.Context, data []byte) {
 		c.audioCommit(ctx, &ev)
 	case "input_audio_buffer.clear":
 		c.mu.Lock()
-		c.audioIn = c.audioIn[:0]
-		if c.vad != nil {
-			c.vad.reset()
-		}
+		c.dropBufferLocked()
 		c.mu.Unlock()
 		c.send(ctx, &serverEvent{Type: "input_audio_buffer.cleared"})
 	case "":
@@ -608,14 +665,14 @@ func (c *rtSessionConn) itemCreate(ctx context.Context, ev *clientEvent) {
 				c.fail(ctx, ev, code, fmt.Sprintf("item.content[%d].audio", i), "%s", msg)
 				return
 			}
-			if audioBytes+len(b) > maxInputAudioBytes {
-				c.fail(ctx, ev, "invalid_value", fmt.Sprintf("item.content[%d].audio", i), "an item holds at most %d bytes of audio", maxInputAudioBytes)
+			if audioBytes+len(b) > c.cfg.MaxInputAudioBytes {
+				c.fail(ctx, ev, "invalid_value", fmt.Sprintf("item.content[%d].audio", i), "an item holds at most %d bytes of audio", c.cfg.MaxInputAudioBytes)
 				return
 			}
 			audioBytes += len(b)
 			wav, err := appendWAV(nil, b, realtimeSampleRate)
 			if err != nil {
-				panic(fmt.Sprintf("httpapi: %v", err)) // maxInputAudioBytes keeps the audio far below RIFF's 4 GiB
+				panic(fmt.Sprintf("httpapi: %v", err)) // the message limit keeps the audio far below RIFF's 4 GiB
 			}
 			parts = append(parts, &stagepb.ContentPart{Kind: stagepb.PartAudio, Data: wav, Format: "wav"})
 		case "audio", "output_audio":
@@ -644,23 +701,61 @@ func (c *rtSessionConn) itemCreate(ctx context.Context, ev *clientEvent) {
 			return
 		}
 	}
-	prev := c.appendItem(h)
+	prev, ok := c.keepItem(ctx, ev, h, 0, nil)
+	if !ok {
+		return
+	}
 	out := &rtItem{ID: h.id, Object: "realtime.item", Type: "message", Status: "completed", Role: h.role, Content: content}
 	c.send(ctx, &serverEvent{Type: "conversation.item.added", PreviousItemID: prev, Item: out})
 	c.send(ctx, &serverEvent{Type: "conversation.item.done", PreviousItemID: prev, Item: out})
 }
 
-// appendItem adds h to the conversation and returns the previous item's id.
-func (c *rtSessionConn) appendItem(h *historyItem) *string {
+// keepItem adds h, a new item, to the conversation and returns the
+// previous item's id, once it has announced the items dropped to make room
+// (conversation.item.deleted). credit is bytes the caller took from the
+// budget for it; kept, when not nil, runs under c.mu once h is kept. When
+// h cannot be kept it sends an error event about ev and reports false.
+func (c *rtSessionConn) keepItem(ctx context.Context, ev *clientEvent, h *historyItem, credit int64, kept func()) (*string, bool) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	prev := c.lastItemIDLocked()
-	c.items = append(c.items, h)
-	if c.byID == nil {
-		c.byID = map[string]*historyItem{}
+	dropped, lim := c.admitLocked(h, h.memBytes(), true, credit)
+	var prev *string
+	if lim == nil {
+		if n := len(c.items); n > 1 {
+			prev = &c.items[n-2].id
+		}
+		if kept != nil {
+			kept()
+		}
 	}
-	c.byID[h.id] = h
-	return prev
+	c.mu.Unlock()
+	if lim != nil {
+		c.fail(ctx, ev, lim.code, "", "%s", lim.msg)
+		return nil, false
+	}
+	c.announce(ctx, dropped)
+	return prev, true
+}
+
+// announce tells the client of items dropped from the conversation.
+func (c *rtSessionConn) announce(ctx context.Context, dropped []*historyItem) {
+	for _, it := range dropped {
+		c.send(ctx, &serverEvent{Type: "conversation.item.deleted", ItemID: it.id})
+	}
+}
+
+// itemDelete deletes an item the client names (conversation.item.delete):
+// any but the running response's.
+func (c *rtSessionConn) itemDelete(ctx context.Context, ev *clientEvent) {
+	c.mu.Lock()
+	h := c.byID[ev.ItemID]
+	if h == nil || (c.turn != nil && c.turn.item == h) {
+		c.mu.Unlock()
+		c.fail(ctx, ev, "invalid_value", "item_id", "no item %q to delete (the running response's item is deleted once it is done)", ev.ItemID)
+		return
+	}
+	c.removeLocked(h)
+	c.mu.Unlock()
+	c.send(ctx, &serverEvent{Type: "conversation.item.deleted", ItemID: h.id})
 }
 
 func (c *rtSessionConn) lastItemIDLocked() *string {
@@ -689,6 +784,7 @@ func (c *rtSessionConn) itemTruncate(ctx context.Context, ev *clientEvent) {
 		runes := []rune(h.text)
 		h.text = string(runes[:int64(len(runes))**ev.AudioEndMs/h.audioMs])
 		h.audioMs = *ev.AudioEndMs
+		c.shrinkLocked(h)
 	}
 	c.mu.Unlock()
 	zero := 0
@@ -710,9 +806,9 @@ func (c *rtSessionConn) audioAppend(ctx context.Context, ev *clientEvent) {
 		return
 	}
 	c.mu.Lock()
-	if len(c.audioIn)+len(pcm) > maxInputAudioBytes {
+	if lim := c.growBufferLocked(len(pcm)); lim != nil {
 		c.mu.Unlock()
-		c.fail(ctx, ev, "input_audio_buffer_full", "audio", "the input audio buffer holds at most %d bytes: commit or clear it", maxInputAudioBytes)
+		c.fail(ctx, ev, lim.code, "audio", "%s", lim.msg)
 		return
 	}
 	c.audioIn = append(c.audioIn, pcm...)
@@ -775,30 +871,39 @@ func (c *rtSessionConn) audioCommit(ctx context.Context, ev *clientEvent) bool {
 	if n > 0 {
 		wav, err = appendWAV(nil, c.audioIn, realtimeSampleRate)
 	}
-	c.audioIn = c.audioIn[:0]
-	if c.vad != nil {
-		c.vad.reset()
-	}
+	credit := int64(cap(c.audioIn)) // the buffer's bytes become the item's
 	c.mu.Unlock()
 	if n == 0 {
 		c.fail(ctx, ev, "input_audio_buffer_commit_empty", "", "the input audio buffer is empty")
 		return false
 	}
 	if err != nil {
-		panic(fmt.Sprintf("httpapi: %v", err)) // maxInputAudioBytes keeps the buffer far below RIFF's 4 GiB
+		panic(fmt.Sprintf("httpapi: %v", err)) // MaxInputAudioBytes keeps the buffer far below RIFF's 4 GiB
 	}
 	h := &historyItem{id: "item_" + newResponseID()[:24], role: "user",
 		parts: []*stagepb.ContentPart{{Kind: stagepb.PartAudio, Data: wav, Format: "wav"}}}
 	var pe *orchestrator.PartError
 	if refused := c.s.b.CheckParts([]*stagepb.ChatMessage{h.message()}); errors.As(refused, &pe) {
 		c.mu.Lock()
+		c.dropBufferLocked()
 		prev := c.lastItemIDLocked()
 		c.mu.Unlock()
 		c.send(ctx, &serverEvent{Type: "input_audio_buffer.committed", ItemID: h.id, PreviousItemID: prev})
 		c.fail(ctx, ev, "audio_input_unsupported", "", "audio input needs a pipeline whose first stage takes audio: stage %q takes no audio parts; send the user's words as an input_text item", pe.Stage)
 		return false
 	}
-	prev := c.appendItem(h)
+	// Only this goroutine (the session's reader) changes the buffer, so it
+	// is still what the WAV was made of. A commit that cannot be kept
+	// leaves the buffer as it was.
+	prev, ok := c.keepItem(ctx, ev, h, credit, func() {
+		c.audioIn = nil
+		if c.vad != nil {
+			c.vad.reset()
+		}
+	})
+	if !ok {
+		return false
+	}
 	c.send(ctx, &serverEvent{Type: "input_audio_buffer.committed", ItemID: h.id, PreviousItemID: prev})
 	out := &rtItem{ID: h.id, Object: "realtime.item", Type: "message", Status: "completed", Role: "user", Content: []rtContent{{Type: "input_audio"}}}
 	c.send(ctx, &serverEvent{Type: "conversation.item.added", PreviousItemID: prev, Item: out})
@@ -920,7 +1025,14 @@ func (c *rtSessionConn) runTurn(sctx, ctx context.Context, t *rtTurn, after <-ch
 	ev := turnEvents{c: c, ctx: sctx, t: t, audio: audio}
 	item := &rtItem{ID: t.item.id, Object: "realtime.item", Type: "message", Status: "in_progress", Role: "assistant", Content: []rtContent{}}
 	c.send(sctx, &serverEvent{Type: "response.created", Response: &rtResponse{Object: "realtime.response", ID: t.id, Status: "in_progress", Output: []*rtItem{}, OutputModalities: modalities}})
-	prev := c.appendItem(t.item)
+	c.mu.Lock()
+	dropped, _ := c.admitLocked(t.item, 0, true, 0) // an empty item: the others make room
+	var prev *string
+	if n := len(c.items); n > 1 {
+		prev = &c.items[n-2].id
+	}
+	c.mu.Unlock()
+	c.announce(sctx, dropped)
 	c.send(sctx, &serverEvent{Type: "response.output_item.added", ResponseID: t.id, OutputIndex: &zeroIndex, Item: item})
 	c.send(sctx, &serverEvent{Type: "conversation.item.added", PreviousItemID: prev, Item: item})
 	ev.part("response.content_part.added", &rtContent{Type: ev.partType()})
@@ -975,11 +1087,21 @@ func (c *rtSessionConn) runTurn(sctx, ctx context.Context, t *rtTurn, after <-ch
 		span.SetStatus(codes.Error, err.Error())
 	}
 
-	// The item keeps what the client was sent.
+	// The item keeps what the client was sent, if the session's limits
+	// and the budget let it (else it is deleted once it is done).
 	said := text.String()
 	c.mu.Lock()
 	t.item.text, t.item.audioMs = said, int64(audioBytes/2)*1000/realtimeSampleRate
+	lost := false
+	if t.item.in {
+		var lim *rtLimit
+		if dropped, lim = c.admitLocked(t.item, t.item.memBytes()-t.item.held, false, 0); lim != nil {
+			c.removeLocked(t.item)
+			lost = true
+		}
+	}
 	c.mu.Unlock()
+	c.announce(sctx, dropped)
 	resp.Output = []*rtItem{ev.end(prev, said, resp.Status)}
 	if m := c.s.rtMetrics(); m != nil {
 		m.turns.WithLabelValues(resp.Status).Inc()
@@ -989,6 +1111,9 @@ func (c *rtSessionConn) runTurn(sctx, ctx context.Context, t *rtTurn, after <-ch
 	away := c.goingAway
 	c.mu.Unlock()
 	c.send(sctx, &serverEvent{Type: "response.done", Response: resp})
+	if lost {
+		c.send(sctx, &serverEvent{Type: "conversation.item.deleted", ItemID: t.item.id})
+	}
 	if away {
 		c.closeGoingAway()
 	}

@@ -205,6 +205,10 @@ func New(b Backend, cfg Config) *Server {
 		cfg.Propagator = propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
 	}
 	s := &Server{b: b, cfg: cfg, log: cfg.Logger, created: time.Now().Unix(), routes: map[string]string{}, drained: make(chan struct{})}
+	s.rt.budget.limit = cfg.Realtime.withDefaults().MemoryBudget
+	if cfg.Metrics != nil {
+		s.rt.budget.gauge = cfg.Metrics.realtime.buffered
+	}
 	if cfg.APIKey != "" {
 		s.keyHash = sha256.Sum256([]byte(cfg.APIKey))
 	}
