@@ -98,6 +98,11 @@ func (c *chatChunkChoice) appendJSON(b []byte) []byte {
 			b = append(b, `,"data":`...)
 			b = appendString(b, a.Data)
 		}
+		if len(a.pcm) > 0 { // base64 needs no escaping in a JSON string
+			b = append(b, `,"data":"`...)
+			b = base64.StdEncoding.AppendEncode(b, a.pcm)
+			b = append(b, '"')
+		}
 		if a.Transcript != "" {
 			b = append(b, `,"transcript":`...)
 			b = appendString(b, a.Transcript)

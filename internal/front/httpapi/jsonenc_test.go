@@ -1,6 +1,7 @@
 package httpapi
 
 import (
+	"encoding/base64"
 	"encoding/json"
 	"testing"
 
@@ -90,4 +91,19 @@ func BenchmarkAppendTextChunk(b *testing.B) {
 	for b.Loop() {
 		buf = c.appendTextChunk(buf[:0], " fox")
 	}
+}
+
+// TestAudioDeltaPCMIsItsBase64: audio given as PCM is written as the
+// event encoding/json writes for its base64 data.
+func TestAudioDeltaPCMIsItsBase64(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		pcm := rapid.SliceOfN(rapid.Byte(), 1, 4096).Draw(t, "pcm")
+		chunk := func(a *audioDelta) *chatChunk {
+			return &chatChunk{ID: "chatcmpl-1", Object: "chat.completion.chunk", Created: 1, Model: "m",
+				Choices: []chatChunkChoice{{Delta: chatDelta{Audio: a}}}}
+		}
+		want, err := json.Marshal(chunk(&audioDelta{ID: "audio_1", Data: base64.StdEncoding.EncodeToString(pcm), ExpiresAt: 7}))
+		require.NoError(t, err)
+		require.Equal(t, string(want), string(chunk(&audioDelta{ID: "audio_1", pcm: pcm, ExpiresAt: 7}).appendJSON(nil)))
+	})
 }

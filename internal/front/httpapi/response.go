@@ -109,6 +109,10 @@ type audioDelta struct {
 	Data       string `json:"data,omitempty"`
 	Transcript string `json:"transcript,omitempty"`
 	ExpiresAt  int64  `json:"expires_at,omitempty"`
+	// pcm, when set, is written as data, base64-encoded straight into the
+	// event (appendJSON): a stream whose client does not read holds its
+	// pending audio once, as its event, not also as a base64 string.
+	pcm []byte
 }
 
 type textCompletion struct {

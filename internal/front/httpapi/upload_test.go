@@ -2,14 +2,17 @@ package httpapi
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
+	"testing/iotest"
 	"time"
 
 	"github.com/openai/openai-go/v3"
@@ -142,4 +145,26 @@ func TestLargeUploadPasses(t *testing.T) {
 	require.NoError(t, err)
 	require.NotEmpty(t, got.Choices)
 	assert.NotEmpty(t, got.Choices[0].Message.Content, fmt.Sprintf("%+v", got.Choices[0]))
+}
+
+// TestReadAllSized: a body that announces its length is read into a
+// buffer of exactly that length, whatever the size of its reads; one
+// shorter than announced is an error, not a short body.
+func TestReadAllSized(t *testing.T) {
+	for _, n := range []int{1, 1000, 64 << 10, 64<<10 + 1, 300_000} {
+		body := bytes.Repeat([]byte("abcdefg"), n/7+1)[:n]
+		r := httptest.NewRequest(http.MethodPost, "/", iotest.OneByteReader(bytes.NewReader(body)))
+		if n > 1000 {
+			r = httptest.NewRequest(http.MethodPost, "/", bytes.NewReader(body))
+		}
+		r.ContentLength = int64(n)
+		got, err := readAll(r)
+		require.NoError(t, err, n)
+		assert.Equal(t, body, got, n)
+		assert.Equal(t, n, cap(got), "no spare capacity: %d", n)
+	}
+	r := httptest.NewRequest(http.MethodPost, "/", strings.NewReader("short"))
+	r.ContentLength = 100
+	_, err := readAll(r)
+	assert.ErrorIs(t, err, io.ErrUnexpectedEOF)
 }
