@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/keepalive"
 
 	"github.com/troupe-serving/troupe/internal/core/fdtable"
+	"github.com/troupe-serving/troupe/internal/core/memreturn"
 	"github.com/troupe-serving/troupe/internal/core/router"
 	"github.com/troupe-serving/troupe/internal/core/stats"
 	"github.com/troupe-serving/troupe/internal/front/httpapi"
@@ -479,6 +480,12 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 			return nil
 		})
 	}
+	// After a burst (large bodies, streams nobody reads) the heap is given
+	// back once the head is quiet, not two minutes later (memreturn).
+	g.Go(func() error {
+		memreturn.Run(gctx, memreturn.Config{Logger: log})
+		return nil
+	})
 	for i, srv := range servers {
 		g.Go(func() error {
 			if err := srv.Serve(httpapi.NewListener(listeners[i])); !errors.Is(err, http.ErrServerClosed) {
