@@ -25,7 +25,7 @@ const headGCPercent = 400
 // memory while their clients do not read (windows between the stages, input
 // logs kept for a retry). Near the limit the collector runs more often, so
 // the head's memory follows its live heap, not 5× it (docs/reliability.md,
-// "Memory of streams nobody reads"). It is soft: a live heap above it is
+// "What a hostile client costs"). It is soft: a live heap above it is
 // not refused, only collected harder (the runtime caps that at half the
 // CPU).
 const headMemoryLimit = 512 << 20

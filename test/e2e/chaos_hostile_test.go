@@ -373,7 +373,7 @@ func vmRSS(pid int) (int64, error) {
 
 // unreadRSSBound is the head's RSS bound with 200 never-read audio
 // streams: what its flow-control windows and soft memory limit should hold
-// them to (docs/reliability.md, "Memory of streams nobody reads").
+// them to (docs/reliability.md, "What a hostile client costs").
 const unreadRSSBound = 256 << 20
 
 // unreadRSSGoal is issue 34's goal for 1,024 never-read streams, the
