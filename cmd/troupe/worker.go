@@ -23,12 +23,15 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/stats"
 
 	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/pkg/oippb"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
 	"github.com/troupe-serving/troupe/worker"
 	"github.com/troupe-serving/troupe/worker/espeak"
+	"github.com/troupe-serving/troupe/worker/oip"
 	"github.com/troupe-serving/troupe/worker/openai"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
@@ -52,7 +55,8 @@ type workerFlags struct {
 	log                                                                  *logFlags
 }
 
-// upstreamFlags configure the openai, openai-speech and openai-transcription engines.
+// upstreamFlags configure the openai, openai-speech and openai-transcription
+// engines, and (--upstream and the ready and health flags) the oip engine.
 type upstreamFlags struct {
 	url, model, apiKeyFile, ca, speechFormat string
 	readyTimeout, healthInterval             time.Duration
@@ -60,7 +64,7 @@ type upstreamFlags struct {
 }
 
 // Engine names --engine takes.
-var engineNames = []string{sim.EngineName, openai.EngineName, openai.SpeechEngineName, openai.TranscriptionEngineName, espeak.EngineName}
+var engineNames = []string{sim.EngineName, openai.EngineName, openai.SpeechEngineName, openai.TranscriptionEngineName, espeak.EngineName, oip.EngineName}
 
 func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	f := &workerFlags{maxMessage: stagepb.DefaultMaxMessageBytes}
@@ -68,9 +72,9 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.StringVar(&f.replicaID, "replica-id", "auto", "replica id: a number, or auto for the smallest free id of the stage")
 	fs.StringVar(&f.listen, "listen", worker.DefaultListen, "gRPC listen address; port 0 picks a free port")
 	fs.StringVar(&f.advertise, "advertise", "", "address registered in etcd (default: the bound address; the hostname when listening on all interfaces)")
-	fs.StringVar(&f.engine, "engine", sim.EngineName, "engine: sim, openai (an OpenAI-compatible server's completions), openai-speech (its /v1/audio/speech), openai-transcription (its /v1/audio/transcriptions) or espeak (espeak-ng speech)")
+	fs.StringVar(&f.engine, "engine", sim.EngineName, "engine: sim, openai (an OpenAI-compatible server's completions), openai-speech (its /v1/audio/speech), openai-transcription (its /v1/audio/transcriptions), espeak (espeak-ng speech) or oip (an Open Inference Protocol engine over gRPC)")
 	fs.StringVar(&f.cluster, "cluster", membership.DefaultCluster, "cluster name (etcd key prefix)")
-	fs.StringVar(&f.model, "model", "", "model name recorded in the member record (informational)")
+	fs.StringVar(&f.model, "model", "", "model name recorded in the member record (informational); oip: the OIP model name (required)")
 	fs.DurationVar(&f.leaseTTL, "lease-ttl", membership.DefaultTTL, "etcd lease TTL of the registration")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", worker.DefaultDrainTimeout, "how long in-flight requests may finish at shutdown")
 	fs.Var(&f.maxMessage, "max-message-bytes", "largest gRPC request accepted, prompt included: a `size` such as 17MiB, at least the head's --max-body-bytes plus 1MiB")
@@ -86,13 +90,13 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.IntVar(&f.encoderCacheEntries, "encoder-cache-entries", sim.DefaultEncoderCacheEntries, "sim: media parts the multimodal encoder cache keeps")
 	fs.DurationVar(&f.encodeTimePerKiB, "encode-time-per-kib", sim.DefaultEncodeTimePerKiB, "sim: encoder time per KiB of a media part missing from the encoder cache (negative: instant)")
 	u := &f.upstream
-	fs.StringVar(&u.url, "upstream", "", "openai engines: the upstream's base URL as OpenAI clients take it, e.g. http://127.0.0.1:8001/v1 (/v1 may be left out)")
+	fs.StringVar(&u.url, "upstream", "", "openai engines: the upstream's base URL as OpenAI clients take it, e.g. http://127.0.0.1:8001/v1 (/v1 may be left out); oip: the engine's gRPC address, unix:///path/engine.sock or host:port")
 	fs.StringVar(&u.model, "upstream-model", "", "openai engines: the upstream's model (default: the first of its /v1/models)")
 	fs.StringVar(&u.apiKeyFile, "upstream-api-key-file", "", "openai engines: file holding the upstream's API key (default: $TROUPE_UPSTREAM_API_KEY; never on the command line)")
 	fs.StringVar(&u.ca, "upstream-ca", "", "openai engines: CA bundle (PEM) trusted for the upstream's TLS, on top of the system roots")
-	fs.DurationVar(&u.readyTimeout, "upstream-ready-timeout", openai.DefaultReadyTimeout, "openai engines: how long to wait for the upstream to answer /health and list the model before giving up")
-	fs.DurationVar(&u.healthInterval, "upstream-health-interval", openai.DefaultHealthInterval, "openai engines: period of the upstream's health checks and metric scrapes")
-	fs.IntVar(&u.healthFailures, "upstream-health-failures", openai.DefaultHealthFailures, "openai engines: failed health checks in a row that take the replica out of rotation")
+	fs.DurationVar(&u.readyTimeout, "upstream-ready-timeout", openai.DefaultReadyTimeout, "openai and oip engines: how long to wait for the upstream to be ready (openai: /health and the model listed; oip: ServerReady, ModelReady and the model's metadata) before giving up")
+	fs.DurationVar(&u.healthInterval, "upstream-health-interval", openai.DefaultHealthInterval, "openai and oip engines: period of the upstream's health checks (and openai's metric scrapes)")
+	fs.IntVar(&u.healthFailures, "upstream-health-failures", openai.DefaultHealthFailures, "openai and oip engines: failed health checks in a row that take the replica out of rotation")
 	fs.StringVar(&u.speechFormat, "upstream-speech-format", openai.DefaultSpeechFormat, "openai-speech: response_format asked of /v1/audio/speech: wav or pcm (PCM16 at 24 kHz)")
 	fs.StringVar(&f.voice, "voice", "", "speech engines: voice when the request names none (default: the upstream's own for openai-speech, en for espeak)")
 	fs.StringVar(&f.espeakBinary, "espeak-binary", espeak.DefaultBinary, "espeak: the espeak-ng executable")
@@ -182,6 +186,9 @@ func (f *workerFlags) checkEngine(log *slog.Logger) error {
 			return fmt.Errorf("--engine espeak needs %s (Debian: apt-get install espeak-ng): %w", f.espeakBinary, err)
 		}
 		return nil
+	case oip.EngineName:
+		_, err := f.oipConfig(log)
+		return err
 	}
 	return fmt.Errorf("unknown --engine %q (supported: %s)", f.engine, strings.Join(engineNames, ", "))
 }
@@ -224,6 +231,36 @@ func (f *workerFlags) openaiConfig(log *slog.Logger) (openai.Config, error) {
 	}, nil
 }
 
+// oipConfig builds the oip engine's configuration: --upstream is the
+// engine's gRPC address, --model its OIP model name; both required. The
+// openai engines' TLS, key and model flags do not apply.
+func (f *workerFlags) oipConfig(log *slog.Logger) (oip.Config, error) {
+	u := f.upstream
+	if u.url == "" {
+		return oip.Config{}, errors.New("--engine oip needs --upstream ADDR (unix:///path/engine.sock or host:port)")
+	}
+	if err := oip.CheckAddr(u.url); err != nil {
+		return oip.Config{}, err
+	}
+	if f.model == "" {
+		return oip.Config{}, errors.New("--engine oip needs --model NAME (the OIP model name)")
+	}
+	if u.model != "" || u.apiKeyFile != "" || u.ca != "" {
+		return oip.Config{}, errors.New("--upstream-model, --upstream-api-key-file and --upstream-ca are for the openai engines; --engine oip takes --model and a local --upstream address")
+	}
+	if u.healthFailures < 1 || u.healthInterval <= 0 || u.readyTimeout <= 0 {
+		return oip.Config{}, errors.New("--upstream-health-failures, --upstream-health-interval and --upstream-ready-timeout must be positive")
+	}
+	return oip.Config{
+		Upstream:       u.url,
+		Model:          f.model,
+		ReadyTimeout:   u.readyTimeout,
+		HealthInterval: u.healthInterval,
+		HealthFailures: u.healthFailures,
+		Logger:         log,
+	}, nil
+}
+
 // runnableEngine is an engine and what must run beside it for as long as
 // the worker serves: the sim's scheduler, an upstream's monitor.
 type runnableEngine struct {
@@ -231,10 +268,16 @@ type runnableEngine struct {
 	// run runs until ctx ends (then it returns nil), or fails (the
 	// upstream never became ready). nil: nothing to run.
 	run func(ctx context.Context) error
+	// ready, when not nil, is closed once the engine knows its roles (an
+	// oip engine, from its model's metadata): the worker is built after
+	// it, since it checks input against the roles of its engine's first
+	// Health.
+	ready <-chan struct{}
 }
 
-// buildEngine makes the --engine engine.
-func (f *workerFlags) buildEngine(log *slog.Logger) (runnableEngine, error) {
+// buildEngine makes the --engine engine. dial is added to the dial options
+// of an engine that dials gRPC (oip).
+func (f *workerFlags) buildEngine(log *slog.Logger, dial []grpc.DialOption) (runnableEngine, error) {
 	switch f.engine {
 	case sim.EngineName:
 		cfg, err := f.simConfig(log)
@@ -261,6 +304,23 @@ func (f *workerFlags) buildEngine(log *slog.Logger) (runnableEngine, error) {
 	case espeak.EngineName:
 		eng, err := espeak.New(espeak.Config{Binary: f.espeakBinary, Voice: f.voice, Concurrency: f.espeakConcurrency, Logger: log})
 		return runnableEngine{Engine: eng}, err
+	case oip.EngineName:
+		cfg, err := f.oipConfig(log)
+		if err != nil {
+			return runnableEngine{}, err
+		}
+		cfg.DialOptions = dial
+		eng, err := oip.New(cfg)
+		if err != nil {
+			return runnableEngine{}, err
+		}
+		// The connection closes when Run returns: after the worker has
+		// drained (serveWorker).
+		run := func(ctx context.Context) error {
+			defer eng.Close()
+			return eng.Run(ctx)
+		}
+		return runnableEngine{Engine: eng, run: run, ready: eng.Ready()}, nil
 	}
 	return runnableEngine{}, fmt.Errorf("unknown --engine %q (supported: %s)", f.engine, strings.Join(engineNames, ", "))
 }
@@ -309,7 +369,19 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 	}
 	defer shutdown()
 
-	eng, err := wf.buildEngine(log)
+	var engineDial []grpc.DialOption
+	if tp.Enabled() {
+		// The trace of a request the head sampled goes on into the engine
+		// process: its ModelStreamInfer calls only, not the health checks.
+		engineDial = append(engineDial, grpc.WithStatsHandler(otelgrpc.NewClientHandler(
+			otelgrpc.WithTracerProvider(tp.TracerProvider()),
+			otelgrpc.WithPropagators(tp.Propagator()),
+			otelgrpc.WithFilter(func(info *stats.RPCTagInfo) bool {
+				return info.FullMethodName == oippb.GRPCInferenceService_ModelStreamInfer_FullMethodName
+			}),
+		)))
+	}
+	eng, err := wf.buildEngine(log, engineDial)
 	if err != nil {
 		return err
 	}
@@ -323,6 +395,17 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 		go func() { <-engCtx.Done(); engDone <- nil }()
 	}
 	defer func() { stopEngine(); <-engDone }()
+	if eng.ready != nil {
+		log.Info("troupe worker: waiting for the engine and its model's metadata before serving", "upstream", wf.upstream.url, "model", wf.model, "timeout", wf.upstream.readyTimeout)
+		select {
+		case <-eng.ready:
+		case err := <-engDone:
+			engDone <- err // for the deferred wait
+			return err
+		case <-ctx.Done():
+			return nil
+		}
+	}
 
 	metrics, metricsAddr, stopMetrics, err := serveWorkerMetrics(wf.metricsListen, log, stdout)
 	if err != nil {

@@ -298,7 +298,10 @@ func (e *Engine) startSequence(ctx context.Context, id string) bool {
 // requestParams are the sampling parameters the client set, under the
 // mapping's names; unset ones are not sent, so the model's defaults apply.
 func requestParams(req *stagepb.GenerateRequest) map[string]*oippb.InferParameter {
-	p := map[string]*oippb.InferParameter{}
+	// Triton sends a decoupled model's final flag on a response of its own
+	// (a model that ends with the flag alone) only when asked: without it
+	// such a request would never end here.
+	p := map[string]*oippb.InferParameter{ParamEnableEmptyFinal: boolParam(true)}
 	sp := req.GetSampling()
 	if sp == nil {
 		sp = &stagepb.SamplingParams{}

@@ -25,6 +25,9 @@ const (
 	ParamSampleRate    = "sample_rate"
 	ParamFinalResponse = "triton_final_response"
 	ParamFinishReason  = "finish_reason"
+	// ParamEnableEmptyFinal, on every request, asks Triton for the final
+	// flag even when the model sends it without a response.
+	ParamEnableEmptyFinal = "triton_enable_empty_final_response"
 )
 
 // standardTypes is the datatype of each tensor name of the mapping, as an

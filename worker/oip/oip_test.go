@@ -88,7 +88,8 @@ func TestTextInOut(t *testing.T) {
 			r := reqs[0]
 			assert.Equal(t, "m", r.GetModelName())
 			assert.Equal(t, "r1", r.GetId())
-			assert.Empty(t, r.GetParameters(), "nothing the client did not set")
+			assert.Equal(t, map[string]*oippb.InferParameter{oip.ParamEnableEmptyFinal: boolP(true)}, r.GetParameters(),
+				"nothing the client did not set; Triton's final flag asked for")
 			assert.Equal(t, []string{"text"}, names(r))
 			_, raw := input(t, r, "text")
 			assert.Equal(t, append([]byte{19, 0, 0, 0}, "the quick brown fox"...), raw, "BYTES: a 4-byte little-endian length, then the bytes")
@@ -158,6 +159,7 @@ func TestRequestParameters(t *testing.T) {
 		"frequency_penalty": doubleP(0.5), "presence_penalty": doubleP(-0.5), "repetition_penalty": doubleP(1.1),
 		"stop": stringP(`["\n","END"]`), "ignore_eos": boolP(true),
 		"voice": stringP("alloy"), "language": stringP("en"), "continuation": stringP("so far"),
+		oip.ParamEnableEmptyFinal: boolP(true),
 	}
 	got := te.got()[0].GetParameters()
 	require.Len(t, got, len(want))
