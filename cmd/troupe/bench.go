@@ -44,7 +44,7 @@ func runBench(ctx context.Context, args []string, stdout io.Writer) error {
 	systemWords := fs.Int("system-words", 256, "multiturn: `words` of each system prompt")
 	turns := fs.Int("turns", 4, "multiturn: user `turns` per conversation")
 	voice := fs.String("voice", "alloy", "audio: the `voice`")
-	sampleRate := fs.Int("sample-rate", 24000, "audio: `Hz` of the streamed pcm16 (24000: the sim vocoder; 22050: espeak)")
+	sampleRate := fs.Int("sample-rate", 0, "audio: `Hz` of the streamed pcm16 (0: learned from the server before the run, from the WAV header of one whole answer; an answer's X-Audio-Sample-Rate header wins)")
 	seed := fs.Uint64("seed", 1, "`seed` of prompts and arrivals")
 	timeout := fs.Duration("timeout", 5*time.Minute, "limit of one request (0: none)")
 	sloFlag := fs.String("slo", "", "goodput objectives, e.g. `ttft=500ms,itl=50ms,ttfa=800ms,e2e=10s,rtf=1`")

@@ -44,7 +44,7 @@ func TestBenchAgainstUp(t *testing.T) {
 
 	t.Run("audio", func(t *testing.T) {
 		res, table := bench(t, "--url", base, "--workload", "audio", "--rate", "40", "--requests", "6", "--max-tokens", "8",
-			"--slo", "ttft=1h,ttfa=1h,rtf=0.001")
+			"--ignore-eos", "--slo", "ttft=1h,ttfa=1h,rtf=0.001", "--records")
 		require.Len(t, res.Runs, 1)
 		r := res.Runs[0]
 		assert.Equal(t, 6, r.Sent)
@@ -57,6 +57,19 @@ func TestBenchAgainstUp(t *testing.T) {
 		assert.LessOrEqual(t, r.Goodput, r.Throughput)
 		assert.Equal(t, 6, r.MetSLO, "objectives of an hour are met")
 		assert.Contains(t, table, "rate 40/s")
+		// The rate comes from the server (a whole answer's WAV), not a flag.
+		assert.Equal(t, 0, res.Config.SampleRate, "none given")
+		assert.Equal(t, 24000, r.SampleRate, "the sim vocoder's rate, learned")
+		assert.Contains(t, table, "audio measured at 24000 Hz")
+		for _, rec := range r.Records {
+			assert.Equal(t, 24000, rec.SampleRate)
+			assert.Positive(t, rec.AudioBytes)
+			assert.InDelta(t, float64(rec.AudioBytes/2)/24000, rec.AudioSeconds, 1e-9)
+			assert.Equal(t, 8, rec.OutputTokens, "the usage's completion_tokens: --ignore-eos makes 8")
+		}
+		assert.Equal(t, 48, r.TotalOutputTokens)
+		assert.InDelta(t, 48/r.WallSeconds, r.OutputThroughput, 1e-9)
+		assert.Equal(t, 6, r.TPOT.N, "one TPOT per streamed answer")
 	})
 	t.Run("sweep", func(t *testing.T) {
 		res, _ := bench(t, "--url", base+"/v1", "--workload", "stream", "--rate", "50,100", "--arrival", "constant", "--requests", "5", "--max-tokens", "8")
@@ -69,6 +82,11 @@ func TestBenchAgainstUp(t *testing.T) {
 			assert.Greater(t, r.TTFT.P50, 0.0)
 			assert.Positive(t, r.ITL.N, "8 tokens streamed make gaps")
 			assert.Equal(t, r.Throughput, r.Goodput, "without objectives every OK request is good")
+			assert.Positive(t, r.TotalOutputTokens)
+			assert.Positive(t, r.OutputThroughput)
+			assert.Equal(t, r.OutputThroughput, r.VLLM["output_throughput"], "vllm bench serve's name")
+			assert.Equal(t, r.TTFT.P50, r.VLLM["median_ttft_ms"])
+			assert.Zero(t, r.SampleRate, "no audio asked")
 		}
 	})
 	t.Run("chat and multiturn closed loop", func(t *testing.T) {
@@ -102,7 +120,34 @@ func TestBenchAgainstUp(t *testing.T) {
 		}
 		assert.ElementsMatch(t, []int{4, 6, 4, 0}, deltas, "each trace request with its own max_tokens; the whole answer has no deltas")
 		assert.Contains(t, table, "trace")
+		assert.Equal(t, 24000, r.SampleRate, "a trace with audio learns the rate too")
 	})
+}
+
+// TestBenchTPOT: against a head whose sim takes 3 ms a decode step, TPOT
+// ((E2E - TTFT) / (tokens - 1), as vllm bench serve computes it) and ITL
+// measure that step, the table prints means beside the percentiles under
+// vllm bench serve's names, and no note says the ITL is void.
+func TestBenchTPOT(t *testing.T) {
+	up := background(t, "up", runUp, "--http", "127.0.0.1:0", "--log-level", "error", "--decode-latency", "3ms")
+	base := up.wait(t, apiRE)
+	up.wait(t, regexp.MustCompile(`(Press Ctrl-C)`))
+	res, table := bench(t, "--url", base, "--workload", "stream", "--concurrency", "2", "--requests", "6", "--max-tokens", "10",
+		"--ignore-eos", "--records")
+	r := res.Runs[0]
+	require.Equal(t, 6, r.OK, "errors: %v", r.Errors)
+	assert.Equal(t, 60, r.TotalOutputTokens)
+	assert.Equal(t, 6, r.TPOT.N)
+	assert.GreaterOrEqual(t, r.TPOT.Min, 2.5, "a token every 3 ms at least")
+	assert.GreaterOrEqual(t, r.ITL.P50, 2.5)
+	for _, rec := range r.Records {
+		assert.InDelta(t, (rec.E2EMS-rec.TTFTMS)/9, rec.TPOTMS, 1e-9, "vLLM's TPOT")
+	}
+	assert.Equal(t, 0, r.BurstAnswers)
+	for _, col := range []string{"output tok/s", "TTFT mean/med/p99 ms", "TPOT mean/med/p99 ms", "ITL mean/med/p99 ms", "E2EL mean/med/p99 ms"} {
+		assert.Contains(t, table, col)
+	}
+	assert.NotContains(t, table, "note: concurrency 2: ITL")
 }
 
 // TestBenchShedCountsAgainstGoodput: a server that answers every other

@@ -42,8 +42,11 @@ type Config struct {
 	SystemWords   int    `json:"system_words,omitempty"`
 	Turns         int    `json:"turns,omitempty"`
 	Voice         string `json:"voice,omitempty"`
-	SampleRate    int    `json:"sample_rate"`
-	Seed          uint64 `json:"seed"`
+	// SampleRate is the rate of the streamed pcm16 audio in Hz; 0 learns
+	// it from the server before the run (the WAV header of one whole
+	// answer with audio). An answer's X-Audio-Sample-Rate header wins.
+	SampleRate int    `json:"sample_rate"`
+	Seed       uint64 `json:"seed"`
 	// Timeout bounds one request (0: none).
 	Timeout time.Duration `json:"timeout_ns,omitempty"`
 	SLO     SLO           `json:"slo"`
@@ -76,8 +79,8 @@ func (cfg Config) Validate() error {
 		return fmt.Errorf("loadgen: neither a duration nor a number of requests")
 	case cfg.MaxTokens < 1:
 		return fmt.Errorf("loadgen: max tokens %d is below 1", cfg.MaxTokens)
-	case cfg.SampleRate < 1:
-		return fmt.Errorf("loadgen: sample rate %d is below 1", cfg.SampleRate)
+	case cfg.SampleRate < 0:
+		return fmt.Errorf("loadgen: sample rate %d is negative", cfg.SampleRate)
 	case cfg.Workload == WorkloadMultiTurn && (cfg.SystemPrompts < 1 || cfg.Turns < 1):
 		return fmt.Errorf("loadgen: multiturn needs at least one system prompt and one turn")
 	}
@@ -115,6 +118,13 @@ func Run(ctx context.Context, cfg Config, progress func(Progress)) (RunResult, e
 	defer transport.CloseIdleConnections()
 	c := &client{http: &http.Client{Transport: transport}, url: ChatURL(cfg.BaseURL), model: cfg.Model, apiKey: cfg.APIKey,
 		voice: cfg.Voice, sampleRate: cfg.SampleRate, ignoreEOS: cfg.IgnoreEOS, timeout: cfg.Timeout, deadline: cfg.Deadline}
+	if c.sampleRate == 0 && cfg.wantsAudio() {
+		rate, err := c.probeSampleRate(ctx, cfg.MaxTokens)
+		if err != nil {
+			return RunResult{}, fmt.Errorf("loadgen: learning the audio's sample rate from a whole answer's WAV (or give one): %w", err)
+		}
+		c.sampleRate = rate
+	}
 	gen := newGenerator(cfg)
 	r := &runner{cfg: cfg, client: c, gen: gen, start: time.Now()}
 
@@ -161,7 +171,25 @@ func Run(ctx context.Context, cfg Config, progress func(Progress)) (RunResult, e
 		p.Done = true
 		progress(p)
 	}
-	return summarize(cfg, r.records, wall), ctx.Err()
+	res := summarize(cfg, r.records, wall)
+	if cfg.wantsAudio() {
+		res.SampleRate = c.sampleRate
+	}
+	return res, ctx.Err()
+}
+
+// wantsAudio reports whether the run asks for audio: the audio workload,
+// or a trace with a request for it.
+func (cfg Config) wantsAudio() bool {
+	if cfg.Trace == nil {
+		return cfg.Workload == WorkloadAudio
+	}
+	for _, r := range cfg.Trace {
+		if r.audio() {
+			return true
+		}
+	}
+	return false
 }
 
 type runner struct {

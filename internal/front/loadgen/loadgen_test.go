@@ -3,11 +3,14 @@ package loadgen
 import (
 	"context"
 	"encoding/base64"
+	"encoding/binary"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -126,11 +129,11 @@ func TestStreamEventEdges(t *testing.T) {
 		"data: [DONE]"
 	var rec Record
 	now := 0.0
-	err := (&client{sampleRate: 24000}).readStream(strings.NewReader(stream), &rec, func() float64 { now++; return now })
+	err := (&client{sampleRate: 24000}).readStream(strings.NewReader(stream), &rec, 24000, func() float64 { now++; return now })
 	require.NoError(t, err)
 	assert.Equal(t, 3, rec.Deltas)
 
-	err = (&client{sampleRate: 24000}).readStream(strings.NewReader("data: {\"choices\":[]}\n\ndata:\n\n"), &Record{}, func() float64 { return 0 })
+	err = (&client{sampleRate: 24000}).readStream(strings.NewReader("data: {\"choices\":[]}\n\ndata:\n\n"), &Record{}, 24000, func() float64 { return 0 })
 	assert.ErrorContains(t, err, "loadgen: decoding an event")
 }
 
@@ -187,4 +190,158 @@ func TestClosedLoopHonoursRetryAfter(t *testing.T) {
 	assert.Equal(t, 8.0*1000, retryAfter("8"))
 	assert.Equal(t, float64(maxRetryAfter/time.Millisecond), retryAfter("3600"), "bounded")
 	assert.Zero(t, retryAfter("Wed, 21 Oct 2015 07:28:00 GMT"))
+}
+
+// wavHeader is a 44-byte PCM16 mono WAV header at rate Hz for n bytes.
+func wavHeader(rate, n int) []byte {
+	h := make([]byte, 44)
+	copy(h[0:], "RIFF")
+	binary.LittleEndian.PutUint32(h[4:], uint32(36+n))
+	copy(h[8:], "WAVEfmt ")
+	binary.LittleEndian.PutUint32(h[16:], 16)
+	binary.LittleEndian.PutUint16(h[20:], 1)
+	binary.LittleEndian.PutUint16(h[22:], 1)
+	binary.LittleEndian.PutUint32(h[24:], uint32(rate))
+	binary.LittleEndian.PutUint32(h[28:], uint32(2*rate))
+	binary.LittleEndian.PutUint16(h[32:], 2)
+	binary.LittleEndian.PutUint16(h[34:], 16)
+	copy(h[36:], "data")
+	binary.LittleEndian.PutUint32(h[40:], uint32(n))
+	return h
+}
+
+// TestAudioSampleRateFromServer: with no rate given, a run learns it from
+// a whole answer's WAV header before it starts (a server at 16000 Hz:
+// 32000 bytes are one second, not the 0.67 s OpenAI's 24000 Hz would
+// make), and an answer's X-Audio-Sample-Rate header wins for its own
+// audio; a server that cannot say fails the run before any request.
+func TestAudioSampleRateFromServer(t *testing.T) {
+	var whole, streamed sync.Map
+	var header atomic.Value
+	header.Store("")
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var body chatBody
+		if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		if !body.Stream {
+			whole.Store(body.Audio["format"], true)
+			pcm := make([]byte, 3200)
+			wav := append(wavHeader(16000, len(pcm)), pcm...)
+			fmt.Fprintf(w, `{"choices":[{"message":{"content":"hi","audio":{"data":%q}}}],"usage":{"completion_tokens":1}}`, base64.StdEncoding.EncodeToString(wav))
+			return
+		}
+		streamed.Store(body.StreamOptions["include_usage"], true)
+		if h := header.Load().(string); h != "" {
+			w.Header().Set(SampleRateHeader, h)
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n")
+		fmt.Fprintf(w, "data: {\"choices\":[{\"delta\":{\"audio\":{\"data\":%q}}}]}\n\n", base64.StdEncoding.EncodeToString(make([]byte, 32000)))
+		fmt.Fprint(w, "data: {\"choices\":[],\"usage\":{\"completion_tokens\":1}}\n\ndata: [DONE]\n\n")
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cfg := Config{BaseURL: srv.URL, Model: "m", Workload: WorkloadAudio, Concurrency: 1, Requests: 2, MaxTokens: 4, PromptWords: 2, Voice: "alloy"}
+	res, err := Run(ctx, cfg, nil)
+	require.NoError(t, err)
+	_, askedWAV := whole.Load("wav")
+	assert.True(t, askedWAV, "the probe asks for a whole WAV")
+	_, askedUsage := streamed.Load(true)
+	assert.True(t, askedUsage, "streamed requests ask for the usage")
+	assert.Equal(t, 16000, res.SampleRate)
+	require.Len(t, res.Records, 2, "the probe is not a record")
+	for _, rec := range res.Records {
+		assert.Equal(t, 16000, rec.SampleRate)
+		assert.InDelta(t, 1.0, rec.AudioSeconds, 1e-9, "32000 bytes at 16000 Hz")
+	}
+
+	header.Store("8000")
+	res, err = Run(ctx, cfg, nil)
+	require.NoError(t, err)
+	for _, rec := range res.Records {
+		assert.Equal(t, 8000, rec.SampleRate, "the answer's header wins")
+		assert.InDelta(t, 2.0, rec.AudioSeconds, 1e-9)
+	}
+
+	text := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, `{"choices":[{"message":{"content":"no audio here"}}]}`)
+	}))
+	defer text.Close()
+	cfg.BaseURL = text.URL
+	res, err = Run(ctx, cfg, nil)
+	require.ErrorContains(t, err, "the answer has no audio")
+	assert.Zero(t, res.Sent)
+
+	for name, b := range map[string][]byte{"short": []byte("RIFF"), "not wave": []byte("RIFF0000AVI "), "no fmt": append([]byte("RIFF\x00\x00\x00\x00WAVEdata"), 0, 0, 0, 0)} {
+		_, err := wavSampleRate(b)
+		assert.Error(t, err, name)
+	}
+	rate, err := wavSampleRate(append(wavHeader(22050, 0)[:12], append([]byte("LIST\x03\x00\x00\x00abc\x00"), wavHeader(22050, 0)[12:]...)...))
+	require.NoError(t, err)
+	assert.Equal(t, 22050, rate, "a chunk before fmt (odd sized, padded) is skipped")
+}
+
+// TestITLNotes: answers whose deltas come as one burst, or in one delta,
+// make an ITL that says nothing of the decoding: the table says so; paced
+// deltas make no note. TPOT follows vllm bench serve's definition.
+func TestITLNotes(t *testing.T) {
+	var mode atomic.Value
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		switch mode.Load().(string) {
+		case "burst": // one write: every delta at once
+			fmt.Fprint(w, strings.Repeat("data: {\"choices\":[{\"delta\":{\"content\":\"a \"}}]}\n\n", 4)+
+				"data: {\"choices\":[],\"usage\":{\"completion_tokens\":4}}\n\ndata: [DONE]\n\n")
+		case "one delta":
+			fmt.Fprint(w, "data: {\"choices\":[{\"delta\":{\"content\":\"a b c d\"}}]}\n\n"+
+				"data: {\"choices\":[],\"usage\":{\"completion_tokens\":4}}\n\ndata: [DONE]\n\n")
+		case "paced":
+			for range 4 {
+				fmt.Fprint(w, "data: {\"choices\":[{\"delta\":{\"content\":\"a \"}}]}\n\n")
+				w.(http.Flusher).Flush()
+				select {
+				case <-time.After(5 * time.Millisecond): // the server's pace, not a wait for a condition
+				case <-r.Context().Done():
+					return
+				}
+			}
+			fmt.Fprint(w, "data: [DONE]\n\n") // no usage: the deltas count
+		}
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	run := func(m string) (RunResult, string) {
+		mode.Store(m)
+		res, err := Run(ctx, Config{BaseURL: srv.URL, Model: "m", Workload: WorkloadStream, Concurrency: 1, Requests: 3, MaxTokens: 4, PromptWords: 2}, nil)
+		require.NoError(t, err)
+		var b strings.Builder
+		require.NoError(t, WriteTable(&b, []RunResult{res}))
+		return res, b.String()
+	}
+	res, table := run("burst")
+	assert.Equal(t, 3, res.BurstAnswers, table)
+	assert.Contains(t, table, "note: concurrency 1: ITL and TPOT are about 0: each of the 3 answers' text deltas came within 1ms of its first, as one burst")
+	assert.Equal(t, 12, res.TotalOutputTokens)
+
+	res, table = run("one delta")
+	assert.Equal(t, 3, res.OneDeltaAnswers)
+	assert.Zero(t, res.ITL.N)
+	assert.Contains(t, table, "note: concurrency 1: no ITL: each of the 3 answers came in one text delta of several tokens")
+	assert.Equal(t, 3, res.TPOT.N, "TPOT needs no gaps: (E2E - TTFT) / 3")
+
+	res, table = run("paced")
+	assert.Equal(t, 3, res.StreamedAnswers)
+	assert.Zero(t, res.BurstAnswers)
+	assert.NotContains(t, table, "note:")
+	assert.Equal(t, 12, res.TotalOutputTokens, "no usage: a token a delta")
+	require.Len(t, res.Records, 3)
+	for _, rec := range res.Records {
+		assert.GreaterOrEqual(t, rec.TPOTMS, 4.0, "a delta every 5 ms")
+		assert.InDelta(t, (rec.E2EMS-rec.TTFTMS)/3, rec.TPOTMS, 1e-9)
+	}
+	assert.InDelta(t, res.TPOT.Mean, res.VLLM["mean_tpot_ms"], 1e-9)
 }

@@ -36,12 +36,26 @@ type Record struct {
 	ScheduledMS float64 `json:"scheduled_ms"`
 	LateMS      float64 `json:"late_ms,omitempty"`
 	TTFTMS      float64 `json:"ttft_ms,omitempty"`
-	// ITLMS are the gaps between consecutive text deltas.
+	// ITLMS are the gaps between consecutive text deltas (vllm bench
+	// serve's ITL: a delta that holds several tokens is one gap).
 	ITLMS  []float64 `json:"itl_ms,omitempty"`
 	TTFAMS float64   `json:"ttfa_ms,omitempty"`
 	E2EMS  float64   `json:"e2e_ms"`
 	Deltas int       `json:"deltas,omitempty"`
-	// AudioSeconds is the PCM16 audio received at the sample rate.
+	// OutputTokens is the answer's completion_tokens from its usage (asked
+	// with stream_options.include_usage), or its text deltas when the
+	// server reports no usage.
+	OutputTokens int `json:"output_tokens,omitempty"`
+	// TPOTMS is vllm bench serve's time per output token, the first
+	// excluded: (E2E - TTFT) / (output tokens - 1), for streamed answers
+	// of two tokens or more. An answer with audio ends its text before
+	// its audio: its last text delta stands for E2E.
+	TPOTMS float64 `json:"tpot_ms,omitempty"`
+	// AudioBytes is the PCM16 received; AudioSeconds the same at
+	// SampleRate: the answer's X-Audio-Sample-Rate, else the rate the
+	// run learned or was given (Config.SampleRate).
+	AudioBytes   int     `json:"audio_bytes,omitempty"`
+	SampleRate   int     `json:"sample_rate,omitempty"`
 	AudioSeconds float64 `json:"audio_seconds,omitempty"`
 	// RTF is audio seconds per wall second from the first audio to the
 	// end of the answer (the wall time at least 1 ms).
@@ -53,7 +67,17 @@ type Record struct {
 	// none): a closed-loop client waits that long before its next request.
 	RetryAfterMS float64 `json:"retry_after_ms,omitempty"`
 	answer       string  // the text, for the next turn of a conversation
+	// textEndMS is when the last text delta came; 0 without deltas.
+	textEndMS float64
 }
+
+// burstMS: an answer whose text deltas all came within this span of its
+// first came at once (see RunResult.BurstAnswers).
+const burstMS = 1.0
+
+// burst reports whether the answer's two or more text deltas all came
+// within burstMS: its gaps say nothing of how fast the server decodes.
+func (r Record) burst() bool { return r.Deltas >= 2 && r.textEndMS-r.TTFTMS < burstMS }
 
 // meanITL is the request's mean inter-token latency (0: none).
 func (r Record) meanITL() float64 {
@@ -74,7 +98,7 @@ type client struct {
 	model      string
 	apiKey     string
 	voice      string
-	sampleRate int
+	sampleRate int // 0: the answer's X-Audio-Sample-Rate only
 	ignoreEOS  bool
 	timeout    time.Duration
 	deadline   string // the X-Troupe-Deadline header; "" sends none
@@ -101,6 +125,10 @@ func (c *client) do(ctx context.Context, req Request) Record {
 	}
 	if req.audio() {
 		body.Audio = map[string]any{"voice": c.voice, "format": "pcm16"}
+	}
+	if body.Stream {
+		// The answer's token count, for TPOT and the output throughput.
+		body.StreamOptions = map[string]any{"include_usage": true}
 	}
 	data, err := json.Marshal(body)
 	if err != nil {
@@ -146,9 +174,20 @@ func (c *client) do(ctx context.Context, req Request) Record {
 		err = c.readWhole(resp.Body, &rec)
 		rec.TTFTMS = since()
 	} else {
-		err = c.readStream(resp.Body, &rec, since)
+		rate := c.sampleRate
+		if n, perr := strconv.Atoi(resp.Header.Get(SampleRateHeader)); perr == nil && n > 0 {
+			rate = n
+		}
+		err = c.readStream(resp.Body, &rec, rate, since)
 	}
 	rec.E2EMS = since()
+	if req.streamed() && rec.OutputTokens > 1 && rec.Deltas > 0 {
+		end := rec.E2EMS
+		if rec.AudioBytes > 0 {
+			end = rec.textEndMS
+		}
+		rec.TPOTMS = (end - rec.TTFTMS) / float64(rec.OutputTokens-1)
+	}
 	if err != nil {
 		rec.Outcome, rec.Error = OutcomeFailed, err.Error()
 		if errors.Is(err, errShedInStream) {
@@ -160,17 +199,30 @@ func (c *client) do(ctx context.Context, req Request) Record {
 	return rec
 }
 
+// SampleRateHeader is the response header that tells the rate of raw
+// PCM16 (a troupe head sends it with /v1/audio/speech's pcm).
+const SampleRateHeader = "X-Audio-Sample-Rate"
+
+// usage is the part of an OpenAI usage object the client reads.
+type usage struct {
+	CompletionTokens int `json:"completion_tokens"`
+}
+
+// wholeAnswer is a chat completion answered whole.
+type wholeAnswer struct {
+	Choices []struct {
+		Message struct {
+			Content string `json:"content"`
+			Audio   *struct {
+				Data string `json:"data"`
+			} `json:"audio"`
+		} `json:"message"`
+	} `json:"choices"`
+	Usage *usage `json:"usage"`
+}
+
 func (c *client) readWhole(r io.Reader, rec *Record) error {
-	var a struct {
-		Choices []struct {
-			Message struct {
-				Content string `json:"content"`
-				Audio   *struct {
-					Data string `json:"data"`
-				} `json:"audio"`
-			} `json:"message"`
-		} `json:"choices"`
-	}
+	var a wholeAnswer
 	if err := json.NewDecoder(r).Decode(&a); err != nil {
 		return fmt.Errorf("loadgen: decoding the answer: %w", err)
 	}
@@ -178,6 +230,9 @@ func (c *client) readWhole(r io.Reader, rec *Record) error {
 		return fmt.Errorf("loadgen: an answer without choices")
 	}
 	rec.answer = a.Choices[0].Message.Content
+	if a.Usage != nil {
+		rec.OutputTokens = a.Usage.CompletionTokens
+	}
 	return nil
 }
 
@@ -213,8 +268,9 @@ type player struct {
 	buffered float64 // ms
 }
 
-// readStream reads server-sent events: text deltas and PCM16 audio deltas.
-func (c *client) readStream(r io.Reader, rec *Record, since func() float64) error {
+// readStream reads server-sent events: text deltas, PCM16 audio deltas at
+// rate Hz, and the usage.
+func (c *client) readStream(r io.Reader, rec *Record, rate int, since func() float64) error {
 	events := sse.NewReader(r)
 	var text strings.Builder
 	var lastDelta, firstAudio float64
@@ -242,6 +298,7 @@ func (c *client) readStream(r io.Reader, rec *Record, since func() float64) erro
 				} `json:"delta"`
 			} `json:"choices"`
 			Error json.RawMessage `json:"error"`
+			Usage *usage          `json:"usage"`
 		}
 		if err := json.Unmarshal(data, &ev); err != nil {
 			return fmt.Errorf("loadgen: decoding an event: %w", err)
@@ -254,6 +311,9 @@ func (c *client) readStream(r io.Reader, rec *Record, since func() float64) erro
 				return fmt.Errorf("%w: %s", errShedInStream, ev.Error)
 			}
 			return fmt.Errorf("loadgen: error event: %s", ev.Error)
+		}
+		if ev.Usage != nil && ev.Usage.CompletionTokens > 0 {
+			rec.OutputTokens = ev.Usage.CompletionTokens
 		}
 		if len(ev.Choices) == 0 {
 			continue
@@ -268,6 +328,7 @@ func (c *client) readStream(r io.Reader, rec *Record, since func() float64) erro
 			}
 			rec.Deltas++
 			lastDelta = now
+			rec.textEndMS = now
 			text.WriteString(d.Content)
 		}
 		if d.Audio != nil && d.Audio.Data != "" {
@@ -276,7 +337,12 @@ func (c *client) readStream(r io.Reader, rec *Record, since func() float64) erro
 			if err == nil {
 				n = len(pcm)
 			}
-			sec := float64(n/2) / float64(c.sampleRate)
+			if rate <= 0 {
+				return fmt.Errorf("loadgen: audio at an unknown sample rate: no %s header, and none learned or given", SampleRateHeader)
+			}
+			rec.AudioBytes += n
+			rec.SampleRate = rate
+			sec := float64(n/2) / float64(rate)
 			if rec.AudioSeconds == 0 {
 				rec.TTFAMS, firstAudio = now, now
 			} else {
@@ -298,6 +364,9 @@ func (c *client) readStream(r io.Reader, rec *Record, since func() float64) erro
 	}
 	if rec.AudioSeconds > 0 {
 		rec.RTF = rec.AudioSeconds * 1000 / max(since()-firstAudio, 1)
+	}
+	if rec.OutputTokens == 0 {
+		rec.OutputTokens = rec.Deltas
 	}
 	rec.answer = text.String()
 	return nil

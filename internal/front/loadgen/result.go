@@ -82,10 +82,13 @@ func (s SLO) met(rec Record) bool {
 	return true
 }
 
-// Dist is a distribution's percentiles (nearest rank); N is its size.
+// Dist is a distribution's mean, standard deviation (population, as
+// numpy's std) and percentiles (nearest rank; P50 is the median); N is
+// its size.
 type Dist struct {
 	N    int     `json:"n"`
 	Mean float64 `json:"mean"`
+	Std  float64 `json:"std"`
 	P50  float64 `json:"p50"`
 	P90  float64 `json:"p90"`
 	P99  float64 `json:"p99"`
@@ -107,7 +110,12 @@ func dist(v []float64) Dist {
 		i := int(math.Ceil(p*float64(len(v)))) - 1
 		return v[max(i, 0)]
 	}
-	return Dist{N: len(v), Mean: sum / float64(len(v)), P50: rank(0.50), P90: rank(0.90), P99: rank(0.99), Min: v[0], Max: v[len(v)-1]}
+	mean := sum / float64(len(v))
+	var sq float64
+	for _, x := range v {
+		sq += (x - mean) * (x - mean)
+	}
+	return Dist{N: len(v), Mean: mean, Std: math.Sqrt(sq / float64(len(v))), P50: rank(0.50), P90: rank(0.90), P99: rank(0.99), Min: v[0], Max: v[len(v)-1]}
 }
 
 // RunResult is the summary of one run (one rate of a sweep).
@@ -132,8 +140,17 @@ type RunResult struct {
 	FailedShare float64 `json:"failed_share"`
 	// TokensPerSecond counts text deltas (a token each from troupe).
 	TokensPerSecond float64 `json:"deltas_per_second"`
-	// Latencies in ms, of the OK requests; ITL pools every gap.
+	// TotalOutputTokens sums the OK answers' output tokens (their usage's
+	// completion_tokens, else their text deltas); OutputThroughput is
+	// them per second of wall time (vllm bench serve's output_throughput,
+	// genai-perf's output token throughput).
+	TotalOutputTokens int     `json:"total_output_tokens"`
+	OutputThroughput  float64 `json:"output_throughput"`
+	// Latencies in ms, of the OK requests; ITL pools every gap between
+	// text deltas; TPOT is one value per streamed answer of two tokens or
+	// more (vllm bench serve's TPOT, genai-perf's inter-token latency).
 	TTFT      Dist `json:"ttft_ms"`
+	TPOT      Dist `json:"tpot_ms"`
 	ITL       Dist `json:"itl_ms"`
 	TTFA      Dist `json:"ttfa_ms"`
 	E2E       Dist `json:"e2e_ms"`
@@ -142,6 +159,22 @@ type RunResult struct {
 	// LateMS is how late the client sent requests (open loop): a large
 	// value means the client, not the server, was the bottleneck.
 	Late Dist `json:"late_ms"`
+	// SampleRate is the Hz the audio was measured at (given, or learned
+	// from the server before the run); 0 without audio.
+	SampleRate int `json:"sample_rate,omitempty"`
+	// StreamedAnswers counts the OK streamed answers with two text deltas
+	// or more; BurstAnswers those of them whose deltas all came within a
+	// millisecond of the first, as one burst (a server that made the
+	// whole text in one step: troupe's sim with --decode-latency 0), and
+	// OneDeltaAnswers the OK streamed answers whose text of two tokens or
+	// more came in a single delta. Either makes the ITL say nothing of
+	// the decoding speed; the table says so in a note.
+	StreamedAnswers int `json:"streamed_answers"`
+	BurstAnswers    int `json:"burst_answers"`
+	OneDeltaAnswers int `json:"one_delta_answers"`
+	// VLLM is the run in the names of vllm bench serve's result file
+	// (its --save-result JSON), to read side by side: see VLLMView.
+	VLLM map[string]float64 `json:"vllm_bench_serve,omitempty"`
 	// Errors holds up to 5 distinct errors, for the reader.
 	Errors  []string `json:"errors,omitempty"`
 	Records []Record `json:"records,omitempty"`
@@ -157,7 +190,7 @@ func summarize(cfg Config, recs []Record, wall time.Duration) RunResult {
 	default:
 		res.Load = fmt.Sprintf("rate %g/s", cfg.Rate)
 	}
-	var ttft, itl, ttfa, e2e, rtf, under, late []float64
+	var ttft, tpot, itl, ttfa, e2e, rtf, under, late []float64
 	deltas := 0
 	for _, r := range recs {
 		late = append(late, r.LateMS)
@@ -178,11 +211,24 @@ func summarize(cfg Config, recs []Record, wall time.Duration) RunResult {
 			res.MetSLO++
 		}
 		deltas += r.Deltas
+		res.TotalOutputTokens += r.OutputTokens
 		e2e = append(e2e, r.E2EMS)
 		if r.TTFTMS > 0 {
 			ttft = append(ttft, r.TTFTMS)
 		}
+		if r.TPOTMS > 0 {
+			tpot = append(tpot, r.TPOTMS)
+		}
 		itl = append(itl, r.ITLMS...)
+		switch {
+		case r.Deltas >= 2:
+			res.StreamedAnswers++
+			if r.burst() {
+				res.BurstAnswers++
+			}
+		case r.Deltas == 1 && r.OutputTokens >= 2:
+			res.OneDeltaAnswers++
+		}
 		if r.AudioSeconds > 0 {
 			ttfa = append(ttfa, r.TTFAMS)
 			rtf = append(rtf, r.RTF)
@@ -193,13 +239,41 @@ func summarize(cfg Config, recs []Record, wall time.Duration) RunResult {
 		res.Throughput = float64(res.OK) / s
 		res.Goodput = float64(res.MetSLO) / s
 		res.TokensPerSecond = float64(deltas) / s
+		res.OutputThroughput = float64(res.TotalOutputTokens) / s
 	}
 	if res.Sent > 0 {
 		res.ShedShare = float64(res.Shed) / float64(res.Sent)
 		res.FailedShare = float64(res.Failed) / float64(res.Sent)
 	}
-	res.TTFT, res.ITL, res.TTFA, res.E2E, res.RTF, res.Underruns, res.Late = dist(ttft), dist(itl), dist(ttfa), dist(e2e), dist(rtf), dist(under), dist(late)
+	res.TTFT, res.TPOT, res.ITL, res.TTFA, res.E2E, res.RTF, res.Underruns, res.Late = dist(ttft), dist(tpot), dist(itl), dist(ttfa), dist(e2e), dist(rtf), dist(under), dist(late)
+	res.VLLM = VLLMView(res)
 	return res
+}
+
+// VLLMView is r under the names of vllm bench serve's result file, so the
+// two read side by side: duration, completed (OK), failed (shed and
+// failed), total_output_tokens, request_throughput, request_goodput,
+// output_throughput, and for ttft, tpot, itl and e2el the mean_, median_,
+// std_, p90_ and p99_ figures in ms. Percentiles are nearest rank where
+// vLLM interpolates; the two agree closely from a few hundred requests.
+func VLLMView(r RunResult) map[string]float64 {
+	v := map[string]float64{
+		"duration":            r.WallSeconds,
+		"completed":           float64(r.OK),
+		"failed":              float64(r.Shed + r.Failed),
+		"total_output_tokens": float64(r.TotalOutputTokens),
+		"request_throughput":  r.Throughput,
+		"request_goodput":     r.Goodput,
+		"output_throughput":   r.OutputThroughput,
+	}
+	for name, d := range map[string]Dist{"ttft": r.TTFT, "tpot": r.TPOT, "itl": r.ITL, "e2el": r.E2E} {
+		v["mean_"+name+"_ms"] = d.Mean
+		v["median_"+name+"_ms"] = d.P50
+		v["std_"+name+"_ms"] = d.Std
+		v["p90_"+name+"_ms"] = d.P90
+		v["p99_"+name+"_ms"] = d.P99
+	}
+	return v
 }
 
 // Result is a result file: the configuration and one run per load.
@@ -225,22 +299,53 @@ func ReadResult(r io.Reader) (Result, error) {
 	return res, nil
 }
 
-// WriteTable writes one row per run: counts, rates and percentiles.
+// WriteTable writes one row per run: counts, rates, and the mean, median
+// and p99 of each latency (as vllm bench serve prints them), then a note
+// under a run whose ITL says nothing of the decoding speed.
 func WriteTable(w io.Writer, runs []RunResult) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "load\tsent\tok\tshed\tfailed\treq/s\tgoodput/s\tTTFT p50/p90/p99 ms\tITL p50/p90/p99 ms\tTTFA p50/p90/p99 ms\tRTF p50/min\tunderruns p50/p99\tE2E p50/p90/p99 ms\t")
+	fmt.Fprintln(tw, "load\tsent\tok\tshed\tfailed\treq/s\tgoodput/s\toutput tok/s\tTTFT mean/med/p99 ms\tTPOT mean/med/p99 ms\tITL mean/med/p99 ms\tE2EL mean/med/p99 ms\tTTFA mean/med/p99 ms\tRTF med/min\tunderruns med/p99\t")
 	for _, r := range runs {
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%.2f\t%.2f\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Load, r.Sent, r.OK, r.Shed, r.Failed,
-			r.Throughput, r.Goodput, ms3(r.TTFT), ms3(r.ITL), ms3(r.TTFA), rtfCell(r.RTF), underCell(r.Underruns), ms3(r.E2E))
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%.2f\t%.2f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Load, r.Sent, r.OK, r.Shed, r.Failed,
+			r.Throughput, r.Goodput, num(r.OutputThroughput), ms3(r.TTFT), ms3(r.TPOT), ms3(r.ITL), ms3(r.E2E), ms3(r.TTFA), rtfCell(r.RTF), underCell(r.Underruns))
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, r := range runs {
+		if note := itlNote(r); note != "" {
+			if _, err := fmt.Fprintf(w, "note: %s: %s\n", r.Load, note); err != nil {
+				return err
+			}
+		}
+		if r.SampleRate > 0 {
+			if _, err := fmt.Fprintf(w, "note: %s: audio measured at %d Hz\n", r.Load, r.SampleRate); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
+// itlNote explains an ITL that measures no decoding: every streamed
+// answer came as one burst of deltas, or as one delta.
+func itlNote(r RunResult) string {
+	switch {
+	case r.StreamedAnswers > 0 && r.BurstAnswers == r.StreamedAnswers && r.OneDeltaAnswers == 0:
+		return fmt.Sprintf("ITL and TPOT are about 0: each of the %d answers' text deltas came within %gms of its first, as one burst: "+
+			"the server made the whole text at once (troupe's sim decodes instantly unless given --decode-latency)", r.StreamedAnswers, burstMS)
+	case r.OneDeltaAnswers > 0 && r.StreamedAnswers == 0:
+		return fmt.Sprintf("no ITL: each of the %d answers came in one text delta of several tokens", r.OneDeltaAnswers)
+	}
+	return ""
+}
+
+// ms3 is a latency's mean, median and p99.
 func ms3(d Dist) string {
 	if d.N == 0 {
 		return "-"
 	}
-	return fmt.Sprintf("%s/%s/%s", num(d.P50), num(d.P90), num(d.P99))
+	return fmt.Sprintf("%s/%s/%s", num(d.Mean), num(d.P50), num(d.P99))
 }
 
 // rtfCell shows the median RTF and the lowest (a low RTF is the bad one).
@@ -293,16 +398,18 @@ func Compare(w io.Writer, a, b Result) error {
 		}
 		row("req/s", ra.Throughput, rb.Throughput)
 		row("goodput/s", ra.Goodput, rb.Goodput)
+		row("output tok/s", ra.OutputThroughput, rb.OutputThroughput)
 		row("shed share", ra.ShedShare, rb.ShedShare)
 		row("failed share", ra.FailedShare, rb.FailedShare)
 		dists := []struct {
 			name string
 			x, y Dist
-		}{{"TTFT", ra.TTFT, rb.TTFT}, {"ITL", ra.ITL, rb.ITL}, {"TTFA", ra.TTFA, rb.TTFA}, {"RTF", ra.RTF, rb.RTF}, {"E2E", ra.E2E, rb.E2E}}
+		}{{"TTFT", ra.TTFT, rb.TTFT}, {"TPOT", ra.TPOT, rb.TPOT}, {"ITL", ra.ITL, rb.ITL}, {"TTFA", ra.TTFA, rb.TTFA}, {"RTF", ra.RTF, rb.RTF}, {"E2EL", ra.E2E, rb.E2E}}
 		for _, d := range dists {
 			if d.x.N == 0 && d.y.N == 0 {
 				continue
 			}
+			row(d.name+" mean", d.x.Mean, d.y.Mean)
 			row(d.name+" p50", d.x.P50, d.y.P50)
 			row(d.name+" p99", d.x.P99, d.y.P99)
 		}
