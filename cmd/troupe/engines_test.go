@@ -22,6 +22,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/troupe-serving/troupe/pkg/tokenizers"
+	"github.com/troupe-serving/troupe/worker/espeak"
 	"github.com/troupe-serving/troupe/worker/sim"
 )
 
@@ -186,6 +187,48 @@ func TestUpSpeech(t *testing.T) {
 	}
 	assert.Greater(t, math.Sqrt(sum/float64(len(spoken[44:])/2)), 500.0, "not silent")
 
+	// Streamed speech (pcm over SSE) reports what was spoken as its usage:
+	// the input's words, and the audio's 40 ms frames.
+	resp, err = http.Post(base+"/v1/audio/speech", "application/json", strings.NewReader(
+		`{"model":"troupe-omni-sim","input":"hello there, how are you","voice":"en","response_format":"pcm","stream_format":"sse"}`))
+	require.NoError(t, err)
+	events, err := io.ReadAll(resp.Body)
+	require.NoError(t, resp.Body.Close())
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "%s", events)
+	assert.Equal(t, "22050", resp.Header.Get("X-Audio-Sample-Rate"))
+	var streamed []byte
+	var usage *struct{ InputTokens, OutputTokens, TotalTokens int }
+	for _, line := range strings.Split(string(events), "\n") {
+		data, ok := strings.CutPrefix(line, "data: ")
+		if !ok {
+			continue
+		}
+		var ev struct {
+			Type  string `json:"type"`
+			Audio string `json:"audio"`
+			Usage *struct {
+				InputTokens  int `json:"input_tokens"`
+				OutputTokens int `json:"output_tokens"`
+				TotalTokens  int `json:"total_tokens"`
+			} `json:"usage"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(data), &ev), data)
+		if ev.Type == "speech.audio.delta" {
+			pcm, err := base64.StdEncoding.DecodeString(ev.Audio)
+			require.NoError(t, err)
+			streamed = append(streamed, pcm...)
+		}
+		if ev.Type == "speech.audio.done" && ev.Usage != nil {
+			usage = &struct{ InputTokens, OutputTokens, TotalTokens int }{ev.Usage.InputTokens, ev.Usage.OutputTokens, ev.Usage.TotalTokens}
+		}
+	}
+	require.NotNil(t, usage, "speech.audio.done carries the usage: %s", events)
+	assert.Equal(t, 5, usage.InputTokens, "five words")
+	assert.Equal(t, espeak.Frames(len(streamed)/2, 22050), usage.OutputTokens, "the audio's 40 ms frames")
+	assert.Greater(t, usage.OutputTokens, 25, "more than a second of speech")
+	assert.Equal(t, usage.InputTokens+usage.OutputTokens, usage.TotalTokens)
+
 	// The client's voice reaches the speech stage: another voice, other audio.
 	again := chat(t, base, `{"model":"troupe-omni-sim","modalities":["text","audio"],"audio":{"voice":"alloy","format":"wav"},"seed":3,
 		"messages":[{"role":"user","content":"hello"}],"max_tokens":12}`)
@@ -228,6 +271,20 @@ func TestUpSpeech(t *testing.T) {
 	require.NotNil(t, bad.Error.Param, "%s", data)
 	assert.Equal(t, "voice", *bad.Error.Param)
 	assert.Equal(t, "invalid_value", bad.Error.Code)
+
+	// troupe bench --workload audio reads espeak's 22050 Hz from the server,
+	// not OpenAI's 24000: the audio's length, and so its RTF, is right.
+	res, table := bench(t, "--url", base, "--workload", "audio", "--voice", "en", "--concurrency", "1", "--requests", "2",
+		"--max-tokens", "6", "--records")
+	r := res.Runs[0]
+	require.Equal(t, 2, r.OK, "errors: %v", r.Errors)
+	assert.Equal(t, 22050, r.SampleRate)
+	assert.Contains(t, table, "audio measured at 22050 Hz")
+	for _, rec := range r.Records {
+		assert.Equal(t, 22050, rec.SampleRate)
+		assert.Positive(t, rec.AudioBytes)
+		assert.InDelta(t, float64(rec.AudioBytes/2)/22050, rec.AudioSeconds, 1e-9)
+	}
 }
 
 // TestWorkerInFrontOfUpstream: the CLI wiring of --engine openai. Head B's

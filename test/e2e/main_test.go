@@ -73,7 +73,7 @@ func troupeBinary(dir string) (string, error) {
 }
 
 // requireBinary skips the test in -short mode: it runs real processes.
-func requireBinary(t *testing.T) {
+func requireBinary(t testing.TB) {
 	t.Helper()
 	if testing.Short() {
 		t.Skip("e2e: skipped with -short: builds the troupe binary and runs etcd, head and workers as processes")

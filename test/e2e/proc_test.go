@@ -22,7 +22,7 @@ import (
 const wait = 30 * time.Second
 
 // testCtx is the context of one test's requests and waits.
-func testCtx(t *testing.T) context.Context {
+func testCtx(t testing.TB) context.Context {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	t.Cleanup(cancel)
@@ -43,10 +43,16 @@ type proc struct {
 // startProc runs the troupe binary with args and an environment without
 // any TROUPE_* or OTEL_* variable of the caller (they would change the
 // flags' defaults), plus env.
-func startProc(t *testing.T, name string, env []string, args ...string) *proc {
+func startProc(t testing.TB, name string, env []string, args ...string) *proc {
 	t.Helper()
 	requireBinary(t)
-	cmd := exec.Command(troupeBin, args...)
+	return startExec(t, name, troupeBin, env, args...)
+}
+
+// startExec is startProc for another program, bin (an engine process).
+func startExec(t testing.TB, name, bin string, env []string, args ...string) *proc {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
 	cmd.Env = append(cleanEnv(), env...)
 	cmd.SysProcAttr = sysProcAttr()
 	cmd.WaitDelay = 10 * time.Second // bounds copying output once the process is gone
@@ -88,7 +94,7 @@ func cleanEnv() []string {
 }
 
 // signal sends sig to the process (not its group), as kill(1) would.
-func (p *proc) signal(t *testing.T, sig syscall.Signal) {
+func (p *proc) signal(t testing.TB, sig syscall.Signal) {
 	t.Helper()
 	if err := p.cmd.Process.Signal(sig); err != nil {
 		t.Fatalf("e2e: signal %v to %s: %v", sig, p.name, err)
@@ -96,7 +102,7 @@ func (p *proc) signal(t *testing.T, sig syscall.Signal) {
 }
 
 // kill sends SIGKILL to the whole process group: a crash.
-func (p *proc) kill(t *testing.T) {
+func (p *proc) kill(t testing.TB) {
 	t.Helper()
 	if err := syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL); err != nil {
 		t.Fatalf("e2e: SIGKILL %s: %v", p.name, err)
@@ -105,7 +111,7 @@ func (p *proc) kill(t *testing.T) {
 
 // exitCode waits, bounded, for the process to exit and returns its code
 // (-1 when a signal ended it).
-func (p *proc) exitCode(t *testing.T, within time.Duration) int {
+func (p *proc) exitCode(t testing.TB, within time.Duration) int {
 	t.Helper()
 	select {
 	case <-p.exited:
@@ -123,7 +129,7 @@ func (p *proc) groupGone() bool {
 
 // waitLine waits until a line of log matches re, or the process exits, or
 // the wait bound passes; it returns the submatches of the first match.
-func (p *proc) waitLine(t *testing.T, log *lineLog, re *regexp.Regexp) []string {
+func (p *proc) waitLine(t testing.TB, log *lineLog, re *regexp.Regexp) []string {
 	t.Helper()
 	deadline := time.NewTimer(wait)
 	defer deadline.Stop()
@@ -209,13 +215,13 @@ func (l *lineLog) tail(n int) string {
 
 // eventually polls cond until it reports true, an error, or ctx or the
 // wait bound ends; the last reason cond gave is in the failure.
-func eventually(ctx context.Context, t *testing.T, what string, cond func() (ok bool, why string, err error)) {
+func eventually(ctx context.Context, t testing.TB, what string, cond func() (ok bool, why string, err error)) {
 	t.Helper()
 	eventuallyWithin(ctx, t, wait, what, cond)
 }
 
 // eventuallyWithin is eventually with its own bound.
-func eventuallyWithin(ctx context.Context, t *testing.T, bound time.Duration, what string, cond func() (ok bool, why string, err error)) {
+func eventuallyWithin(ctx context.Context, t testing.TB, bound time.Duration, what string, cond func() (ok bool, why string, err error)) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(ctx, bound)
 	defer cancel()

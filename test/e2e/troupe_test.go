@@ -34,7 +34,7 @@ var (
 
 // startEtcd runs `troupe etcd` on free loopback ports with a temporary
 // data dir and returns its client URL.
-func startEtcd(t *testing.T) string {
+func startEtcd(t testing.TB) string {
 	t.Helper()
 	_, url := startEtcdProc(t)
 	return url
@@ -42,7 +42,7 @@ func startEtcd(t *testing.T) string {
 
 // startEtcdProc is startEtcd that also returns the process, for tests
 // that freeze or kill it.
-func startEtcdProc(t *testing.T) (*proc, string) {
+func startEtcdProc(t testing.TB) (*proc, string) {
 	t.Helper()
 	p := startProc(t, "etcd", nil, "etcd",
 		"--data-dir", filepath.Join(t.TempDir(), "etcd"),
@@ -53,7 +53,7 @@ func startEtcdProc(t *testing.T) (*proc, string) {
 }
 
 // thinkerOnly writes a one-stage pipeline file and returns its path.
-func thinkerOnly(t *testing.T) string {
+func thinkerOnly(t testing.TB) string {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "pipeline.yaml")
 	yaml := "model: " + modelName + "\nstages:\n  - name: thinker\n"
@@ -72,7 +72,7 @@ type head struct {
 
 // startHead runs `troupe head` on a free loopback port against etcd and
 // waits until its API listens.
-func startHead(t *testing.T, etcd string, args ...string) *head {
+func startHead(t testing.TB, etcd string, args ...string) *head {
 	t.Helper()
 	args = append([]string{"head", "--etcd-endpoints", etcd, "--http", "127.0.0.1:0", "--log-level", "warn"}, args...)
 	p := startProc(t, "head", nil, args...)
@@ -91,7 +91,7 @@ type worker struct {
 
 // startWorker runs `troupe worker` for stage on a free loopback port and
 // waits until it is registered (not until the head routes to it).
-func startWorker(t *testing.T, etcd, stage string, args ...string) *worker {
+func startWorker(t testing.TB, etcd, stage string, args ...string) *worker {
 	t.Helper()
 	p := launchWorker(t, etcd, stage, args...)
 	m := p.waitLine(t, p.stdout, workerReadyRE)
@@ -103,7 +103,7 @@ func startWorker(t *testing.T, etcd, stage string, args ...string) *worker {
 }
 
 // launchWorker starts `troupe worker` and returns at once.
-func launchWorker(t *testing.T, etcd, stage string, args ...string) *proc {
+func launchWorker(t testing.TB, etcd, stage string, args ...string) *proc {
 	t.Helper()
 	args = append([]string{"worker", "--etcd-endpoints", etcd, "--stage", stage, "--listen", "127.0.0.1:0", "--log-level", "warn"}, args...)
 	return startProc(t, "worker "+stage, nil, args...)
@@ -322,7 +322,7 @@ func (h *head) replica(ctx context.Context, stage string, replica uint32) (repli
 }
 
 // waitState waits until (stage, replica) is listed in state.
-func (h *head) waitState(ctx context.Context, t *testing.T, stage string, replica uint32, state string) replicaRow {
+func (h *head) waitState(ctx context.Context, t testing.TB, stage string, replica uint32, state string) replicaRow {
 	t.Helper()
 	var row replicaRow
 	eventually(ctx, t, fmt.Sprintf("replica %s/%d %s", stage, replica, state), func() (bool, string, error) {

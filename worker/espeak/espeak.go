@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"os/exec"
 	"regexp"
 	"runtime"
@@ -38,6 +39,24 @@ const chunkBytes = 32 << 10
 
 // stderrLimit bounds what is kept of espeak-ng's stderr for error messages.
 const stderrLimit = 4 << 10
+
+// frameSeconds is the audio one output token stands for. espeak-ng has no
+// tokenizer and no codec, yet the head counts every stage's usage
+// (a speech answer's usage, the replica's token counters): it counts a
+// prompt token a word of the text it speaks, and an output token per
+// 40 ms of the audio, the frame of a codec code of the sim's talker and
+// vocoder (sim.SamplesPerCode at sim.SampleRate), so that the usage of
+// the two speech pipelines reads alike.
+const frameSeconds = 0.040
+
+// Frames is the output tokens of samples of audio at rate Hz: the 40 ms
+// frames they fill, a last partial frame included.
+func Frames(samples, rate int) int {
+	if samples <= 0 || rate <= 0 {
+		return 0
+	}
+	return int(math.Ceil(float64(samples) / (frameSeconds * float64(rate))))
+}
 
 // openAIVoices are the OpenAI API's voice names. Clients of the OpenAI
 // API must send one with audio output, so they are taken as "the default
@@ -195,7 +214,7 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 	if err := cmd.Start(); err != nil {
 		return status.Errorf(codes.Internal, "espeak: start %s: %v", e.bin, err)
 	}
-	streamErr := e.stream(ctx, stdout, emit, cancel, start, queued)
+	streamErr := e.stream(ctx, stdout, emit, cancel, start, queued, len(strings.Fields(text)))
 	waitErr := cmd.Wait()
 	switch {
 	case parent.Err() != nil:
@@ -208,8 +227,11 @@ func (e *Engine) Generate(ctx context.Context, req *stagepb.GenerateRequest, emi
 
 // stream forwards the WAV on r as chunks, then the final chunk.
 // When emit fails it calls kill, which ends the process; on its other
-// errors the process has closed its output and ends by itself.
-func (e *Engine) stream(ctx context.Context, r io.Reader, emit func(*stagepb.GenerateChunk) error, kill func(), start time.Time, queued time.Duration) error {
+// errors the process has closed its output and ends by itself. The
+// chunks' stats carry the usage as deltas: the text's words as prompt
+// tokens on the first chunk, and the audio's 40 ms frames as generation
+// tokens as they fill (a last partial frame on the final chunk).
+func (e *Engine) stream(ctx context.Context, r io.Reader, emit func(*stagepb.GenerateChunk) error, kill func(), start time.Time, queued time.Duration, words int) error {
 	wr, err := wav.NewReader(r)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -219,6 +241,19 @@ func (e *Engine) stream(ctx context.Context, r io.Reader, emit func(*stagepb.Gen
 		return status.Errorf(codes.Internal, "espeak: %v", err)
 	}
 	var first, last time.Time
+	samples, counted := 0, 0 // samples so far; frames reported so far
+	prompt := uint64(words)  // reported with the first chunk
+	stats := func(final bool) *stagepb.EngineStats {
+		st := e.gauges()
+		st.PromptTokens, prompt = prompt, 0
+		frames := samples / int(math.Round(frameSeconds*float64(wr.SampleRate())))
+		if final {
+			frames = Frames(samples, wr.SampleRate())
+		}
+		st.GenerationTokens = uint64(max(frames-counted, 0))
+		counted = max(frames, counted)
+		return st
+	}
 	for {
 		if ctx.Err() != nil {
 			return ctx.Err()
@@ -237,7 +272,8 @@ func (e *Engine) stream(ctx context.Context, r io.Reader, emit func(*stagepb.Gen
 		if first.IsZero() {
 			first = last
 		}
-		if err := emit(&stagepb.GenerateChunk{AudioPcm16: pcm, SampleRate: uint32(wr.SampleRate()), Stats: e.gauges()}); err != nil {
+		samples += len(pcm) / 2
+		if err := emit(&stagepb.GenerateChunk{AudioPcm16: pcm, SampleRate: uint32(wr.SampleRate()), Stats: stats(false)}); err != nil {
 			kill()
 			return err
 		}
@@ -250,7 +286,7 @@ func (e *Engine) stream(ctx context.Context, r io.Reader, emit func(*stagepb.Gen
 	return emit(&stagepb.GenerateChunk{
 		FinishReason: stagepb.FinishReason_FINISH_REASON_STOP,
 		SampleRate:   uint32(wr.SampleRate()),
-		Stats:        e.gauges(),
+		Stats:        stats(true),
 		Timings: &stagepb.Timings{
 			QueueSeconds:   queued.Seconds(),
 			PrefillSeconds: first.Sub(start.Add(queued)).Seconds(),

@@ -127,6 +127,38 @@ func TestSpeech(t *testing.T) {
 	assert.Less(t, quiet, frames*3/4, "mostly voiced")
 }
 
+// TestUsage: espeak-ng has no tokens, yet what it spoke is counted: a
+// prompt token a word of the text, on the first chunk, and an output token
+// per 40 ms of its audio, as the chunks fill them; the totals are the
+// text's words and the audio's frames, whatever the chunking.
+func TestUsage(t *testing.T) {
+	e := newEngine(t, espeak.Config{})
+	text := "Hello. The quick brown fox jumps over the lazy dog, and then it runs far away across the green hills."
+	chunks, err := speak(testCtx(t), e, text, "")
+	require.NoError(t, err)
+	samples, rate := audio(t, chunks)
+	require.Greater(t, len(chunks), 2)
+	var prompt, generated uint64
+	for i, c := range chunks {
+		st := c.GetStats()
+		require.NotNil(t, st)
+		if i > 0 {
+			assert.Zero(t, st.GetPromptTokens(), "the words are counted once, on the first chunk")
+		}
+		prompt += st.GetPromptTokens()
+		generated += st.GetGenerationTokens()
+		if i < len(chunks)-1 {
+			// Whole frames only until the end: at most what this chunk's audio holds, rounded up.
+			assert.LessOrEqual(t, st.GetGenerationTokens(), uint64(espeak.Frames(len(c.GetAudioPcm16())/2, rate)+1), "chunk %d", i)
+		}
+	}
+	assert.Equal(t, uint64(len(strings.Fields(text))), prompt)
+	assert.Equal(t, uint64(espeak.Frames(len(samples), rate)), generated)
+	assert.Greater(t, generated, uint64(50), "seconds of speech are many 40 ms frames")
+	assert.Equal(t, 3, espeak.Frames(1765, 22050), "882 samples a frame, a partial one counted")
+	assert.Zero(t, espeak.Frames(0, 22050))
+}
+
 func TestVoices(t *testing.T) {
 	e := newEngine(t, espeak.Config{})
 	ctx := testCtx(t)
