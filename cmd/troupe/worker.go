@@ -44,7 +44,7 @@ type workerFlags struct {
 	prefillTPS                                                           float64
 	encoderCacheEntries                                                  int
 	encodeTimePerKiB                                                     time.Duration
-	noPrefixCaching                                                      bool
+	noPrefixCaching, advertiseDNS                                        bool
 	upstream                                                             upstreamFlags
 	voice, espeakBinary                                                  string
 	metricsListen                                                        string
@@ -72,6 +72,7 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.StringVar(&f.replicaID, "replica-id", "auto", "replica id: a number, or auto for the smallest free id of the stage")
 	fs.StringVar(&f.listen, "listen", worker.DefaultListen, "gRPC listen address; port 0 picks a free port")
 	fs.StringVar(&f.advertise, "advertise", "", "address registered in etcd (default: the bound address; the hostname when listening on all interfaces)")
+	fs.BoolVar(&f.advertiseDNS, "advertise-dns", false, "listening on all interfaces without --advertise: advertise the name DNS gives this host's address (a reverse lookup checked forward; in compose, the container's name) instead of the hostname")
 	fs.StringVar(&f.engine, "engine", sim.EngineName, "engine: sim, openai (an OpenAI-compatible server's completions), openai-speech (its /v1/audio/speech), openai-transcription (its /v1/audio/transcriptions), espeak (espeak-ng speech) or oip (an Open Inference Protocol engine over gRPC)")
 	fs.StringVar(&f.cluster, "cluster", membership.DefaultCluster, "cluster name (etcd key prefix)")
 	fs.StringVar(&f.model, "model", "", "model name recorded in the member record (informational); oip: the OIP model name (required)")
@@ -101,7 +102,7 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.StringVar(&f.voice, "voice", "", "speech engines: voice when the request names none (default: the upstream's own for openai-speech, en for espeak)")
 	fs.StringVar(&f.espeakBinary, "espeak-binary", espeak.DefaultBinary, "espeak: the espeak-ng executable")
 	fs.IntVar(&f.espeakConcurrency, "espeak-concurrency", runtime.NumCPU(), "espeak: most espeak-ng processes at once; more requests wait")
-	fs.StringVar(&f.metricsListen, "metrics-listen", "", "serve the worker's own /metrics (troupe_etcd_up, troupe_lease_keepalive_lag_seconds, Go and process) over plain HTTP on this address (default: none)")
+	fs.StringVar(&f.metricsListen, "metrics-listen", "", "serve the worker's own /metrics (troupe_etcd_up, troupe_lease_keepalive_lag_seconds, Go and process) and /healthz (a liveness probe) over plain HTTP on this address (default: none)")
 	f.tls = addTLSFlags(fs, "the worker's gRPC server; a CA requires client certificates")
 	f.otel = addOtelFlags(fs)
 	f.log = addLogFlags(fs)
@@ -420,12 +421,16 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 		replicaStats.bind(id, eng.Health())
 	}
 
+	advertise := wf.advertise
+	if wf.advertiseDNS && advertise == "" && allInterfaces(wf.listen) {
+		advertise = dnsAdvertise(ctx, log)
+	}
 	srv, err := worker.New(worker.Config{
 		Stage:           wf.stage,
 		ReplicaID:       id,
 		AutoID:          auto,
 		Listen:          wf.listen,
-		Advertise:       wf.advertise,
+		Advertise:       advertise,
 		Cluster:         wf.cluster,
 		LeaseTTL:        wf.leaseTTL,
 		DrainTimeout:    wf.drainTimeout,
@@ -505,6 +510,10 @@ func serveWorkerMetrics(listen string, log *slog.Logger, stdout io.Writer) (_ pr
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	// A liveness probe: the process answers, whatever its engine's or
+	// drain's state (gRPC health says NOT_SERVING for those, which a
+	// liveness probe must not restart the worker for).
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
 	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	served := make(chan struct{})
 	go func() {
@@ -515,6 +524,35 @@ func serveWorkerMetrics(listen string, log *slog.Logger, stdout io.Writer) (_ pr
 	}()
 	fmt.Fprintf(stdout, "troupe worker: metrics on http://%s/metrics\n", lis.Addr())
 	return reg, lis.Addr().String(), func() { _ = hs.Close(); <-served }, nil
+}
+
+// allInterfaces reports whether listen binds every interface (no host,
+// 0.0.0.0 or ::), where a worker advertises its hostname by default.
+func allInterfaces(listen string) bool {
+	host, _, err := net.SplitHostPort(listen)
+	if err != nil {
+		return false
+	}
+	ip := net.ParseIP(host)
+	return host == "" || (ip != nil && ip.IsUnspecified())
+}
+
+// dnsAdvertise is the host --advertise-dns advertises: the name DNS gives
+// one of this host's addresses, or "" (the hostname) when none has one,
+// which it logs.
+func dnsAdvertise(ctx context.Context, log *slog.Logger) string {
+	ips, err := hostIPs()
+	if err != nil {
+		log.Warn("troupe worker: --advertise-dns: this host's addresses; advertising the hostname", "err", err)
+		return ""
+	}
+	lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	name := reverseName(lctx, nameservers("/etc/resolv.conf"), net.DefaultResolver, ips)
+	if name == "" {
+		log.Warn("troupe worker: --advertise-dns: no DNS name of this host's addresses leads back to it; advertising the hostname", "addresses", ips)
+	}
+	return name
 }
 
 // loopbackOnly reports whether listen binds a loopback address only.

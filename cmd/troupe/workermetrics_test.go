@@ -15,7 +15,7 @@ import (
 )
 
 // TestWorkerMetricsEndpoint: `troupe worker --metrics-listen` serves the
-// worker's own /metrics, with its etcd gauges.
+// worker's own /metrics, with its etcd gauges, and /healthz.
 func TestWorkerMetricsEndpoint(t *testing.T) {
 	etcd := membershiptest.Start(t)
 	w := background(t, "worker", runWorker, "--etcd-endpoints", strings.Join(etcd.Endpoints(), ","), "--stage", "thinker",
@@ -38,4 +38,13 @@ func TestWorkerMetricsEndpoint(t *testing.T) {
 	}, 30*time.Second, 20*time.Millisecond, "troupe_etcd_up 1 on the worker's /metrics")
 	assert.Regexp(t, `\ntroupe_lease_keepalive_lag_seconds \d`, body)
 	assert.Contains(t, body, "go_goroutines")
+
+	// GET /healthz beside it: the liveness probe of the chart's workers.
+	resp, err := hc.Get(strings.TrimSuffix(url, "/metrics") + "/healthz")
+	require.NoError(t, err)
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, resp.Body.Close())
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusOK, resp.StatusCode)
+	assert.Equal(t, "ok\n", string(b))
 }
