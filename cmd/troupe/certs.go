@@ -23,13 +23,14 @@ import (
 // runCerts writes what a cluster's head → worker link needs into --out: a
 // CA (ca.pem, ca-key.pem), the head's client certificate (head.pem,
 // head-key.pem), the workers' serving certificate (worker.pem,
-// worker-key.pem, one certificate for every name in --hosts) and a cluster
-// token (cluster-token). Files that exist are kept, so it can be run again
+// worker-key.pem, one certificate for every name in --hosts), the HTTP
+// API's serving certificate (api.pem, api-key.pem, for the same names:
+// troupe head --http-tls-cert) and a cluster token (cluster-token). Files that exist are kept, so it can be run again
 // to add what is missing; keys and the token are written 0600.
 func runCerts(_ context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet("certs")
 	out := fs.String("out", "pki", "directory to write the files into")
-	hosts := fs.String("hosts", "localhost,127.0.0.1", "comma-separated DNS names and IPs the workers' certificate is valid for (their --advertise hosts)")
+	hosts := fs.String("hosts", "localhost,127.0.0.1", "comma-separated DNS names and IPs the workers' and the API's certificates are valid for (the workers' --advertise hosts, the names clients reach the head by)")
 	validity := fs.Duration("validity", 365*24*time.Hour, "how long the certificates are valid")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -63,14 +64,18 @@ func runCerts(_ context.Context, args []string, stdout io.Writer) error {
 		}
 		fmt.Fprintf(stdout, "troupe certs: wrote %s and %s\n", path("ca.pem"), path("ca-key.pem"))
 	}
-	for _, who := range []string{"head", "worker"} {
+	// head: the head's client certificate toward the workers; worker: the
+	// workers' server certificate; api: the head's HTTP API's server
+	// certificate (troupe head --http-tls-cert), which clients verify
+	// with ca.pem.
+	for _, who := range []string{"head", "worker", "api"} {
 		if exists(who + ".pem") {
 			continue
 		}
 		tmpl := certTemplate("troupe "+who, *validity)
 		tmpl.KeyUsage = x509.KeyUsageDigitalSignature
 		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
-		if who == "worker" {
+		if who != "head" {
 			tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
 			for _, h := range splitList(*hosts) {
 				if ip := net.ParseIP(h); ip != nil {

@@ -27,7 +27,7 @@ import (
 func TestCertsThenSecuredCluster(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "pki")
 	require.NoError(t, runCerts(context.Background(), []string{"--out", dir}, os.Stdout))
-	for _, f := range []string{"ca.pem", "ca-key.pem", "head.pem", "head-key.pem", "worker.pem", "worker-key.pem", "cluster-token"} {
+	for _, f := range []string{"ca.pem", "ca-key.pem", "head.pem", "head-key.pem", "worker.pem", "worker-key.pem", "api.pem", "api-key.pem", "cluster-token"} {
 		st, err := os.Stat(filepath.Join(dir, f))
 		require.NoError(t, err, f)
 		if f == "cluster-token" || filepath.Ext(f) == ".pem" && len(f) > 8 && f[len(f)-8:] == "-key.pem" {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -36,6 +37,7 @@ import (
 	"github.com/troupe-serving/troupe/pkg/clusterauth"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
+	"github.com/troupe-serving/troupe/pkg/tlsconfig"
 	"github.com/troupe-serving/troupe/pkg/tokenizers"
 )
 
@@ -84,6 +86,10 @@ type headFlags struct {
 	// bodyIdleTimeout, bodyMinRate pace request bodies (httpapi.pacedBody).
 	bodyIdleTimeout time.Duration
 	bodyMinRate     byteSize
+
+	// httpTLSCert, httpTLSKey serve the HTTP API over TLS (troupe head's
+	// --http-tls-cert, --http-tls-key; troupe up serves plain HTTP).
+	httpTLSCert, httpTLSKey string
 }
 
 func addHeadFlags(fs *flag.FlagSet) *headFlags {
@@ -244,6 +250,24 @@ func (f *headFlags) validateLimits() error {
 	return nil
 }
 
+// apiTLS is the HTTP API's TLS configuration from --http-tls-cert and
+// --http-tls-key; nil without them. HTTP/1.1 only, as the plaintext API:
+// a realtime session's WebSocket upgrade needs it.
+func (f *headFlags) apiTLS() (*tls.Config, error) {
+	if f.httpTLSCert == "" && f.httpTLSKey == "" {
+		return nil, nil
+	}
+	if f.httpTLSCert == "" || f.httpTLSKey == "" {
+		return nil, errors.New("troupe head: --http-tls-cert and --http-tls-key go together")
+	}
+	cfg, err := tlsconfig.Server(tlsconfig.Files{Cert: f.httpTLSCert, Key: f.httpTLSKey})
+	if err != nil {
+		return nil, fmt.Errorf("troupe head: --http-tls-cert: %w", err)
+	}
+	cfg.NextProtos = []string{"http/1.1"}
+	return cfg, nil
+}
+
 // grpcMessageLimit is the gRPC message limit that lets a prompt as large
 // as the HTTP body limit through: the body limit plus the request's
 // headroom, capped at what gRPC can take.
@@ -266,11 +290,16 @@ func runHead(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet("head")
 	ef := addEtcdFlags(fs)
 	hf := addHeadFlags(fs)
+	fs.StringVar(&hf.httpTLSCert, "http-tls-cert", "", "certificate (PEM) to serve the HTTP API (and --admin-http) over TLS with, e.g. troupe certs' api.pem; needs --http-tls-key")
+	fs.StringVar(&hf.httpTLSKey, "http-tls-key", "", "private key (PEM) of --http-tls-cert")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	hf.noteArgvSecrets(fs)
 	if err := hf.validateLimits(); err != nil {
+		return err
+	}
+	if _, err := hf.apiTLS(); err != nil { // before etcd: a wrong file is the command's error
 		return err
 	}
 	log, flushLog := hf.log.logger()
@@ -435,6 +464,14 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 	if hf.adminHTTP != "" {
 		handler = api.ServingHandler()
 	}
+	apiTLS, err := hf.apiTLS()
+	if err != nil {
+		return err
+	}
+	scheme := "http"
+	if apiTLS != nil {
+		scheme = "https"
+	}
 	lis, err := net.Listen("tcp", hf.http)
 	if err != nil {
 		return err // "listen tcp ADDR: ..."
@@ -449,7 +486,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		}
 		servers = append(servers, httpapi.NewHTTPServer(hf.adminHTTP, api.AdminHandler()))
 		listeners = append(listeners, alis)
-		fmt.Fprintf(stdout, "troupe head: admin and metrics on http://%s\n", alis.Addr())
+		fmt.Fprintf(stdout, "troupe head: admin and metrics on %s://%s\n", scheme, alis.Addr())
 	}
 	reg, err := registerHead(ctx, cli, hf, lis.Addr(), log)
 	if err != nil {
@@ -459,7 +496,7 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		return err
 	}
 	defer deregisterHead(reg, log)
-	fmt.Fprintf(stdout, "troupe head: id %s, model %s, stages %v, API on http://%s\n", reg.Head().ID, pipeline.Model, pipeline.StageNames(), lis.Addr())
+	fmt.Fprintf(stdout, "troupe head: id %s, model %s, stages %v, API on %s://%s\n", reg.Head().ID, pipeline.Model, pipeline.StageNames(), scheme, lis.Addr())
 	if ready != nil {
 		addrs := headAddrs{api: lis.Addr()}
 		if len(listeners) > 1 {
@@ -487,8 +524,14 @@ func serveHead(ctx context.Context, cli *clientv3.Client, hf *headFlags, log *sl
 		return nil
 	})
 	for i, srv := range servers {
+		l := listeners[i]
+		if apiTLS != nil {
+			// TLS below the API's own listener, whose connections rewrite
+			// net/http's plaintext errors before they are encrypted.
+			l = tls.NewListener(l, apiTLS)
+		}
 		g.Go(func() error {
-			if err := srv.Serve(httpapi.NewListener(listeners[i])); !errors.Is(err, http.ErrServerClosed) {
+			if err := srv.Serve(httpapi.NewListener(l)); !errors.Is(err, http.ErrServerClosed) {
 				return fmt.Errorf("http: %w", err)
 			}
 			return nil
