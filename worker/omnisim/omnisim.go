@@ -14,6 +14,7 @@ import (
 	"hash/fnv"
 	"math"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -30,6 +31,9 @@ const HiddenTensor = "hidden"
 type Thinker struct {
 	Width     int // floats per row; 0: none (text only)
 	MaxTokens int // default 16
+	// TokenDelay is how long each word takes (0: none), for a benchmark
+	// that compares requests of equal length but different tensors.
+	TokenDelay time.Duration
 }
 
 // Talker gives CodesPerRow codes for each [n, width] row it is fed.
@@ -56,6 +60,15 @@ func (e *Thinker) Generate(ctx context.Context, req *stagepb.GenerateRequest, em
 	h.Write([]byte(prompt))
 	state := h.Sum64()
 	for i := range n {
+		if e.TokenDelay > 0 {
+			t := time.NewTimer(e.TokenDelay)
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+				t.Stop()
+				return ctx.Err()
+			}
+		}
 		if err := ctx.Err(); err != nil {
 			return err
 		}
