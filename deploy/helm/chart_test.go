@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"log"
 	"maps"
 	"os"
 	"path/filepath"
@@ -23,6 +24,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	autoscalingv2 "k8s.io/api/autoscaling/v2"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"sigs.k8s.io/yaml"
@@ -74,6 +76,36 @@ type objects struct {
 	podMonitors  map[string]*podMonitor
 	hpas         map[string]*autoscalingv2.HorizontalPodAutoscaler
 	scaled       map[string]*scaledObject
+	netpols      map[string]*networkingv1.NetworkPolicy
+	pvcs         map[string]*corev1.PersistentVolumeClaim
+	certs        map[string]*certificate
+}
+
+// certificate is the part of cert-manager's Certificate (cert-manager.io/v1,
+// a CRD) the chart writes.
+type certificate struct {
+	APIVersion string         `json:"apiVersion"`
+	Kind       string         `json:"kind"`
+	Metadata   map[string]any `json:"metadata"`
+	Spec       struct {
+		SecretName  string   `json:"secretName"`
+		Duration    string   `json:"duration"`
+		RenewBefore string   `json:"renewBefore"`
+		CommonName  string   `json:"commonName"`
+		DNSNames    []string `json:"dnsNames"`
+		IPAddresses []string `json:"ipAddresses"`
+		Usages      []string `json:"usages"`
+		PrivateKey  struct {
+			Algorithm      string `json:"algorithm"`
+			Size           int    `json:"size"`
+			RotationPolicy string `json:"rotationPolicy"`
+		} `json:"privateKey"`
+		IssuerRef struct {
+			Name  string `json:"name"`
+			Kind  string `json:"kind"`
+			Group string `json:"group"`
+		} `json:"issuerRef"`
+	} `json:"spec"`
 }
 
 // scaledObject is the part of KEDA's ScaledObject (keda.sh/v1alpha1, a
@@ -89,7 +121,12 @@ type scaledObject struct {
 		MinReplicaCount int32 `json:"minReplicaCount"`
 		MaxReplicaCount int32 `json:"maxReplicaCount"`
 		PollingInterval int32 `json:"pollingInterval"`
-		Triggers        []struct {
+		Advanced        struct {
+			HorizontalPodAutoscalerConfig struct {
+				Behavior autoscalingv2.HorizontalPodAutoscalerBehavior `json:"behavior"`
+			} `json:"horizontalPodAutoscalerConfig"`
+		} `json:"advanced"`
+		Triggers []struct {
 			Type     string `json:"type"`
 			Metadata struct {
 				ServerAddress string `json:"serverAddress"`
@@ -197,6 +234,8 @@ func decodeAll(t *testing.T, rendered map[string]string) *objects {
 		secrets: map[string]*corev1.Secret{}, pdbs: map[string]*policyv1.PodDisruptionBudget{},
 		rules: map[string]*prometheusRule{}, podMonitors: map[string]*podMonitor{},
 		hpas: map[string]*autoscalingv2.HorizontalPodAutoscaler{}, scaled: map[string]*scaledObject{},
+		netpols: map[string]*networkingv1.NetworkPolicy{}, pvcs: map[string]*corev1.PersistentVolumeClaim{},
+		certs: map[string]*certificate{},
 	}
 	names := make([]string, 0, len(rendered))
 	for n := range rendered {
@@ -256,6 +295,15 @@ func decodeAll(t *testing.T, rendered map[string]string) *objects {
 			case "keda.sh/v1alpha1 ScaledObject":
 				so := &scaledObject{}
 				o.scaled[head.Metadata.Name], obj = so, so
+			case "networking.k8s.io/v1 NetworkPolicy":
+				np := &networkingv1.NetworkPolicy{}
+				o.netpols[head.Metadata.Name], obj = np, np
+			case "v1 PersistentVolumeClaim":
+				pvc := &corev1.PersistentVolumeClaim{}
+				o.pvcs[head.Metadata.Name], obj = pvc, pvc
+			case "cert-manager.io/v1 Certificate":
+				c := &certificate{}
+				o.certs[head.Metadata.Name], obj = c, c
 			default:
 				t.Fatalf("%s: unexpected object %s %s", file, head.APIVersion, head.Kind)
 			}
@@ -453,15 +501,61 @@ func TestChartRefusesBrokenValues(t *testing.T) {
 	}
 }
 
-// TestLint runs `helm lint`'s checks (in process) on every values file.
+// lintFails is how `helm lint` decides its exit status (helm's
+// action.Lint): a message at ErrorSev or above, or with --strict at
+// WarningSev or above, makes the chart failed and the CLI exit 1.
+func lintFails(msgs []support.Message, strict bool) []support.Message {
+	lowest := support.ErrorSev
+	if strict {
+		lowest = support.WarningSev
+	}
+	var failed []support.Message
+	for _, m := range msgs {
+		if m.Severity >= lowest {
+			failed = append(failed, m)
+		}
+	}
+	return failed
+}
+
+// TestLint runs `helm lint --strict`'s checks (in process) on every values
+// file: no message may fail it.
 func TestLint(t *testing.T) {
 	for _, file := range valuesFiles {
 		vals := values(t, file, map[string]any{"clusterToken.value": testToken})
 		linter := lint.All(chartDir, vals, "troupe", false)
-		for _, m := range linter.Messages {
-			if m.Severity >= support.WarningSev {
-				t.Errorf("%s: %s", file, m)
-			}
+		for _, m := range lintFails(linter.Messages, true) {
+			t.Errorf("%s: %s", file, m)
+		}
+	}
+}
+
+// TestLintFailsWithoutToken: `helm lint` of the chart as shipped, without
+// a cluster token, fails, also without --strict: the chart's refusal is an
+// ErrorSev message (the CLI prints "1 chart(s) failed" and exits 1), not a
+// warning that lets it pass.
+//
+// helm's lint mode turns the templates' fail into a log line ("[INFO]
+// Fail: ...") and renders on; the chart's troupe.fail then renders a
+// document that is not YAML, which the lint reports as an error.
+func TestLintFailsWithoutToken(t *testing.T) {
+	var logs bytes.Buffer
+	log.SetOutput(&logs)
+	defer log.SetOutput(os.Stderr)
+	for _, tc := range []struct {
+		name, want string
+		set        map[string]any
+	}{
+		{"no token", "Fail: clusterToken", map[string]any{}},
+		{"keda without server", "Fail: autoscaling.keda.serverAddress", map[string]any{"clusterToken.value": testToken, "autoscaling.keda.enabled": true}},
+	} {
+		logs.Reset()
+		linter := lint.All(chartDir, values(t, "", tc.set), "troupe", false)
+		if failed := lintFails(linter.Messages, false); len(failed) == 0 {
+			t.Errorf("%s: helm lint fails nothing (messages %v): the CLI would exit 0", tc.name, linter.Messages)
+		}
+		if !strings.Contains(logs.String(), tc.want) {
+			t.Errorf("%s: helm's log %q, want %q", tc.name, logs.String(), tc.want)
 		}
 	}
 }
@@ -527,6 +621,10 @@ func checkObjects(t *testing.T, o *objects, externalEtcd bool) {
 	}
 	checkPipeline(t, o)
 	checkAutoscalers(t, o)
+	checkPodSecurity(t, workloads)
+	checkClaims(t, o, workloads)
+	checkNetworkPolicies(t, o, workloads)
+	checkCertificates(t, o, workloads)
 	for name, m := range o.podMonitors {
 		checkPodMonitor(t, name, m, workloads)
 	}
@@ -577,7 +675,17 @@ func checkTroupeContainer(t *testing.T, name string, tmpl corev1.PodTemplateSpec
 		}
 	}
 	if ct.ReadinessProbe == nil {
-		t.Errorf("%s: no readiness probe", name)
+		t.Fatalf("%s: no readiness probe", name)
+	}
+	if ct.LivenessProbe == nil {
+		t.Fatalf("%s: no liveness probe", name)
+	}
+	// Resources: requests (scheduling, CPU autoscaling) and a memory limit.
+	req, lim := ct.Resources.Requests, ct.Resources.Limits
+	if req.Cpu().IsZero() || req.Memory().IsZero() || lim.Memory().IsZero() {
+		t.Errorf("%s: resources %+v, want cpu and memory requests and a memory limit", name, ct.Resources)
+	} else if lim.Memory().Cmp(*req.Memory()) < 0 {
+		t.Errorf("%s: memory limit %s below its request %s", name, lim.Memory(), req.Memory())
 	}
 	grace := time.Duration(0)
 	if tmpl.Spec.TerminationGracePeriodSeconds != nil {
@@ -609,6 +717,13 @@ func checkTroupeContainer(t *testing.T, name string, tmpl corev1.PodTemplateSpec
 		if g := ct.ReadinessProbe.GRPC; g == nil || g.Port != port {
 			t.Errorf("%s: readiness %+v, want gRPC health on --listen's port %d", name, ct.ReadinessProbe, port)
 		}
+		// Liveness must not follow the gRPC health, which is NOT_SERVING
+		// while the worker drains or its upstream loads: GET /healthz on
+		// the metrics listener.
+		mp := portOf(t, name, flagValue(t, ct, "metrics-listen"))
+		if lp := ct.LivenessProbe.HTTPGet; lp == nil || lp.Path != "/healthz" || containerPort(ct, lp.Port) != mp {
+			t.Errorf("%s: liveness %+v, want GET /healthz on --metrics-listen's port %d", name, ct.LivenessProbe, mp)
+		}
 		if adv := flagValue(t, ct, "advertise"); adv != fmt.Sprintf("$(POD_IP):%d", port) {
 			t.Errorf("%s: --advertise=%s, want $(POD_IP):%d", name, adv, port)
 		}
@@ -629,9 +744,29 @@ func checkTroupeContainer(t *testing.T, name string, tmpl corev1.PodTemplateSpec
 			t.Errorf("%s: terminationGracePeriodSeconds %v, want more than --drain-timeout %v", name, grace, need)
 		}
 	case "etcd":
-		port := portOf(t, name, flagValue(t, ct, "listen-client-urls"))
-		if rp := ct.ReadinessProbe.HTTPGet; rp == nil || rp.Path != "/health" || containerPort(ct, rp.Port) != port {
-			t.Errorf("%s: readiness %+v, want GET /health on the client port %d", name, rp, port)
+		listen := flagValue(t, ct, "listen-client-urls")
+		port := portOf(t, name, listen)
+		tls := strings.HasPrefix(listen, "https://")
+		mutual := slices.ContainsFunc(ct.Args, func(a string) bool { return strings.HasPrefix(a, "--trusted-ca-file=") })
+		if tls {
+			for _, f := range []string{"cert-file", "key-file"} {
+				if !mounted(ct, flagValue(t, ct, f)) {
+					t.Errorf("%s: --%s is in no mount", name, f)
+				}
+			}
+		}
+		for what, p := range map[string]*corev1.Probe{"readiness": ct.ReadinessProbe, "liveness": ct.LivenessProbe} {
+			switch {
+			case mutual:
+				// The kubelet has no client certificate: a TCP probe.
+				if p.TCPSocket == nil || containerPort(ct, p.TCPSocket.Port) != port {
+					t.Errorf("%s: %s %+v under mutual TLS, want a TCP probe of the client port %d", name, what, p, port)
+				}
+			case p.HTTPGet == nil || p.HTTPGet.Path != "/health" || containerPort(ct, p.HTTPGet.Port) != port:
+				t.Errorf("%s: %s %+v, want GET /health on the client port %d", name, what, p, port)
+			case tls != (p.HTTPGet.Scheme == corev1.URISchemeHTTPS):
+				t.Errorf("%s: %s scheme %q for client URLs %s", name, what, p.HTTPGet.Scheme, listen)
+			}
 		}
 		if !mounted(ct, flagValue(t, ct, "data-dir")) {
 			t.Errorf("%s: --data-dir is in no mount", name)
@@ -646,7 +781,8 @@ func checkTroupeContainer(t *testing.T, name string, tmpl corev1.PodTemplateSpec
 	}
 	if !externalEtcd {
 		ep := flagValue(t, ct, "etcd-endpoints")
-		host := strings.Split(strings.TrimPrefix(ep, "http://"), ":")[0]
+		_, rest, _ := strings.Cut(ep, "://")
+		host := strings.Split(rest, ":")[0]
 		if _, ok := o.services[host]; !ok {
 			t.Errorf("%s: --etcd-endpoints=%s names no Service", name, ep)
 		}
@@ -912,6 +1048,7 @@ func checkAutoscalers(t *testing.T, o *objects) {
 		if ext.Target.Type != autoscalingv2.AverageValueMetricType || ext.Target.AverageValue == nil || ext.Target.AverageValue.String() != "1" {
 			t.Errorf("%s: target %+v, want an average value of 1 (replicas = the recommendation)", what, ext.Target)
 		}
+		checkBehavior(t, what, h.Spec.Behavior)
 	}
 	for name, so := range o.scaled {
 		what := "ScaledObject " + name
@@ -927,6 +1064,7 @@ func checkAutoscalers(t *testing.T, o *objects) {
 			so.Spec.Triggers[0].Metadata.Threshold != "1" || so.Spec.Triggers[0].Metadata.ServerAddress == "" {
 			t.Errorf("%s: triggers %+v, want one prometheus trigger %s, threshold 1", what, so.Spec.Triggers, want)
 		}
+		checkBehavior(t, what, &so.Spec.Advanced.HorizontalPodAutoscalerConfig.Behavior)
 	}
 	for name, d := range o.deployments {
 		if stage := d.Spec.Template.Labels["troupe.io/stage"]; stage != "" && !scaled[name] && len(scaled) > 0 {
