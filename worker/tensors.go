@@ -377,6 +377,7 @@ type pusher struct {
 	bytes   int64
 	sink    *stagepb.TensorSink
 	acked   uint64
+	failed  error         // a sink refused the pushes for good: the request fails
 	changed chan struct{} // closed and replaced on every change
 }
 
@@ -410,6 +411,9 @@ func (p *pusher) add(ts []*stagepb.Tensor, last bool) (int64, error) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.failed != nil {
+		return 0, p.failed
+	}
 	if p.bytes+n > p.maxBytes {
 		return 0, status.Errorf(codes.ResourceExhausted, "worker: the request's tensors reached %d bytes, over the limit of %d (--max-request-tensor-bytes)", p.bytes+n, p.maxBytes)
 	}
@@ -426,8 +430,11 @@ func (p *pusher) finish(ctx context.Context) error {
 	}
 	for {
 		p.mu.Lock()
-		done, ch := p.acked >= uint64(len(p.pushes)), p.changed
+		done, failed, ch := p.acked >= uint64(len(p.pushes)), p.failed, p.changed
 		p.mu.Unlock()
+		if failed != nil {
+			return failed
+		}
 		if done {
 			return nil
 		}
@@ -455,8 +462,16 @@ func (p *pusher) run(ctx context.Context) {
 			}
 			continue
 		}
-		if err := p.pushTo(ctx, sink); err == nil {
+		err := p.pushTo(ctx, sink)
+		if err == nil {
 			return // the last push is acknowledged
+		}
+		if refused(err) {
+			p.mu.Lock()
+			p.failed = status.Errorf(status.Code(err), "worker: the tensor sink %s refused this request's tensors: %v", sink.GetAddr(), status.Convert(err).Message())
+			p.notifyLocked()
+			p.mu.Unlock()
+			return
 		}
 		p.mu.Lock()
 		moved := p.sink != sink
@@ -550,6 +565,17 @@ func (p *pusher) pushTo(ctx context.Context, sink *stagepb.TensorSink) (err erro
 }
 
 var errSinkMoved = errors.New("worker: the tensor sink moved")
+
+// refused reports whether a sink's error will not go away by sending again:
+// the credentials or the pushes themselves were refused. A sink that is
+// down or gone (Unavailable, NotFound, Aborted) is replaced by the head.
+func refused(err error) bool {
+	switch status.Code(err) {
+	case codes.Unauthenticated, codes.PermissionDenied, codes.InvalidArgument, codes.ResourceExhausted:
+		return true
+	}
+	return false
+}
 
 // receivedSeq is the highest seq put.
 func (in *inbox) receivedSeq() uint64 {

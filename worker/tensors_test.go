@@ -12,10 +12,14 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"github.com/troupe-serving/troupe/pkg/clusterauth"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
+	"github.com/troupe-serving/troupe/pkg/tlsconfig"
+	"github.com/troupe-serving/troupe/pkg/tlsconfig/tlsconfigtest"
 	"github.com/troupe-serving/troupe/worker"
 	"github.com/troupe-serving/troupe/worker/omnisim"
 )
@@ -199,4 +203,58 @@ func TestTensorLimits(t *testing.T) {
 	_, err = streamed(t, dial(t, talker.Advertise()), &stagepb.StreamInput{Request: &stagepb.GenerateRequest{RequestId: "r2"}})
 	assert.Equal(t, codes.InvalidArgument, status.Code(err))
 	assert.Contains(t, err.Error(), "tensor_ticket")
+}
+
+// TestTensorsOverMutualTLS: between workers that require mutual TLS and the
+// cluster token, the producer's pushes go with its certificate and the
+// token (PeerDialOptions, as troupe worker sets them); without them the
+// consumer refuses them and the request fails, nothing reaching the talker.
+func TestTensorsOverMutualTLS(t *testing.T) {
+	ca := tlsconfigtest.NewCA(t, "troupe")
+	files := ca.Issue(t, "worker")
+	srvTLS, err := tlsconfig.Server(files)
+	require.NoError(t, err)
+	creds, err := tlsconfig.ClientCredentials(files)
+	require.NoError(t, err)
+	token := clusterauth.NewToken()
+	peer := []grpc.DialOption{grpc.WithTransportCredentials(creds), clusterauth.DialOption(token)}
+	ctx := testCtx(t)
+	for _, tc := range []struct {
+		name string
+		peer []grpc.DialOption
+		ok   bool
+	}{
+		{"certificate and token", peer, true},
+		{"certificate, no token", peer[:1], false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			thinker := start(t, worker.Config{Stage: "thinker", Engine: &omnisim.Thinker{Width: hiddenWidth}, TLS: srvTLS, ClusterToken: token, PeerDialOptions: tc.peer})
+			talker := start(t, worker.Config{Stage: "talker", Engine: &omnisim.Talker{}, TLS: srvTLS, ClusterToken: token})
+			thinker.waitRegistered(t)
+			talker.waitRegistered(t)
+			cli := func(addr string) stagepb.StageServiceClient {
+				return stagepb.NewStageServiceClient(dialWith(t, addr, creds))
+			}
+			tctx := metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
+			cctx, cancel := context.WithTimeout(tctx, wait)
+			defer cancel()
+			cons := consume(t, cctx, cli(talker.Advertise()), "ticket-1")
+			prod := produce(t, cctx, cli(thinker.Advertise()), "say hello", &stagepb.TensorSink{Addr: talker.Advertise(), Ticket: "ticket-1"})
+			_, perr := recvBidi(prod)
+			if !tc.ok {
+				assert.Equal(t, codes.Unauthenticated, status.Code(perr), "the producer fails at once: %v", perr)
+				cancel() // as the head's errgroup ends the consumer once its producer failed
+			}
+			require.NoError(t, cons.CloseSend())
+			spoken, cerr := recvBidi(cons)
+			if tc.ok {
+				require.NoError(t, perr)
+				require.NoError(t, cerr)
+				_, want := direct(t, "say hello", 16)
+				assert.Equal(t, want, codesOf(spoken))
+				return
+			}
+			assert.Empty(t, codesOf(spoken), "nothing reached the talker")
+		})
+	}
 }

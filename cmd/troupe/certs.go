@@ -77,6 +77,11 @@ func runCerts(_ context.Context, args []string, stdout io.Writer) error {
 		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
 		if who != "head" {
 			tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
+			if who == "worker" {
+				// A worker is also a client of other workers: it pushes
+				// its engine's tensors to the next stage's (PushTensors).
+				tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageClientAuth)
+			}
 			for _, h := range splitList(*hosts) {
 				if ip := net.ParseIP(h); ip != nil {
 					tmpl.IPAddresses = append(tmpl.IPAddresses, ip)

@@ -23,9 +23,11 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/stats"
 
 	"github.com/troupe-serving/troupe/membership"
+	"github.com/troupe-serving/troupe/pkg/clusterauth"
 	"github.com/troupe-serving/troupe/pkg/oippb"
 	"github.com/troupe-serving/troupe/pkg/stagepb"
 	"github.com/troupe-serving/troupe/pkg/telemetry"
@@ -49,7 +51,7 @@ type workerFlags struct {
 	voice, espeakBinary                                                  string
 	metricsListen                                                        string
 	espeakConcurrency                                                    int
-	maxMessage                                                           byteSize
+	maxMessage, maxTensorPush, maxRequestTensors                         byteSize
 	tls                                                                  *tlsFlags
 	otel                                                                 *otelFlags
 	log                                                                  *logFlags
@@ -67,7 +69,7 @@ type upstreamFlags struct {
 var engineNames = []string{sim.EngineName, openai.EngineName, openai.SpeechEngineName, openai.TranscriptionEngineName, espeak.EngineName, oip.EngineName}
 
 func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
-	f := &workerFlags{maxMessage: stagepb.DefaultMaxMessageBytes}
+	f := &workerFlags{maxMessage: stagepb.DefaultMaxMessageBytes, maxRequestTensors: worker.DefaultMaxRequestTensorBytes}
 	fs.StringVar(&f.stage, "stage", "", "stage name, e.g. thinker, talker, vocoder (required)")
 	fs.StringVar(&f.replicaID, "replica-id", "auto", "replica id: a number, or auto for the smallest free id of the stage")
 	fs.StringVar(&f.listen, "listen", worker.DefaultListen, "gRPC listen address; port 0 picks a free port")
@@ -79,6 +81,8 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.DurationVar(&f.leaseTTL, "lease-ttl", membership.DefaultTTL, "etcd lease TTL of the registration")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", worker.DefaultDrainTimeout, "how long in-flight requests may finish at shutdown")
 	fs.Var(&f.maxMessage, "max-message-bytes", "largest gRPC request accepted, prompt included: a `size` such as 17MiB, at least the head's --max-body-bytes plus 1MiB")
+	fs.Var(&f.maxTensorPush, "max-tensor-push-bytes", "largest tensors of one engine chunk, sent worker to worker as one message: a `size` within 15/16 of --max-message-bytes (default: 16MiB, or 15/16 of --max-message-bytes when less)")
+	fs.Var(&f.maxRequestTensors, "max-request-tensor-bytes", "most tensor bytes of one request, which a producing worker keeps until its consumer has them all: a `size`")
 	fs.IntVar(&f.numSpec, "num-speculative-tokens", 0, "speculative decoding draft positions K (0: off)")
 	fs.StringVar(&f.simRole, "sim-role", "", "sim: text, codes or audio (default: from the stage name)")
 	fs.IntVar(&f.maxNumSeqs, "max-num-seqs", sim.DefaultMaxNumSeqs, "sim: most requests running at once")
@@ -354,6 +358,10 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 	if err != nil {
 		return err
 	}
+	peerCreds, err := wf.tls.clientCredentials()
+	if err != nil {
+		return err
+	}
 	token, err := wf.tls.token()
 	if err != nil {
 		return err
@@ -435,15 +443,20 @@ func serveWorker(ctx context.Context, cli *clientv3.Client, wf *workerFlags, log
 		LeaseTTL:        wf.leaseTTL,
 		DrainTimeout:    wf.drainTimeout,
 		MaxMessageBytes: int(min(int64(wf.maxMessage), math.MaxInt32)),
-		Engine:          eng.Engine,
-		ClusterToken:    token,
-		Model:           wf.model,
-		Version:         version,
-		EtcdClient:      cli,
-		Metrics:         metrics,
-		MetricsAddr:     metricsAddr,
-		Observer:        replicaStats.observer(),
-		Logger:          log,
+		// Tensors go to other workers with this worker's identity: its
+		// certificate as a client, the cluster's CA and token, as the head's.
+		MaxTensorPushBytes:    int64(wf.maxTensorPush),
+		MaxRequestTensorBytes: int64(wf.maxRequestTensors),
+		PeerDialOptions:       peerDialOptions(peerCreds, token, tp),
+		Engine:                eng.Engine,
+		ClusterToken:          token,
+		Model:                 wf.model,
+		Version:               version,
+		EtcdClient:            cli,
+		Metrics:               metrics,
+		MetricsAddr:           metricsAddr,
+		Observer:              replicaStats.observer(),
+		Logger:                log,
 		ServerOptions: []grpc.ServerOption{
 			grpc.Creds(creds),
 			grpc.StatsHandler(otelgrpc.NewServerHandler(
@@ -576,4 +589,19 @@ func roleOf(h *stagepb.HealthResponse) string {
 		return out
 	}
 	return in + " → " + out
+}
+
+// peerDialOptions connect a worker to the workers its engine's tensors go
+// to (PushTensors): its TLS as a client, the cluster token, and trace
+// context, as the head's calls carry them.
+func peerDialOptions(creds credentials.TransportCredentials, token string, tp *telemetry.Provider) []grpc.DialOption {
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(creds)}
+	if token != "" {
+		opts = append(opts, clusterauth.DialOption(token))
+	}
+	if tp.Enabled() {
+		opts = append(opts, grpc.WithStatsHandler(otelgrpc.NewClientHandler(
+			otelgrpc.WithTracerProvider(tp.TracerProvider()), otelgrpc.WithPropagators(tp.Propagator()))))
+	}
+	return opts
 }
