@@ -186,6 +186,8 @@ type segmenter struct {
 	tensors *inbox
 	pushes  []*stagepb.TensorPush // received, not yet run
 
+	segments int // segments run so far
+
 	maxTokens int // 0: the engine's own limit per segment
 	produced  int
 	first     *stagepb.Timings
@@ -320,7 +322,8 @@ func (g *segmenter) run(ctx context.Context, in <-chan *stagepb.StreamInput, inE
 			continue
 		}
 		g.ranAny = true
-		done, err := g.segment(text, cs, nil, generate, send)
+		last := g.ended && strings.TrimSpace(g.text.String()) == "" && len(g.pending) == 0
+		done, err := g.segment(text, cs, nil, last, generate, send)
 		if err != nil || done {
 			return err
 		}
@@ -328,7 +331,7 @@ func (g *segmenter) run(ctx context.Context, in <-chan *stagepb.StreamInput, inE
 	if !g.ranAny {
 		// The input was empty: run it once, so the engine says what an
 		// empty input makes (an error, or its natural output).
-		done, err := g.segment("", nil, nil, generate, send)
+		done, err := g.segment("", nil, nil, true, generate, send)
 		if err != nil || done {
 			return err
 		}
@@ -371,7 +374,7 @@ func (g *segmenter) tensorStep(ctx context.Context, in <-chan *stagepb.StreamInp
 	g.pushes = nil
 	if len(ts) > 0 || !g.ranAny && lastIn {
 		g.ranAny = true
-		if done, err := g.segment("", nil, ts, generate, send); err != nil || done {
+		if done, err := g.segment("", nil, ts, lastIn, generate, send); err != nil || done {
 			return true, err
 		}
 	}
@@ -391,8 +394,10 @@ func streamCode(err error) codes.Code {
 
 // segment runs one segment. Its finish reason is held back unless it ends
 // the request (the output limit); its counters and outputs pass through.
-func (g *segmenter) segment(text string, codesIn []uint32, tensors []*stagepb.Tensor, generate func(*stagepb.GenerateRequest, func(*stagepb.GenerateChunk) error) error, send func(*stagepb.GenerateChunk) error) (done bool, err error) {
-	r := &stagepb.GenerateRequest{RequestId: g.req.GetRequestId(), Sampling: cloneSampling(g.req.GetSampling()), Voice: g.req.GetVoice()}
+func (g *segmenter) segment(text string, codesIn []uint32, tensors []*stagepb.Tensor, last bool, generate func(*stagepb.GenerateRequest, func(*stagepb.GenerateChunk) error) error, send func(*stagepb.GenerateChunk) error) (done bool, err error) {
+	g.segments++
+	r := &stagepb.GenerateRequest{RequestId: g.req.GetRequestId(), Sampling: cloneSampling(g.req.GetSampling()), Voice: g.req.GetVoice(),
+		Segment: uint32(g.segments), LastSegment: last}
 	switch {
 	case g.tensors != nil:
 		r.Tensors = tensors

@@ -749,7 +749,12 @@ type GenerateRequest struct {
 	// tensor_ticket, on a tensor-input stage's request, names this attempt
 	// to the producing worker: its tensors arrive through PushTensors with
 	// this ticket, and the input ends with the push marked last.
-	TensorTicket  string `protobuf:"bytes,16,opt,name=tensor_ticket,json=tensorTicket,proto3" json:"tensor_ticket,omitempty"`
+	TensorTicket string `protobuf:"bytes,16,opt,name=tensor_ticket,json=tensorTicket,proto3" json:"tensor_ticket,omitempty"`
+	// segment numbers a fed stage's segments from 1 (0: a request whose
+	// input is whole); last_segment marks the one its input ends with, so
+	// an engine that keeps state across segments knows when to let it go.
+	Segment       uint32 `protobuf:"varint,17,opt,name=segment,proto3" json:"segment,omitempty"`
+	LastSegment   bool   `protobuf:"varint,18,opt,name=last_segment,json=lastSegment,proto3" json:"last_segment,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -909,6 +914,20 @@ func (x *GenerateRequest) GetTensorTicket() string {
 		return x.TensorTicket
 	}
 	return ""
+}
+
+func (x *GenerateRequest) GetSegment() uint32 {
+	if x != nil {
+		return x.Segment
+	}
+	return 0
+}
+
+func (x *GenerateRequest) GetLastSegment() bool {
+	if x != nil {
+		return x.LastSegment
+	}
+	return false
 }
 
 type isGenerateRequest_Input interface {
@@ -2529,7 +2548,7 @@ const file_stage_proto_rawDesc = "" +
 	"\acontent\x18\x02 \x01(\tR\acontent\x122\n" +
 	"\x05parts\x18\x03 \x03(\v2\x1c.troupe.stage.v1.ContentPartR\x05parts\"@\n" +
 	"\x04Chat\x128\n" +
-	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xa0\x05\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1c.troupe.stage.v1.ChatMessageR\bmessages\"\xdd\x05\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -2548,7 +2567,9 @@ const file_stage_proto_rawDesc = "" +
 	"\blanguage\x18\r \x01(\tR\blanguage\x12#\n" +
 	"\rrouted_blocks\x18\x0e \x03(\x06R\froutedBlocks\x121\n" +
 	"\atensors\x18\x0f \x03(\v2\x17.troupe.stage.v1.TensorR\atensors\x12#\n" +
-	"\rtensor_ticket\x18\x10 \x01(\tR\ftensorTicketB\a\n" +
+	"\rtensor_ticket\x18\x10 \x01(\tR\ftensorTicket\x12\x18\n" +
+	"\asegment\x18\x11 \x01(\rR\asegment\x12!\n" +
+	"\flast_segment\x18\x12 \x01(\bR\vlastSegmentB\a\n" +
 	"\x05input\"t\n" +
 	"\x06Tensor\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12,\n" +

@@ -15,7 +15,6 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -220,7 +219,7 @@ func (e *Engine) inferRequest(ctx context.Context, m *model, req *stagepb.Genera
 		tt, _ := typeOfDType(t.GetDtype())
 		add(t.GetName(), tt.oip, slices.Clone(t.GetShape()), t.GetData())
 	}
-	e.sequenceParams(ctx, m, req, r.Parameters)
+	e.sequenceParams(m, req, r.Parameters)
 	return r, nil
 }
 
@@ -250,49 +249,22 @@ func checkInputTensor(m *model, t *stagepb.Tensor) error {
 }
 
 // sequenceParams adds Triton's sequence parameters to a fed stage's
-// segment (a request whose ctx is a GenerateStream call's): sequence_id,
-// the troupe request id, on every segment; sequence_start on the first
-// this engine runs for the call; sequence_end where the segment is known
-// to be the last: a model that does not continue its input runs a fed
-// input as one segment, once the input has ended. A continuing model's
-// segments cannot be told apart here (worker.Continuer says nothing of
-// the last), so they carry no sequence_end.
-func (e *Engine) sequenceParams(ctx context.Context, m *model, req *stagepb.GenerateRequest, params map[string]*oippb.InferParameter) {
-	if method, _ := grpc.Method(ctx); method != stagepb.StageService_GenerateStream_FullMethodName {
+// segment (GenerateRequest.segment set by the worker): sequence_id, the
+// troupe request id, on every segment; sequence_start on the first;
+// sequence_end on the one the input ends with (last_segment), or on every
+// segment of a model that does not continue its input (it runs a fed input
+// as one segment).
+func (e *Engine) sequenceParams(m *model, req *stagepb.GenerateRequest, params map[string]*oippb.InferParameter) {
+	if req.GetSegment() == 0 {
 		return
 	}
-	id := req.GetRequestId()
-	params[ParamSequenceID] = stringParam(id)
-	if e.startSequence(ctx, id) {
+	params[ParamSequenceID] = stringParam(req.GetRequestId())
+	if req.GetSegment() == 1 {
 		params[ParamSequenceStart] = boolParam(true)
 	}
-	if !m.continues() {
+	if req.GetLastSegment() || !m.continues() {
 		params[ParamSequenceEnd] = boolParam(true)
 	}
-}
-
-// startSequence reports whether a segment of request id under ctx is the
-// first of its call: the segments of one GenerateStream call share its
-// context. The entry goes when ctx ends.
-func (e *Engine) startSequence(ctx context.Context, id string) bool {
-	done := ctx.Done()
-	if done == nil {
-		return true
-	}
-	e.seqMu.Lock()
-	defer e.seqMu.Unlock()
-	if d, ok := e.seqs[id]; ok && d == done {
-		return false
-	}
-	e.seqs[id] = done
-	context.AfterFunc(ctx, func() {
-		e.seqMu.Lock()
-		defer e.seqMu.Unlock()
-		if e.seqs[id] == done {
-			delete(e.seqs, id)
-		}
-	})
-	return true
 }
 
 // requestParams are the sampling parameters the client set, under the

@@ -125,9 +125,6 @@ type Engine struct {
 	changed   chan struct{} // closed and replaced at every availability change
 
 	inFlight atomic.Int32 // requests this worker has at the engine
-
-	seqMu sync.Mutex
-	seqs  map[string]<-chan struct{} // fed streams' request ids → their context's Done
 }
 
 // New checks cfg and makes the client; it dials lazily, so nothing is
@@ -172,7 +169,6 @@ func New(cfg Config) (*Engine, error) {
 		ready:   make(chan struct{}),
 		changed: make(chan struct{}),
 		message: "engine not checked yet",
-		seqs:    map[string]<-chan struct{}{},
 	}, nil
 }
 

@@ -110,9 +110,10 @@ func TestFedSegments(t *testing.T) {
 	for i, want := range []struct{ text, context string }{{"one two ", ""}, {"three four ", "one two "}, {"sixteen", "one two three four "}} {
 		assert.Equal(t, want.text, textOf(t, reqs[i], "text"), "segment %d", i)
 		assert.Equal(t, want.context, textOf(t, reqs[i], "context"), "segment %d", i)
-		id, start, _ := seqParams(reqs[i])
+		id, start, end := seqParams(reqs[i])
 		assert.Equal(t, "req-7", id, "segment %d", i)
 		assert.Equal(t, i == 0, start, "sequence_start on the first segment only (segment %d)", i)
+		assert.Equal(t, i == 2, end, "sequence_end on the last segment only (segment %d)", i)
 	}
 
 	// A plain Generate is no sequence.
