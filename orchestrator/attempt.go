@@ -556,8 +556,9 @@ func (s *stallWatch) waiting() {
 		s.timer.Reset(again)
 		return
 	}
+	probe := s.probe // stop clears it
 	s.mu.Unlock()
-	answered := s.probe(window)
+	answered := probe(window)
 	s.mu.Lock()
 	switch {
 	case s.stopped || s.started:
@@ -614,6 +615,9 @@ func (s *stallWatch) stop() {
 	defer s.mu.Unlock()
 	s.stopped = true
 	s.timer.Stop()
+	// The runtime may keep a stopped timer until its time comes; without
+	// these the attempt (its call, its output) would stay as long.
+	s.cancel, s.alive, s.probe = nil, nil, nil
 }
 
 // whilePaused is flush with the clock stopped while it runs: a flush waits
