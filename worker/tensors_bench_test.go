@@ -25,10 +25,16 @@ const benchRows = 64
 
 // stampedProducer emits benchRows chunks, each with one uint8 row whose
 // first 8 bytes are the time it was made.
-type stampedProducer struct{ rowBytes int }
+type stampedProducer struct {
+	rowBytes int
+	pace     time.Duration // between rows, as a decoding thinker's; 0: a burst
+}
 
 func (e *stampedProducer) Generate(ctx context.Context, req *stagepb.GenerateRequest, emit func(*stagepb.GenerateChunk) error) error {
 	for i := range benchRows {
+		if i > 0 && e.pace > 0 {
+			time.Sleep(e.pace) // the engine's decoding time, not a wait for a condition
+		}
 		data := make([]byte, max(e.rowBytes, 8))
 		binary.LittleEndian.PutUint64(data, uint64(time.Now().UnixNano()))
 		c := &stagepb.GenerateChunk{Text: "x", Stats: &stagepb.EngineStats{GenerationTokens: 1},
@@ -93,13 +99,25 @@ var benchSizes = []int{1 << 20, 8 << 20, 40 << 20}
 // BenchmarkTensorPath: requests whose producer sends S bytes of tensors to
 // its consumer, worker to worker (PushTensors, as the head sets it up),
 // against BenchmarkPlainStream, the same bytes on a plain gRPC stream.
-// It reports MB/s and the time from a row's making to its consumer's
-// engine. docs/benchmarks.md "Tensors worker to worker".
+// burst: all 64 rows at once, for MB/s; paced: a row every 10 ms, as a
+// decoding thinker makes them, for the time from a row's making to its
+// consumer's engine. docs/benchmarks.md "Tensors worker to worker".
 func BenchmarkTensorPath(b *testing.B) {
-	for _, size := range benchSizes {
-		b.Run(fmt.Sprintf("%dMB", size>>20), func(b *testing.B) {
+	for _, bc := range []struct {
+		name string
+		pace time.Duration
+	}{{"burst", 0}, {"paced", 10 * time.Millisecond}} {
+		for _, size := range benchSizes {
+			b.Run(fmt.Sprintf("%s/%dMB", bc.name, size>>20), func(b *testing.B) { benchTensorPath(b, size, bc.pace) })
+		}
+	}
+}
+
+func benchTensorPath(b *testing.B, size int, pace time.Duration) {
+	{
+		{
 			reader := &stampReader{}
-			prod := start(b, worker.Config{Stage: "thinker", Engine: &stampedProducer{rowBytes: size / benchRows}, MaxRequestTensorBytes: 64 << 20})
+			prod := start(b, worker.Config{Stage: "thinker", Engine: &stampedProducer{rowBytes: size / benchRows, pace: pace}, MaxRequestTensorBytes: 64 << 20})
 			cons := start(b, worker.Config{Stage: "talker", Engine: reader, MaxRequestTensorBytes: 64 << 20})
 			prodCli, consCli := dial(b, prod.Advertise()), dial(b, cons.Advertise())
 			ctx := context.Background()
@@ -121,7 +139,7 @@ func BenchmarkTensorPath(b *testing.B) {
 			}
 			b.StopTimer()
 			reader.report(b)
-		})
+		}
 	}
 }
 

@@ -61,8 +61,8 @@ func serveInProcess(tb testing.TB, etcd, stage string, eng troupeworker.Engine) 
 // vocoder whose talker reads the thinker's hidden states (omnisim, in this
 // process), at about 0, 1, 8 and 40 MB of tensors a request (32 words),
 // through a `troupe head` process. It reports the head's CPU per request
-// less what it spends idle, which must not grow with the tensors: they go
-// worker to worker. docs/benchmarks.md "Tensors worker to worker".
+// (its process's, idle work included: every request lasts about as long),
+// which must not grow with the tensors: they go worker to worker. docs/benchmarks.md "Tensors worker to worker".
 func BenchmarkTensorHeadCPU(b *testing.B) {
 	const tokens = 32
 	// Every word takes 15 ms, so that requests of every size last about as
@@ -93,14 +93,8 @@ func BenchmarkTensorHeadCPU(b *testing.B) {
 				_, err := client.Chat.Completions.New(ctx, params)
 				return err == nil
 			}, 30*time.Second, 50*time.Millisecond, "the pipeline serves")
-			// What the head spends while idle (load reports, probes, etcd),
-			// per second: a slower request would otherwise seem to cost the
-			// head more only because it lasts longer.
 			pid := h.cmd.Process.Pid
-			idleFrom, idleStart := cpuOf(b, pid), time.Now()
-			time.Sleep(5 * time.Second) // a measuring window, not a wait for a condition
-			idlePerSec := float64(cpuOf(b, pid)-idleFrom) / time.Since(idleStart).Seconds()
-			before, start := cpuOf(b, pid), time.Now()
+			before := cpuOf(b, pid)
 			b.ResetTimer()
 			for range b.N {
 				res, err := client.Chat.Completions.New(ctx, params)
@@ -108,9 +102,7 @@ func BenchmarkTensorHeadCPU(b *testing.B) {
 				require.NotEmpty(b, res.Choices[0].Message.Audio.Data)
 			}
 			b.StopTimer()
-			busy := float64(cpuOf(b, pid)-before) - idlePerSec*time.Since(start).Seconds()
-			b.ReportMetric(busy/float64(time.Millisecond)/float64(b.N), "head-cpu-ms/req")
-			b.ReportMetric(idlePerSec/float64(time.Millisecond), "head-idle-cpu-ms/s")
+			b.ReportMetric(float64(cpuOf(b, pid)-before)/float64(time.Millisecond)/float64(b.N), "head-cpu-ms/req")
 			b.ReportMetric(float64(width*4*tokens)/(1<<20), "tensor-MB/req")
 		})
 	}
