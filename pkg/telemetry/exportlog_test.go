@@ -73,6 +73,8 @@ func TestAbsentCollectorIsOneWarning(t *testing.T) {
 // what was lost meanwhile, and the later spans arrive.
 func TestCollectorComingBackIsLogged(t *testing.T) {
 	cleanEnv(t)
+	exportRetryInterval = 0 // every flush tries
+	t.Cleanup(func() { exportRetryInterval = ExportRetryInterval })
 	var down atomic.Bool
 	down.Store(true)
 	var got atomic.Int64
@@ -142,9 +144,52 @@ func TestExportFailureReminder(t *testing.T) {
 	assert.Contains(t, lines[1], "exporting spans still fails")
 	assert.Contains(t, lines[1], "failed_exports=10 dropped_spans=30", "the nine unsaid failures and this one")
 	inner.fail.Store(false)
+	clock = clock.Add(ExportRetryInterval)
 	require.NoError(t, e.ExportSpans(ctx, spans))
 	require.NoError(t, e.ExportSpans(ctx, spans))
 	lines = logs.lines()
 	require.Len(t, lines, 3, "one recovery line, none for later successes")
 	assert.Contains(t, lines[2], "failed_exports=11 dropped_spans=33")
+}
+
+// TestExportRetryInterval: after a failed export, the batches of the next
+// ExportRetryInterval are dropped without an attempt (an absent collector
+// costs an attempt per interval, and a stopping process no wait); then one
+// is tried again, and its success is logged with everything lost.
+func TestExportRetryInterval(t *testing.T) {
+	inner := &countingExporter{}
+	inner.fail.Store(true)
+	var logs syncBuffer
+	e := newLoggedExporter(inner, slog.New(slog.NewTextHandler(&logs, nil)), "jaeger:4317")
+	clock := time.Unix(1700000000, 0)
+	e.now = func() time.Time { return clock }
+	ctx := context.Background()
+	spans := make([]sdktrace.ReadOnlySpan, 2)
+	require.NoError(t, e.ExportSpans(ctx, spans))
+	for range 5 {
+		clock = clock.Add(ExportRetryInterval / 6)
+		require.NoError(t, e.ExportSpans(ctx, spans))
+	}
+	assert.Equal(t, int64(1), inner.calls.Load(), "within the interval nothing is tried")
+	inner.fail.Store(false)
+	clock = clock.Add(ExportRetryInterval)
+	require.NoError(t, e.ExportSpans(ctx, spans))
+	assert.Equal(t, int64(2), inner.calls.Load())
+	lines := logs.lines()
+	require.Len(t, lines, 2, "%q", lines)
+	assert.Contains(t, lines[1], "exporting spans again")
+	assert.Contains(t, lines[1], "failed_exports=6 dropped_spans=12", "the dropped batches count")
+	require.NoError(t, e.ExportSpans(ctx, spans))
+	assert.Equal(t, int64(3), inner.calls.Load(), "working again: every batch is tried")
+}
+
+// countingExporter counts its calls and fails while fail is set.
+type countingExporter struct {
+	failingExporter
+	calls atomic.Int64
+}
+
+func (c *countingExporter) ExportSpans(ctx context.Context, spans []sdktrace.ReadOnlySpan) error {
+	c.calls.Add(1)
+	return c.failingExporter.ExportSpans(ctx, spans)
 }
