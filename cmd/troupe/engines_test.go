@@ -350,6 +350,14 @@ func TestWorkerEngineFlags(t *testing.T) {
 	assert.Equal(t, "127.0.0.1:8001", ocfg.Upstream)
 	assert.Equal(t, "talker", ocfg.Model)
 	assert.Equal(t, 5, ocfg.HealthFailures)
+	assert.Empty(t, ocfg.MetricsURL, "no scrape without --upstream-metrics")
+	ocfg, err = parse("--engine", "oip", "--upstream", "127.0.0.1:8001", "--model", "m", "--upstream-metrics", "http://127.0.0.1:8002/metrics").oipConfig(log)
+	require.NoError(t, err)
+	assert.Equal(t, "http://127.0.0.1:8002/metrics", ocfg.MetricsURL)
+	assert.ErrorContains(t, parse("--engine", "oip", "--upstream", "h:8001", "--model", "m", "--upstream-metrics", "127.0.0.1:8002").checkEngine(log), "--upstream-metrics: oip: upstream metrics \"127.0.0.1:8002\": want an http or https URL")
+	for _, engine := range []string{"sim", "openai", "espeak"} {
+		assert.ErrorContains(t, parse("--engine", engine, "--upstream", "http://h:8000/v1", "--upstream-metrics", "http://h:8002/metrics").checkEngine(log), "--upstream-metrics is for --engine oip", engine)
+	}
 
 	// The key: from the environment, or from the file, which wins.
 	t.Setenv("TROUPE_UPSTREAM_API_KEY", "from-env")

@@ -61,6 +61,7 @@ type workerFlags struct {
 // engines, and (--upstream and the ready and health flags) the oip engine.
 type upstreamFlags struct {
 	url, model, apiKeyFile, ca, speechFormat string
+	metrics                                  string // oip: the engine's Prometheus metrics URL
 	readyTimeout, healthInterval             time.Duration
 	healthFailures                           int
 }
@@ -98,6 +99,7 @@ func addWorkerFlags(fs *flag.FlagSet) *workerFlags {
 	fs.StringVar(&u.url, "upstream", "", "openai engines: the upstream's base URL as OpenAI clients take it, e.g. http://127.0.0.1:8001/v1 (/v1 may be left out); oip: the engine's gRPC address, unix:///path/engine.sock or host:port")
 	fs.StringVar(&u.model, "upstream-model", "", "openai engines: the upstream's model (default: the first of its /v1/models)")
 	fs.StringVar(&u.apiKeyFile, "upstream-api-key-file", "", "openai engines: file holding the upstream's API key (default: $TROUPE_UPSTREAM_API_KEY; never on the command line)")
+	fs.StringVar(&u.metrics, "upstream-metrics", "", "oip: the engine's Prometheus metrics URL, e.g. Triton's http://127.0.0.1:8002/metrics, scraped at every health check: the model's nv_inference_pending_request_count is reported as its queue (default: the load is this worker's requests in flight)")
 	fs.StringVar(&u.ca, "upstream-ca", "", "openai engines: CA bundle (PEM) trusted for the upstream's TLS, on top of the system roots")
 	fs.DurationVar(&u.readyTimeout, "upstream-ready-timeout", openai.DefaultReadyTimeout, "openai and oip engines: how long to wait for the upstream to be ready (openai: /health and the model listed; oip: ServerReady, ModelReady and the model's metadata) before giving up")
 	fs.DurationVar(&u.healthInterval, "upstream-health-interval", openai.DefaultHealthInterval, "openai and oip engines: period of the upstream's health checks (and openai's metric scrapes)")
@@ -178,6 +180,9 @@ func (f *workerFlags) simConfig(log *slog.Logger) (sim.Config, error) {
 // checkEngine refuses bad engine flags before anything waits on etcd or
 // an upstream.
 func (f *workerFlags) checkEngine(log *slog.Logger) error {
+	if f.upstream.metrics != "" && f.engine != oip.EngineName {
+		return fmt.Errorf("--upstream-metrics is for --engine oip (the openai engines scrape their upstream's /metrics themselves), not --engine %s", f.engine)
+	}
 	switch f.engine {
 	case sim.EngineName:
 		_, err := f.simConfig(log)
@@ -256,12 +261,18 @@ func (f *workerFlags) oipConfig(log *slog.Logger) (oip.Config, error) {
 	if u.healthFailures < 1 || u.healthInterval <= 0 || u.readyTimeout <= 0 {
 		return oip.Config{}, errors.New("--upstream-health-failures, --upstream-health-interval and --upstream-ready-timeout must be positive")
 	}
+	if u.metrics != "" {
+		if err := oip.CheckMetricsURL(u.metrics); err != nil {
+			return oip.Config{}, fmt.Errorf("--upstream-metrics: %w", err)
+		}
+	}
 	return oip.Config{
 		Upstream:       u.url,
 		Model:          f.model,
 		ReadyTimeout:   u.readyTimeout,
 		HealthInterval: u.healthInterval,
 		HealthFailures: u.healthFailures,
+		MetricsURL:     u.metrics,
 		Logger:         log,
 	}, nil
 }

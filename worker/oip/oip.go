@@ -24,6 +24,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"strconv"
 	"strings"
 	"sync"
@@ -75,6 +76,12 @@ type Config struct {
 	// unavailable (default DefaultHealthFailures); one success makes it
 	// available again.
 	HealthFailures int
+	// MetricsURL, when set, is the engine's Prometheus metrics (Triton's:
+	// http://127.0.0.1:8002/metrics), scraped at every health check for
+	// the model's PendingMetric, which then reports the engine's queue as
+	// the load (see Health). A scrape that fails never makes the engine
+	// unavailable. Empty: the load is what this worker has in flight.
+	MetricsURL string
 	// MaxMessageBytes caps a message to or from the engine (default
 	// DefaultMaxMessageBytes): audio and tensors are large.
 	MaxMessageBytes int
@@ -125,6 +132,10 @@ type Engine struct {
 	changed   chan struct{} // closed and replaced at every availability change
 
 	inFlight atomic.Int32 // requests this worker has at the engine
+
+	http        *http.Client            // scrapes MetricsURL
+	scraped     atomic.Pointer[scraped] // latest good scrape; nil when none or the latest failed
+	scrapeState scrapeState             // Run's goroutine only
 }
 
 // New checks cfg and makes the client; it dials lazily, so nothing is
@@ -135,6 +146,11 @@ func New(cfg Config) (*Engine, error) {
 	}
 	if err := CheckAddr(cfg.Upstream); err != nil {
 		return nil, err
+	}
+	if cfg.MetricsURL != "" {
+		if err := CheckMetricsURL(cfg.MetricsURL); err != nil {
+			return nil, err
+		}
 	}
 	if cfg.ReadyTimeout <= 0 {
 		cfg.ReadyTimeout = DefaultReadyTimeout
@@ -169,12 +185,16 @@ func New(cfg Config) (*Engine, error) {
 		ready:   make(chan struct{}),
 		changed: make(chan struct{}),
 		message: "engine not checked yet",
+		http:    &http.Client{Transport: http.DefaultTransport.(*http.Transport).Clone()},
 	}, nil
 }
 
 // Close releases the connection to the engine process. Call it once Run
 // has returned and no Generate runs.
-func (e *Engine) Close() error { return e.conn.Close() }
+func (e *Engine) Close() error {
+	e.http.CloseIdleConnections()
+	return e.conn.Close()
+}
 
 // Model is the OIP model name (the worker records it in its member
 // record when none is given).
@@ -224,8 +244,9 @@ func (e *Engine) state() (stagepb.ServingStatus, string) {
 
 // Health reports the engine's availability (NOT_SERVING with the reason
 // while ServerReady or ModelReady fail), the roles and named tensors its
-// model's metadata gives, and as load the requests this worker has at the
-// engine (the protocol reports no load).
+// model's metadata gives, and the load: the requests this worker has at
+// the engine (the protocol reports no load), or with MetricsURL the
+// engine's own queue (see gauges).
 func (e *Engine) Health() *stagepb.HealthResponse {
 	st, msg := e.state()
 	h := &stagepb.HealthResponse{
@@ -243,12 +264,6 @@ func (e *Engine) Health() *stagepb.HealthResponse {
 		}
 	}
 	return h
-}
-
-// gauges is the load: the requests in flight, all running (the worker
-// queues none; the protocol does not say what the engine queues).
-func (e *Engine) gauges() *stagepb.EngineStats {
-	return &stagepb.EngineStats{NumRequestsRunning: uint32(max(e.inFlight.Load(), 0))}
 }
 
 // Sleep is not supported: the protocol has no sleep mode.
@@ -271,7 +286,8 @@ func (e errFatal) Unwrap() error { return e.err }
 // ReadyTimeout, until ServerReady and ModelReady say yes, then reads the
 // model's metadata (a model troupe cannot map fails Run at once) and
 // closes Ready. Then, every HealthInterval, it checks ServerReady and
-// ModelReady: HealthFailures failed checks in a row make the engine
+// ModelReady, and scrapes MetricsURL when set (whose failures do not
+// count): HealthFailures failed checks in a row make the engine
 // unavailable; the next success reads the metadata again and makes it
 // available, unless the model's roles changed (the worker checks input
 // against the roles it started with: restart it). Run returns nil when
@@ -287,6 +303,7 @@ func (e *Engine) Run(ctx context.Context) error {
 	e.log.Info("oip: engine ready", "upstream", e.cfg.Upstream, "model", e.cfg.Model,
 		"role", m.role, "input_role", m.inputRole, "output_tensors", m.outputTensors, "input_tensors", m.inputTensors)
 	e.setAvailable(true, "")
+	e.scrape(ctx)
 
 	tick := time.NewTicker(e.cfg.HealthInterval)
 	defer tick.Stop()
@@ -298,6 +315,7 @@ func (e *Engine) Run(ctx context.Context) error {
 		case <-tick.C:
 		}
 		err := e.check(ctx)
+		e.scrape(ctx)
 		if err == nil && failures >= e.cfg.HealthFailures {
 			err = e.readModel(ctx) // back after an outage: the model may have been reloaded
 		}
