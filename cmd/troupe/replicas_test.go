@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -30,14 +31,23 @@ func TestReplicasAgainstUp(t *testing.T) {
 	base := up.wait(t, apiRE)
 	up.wait(t, regexp.MustCompile(`(Press Ctrl-C)`))
 
-	code, stdout, stderr := replicasRun("--url", base)
-	require.Equal(t, 0, code, stderr)
-	require.True(t, strings.HasPrefix(stdout, replicasHeader+"\n"), stdout)
-	rows := rowRE.FindAllStringSubmatch(stdout, -1)
-	require.Len(t, rows, 6, "two replicas of each of the three stages: %s", stdout)
-	for _, r := range rows {
-		assert.Equal(t, "attached", r[3], stdout)
+	// Up is ready once every stage is routable; the second replica of a
+	// stage may still be on its join probe then.
+	var stdout, stderr string
+	var code int
+	attached := func() bool {
+		code, stdout, stderr = replicasRun("--url", base)
+		n := 0
+		for _, r := range rowRE.FindAllStringSubmatch(stdout, -1) {
+			if r[3] == "attached" {
+				n++
+			}
+		}
+		return code == 0 && n == 6
 	}
+	require.Eventually(t, attached, 30*time.Second, 20*time.Millisecond, "two replicas of each of the three stages: %s %s", stdout, stderr)
+	require.True(t, strings.HasPrefix(stdout, replicasHeader+"\n"), stdout)
+	require.Len(t, rowRE.FindAllStringSubmatch(stdout, -1), 6, stdout)
 
 	code, stdout, stderr = replicasRun("--url", base+"/v1", "--stage", "talker", "--json")
 	require.Equal(t, 0, code, stderr)
