@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -17,6 +18,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	collectortrace "go.opentelemetry.io/proto/otlp/collector/trace/v1"
+	"google.golang.org/grpc"
 )
 
 // syncBuffer is a log destination the exporter goroutine and the test
@@ -192,4 +195,53 @@ type countingExporter struct {
 func (c *countingExporter) ExportSpans(ctx context.Context, spans []sdktrace.ReadOnlySpan) error {
 	c.calls.Add(1)
 	return c.failingExporter.ExportSpans(ctx, spans)
+}
+
+// TestCollectorAppearingLaterIsFound: compose's tracing profile turned on
+// in a running stack. The exporter has failed for a while against a name
+// and port where nothing answers (its connection attempts backing off);
+// once a collector listens there, a flush reaches it within seconds and
+// the recovery is logged. (The name resolved at each attempt, which a
+// collector whose name appears later needs, is measured by
+// scripts/e2e-compose.sh's tracing scenario: no name here fails to
+// resolve and then resolves.)
+func TestCollectorAppearingLaterIsFound(t *testing.T) {
+	cleanEnv(t)
+	t.Setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "300")
+	exportRetryInterval = 0
+	t.Cleanup(func() { exportRetryInterval = ExportRetryInterval })
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	_, port, _ := net.SplitHostPort(lis.Addr().String())
+	require.NoError(t, lis.Close()) // nothing listens there for now
+	var logs syncBuffer
+	ctx := testCtx(t)
+	p, err := Setup(ctx, Config{ServiceName: "troupe-head", Endpoint: "http://localhost:" + port, Protocol: ProtocolGRPC,
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, p.Shutdown(ctx)) }()
+	failUntil := time.Now().Add(4 * time.Second)
+	for time.Now().Before(failUntil) { // the failures that make gRPC back off
+		emitTree(ctx, p)
+		require.NoError(t, p.ForceFlush(ctx))
+	}
+	require.Contains(t, logs.lines()[0], "exporting spans failed")
+
+	lis, err = net.Listen("tcp", "127.0.0.1:"+port)
+	require.NoError(t, err, "the port was taken meanwhile")
+	c := &grpcCollector{addr: lis.Addr().String()}
+	srv := grpc.NewServer()
+	collectortrace.RegisterTraceServiceServer(srv, c)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = srv.Serve(lis) }()
+	defer func() { srv.Stop(); <-done }()
+	start := time.Now()
+	found := func() bool {
+		emitTree(ctx, p)
+		_ = p.ForceFlush(ctx)
+		return len(c.spans()) > 0
+	}
+	require.Eventually(t, found, 8*time.Second, 100*time.Millisecond, "no span reached the collector that appeared")
+	t.Logf("found %v after the collector appeared", time.Since(start).Round(time.Millisecond))
+	assert.Contains(t, strings.Join(logs.lines(), "\n"), "exporting spans again")
 }

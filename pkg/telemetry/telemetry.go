@@ -40,7 +40,9 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/resolver"
 )
 
 // Protocols of the OTLP exporter, as OTEL_EXPORTER_OTLP_PROTOCOL spells them.
@@ -284,8 +286,20 @@ func newExporter(ctx context.Context, flagEndpoint, protocol string) (*otlptrace
 		// connection would otherwise hang until TCP gives up (minutes),
 		// losing every batch meanwhile. Without PermitWithoutStream an idle
 		// connection sends no pings, so collectors' ping policy is not hit.
+		//
+		// The collector's name is resolved at every connection attempt
+		// (passthrough, in place of gRPC's DNS resolver), and attempts are
+		// at most 5 s apart: a collector that is absent at first (compose's
+		// tracing profile turned on later) is found within seconds of
+		// appearing, where gRPC's resolver, after failed lookups, waits up
+		// to two minutes before it looks again.
 		opts := []otlptracegrpc.Option{otlptracegrpc.WithDialOption(
 			grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second}),
+			grpc.WithResolvers(dialTimeResolver{resolver.Get("passthrough")}),
+			grpc.WithConnectParams(grpc.ConnectParams{
+				Backoff:           backoff.Config{BaseDelay: time.Second, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 5 * time.Second},
+				MinConnectTimeout: 5 * time.Second,
+			}),
 		)}
 		if u != "" {
 			opts = append(opts, otlptracegrpc.WithEndpointURL(u))
@@ -309,6 +323,13 @@ func newExporter(ctx context.Context, flagEndpoint, protocol string) (*otlptrace
 	}
 	return exp, nil
 }
+
+// dialTimeResolver is gRPC's passthrough resolver under the scheme "dns",
+// the default of the exporter's target: the name goes to the dialer, which
+// resolves it at every connection attempt.
+type dialTimeResolver struct{ resolver.Builder }
+
+func (dialTimeResolver) Scheme() string { return "dns" }
 
 func newResource(ctx context.Context, cfg Config) (*resource.Resource, error) {
 	name := cfg.ServiceName
