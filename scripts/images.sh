@@ -3,16 +3,18 @@
 # binaries are compiled here (static, CGO_ENABLED=0) and copied into images
 # that are FROM scratch, built by the classic builder (DOCKER_BUILDKIT=0).
 #
-#   scripts/images.sh                 # troupe:dev, troupe-jaeger:dev, troupe-prometheus:dev and troupe-haproxy:dev
+#   scripts/images.sh                 # troupe:dev, troupe-prometheus:dev and troupe-haproxy:dev: no Jaeger
+#   scripts/images.sh all             # the same and troupe-jaeger:dev
 #   scripts/images.sh troupe          # only the troupe image
-#   scripts/images.sh jaeger          # only the Jaeger image
+#   scripts/images.sh jaeger          # only the Jaeger image (compose profile tracing)
 #   scripts/images.sh prometheus      # only the Prometheus image (compose profile monitoring)
 #   scripts/images.sh haproxy         # only the HAProxy image (compose profile ha)
 #   TROUPE_TAG=v1 scripts/images.sh   # tag :v1 instead of :dev
 #
 # Environment:
-#   TROUPE_TAG     the tag of all four images (default dev); docker-compose.yml
+#   TROUPE_TAG     the tag of every image (default dev); docker-compose.yml
 #                  runs the images of the same TROUPE_TAG
+#   TROUPE_JAEGER  1: the default set includes Jaeger too (as `all`)
 #   PROMETHEUS_BIN    the Prometheus binary to package (default: `prometheus`
 #                  on PATH, from Debian's prometheus package; installed with
 #                  apt-get when missing and running as root)
@@ -22,8 +24,10 @@
 #   NICE           niceness of the Go builds (default 10: shared machines)
 #   JAEGER_BIN     where scripts/build-jaeger.sh puts Jaeger (default bin/jaeger)
 #
-# The first Jaeger build compiles its whole dependency graph (minutes, see
-# docs/tracing.md); scripts/build-jaeger.sh skips it while bin/jaeger is fresh.
+# Jaeger is built only when asked (`all`, `jaeger`, TROUPE_JAEGER=1): the
+# compose stack serves without it, and its first build compiles its whole
+# dependency graph (many minutes on two cores, see docs/tracing.md);
+# scripts/build-jaeger.sh skips it while bin/jaeger is fresh.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -35,14 +39,22 @@ prometheus_image="troupe-prometheus:$tag"
 haproxy_image="troupe-haproxy:$tag"
 nice_level="${NICE:-10}"
 jaeger_bin="${JAEGER_BIN:-$root/bin/jaeger}"
-what="${1:-all}"
+what="${1:-default}"
 case "$what" in
-  all | troupe | jaeger | prometheus | haproxy) ;;
+  default | all | troupe | jaeger | prometheus | haproxy) ;;
   *)
     echo "usage: scripts/images.sh [all|troupe|jaeger|prometheus|haproxy]" >&2
     exit 2
     ;;
 esac
+# wants IMAGE: whether this run builds IMAGE.
+wants() {
+  case "$what" in
+    all) return 0 ;;
+    default) [ "$1" != jaeger ] || [ "${TROUPE_JAEGER:-0}" = 1 ] ;;
+    *) [ "$what" = "$1" ] ;;
+  esac
+}
 
 log() { echo "images: $*" >&2; }
 die() {
@@ -188,14 +200,14 @@ copy_libs() {
 start=$SECONDS
 build_troupe_binary
 
-if [ "$what" = all ] || [ "$what" = troupe ]; then
+if wants troupe; then
   ctx="$stage/troupe"
   new_context "$ctx" data/etcd tmp
   place "$stage/troupe.bin" "$ctx/troupe"
   docker_build deploy/troupe.Dockerfile "$troupe_image" "$ctx"
 fi
 
-if [ "$what" = all ] || [ "$what" = jaeger ]; then
+if wants jaeger; then
   JAEGER_BIN="$jaeger_bin" nice -n "$nice_level" scripts/build-jaeger.sh
   ctx="$stage/jaeger"
   new_context "$ctx" tmp
@@ -205,7 +217,7 @@ if [ "$what" = all ] || [ "$what" = jaeger ]; then
   docker_build deploy/jaeger.Dockerfile "$jaeger_image" "$ctx"
 fi
 
-if [ "$what" = all ] || [ "$what" = prometheus ]; then
+if wants prometheus; then
   prom_bin="$(prometheus_binary)"
   ctx="$stage/prometheus"
   new_context "$ctx" prometheus tmp
@@ -217,7 +229,7 @@ if [ "$what" = all ] || [ "$what" = prometheus ]; then
   docker_build deploy/prometheus.Dockerfile "$prometheus_image" "$ctx"
 fi
 
-if [ "$what" = all ] || [ "$what" = haproxy ]; then
+if wants haproxy; then
   haproxy_bin="$(haproxy_binary)"
   ctx="$stage/haproxy"
   new_context "$ctx" tmp
