@@ -324,7 +324,9 @@ func TestITLNotes(t *testing.T) {
 	}
 	res, table := run("burst")
 	assert.Equal(t, 3, res.BurstAnswers, table)
-	assert.Contains(t, table, "note: concurrency 1: ITL and TPOT are about 0: each of the 3 answers' text deltas came within 1ms of its first, as one burst")
+	assert.Contains(t, table, "note: concurrency 1: ITL and TPOT are about 0: the text deltas of 3 of the 3 answers came within 1ms of their first, as one burst")
+	assert.Empty(t, itlNote(RunResult{StreamedAnswers: 10, BurstAnswers: 8}), "two answers in ten paced: no note")
+	assert.NotEmpty(t, itlNote(RunResult{StreamedAnswers: 10, BurstAnswers: 9}))
 	assert.Equal(t, 12, res.TotalOutputTokens)
 
 	res, table = run("one delta")
