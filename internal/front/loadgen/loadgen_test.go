@@ -323,8 +323,15 @@ func TestITLNotes(t *testing.T) {
 		return res, b.String()
 	}
 	res, table := run("burst")
-	assert.Equal(t, 3, res.BurstAnswers, table)
-	assert.Contains(t, table, "note: concurrency 1: ITL and TPOT are about 0: the text deltas of 3 of the 3 answers came within 1ms of their first, as one burst")
+	// A loaded machine (CI, -race) may stretch one answer's parsing past
+	// the burst's millisecond: the note then needs nine in ten, which
+	// three answers cannot give with one stretched.
+	assert.GreaterOrEqual(t, res.BurstAnswers, 2, table)
+	if res.BurstAnswers == 3 {
+		assert.Contains(t, table, "note: concurrency 1: ITL and TPOT are about 0: the text deltas of 3 of the 3 answers came within 1ms of their first, as one burst")
+	} else {
+		assert.NotContains(t, table, "note:", "two in three is not nine in ten")
+	}
 	assert.Empty(t, itlNote(RunResult{StreamedAnswers: 10, BurstAnswers: 8}), "two answers in ten paced: no note")
 	assert.NotEmpty(t, itlNote(RunResult{StreamedAnswers: 10, BurstAnswers: 9}))
 	assert.Equal(t, 12, res.TotalOutputTokens)
